@@ -1,0 +1,1 @@
+"""dutycycle.loader: turn a transformed-sample cache into deterministic, resumable per-rank torch batches."""

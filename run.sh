@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One entry point that does all set-up on a fresh machine (Python 3.11), then runs what you ask:
+#   ./run.sh demo [ARGS]   the main job end to end on the embedded default data
+#   ./run.sh test [ARGS]   lint and the whole test suite
+#   ./run.sh setup         only create .venv
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${DUTYCYCLE_VENV:-.venv}
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+  fi
+  if ! "$VENV/bin/python" -c "import dutycycle.engine, torch, daft, ray" 2>/dev/null \
+     || [ pyproject.toml -nt "$VENV/.dutycycle-installed" ]; then
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    # torch first: the CPU wheel pinned here; without it pip resolves a multi-GB CUDA build.
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+    "$VENV/bin/python" -m pip install -q -e ".[dev]"
+    touch "$VENV/.dutycycle-installed"
+  fi
+}
+
+export RAY_USAGE_STATS_ENABLED=0 DAFT_ANALYTICS_ENABLED=0
+
+cmd=${1:-test}
+shift || true
+case "$cmd" in
+  setup) setup ;;
+  demo) setup; exec "$VENV/bin/dutycycle" demo "$@" ;;
+  test) setup; "$VENV/bin/ruff" check .; exec "$VENV/bin/python" -m pytest "$@" ;;
+  *) echo "usage: ./run.sh {demo|test|setup} [ARGS]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,57 @@
+"""Shared fixtures: a local Ray cluster, a local S3-compatible server, generated data only."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from .harness import moto_server
+
+# Tests never reach the network: keep Ray and Daft from phoning home.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real local Ray cluster with 2 CPUs and a small object store, shut down after the session."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=2,
+            object_store_memory=256 * 1024**2,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server on 127.0.0.1 (free port); yields the endpoint URL."""
+    with moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3(s3_endpoint, monkeypatch):
+    """Point s3fs and Daft at the local server through the AWS env vars; yields a fresh bucket URI."""
+    import uuid
+
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    bucket = f"dc-{uuid.uuid4().hex[:12]}"
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint})
+    fs.mkdir(bucket)
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield f"s3://{bucket}"
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -1,0 +1,1 @@
+"""dutycycle.trainer: the step loop, launch on Ray Train, sharding, checkpoints, metrics and the CLI."""

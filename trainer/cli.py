@@ -1,0 +1,51 @@
+"""The `dutycycle` command. Each room registers its own subcommands; heavy imports happen inside them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that expose `register(subparsers)`. A room adds its module here once it has subcommands.
+COMMAND_MODULES = [
+    "dutycycle.engine.cli",
+    "dutycycle.loader.cli",
+    "dutycycle.trainer.commands",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dutycycle",
+        description="Keep training accelerators busy: curate, cache, load and train, and account for every second.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # that room has no commands yet
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dutycycle.engine.errors import DutycycleError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except DutycycleError as e:
+        print(f"dutycycle {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dutycycle {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

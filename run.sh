@@ -16,7 +16,7 @@ setup() {
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # torch first: the CPU wheel pinned here; without it pip resolves a multi-GB CUDA build.
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-    "$VENV/bin/python" -m pip install -q -e ".[dev]"
+    "$VENV/bin/python" -m pip install -q -e ".[dev,bench]"
     touch "$VENV/.dutycycle-installed"
   fi
 }

@@ -14,6 +14,14 @@ from .errors import ConfigError, CorruptArtifactError, DestinationError, Dutycyc
 _LAZY = {
     "CacheManifest": ".cache_format",
     "CacheReader": ".cache_format",
+    "synthesize": ".synth",
+    "ingest": ".catalog",
+    "open_table": ".table",
+    "Table": ".table",
+    "TransformSpec": ".transform",
+    "decode_and_transform": ".transform",
+    "materialize": ".cache",
+    "open_cache": ".cache",
 }
 
 __all__ = [

@@ -4,8 +4,19 @@ A cache is a folder (any fsspec URI)::
 
     CACHE/
       shards/shard-00000.arrow    Arrow IPC file, uncompressed, one record batch per write
+      shards/shard-00000.json     completion record of that shard (written after it; lets a rerun resume)
       shards/shard-00001.arrow
       manifest.json               written last: the commit point
+
+``dutycycle materialize`` writes caches under a *cache root*, one folder per fingerprint, so a changed table
+or transform never overwrites an older cache::
+
+    ROOT/
+      <fingerprint>/manifest.json, shards/...
+      latest                      names the fingerprint the latest materialize returned (written after commit)
+      _index/<key>.json           (table manifest, filter, spec) -> fingerprint, for instant reuse
+
+``resolve`` (and so ``CacheReader``) accepts either a committed cache folder or a root.
 
 Each shard has plain Arrow columns that any Arrow reader understands without dutycycle:
 
@@ -32,6 +43,8 @@ from .errors import CorruptArtifactError, SourceError
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
+LATEST = "latest"
+INDEX_DIR = "_index"
 
 
 def shard_name(index: int) -> str:
@@ -71,6 +84,7 @@ class CacheManifest:
     source: str = ""  # the metadata table the cache was made from
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count of rows not cached
     format_version: int = FORMAT_VERSION
+    options: dict[str, Any] = field(default_factory=dict)  # how it was made: filter, table version, timings
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -98,7 +112,9 @@ def encode_shard(sample_ids: list[str], labels, splits: list[str], images: np.nd
     images = np.ascontiguousarray(images, dtype=np.uint8)
     n = images.shape[0]
     per = int(np.prod(images.shape[1:])) if images.ndim > 1 else 0
-    image_col = pa.FixedSizeBinaryArray.from_buffers(pa.binary(per), n, [None, pa.py_buffer(images.reshape(-1))])
+    image_col = pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(per), n, [None, pa.py_buffer(images.reshape(-1))]
+    )
     table = pa.table(
         {
             "sample_id": pa.array(sample_ids, pa.string()),
@@ -119,13 +135,61 @@ def write_shard(cache_uri: str, index: int, sample_ids, labels, splits, images: 
     data = encode_shard(list(sample_ids), labels, list(splits), images)
     rel = shard_name(index)
     io.write_bytes_atomic(io.join(cache_uri, rel), data)
-    return ShardInfo(path=rel, rows=int(images.shape[0]), bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    return ShardInfo(
+        path=rel, rows=int(images.shape[0]), bytes=len(data), sha256=hashlib.sha256(data).hexdigest()
+    )
 
 
 def commit(cache_uri: str, manifest: CacheManifest) -> None:
     """Write the manifest last: from this moment the cache exists for readers."""
     assert manifest.num_samples == sum(s.rows for s in manifest.shards)
     io.write_json_atomic(io.join(cache_uri, MANIFEST), manifest.to_json())
+
+
+def is_committed(cache_uri: str) -> bool:
+    return io.exists(io.join(cache_uri, MANIFEST))
+
+
+def write_latest(root_uri: str, fingerprint: str) -> None:
+    """Point ``ROOT/latest`` at a committed fingerprint folder (atomic; call after its manifest is written)."""
+    io.write_bytes_atomic(io.join(root_uri, LATEST), (fingerprint + "\n").encode())
+
+
+def committed_fingerprints(root_uri: str) -> list[str]:
+    """Fingerprint folders under a cache root that have a manifest (sorted by name)."""
+    fs, path = io.filesystem(root_uri)
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return []
+    names = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+    return [n for n in names if n not in (SHARD_DIR, INDEX_DIR) and is_committed(io.join(root_uri, n))]
+
+
+def resolve(uri: str) -> str:
+    """The committed cache folder that ``uri`` names: the folder itself, or in a cache root, the one that
+    ``latest`` points at, or the only committed fingerprint folder."""
+    if is_committed(uri):
+        return uri
+    latest = io.join(uri, LATEST)
+    if io.exists(latest):
+        fs, path = io.filesystem(latest)
+        with fs.open(path, "rb") as f:
+            fp = f.read().decode().strip()
+        if fp and is_committed(io.join(uri, fp)):
+            return io.join(uri, fp)
+    found = committed_fingerprints(uri)
+    if len(found) == 1:
+        return io.join(uri, found[0])
+    if len(found) > 1:
+        raise SourceError(
+            f"cache root {uri!r} holds {len(found)} committed caches ({', '.join(found[:4])}) and no `latest` "
+            "pointer; pass one of those folders"
+        )
+    raise SourceError(
+        f"no committed cache at {uri!r} ({MANIFEST} is missing): run `dutycycle materialize` "
+        "to create or finish it"
+    )
 
 
 def read_manifest(cache_uri: str) -> CacheManifest:
@@ -142,12 +206,14 @@ class CacheReader:
     """Read-only access to a committed cache: shards memory-mapped when local, checksums verified once."""
 
     def __init__(self, uri: str, verify: bool = True):
-        self.uri = uri
-        self.manifest = read_manifest(uri)
+        self.uri = resolve(uri)  # a committed cache folder, or a cache root holding one
+        self.manifest = read_manifest(self.uri)
         self.verify = verify
         self._tables: dict[int, pa.Table] = {}
         self._lock = threading.Lock()
-        self.offsets = np.concatenate([[0], np.cumsum([s.rows for s in self.manifest.shards])]).astype(np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum([s.rows for s in self.manifest.shards])]).astype(
+            np.int64
+        )
 
     @property
     def fingerprint(self) -> str:
@@ -189,12 +255,16 @@ class CacheReader:
             )
         table = pa.ipc.open_file(buf).read_all()
         if table.num_rows != info.rows:
-            raise CorruptArtifactError(f"cache shard {uri!r} has {table.num_rows} rows, manifest says {info.rows}")
+            raise CorruptArtifactError(
+                f"cache shard {uri!r} has {table.num_rows} rows, manifest says {info.rows}"
+            )
         return table
 
     def images(self, i: int) -> np.ndarray:
         """Shard ``i``'s pixels as a read-only uint8 array [rows, *shape], zero-copy from Arrow."""
-        col = self.shard(i).column("image").combine_chunks()
+        col = self.shard(i).column("image")
+        # combine_chunks copies even a single chunk (a whole shard per call); a shard file holds one chunk.
+        col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
         data = np.frombuffer(col.buffers()[1], dtype=np.uint8)
         start = col.offset * self.manifest.sample_bytes
         n = len(col)

@@ -66,7 +66,9 @@ class TableManifest:
     classes: list[str]  # sorted class names; a label's index is its position here
     source: str = ""  # where the images came from (ingest) or the parent table (curation)
     lineage: dict[str, Any] = field(default_factory=dict)  # {"parent": uri, "filter": str, ...} for subsets
-    options: dict[str, Any] = field(default_factory=dict)  # ingest options (split fractions, phash, labels file)
+    options: dict[str, Any] = field(
+        default_factory=dict
+    )  # ingest options (split fractions, phash, labels file)
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
 

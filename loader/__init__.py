@@ -1,1 +1,54 @@
-"""dutycycle.loader: turn a transformed-sample cache into deterministic, resumable per-rank torch batches."""
+"""dutycycle.loader: turn a transformed-sample cache into deterministic, resumable per-rank torch batches.
+
+Importing this package is cheap: torch and ray load only when a loader is built or iterated. ::
+
+    from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig
+
+    cfg = LoaderConfig(global_batch_size=256, seed=0, mode="thread",
+                       augment=AugmentConfig(crop_padding=4, flip=True, normalize=True))
+    loader = CacheLoader(cache_uri, "train", rank, world_size, cfg)   # or CacheLoader.for_ray_train(...)
+    loader.load_state_dict(saved)        # optional: continue where a run stopped (any world size)
+    for epoch in range(epochs):
+        for batch in loader:             # from the current position to the end of the epoch
+            batch["image"], batch["label"], batch["sample_id"]   # [B,C,H,W], int64 [B], list[str]
+        # the loader is now at the start of the next epoch
+    saved = loader.state_dict()          # counts batches handed out, never those prefetched
+    loader.stats.total_wait_s, loader.stats.count, loader.stats.last_wait_s   # the consumer's data wait
+
+Evaluation: ``CacheLoader(cache_uri, "val", rank, world_size, LoaderConfig.for_eval(global_batch_size))``
+(cache order, no random augmentation, ``drop_last=False``): every sample exactly once across ranks; the last
+short global batch is split as evenly as possible (the first ``len % world_size`` ranks get one more sample,
+and a rank may get an empty batch when it is shorter than the world size).
+
+Modules: ``plan`` (pure sample plan), ``augment`` (batch augmentation), ``source`` (shard gathering),
+``base`` (execution modes, state, stats), ``cache_loader``, ``raw`` (decode per step), ``ray_exec`` (Ray tasks,
+object-store memory mode), ``ray_data`` (Ray Data export), ``device`` (pinning, CUDA copies), ``cli``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# public name -> module that defines it (relative to this package)
+_LAZY = {
+    "AugmentConfig": ".augment",
+    "LoaderConfig": ".config",
+    "CacheLoader": ".cache_loader",
+    "LoaderStats": ".base",
+    "RawLoader": ".raw",
+    "plan_epoch": ".plan",
+    "epoch_order": ".plan",
+    "rank_slice": ".plan",
+    "num_steps": ".plan",
+    "to_ray_dataset": ".ray_data",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

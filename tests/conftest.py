@@ -21,6 +21,9 @@ def ray_cluster():
 
     if not ray.is_initialized():
         ray.init(
+            # always a fresh local instance: without this, ray.init joins any cluster another process on the
+            # machine started with `ray start` (found via /tmp/ray/ray_current_cluster) and rejects num_cpus
+            address="local",
             num_cpus=2,
             object_store_memory=256 * 1024**2,
             include_dashboard=False,

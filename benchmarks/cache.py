@@ -1,0 +1,353 @@
+"""Cache benchmark: how much faster is reading the transformed-sample cache than decoding files every step?
+
+One run, the same synthetic JPEGs (128-256 px, shapes + noise, 4 classes) -> 64x64x3 uint8 samples, batch 256,
+random order. Rows, each in its own process (so its peak memory is its own):
+
+- ``materialize``: ``dutycycle.engine.materialize`` of the metadata table (Daft, native runner): images/s and
+  peak RSS; then the same call again (reuse, no work) and its seconds.
+- (a) ``torch-jpeg``: a torch DataLoader, 2 workers, each reading a file and running ``decode_and_transform``.
+- (b) ``cache``: random batches of 256 from the committed cache through ``CacheReader`` (memory-mapped Arrow),
+  gathered into one contiguous array and handed over as a torch tensor.
+- (c) ``ram``: the same samples already in one numpy array in RAM, gathered by random index (upper bound).
+
+Targets: b/c >= 0.8 and b/a >= 10. The run also compares candidate cache formats on the materialized samples
+(``benchmarks/cache_formats.py``): Parquet uncompressed and zstd, Arrow IPC memory-mapped and lz4.
+
+    python benchmarks/cache.py --n 3000                # writes benchmarks/results/cache.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import PeakRSS, emit, measure, run_row  # noqa: E402
+
+BATCH = 256
+SIZE = 64
+SEED = 0
+CLASSES = ["circle", "square", "star", "triangle"]
+TARGETS = {"cache_vs_ram": 0.8, "cache_vs_torch_jpeg": 10.0}
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def _jpeg(i: int) -> bytes:
+    import io
+
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng([SEED, i])
+    w, h = (int(v) for v in rng.integers(128, 257, 2))
+    img = Image.new("RGB", (w, h), tuple(int(v) for v in rng.integers(0, 90, 3)))
+    d = ImageDraw.Draw(img)
+    r, cx, cy = min(w, h) * rng.uniform(0.2, 0.4), w / 2, h / 2
+    fg = tuple(int(v) for v in rng.integers(150, 256, 3))
+    kind = CLASSES[i % 4]
+    if kind == "circle":
+        d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fg)
+    elif kind == "square":
+        d.rectangle((cx - r, cy - r, cx + r, cy + r), fill=fg)
+    else:
+        k = 5 if kind == "star" else 3
+        d.polygon([(cx + r * np.cos(2 * np.pi * j / k), cy + r * np.sin(2 * np.pi * j / k)) for j in range(k)], fill=fg)
+    arr = np.clip(np.asarray(img, np.int16) + rng.normal(0, 8, (h, w, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def prepare(root: Path, n: int) -> dict[str, Any]:
+    """Write ``n`` JPEGs and a committed metadata table over them (through the table format, no ingest)."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from dutycycle.engine import table_format as tf
+
+    info_path = root / "data.json"
+    if info_path.exists() and json.loads(info_path.read_text())["n"] == n:
+        return json.loads(info_path.read_text())
+    rows, total = [], 0
+    for i in range(n):
+        data = _jpeg(i)
+        label = CLASSES[i % 4]
+        path = root / "images" / label / f"{i:06d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        total += len(data)
+        rows.append({"sample_id": hashlib.sha256(data).hexdigest()[:32], "uri": str(path), "size_bytes": len(data),
+                     "format": "JPEG", "label": label, "split": "train", "orientation": 1, "error": None})
+    cols = {f: pa.array([r.get(f) for r in rows], tf.SCHEMA.field(f).type) for f in tf.SCHEMA.names}
+    (root / "table" / "v00001").mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(cols, tf.SCHEMA), root / "table" / "v00001" / "part-00000.parquet")
+    tf.commit(str(root / "table"), tf.TableManifest(version=1, files=["v00001/part-00000.parquet"], num_rows=n,
+                                                    classes=CLASSES, source="benchmarks/cache.py"))
+    info = {"n": n, "image_bytes": total, "sides_px": [128, 256], "format": "JPEG q90"}
+    info_path.write_text(json.dumps(info))
+    return info
+
+
+# ------------------------------------------------------------------------------------------------ rows
+
+
+def row_materialize(root: Path) -> dict[str, Any]:
+    from dutycycle.engine.cache import materialize
+    from dutycycle.engine.transform import TransformSpec
+
+    spec = TransformSpec(size=SIZE)
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        res = materialize(str(root / "table"), str(root / "cache"), spec)
+        seconds = time.perf_counter() - t0
+    assert not res.reused, "the benchmark needs a fresh cache root"
+    t0 = time.perf_counter()
+    again = materialize(str(root / "table"), str(root / "cache"), spec)
+    reuse_s = time.perf_counter() - t0
+    assert again.reused
+    return {"images": res.manifest.num_samples, "seconds": round(seconds, 2),
+            "images_per_s": round(res.manifest.num_samples / seconds, 1), "shards": len(res.manifest.shards),
+            "reuse_s_warm_process": round(reuse_s, 4), "cache": res.uri, **mem.result()}
+
+
+def row_reuse_fresh_process(root: Path) -> dict[str, Any]:
+    """Reuse as the CLI sees it: a new process, imports included, nothing decoded."""
+    t0 = time.perf_counter()
+    from dutycycle.engine.cache import materialize
+    from dutycycle.engine.transform import TransformSpec
+
+    res = materialize(str(root / "table"), str(root / "cache"), TransformSpec(size=SIZE))
+    return {"reused": res.reused, "seconds_including_imports": round(time.perf_counter() - t0, 4)}
+
+
+def _as_batch(images: np.ndarray, labels: np.ndarray):
+    import torch
+
+    return torch.from_numpy(images), torch.from_numpy(labels)
+
+
+def open_cache_state(root: Path):
+    from dutycycle.engine.cache import open_cache
+
+    reader = open_cache(str(root / "cache"))
+    shards = [reader.images(i) for i in range(reader.num_shards)]
+    labels = [reader.column(i, "label") for i in range(reader.num_shards)]
+    return reader, shards, labels
+
+
+def cache_epoch(state, e: int):
+    """(b) random batches from the memory-mapped shards, one contiguous array + labels per batch."""
+    reader, shards, labels = state
+    order = np.random.default_rng([SEED, e]).permutation(reader.num_samples)
+    nb = len(order) // BATCH
+    # Plan the epoch at once: sort each batch's indices (a batch is a set; sorted keeps each shard's rows
+    # together), then map them to (shard, row) in one vectorized call.
+    batches = np.sort(order[: nb * BATCH].reshape(nb, BATCH), axis=1)
+    shard_of, row_of = reader.locate(batches.reshape(-1))
+    shard_of, row_of = shard_of.reshape(nb, BATCH), row_of.reshape(nb, BATCH)
+    shape = tuple(reader.manifest.shape)
+    for b in range(nb):
+        shard, row = shard_of[b], row_of[b]
+        bounds = [0, *(np.flatnonzero(shard[1:] != shard[:-1]) + 1).tolist(), BATCH]
+        out = np.empty((BATCH, *shape), np.uint8)  # fresh per batch: training may keep it
+        lab = np.empty(BATCH, np.int64)
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            # mode="clip" lets take write straight into `out`; the default mode="raise" buffers (3x slower here).
+            np.take(shards[shard[lo]], row[lo:hi], axis=0, out=out[lo:hi], mode="clip")
+            lab[lo:hi] = labels[shard[lo]][row[lo:hi]]
+        yield _as_batch(out, lab)
+
+
+def open_ram_state(root: Path):
+    from dutycycle.engine.cache import open_cache
+
+    reader = open_cache(str(root / "cache"))
+    images = np.concatenate([np.array(reader.images(i)) for i in range(reader.num_shards)])
+    labels = np.concatenate([reader.column(i, "label") for i in range(reader.num_shards)])
+    return images, labels
+
+
+def ram_epoch(arrays, e: int):
+    """(c) the upper bound: one array in RAM, gathered by the same random indices."""
+    images, labels = arrays
+    order = np.random.default_rng([SEED, e]).permutation(len(images))
+    for b in range(len(order) // BATCH):
+        idx = np.sort(order[b * BATCH : (b + 1) * BATCH])  # sorted like (b), for the same memory locality
+        yield _as_batch(images[idx], labels[idx])
+
+
+def row_cache(root: Path, min_seconds: float) -> dict[str, Any]:
+    import torch  # noqa: F401 - imported before timing, so the first batch measures reading only
+
+    with PeakRSS() as mem:
+        r = measure(lambda: open_cache_state(root), cache_epoch, min_seconds=min_seconds)
+    return {**r, **mem.result()}
+
+
+def row_ram(root: Path, min_seconds: float) -> dict[str, Any]:
+    import torch  # noqa: F401 - imported before timing, so the first batch measures reading only
+
+    with PeakRSS() as mem:
+        r = measure(lambda: open_ram_state(root), ram_epoch, min_seconds=min_seconds)
+    return {**r, **mem.result()}
+
+
+def row_interleaved(root: Path, min_seconds: float) -> dict[str, Any]:
+    """(b) and (c) in one process, alternating epochs, so both see the same machine load (the ratio's source)."""
+    states = {"cache": (open_cache_state(root), cache_epoch), "ram": (open_ram_state(root), ram_epoch)}
+    for state, epoch in states.values():  # warm-up epoch: page cache, mappings
+        for _ in epoch(state, 0):
+            pass
+    totals = {name: [0, 0.0] for name in states}
+    e = 1
+    while min(t[1] for t in totals.values()) < min_seconds:
+        for name, (state, epoch) in states.items():
+            t0 = time.perf_counter()
+            n = sum(len(batch[1]) for batch in epoch(state, e))
+            totals[name][0] += n
+            totals[name][1] += time.perf_counter() - t0
+        e += 1
+    return {name: {"samples_per_s": round(n / t, 1), "samples_timed": n, "seconds_timed": round(t, 3)}
+            for name, (n, t) in totals.items()}
+
+
+class JpegFiles:
+    """Map-style dataset: read a file, decode + transform it with the same spec as the cache."""
+
+    def __init__(self, table: str):
+        import pyarrow.parquet as pq
+        from dutycycle.engine import table_format as tf
+
+        t = pq.read_table(tf.file_uris(table)[0], columns=["uri", "label"])
+        self.uris = t.column("uri").to_pylist()
+        self.labels = [CLASSES.index(v) for v in t.column("label").to_pylist()]
+
+    def __len__(self) -> int:
+        return len(self.uris)
+
+    def __getitem__(self, i: int):
+        from dutycycle.engine.transform import TransformSpec, decode_and_transform
+
+        with open(self.uris[i], "rb") as f:
+            return decode_and_transform(f.read(), TransformSpec(size=SIZE)), self.labels[i]
+
+
+def _collate(items):
+    return _as_batch(np.stack([x[0] for x in items]), np.array([x[1] for x in items], np.int64))
+
+
+def row_torch_jpeg(root: Path, min_seconds: float) -> dict[str, Any]:
+    import torch
+
+    def open_loader():
+        return torch.utils.data.DataLoader(JpegFiles(str(root / "table")), batch_size=BATCH, shuffle=True,
+                                           num_workers=2, collate_fn=_collate, persistent_workers=True,
+                                           drop_last=True)
+
+    with PeakRSS() as mem:
+        r = measure(open_loader, lambda dl, e: dl, min_seconds=min_seconds)
+    return {**r, **mem.result()}
+
+
+def row_formats(root: Path, min_seconds: float) -> dict[str, Any]:
+    from cache_formats import compare
+    from dutycycle.engine.cache import open_cache
+
+    reader = open_cache(str(root / "cache"))
+    images = np.concatenate([np.array(reader.images(i)) for i in range(reader.num_shards)])
+    labels = np.concatenate([reader.column(i, "label") for i in range(reader.num_shards)])
+    ids = np.concatenate([reader.column(i, "sample_id") for i in range(reader.num_shards)]).tolist()
+    with tempfile.TemporaryDirectory(prefix="dc-formats-", dir=root) as d:
+        return compare(ids, labels, images, Path(d), min_seconds)
+
+
+ROWS = {
+    "materialize": lambda root, s: row_materialize(root),
+    "reuse": lambda root, s: row_reuse_fresh_process(root),
+    "torch-jpeg": row_torch_jpeg,
+    "cache": row_cache,
+    "ram": row_ram,
+    "interleaved": row_interleaved,
+    "formats": row_formats,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=3000, help="number of synthetic JPEGs (default 3000)")
+    p.add_argument("--min-seconds", type=float, default=3.0, help="steady-state seconds per throughput row")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "cache.json"))
+    p.add_argument("--workdir", default=None, help="keep the images and table here (the cache is rebuilt)")
+    p.add_argument("--row", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.row:
+        emit(ROWS[args.row](Path(args.data), args.min_seconds))
+        return 0
+
+    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="dc-bench-cache-")
+    root = Path(args.workdir or tmp.name)
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        info = prepare(root, args.n)
+        import shutil
+
+        shutil.rmtree(root / "cache", ignore_errors=True)
+        rows: dict[str, Any] = {}
+        for name in ROWS:
+            got, wall = run_row([__file__, "--row", name, "--data", str(root), "--min-seconds", str(args.min_seconds)],
+                                timeout=900)
+            rows[name] = {**got, "process_wall_s": wall}
+            print(f"{name}: {json.dumps(got)[:300]}", file=sys.stderr)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    # (b)/(c) comes from the interleaved row (same load for both); the separate rows give memory and first batch.
+    inter = rows["interleaved"]
+    rate = {"torch-jpeg": rows["torch-jpeg"].get("samples_per_s"),
+            "cache": inter.get("cache", {}).get("samples_per_s"), "ram": inter.get("ram", {}).get("samples_per_s")}
+    ratios = {}
+    if all(rate.values()):
+        ratios = {
+            "cache_vs_ram": round(rate["cache"] / rate["ram"], 3),
+            "cache_vs_torch_jpeg": round(rate["cache"] / rate["torch-jpeg"], 1),
+        }
+        ratios["met"] = {k: ratios[k] >= v for k, v in TARGETS.items()}
+    mat = rows["materialize"]
+    summary = {"materialize_images_per_s": mat.get("images_per_s"), "materialize_peak_rss_mb": mat.get("peak_rss_mb"),
+               "reuse_s_fresh_process": rows["reuse"].get("seconds_including_imports"),
+               "reuse_s_warm_process": mat.get("reuse_s_warm_process")}
+    result = {
+        "benchmark": "cache",
+        "config": {"n": args.n, "batch_size": BATCH, "sample_shape": [SIZE, SIZE, 3], "min_seconds": args.min_seconds},
+        "data": info,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "samples_per_s": rate,
+        "ratios": ratios,
+        "materialization": summary,
+        "targets": TARGETS,
+        "rows": rows,
+        "total_s": round(time.perf_counter() - t0, 1),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("samples_per_s", "ratios", "materialization")}, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Curation on a metadata table: stats, exact and near-duplicate removal, stratified sampling and splitting,
+and saving a subset with its lineage.
+
+Choosing which rows to keep is done by plain functions over small Python lists (metadata only, no pixels);
+the choice is applied back to the Daft DataFrame as a filter or a join, so a view stays lazy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from . import io
+from . import table_format as tf
+from .errors import ConfigError, DestinationError
+from .imageinfo import error_reason
+
+SIZE_BINS = (0, 64, 128, 256, 512, 1024, 4096)
+MAX_NEAR_DISTANCE = 16
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stats
+
+
+def size_bin(side: int) -> str:
+    for lo, hi in zip(SIZE_BINS, SIZE_BINS[1:], strict=False):
+        if side < hi:
+            return f"{lo}-{hi - 1}"
+    return f">={SIZE_BINS[-1]}"
+
+
+def _counts(df, key: str) -> dict[str, int]:
+    from daft import col
+
+    out = df.groupby(key).agg(col("uri").count().alias("n")).to_pydict()
+    return dict(sorted((str(k), int(n)) for k, n in zip(out[key], out["n"], strict=True)))
+
+
+def stats(table) -> dict[str, Any]:
+    """Class balance and splits (readable rows), formats, a histogram of the longer side, errors per reason."""
+    from daft import col
+
+    df = table.df
+    readable = df.where(col("error").is_null())
+    rows = df.select("width", "height", "error").to_pydict()
+    sizes: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    for w, h, err in zip(rows["width"], rows["height"], rows["error"], strict=True):
+        if err is not None:
+            reason = error_reason(err)
+            errors[reason] = errors.get(reason, 0) + 1
+        elif w is not None and h is not None:
+            b = size_bin(max(w, h))
+            sizes[b] = sizes.get(b, 0) + 1
+    order = {size_bin(lo): i for i, lo in enumerate(SIZE_BINS)}
+    return {
+        "rows": len(rows["error"]),
+        "readable": len(rows["error"]) - sum(errors.values()),
+        "classes": _counts(readable, "label"),
+        "splits": _counts(readable, "split"),
+        "formats": _counts(readable, "format"),
+        "size_histogram": dict(sorted(sizes.items(), key=lambda kv: order.get(kv[0], 99))),
+        "errors": dict(sorted(errors.items())),
+    }
+
+
+def format_stats(s: dict[str, Any]) -> str:
+    """A few human-readable lines for the terminal."""
+    lines = [f"rows: {s['rows']} ({s['readable']} readable, {s['rows'] - s['readable']} with errors)"]
+    for key in ("classes", "splits", "formats", "size_histogram", "errors"):
+        items = ", ".join(f"{k}: {v}" for k, v in s[key].items()) or "none"
+        lines.append(f"{key.replace('_', ' ')}: {items}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dedupe
+
+
+def _bands(max_distance: int) -> list[tuple[int, int]]:
+    """Split 64 bits into max_distance+1 bands: two hashes within the distance agree on at least one band."""
+    k = max_distance + 1
+    edges = [round(i * 64 / k) for i in range(k + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(k)]
+
+
+def choose_unique(
+    rows: list[dict], exact: bool = True, near: bool = True, max_distance: int = 4
+) -> list[dict]:
+    """Keep the first row (readable first, then by URI) of each duplicate group. Pure function.
+
+    ``rows`` are dicts with ``uri``, ``sample_id``, ``phash``, ``error``. Near duplicates are found greedily
+    against the rows already kept, using band buckets so each row is compared only with likely matches.
+    """
+    if not 0 <= max_distance <= MAX_NEAR_DISTANCE:
+        raise ConfigError(f"max_distance {max_distance} must be between 0 and {MAX_NEAR_DISTANCE}, e.g. 4")
+    ordered = sorted(rows, key=lambda r: (r["error"] is not None, r["uri"]))
+    seen_ids: set[str] = set()
+    bands = _bands(max_distance)
+    buckets: list[dict[int, list[int]]] = [{} for _ in bands]
+    kept = []
+    for r in ordered:
+        if exact:
+            if r["sample_id"] in seen_ids:
+                continue
+            seen_ids.add(r["sample_id"])
+        h = r["phash"]
+        if near and h is not None:
+            u = h & ((1 << 64) - 1)
+            keys = [(u >> lo) & ((1 << (hi - lo)) - 1) for lo, hi in bands]
+            if any(
+                ((u ^ other).bit_count()) <= max_distance
+                for b, key in enumerate(keys)
+                for other in buckets[b].get(key, ())
+            ):
+                continue
+            for b, key in enumerate(keys):
+                buckets[b].setdefault(key, []).append(u)
+        kept.append(r)
+    return kept
+
+
+def _keep_uris(table, uris: list[str], operation: str):
+    from daft import col
+
+    return table._derive(table.df.where(col("uri").is_in(uris)), operation)
+
+
+def dedupe(table, exact: bool = True, near: bool = True, max_distance: int = 4):
+    rows = table.df.select("uri", "sample_id", "phash", "error").to_pylist()
+    kept = choose_unique(rows, exact=exact, near=near, max_distance=max_distance)
+    return _keep_uris(
+        table, [r["uri"] for r in kept], f"dedupe(exact={exact}, near={near}, max_distance={max_distance})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sampling and splitting
+
+
+def _key(seed: int, value: str) -> str:
+    return hashlib.sha256(f"{seed}:{value}".encode()).hexdigest()
+
+
+def _strata(rows: list[dict], stratify_by: str | None) -> dict[Any, list[dict]]:
+    groups: dict[Any, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r.get(stratify_by) if stratify_by else None, []).append(r)
+    return groups
+
+
+def allocate(counts: dict[Any, int], n: int) -> dict[Any, int]:
+    """Split ``n`` across strata in proportion to their sizes (largest remainder). Pure function."""
+    total = sum(counts.values())
+    n = min(n, total)
+    if total == 0:
+        return dict.fromkeys(counts, 0)
+    exact = {k: n * c / total for k, c in counts.items()}
+    out = {k: int(v) for k, v in exact.items()}
+    rest = n - sum(out.values())
+    for k in sorted(counts, key=lambda k: (-(exact[k] - out[k]), str(k)))[:rest]:
+        out[k] += 1
+    return out
+
+
+def sample(
+    table,
+    n: int | None = None,
+    fraction: float | None = None,
+    stratify_by: str | None = "label",
+    seed: int = 0,
+):
+    if (n is None) == (fraction is None):
+        raise ConfigError(f"sample needs exactly one of n or fraction (got n={n!r}, fraction={fraction!r})")
+    if n is not None and n < 0:
+        raise ConfigError(f"sample n={n} must be non-negative")
+    if fraction is not None and not 0.0 <= fraction <= 1.0:
+        raise ConfigError(f"sample fraction={fraction} must be between 0 and 1")
+    cols = ["uri"] + ([stratify_by] if stratify_by else [])
+    if stratify_by and stratify_by not in table.df.column_names:
+        raise ConfigError(f"stratify_by={stratify_by!r} is not a column; use one of {table.df.column_names}")
+    groups = _strata(table.df.select(*cols).to_pylist(), stratify_by)
+    counts = {k: len(v) for k, v in groups.items()}
+    if n is not None:
+        want = allocate(counts, n)
+    else:
+        want = allocate(counts, round(fraction * sum(counts.values())))
+    keep = []
+    for k, members in groups.items():
+        members.sort(key=lambda r: _key(seed, r["uri"]))
+        keep.extend(r["uri"] for r in members[: want[k]])
+    what = f"n={n}" if n is not None else f"fraction={fraction}"
+    return _keep_uris(table, keep, f"sample({what}, stratify_by={stratify_by!r}, seed={seed})")
+
+
+def split_rows(rows: list[dict], fractions, seed: int, stratify_by: str | None) -> dict[str, str]:
+    """uri -> split, so each stratum is divided in the given fractions; duplicates (same id) stay together."""
+    from .catalog import SPLIT_NAMES, parse_split
+
+    fr = parse_split(fractions)
+    out = {}
+    for members in _strata(rows, stratify_by).values():
+        members.sort(key=lambda r: (_key(seed, r["sample_id"]), r["uri"]))
+        n = len(members)
+        n_train = round(fr[0] * n)
+        n_val = round(fr[1] * n)
+        for i, r in enumerate(members):
+            out[r["uri"]] = (
+                SPLIT_NAMES[0] if i < n_train else SPLIT_NAMES[1] if i < n_train + n_val else SPLIT_NAMES[2]
+            )
+        # duplicates follow their first copy so the same content never sits in two splits
+        first: dict[str, str] = {}
+        for r in members:
+            out[r["uri"]] = first.setdefault(r["sample_id"], out[r["uri"]])
+    return out
+
+
+def resplit(table, fractions="0.8,0.1,0.1", seed: int = 0, stratify_by: str | None = "label"):
+    import daft
+    from daft import col
+
+    cols = ["uri", "sample_id"] + ([stratify_by] if stratify_by and stratify_by != "sample_id" else [])
+    mapping = split_rows(table.df.select(*cols).to_pylist(), fractions, seed, stratify_by)
+    new = daft.from_pydict({"_uri": list(mapping), "_split": list(mapping.values())})
+    df = table.df.join(new, left_on=col("uri"), right_on=col("_uri"), how="inner")
+    df = df.select(*[col("_split").alias("split") if c == "split" else col(c) for c in tf.SCHEMA.names])
+    return table._derive(df, f"resplit({fractions!r}, seed={seed}, stratify_by={stratify_by!r})")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# save
+
+
+def save(table, uri: str, overwrite: bool = False):
+    """Commit ``table`` (a view) as a new table at ``uri`` with lineage; returns the opened new table."""
+    from .catalog import _check_destination, _write_version
+    from .table import Table
+
+    if io.exists(io.join(uri, tf.MANIFEST)) and not overwrite:
+        raise DestinationError(
+            f"a table already exists at {uri!r}; choose a new location or pass overwrite=True"
+        )
+    _check_destination(uri)
+    previous = tf.read_manifest(uri) if io.exists(io.join(uri, tf.MANIFEST)) else None
+    rows = table.to_arrow().sort_by("uri")
+    version = (previous.version if previous else 0) + 1
+    files = _write_version(uri, version, rows)
+    filters = [op[len("where ") :] for op in table.operations if op.startswith("where ")]
+    manifest = tf.TableManifest(
+        version=version,
+        files=files,
+        num_rows=rows.num_rows,
+        # the parent's classes, so a label keeps its index in the subset
+        classes=list(table.manifest.classes),
+        source=table.uri,
+        lineage={
+            "parent": table.uri,
+            "parent_version": table.manifest.version,
+            "filter": " AND ".join(f"({f})" for f in filters),
+            "operations": list(table.operations),
+        },
+        options=dict(table.manifest.options),
+    )
+    tf.commit(uri, manifest)
+    return Table(uri, manifest)

@@ -1,0 +1,233 @@
+"""Per-file image facts from bytes: header fields, EXIF orientation, integrity checks and a perceptual hash.
+
+Everything here is bounded: dimensions come from the header (``Image.open`` is lazy), the pixel count is
+checked against a limit before anything is decoded, and the perceptual hash decodes a reduced image (JPEG
+draft mode picks a 1/2..1/8 scale at decode time). A file never raises out of :func:`probe`: a problem becomes
+an ``error`` string whose prefix (before the first ``:``) is the reason counted in summaries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io as _io
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+# The default ceiling on header-claimed pixels (PIL's own default: about 89 megapixels). Anything larger is
+# recorded as a decompression bomb without being decoded.
+DEFAULT_MAX_PIXELS = 89_478_485
+ORIENTATION_TAG = 0x0112
+HASH_HEX_CHARS = 32
+
+# Reasons (the prefix of an error string); summaries count rows per reason.
+EMPTY = "empty file"
+NOT_IMAGE = "not an image"
+BOMB = "decompression bomb"
+TRUNCATED = "truncated"
+CORRUPT = "corrupt"
+UNREADABLE = "unreadable"
+
+
+def error_reason(error: str | None) -> str | None:
+    """The counted reason of an error string: its text up to the first colon."""
+    if error is None:
+        return None
+    return error.split(":", 1)[0]
+
+
+def sample_id(data: bytes) -> str:
+    """Content hash: identical bytes at two paths get the same id."""
+    return hashlib.sha256(data).hexdigest()[:HASH_HEX_CHARS]
+
+
+@dataclass
+class ImageFacts:
+    format: str | None = None
+    width: int | None = None
+    height: int | None = None
+    mode: str | None = None
+    channels: int | None = None
+    orientation: int | None = None
+    phash: int | None = None
+    error: str | None = None
+
+
+def _tail_check(fmt: str, data: bytes) -> str | None:
+    """Cheap end-of-stream checks that catch truncation without decoding pixels."""
+    tail = data.rstrip(b"\x00")[-64:]
+    # Some cameras append trailers after the end marker, so a marker further back counts too: for JPEG,
+    # an end-of-image after the last start-of-scan (the scan data itself can hold no 0xFFD9).
+    if fmt == "JPEG" and b"\xff\xd9" not in tail and data.rfind(b"\xff\xd9") <= data.rfind(b"\xff\xda"):
+        return f"{TRUNCATED}: JPEG stream ends before its end-of-image marker ({len(data)} bytes)"
+    if fmt == "PNG" and b"IEND" not in tail and data.rfind(b"IEND") < 0:
+        return f"{TRUNCATED}: PNG stream ends before its IEND chunk ({len(data)} bytes)"
+    if fmt == "WEBP" and len(data) >= 8:
+        riff_size = int.from_bytes(data[4:8], "little") + 8
+        if riff_size > len(data):
+            return f"{TRUNCATED}: WebP header declares {riff_size} bytes, file has {len(data)}"
+    return None
+
+
+def _sniff(data: bytes) -> str:
+    if data.startswith(b"\xff\xd8"):
+        return "JPEG"
+    if data.startswith(b"\x89PNG"):
+        return "PNG"
+    if data.startswith(b"RIFF") and data[8:12] == b"WEBP":
+        return "WEBP"
+    return ""
+
+
+def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Open an image lazily and refuse it before decoding when its header claims more than ``max_pixels``.
+
+    Raises ``ValueError`` with a reason-prefixed message; callers that decode (thumbnails, the cache) use this
+    so no code path allocates a bomb.
+    """
+    if not data:
+        raise ValueError(f"{EMPTY}: 0 bytes")
+    try:
+        with warnings.catch_warnings():
+            # PIL warns between 1x and 2x its own limit; we apply our own limit just below.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(_io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"{BOMB}: {e}") from None
+    except UnidentifiedImageError:
+        if data.startswith(b"RIFF") and data[8:12] == b"WEBP":  # PIL's WebP plugin fails open() on a cut file
+            raise ValueError(
+                _tail_check("WEBP", data) or f"{CORRUPT}: WebP stream cannot be parsed"
+            ) from None
+        head = data[:16].decode("latin-1").encode("unicode_escape").decode()
+        raise ValueError(f"{NOT_IMAGE}: no known image signature (starts with {head!r})") from None
+    except OSError as e:  # header parsing hit the end of the data or garbage inside it
+        fallback = f"{TRUNCATED if 'truncat' in str(e).lower() else CORRUPT}: {e}"
+        raise ValueError(_tail_check(_sniff(data), data) or fallback) from None
+    w, h = im.size
+    if w * h > max_pixels:
+        raise ValueError(f"{BOMB}: header claims {w}x{h} = {w * h} pixels, over the limit of {max_pixels}")
+    return im
+
+
+def orientation_of(im: Image.Image) -> int:
+    try:
+        value = int(im.getexif().get(ORIENTATION_TAG, 1))
+    except Exception:  # malformed EXIF blocks are common in the wild; they must not fail the file
+        return 1
+    return value if 1 <= value <= 8 else 1
+
+
+# EXIF orientation -> the transpose that makes the image upright (the table ImageOps.exif_transpose uses).
+_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def upright(im: Image.Image, orientation: int) -> Image.Image:
+    """Apply an EXIF orientation explicitly (works on images that lost their EXIF block while resizing)."""
+    method = _TRANSPOSE.get(orientation)
+    return im.transpose(method) if method is not None else im
+
+
+def _dct_matrix(n: int) -> np.ndarray:
+    k = np.arange(n)[:, None]
+    i = np.arange(n)[None, :]
+    m = np.cos(np.pi * (2 * i + 1) * k / (2 * n)) * np.sqrt(2.0 / n)
+    m[0] /= np.sqrt(2.0)
+    return m
+
+
+_DCT32 = _dct_matrix(32)
+
+
+def phash_of(im: Image.Image, orientation: int = 1) -> int:
+    """64-bit DCT perceptual hash as a signed int64, computed from a reduced decode.
+
+    Resize to 32x32 grey, 2-D DCT, keep the 8x8 lowest frequencies, set a bit where a coefficient exceeds
+    their median. Similar-looking images differ in few bits (Hamming distance).
+    """
+    if im.format == "JPEG":
+        im.draft("L", (32, 32))  # the JPEG decoder scales down while decoding: far fewer pixels touched
+    small = im.convert("L").resize((32, 32), Image.Resampling.BILINEAR)
+    small = upright(small, orientation)
+    a = np.asarray(small, dtype=np.float64)
+    coeffs = (_DCT32 @ a @ _DCT32.T)[:8, :8].ravel()
+    median = np.partition(coeffs[1:], 31)[31]  # median of the 63 AC terms (np.median is slow for 63 values)
+    bits = coeffs > median
+    return int(np.packbits(bits).view(">i8")[0])  # big-endian: the first coefficient is the top bit
+
+
+def hamming(a: int, b: int) -> int:
+    return ((a ^ b) & ((1 << 64) - 1)).bit_count()
+
+
+def probe(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS, with_phash: bool = True) -> ImageFacts:
+    """Facts about one file's bytes; never raises."""
+    try:
+        return _probe(data, max_pixels, with_phash)
+    except Exception as e:  # the contract: a file gets a row with an error, ingest never crashes on a file
+        return ImageFacts(error=f"{UNREADABLE}: {type(e).__name__}: {e}")
+
+
+def _probe(data: bytes, max_pixels: int, with_phash: bool) -> ImageFacts:
+    try:
+        im = open_checked(data, max_pixels)
+    except ValueError as e:
+        return ImageFacts(error=str(e))
+    fmt = im.format
+    w, h = im.size
+    mode = im.mode
+    channels = len(im.getbands())
+    orientation = orientation_of(im)
+    if orientation >= 5:  # 5..8 rotate by 90 degrees: displayed width is the stored height
+        w, h = h, w
+    facts = ImageFacts(format=fmt, width=w, height=h, mode=mode, channels=channels, orientation=orientation)
+    bad = _tail_check(fmt or "", data)
+    if bad is None and fmt == "PNG":
+        # verify() walks the chunks and checks their CRCs without decoding pixels.
+        try:
+            Image.open(_io.BytesIO(data)).verify()
+        except Exception as e:
+            bad = f"{CORRUPT}: {type(e).__name__}: {e}"
+    if bad is None and with_phash:
+        try:
+            facts.phash = phash_of(im, orientation)
+        except OSError as e:
+            msg = str(e)
+            reason = TRUNCATED if "truncated" in msg else CORRUPT
+            bad = f"{reason}: {msg}"
+        except Exception as e:
+            bad = f"{CORRUPT}: {type(e).__name__}: {e}"
+    if bad is not None:
+        facts.error = bad
+        facts.phash = None
+    return facts
+
+
+def thumbnail_jpeg(data: bytes, size: int = 128, max_pixels: int = DEFAULT_MAX_PIXELS) -> bytes:
+    """A small RGB JPEG of an image, upright, decoded at reduced scale; raises ValueError on a bad file."""
+    im = open_checked(data, max_pixels)
+    orientation = orientation_of(im)
+    if im.format == "JPEG":
+        im.draft("RGB", (size, size))
+    try:
+        im.thumbnail((size, size))
+    except OSError as e:
+        raise ValueError(f"{CORRUPT}: {e}") from None
+    im = upright(im, orientation)
+    if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        arr = np.asarray(im, dtype=np.float64)
+        im = Image.fromarray((255 * arr / max(arr.max(), 1)).astype(np.uint8))
+    im = im.convert("RGB")
+    out = _io.BytesIO()
+    im.save(out, "JPEG", quality=80)
+    return out.getvalue()

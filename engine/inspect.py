@@ -1,0 +1,107 @@
+"""Look at a table: thumbnails with their metadata, inline in Jupyter or as a self-contained HTML contact sheet.
+
+Thumbnails are decoded at reduced scale after the header's pixel count is checked (imageinfo.open_checked),
+and embedded as base64 JPEG, so the HTML file opens in a browser without the images next to it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from dataclasses import dataclass, field
+
+from . import io
+from .imageinfo import DEFAULT_MAX_PIXELS, thumbnail_jpeg
+
+META_COLUMNS = ("uri", "label", "split", "format", "width", "height", "mode", "size_bytes", "error")
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:16px;color:#222}
+.dc-grid{display:flex;flex-wrap:wrap;gap:8px}
+.dc-cell{width:SIZEpx;font-size:11px;line-height:1.25;overflow:hidden;word-break:break-all}
+.dc-cell img{width:SIZEpx;height:SIZEpx;object-fit:contain;background:#eee;display:block}
+.dc-err{width:SIZEpx;height:SIZEpx;background:#fdd;color:#900;display:flex;align-items:center;
+justify-content:center;text-align:center;font-size:10px;padding:2px;box-sizing:border-box}
+.dc-label{font-weight:600}
+"""
+
+
+@dataclass
+class Thumb:
+    meta: dict
+    jpeg_b64: str | None = None
+    problem: str | None = None
+
+
+@dataclass
+class ThumbnailGrid:
+    """A list of thumbnails that renders itself as HTML (Jupyter calls ``_repr_html_``)."""
+
+    thumbs: list[Thumb]
+    size: int = 96
+    title: str = ""
+    summary: list[str] = field(default_factory=list)
+
+    def _cells(self) -> str:
+        cells = []
+        for t in self.thumbs:
+            m = t.meta
+            name = html.escape(m["uri"].rsplit("/", 1)[-1])
+            if t.jpeg_b64:
+                pic = f'<img src="data:image/jpeg;base64,{t.jpeg_b64}" alt="{name}">'
+            else:
+                pic = f'<div class="dc-err">{html.escape(t.problem or "no preview")}</div>'
+            dims = f"{m.get('width')}x{m.get('height')}" if m.get("width") else "?"
+            info = (
+                f'<div class="dc-label">{html.escape(str(m.get("label")))}</div>'
+                f"<div>{name}</div><div>{html.escape(str(m.get('format')))} {dims} {m.get('mode') or ''}</div>"
+                f"<div>{m.get('split') or ''} · {m.get('size_bytes')} B</div>"
+            )
+            if m.get("error"):
+                info += f'<div style="color:#900">{html.escape(m["error"])}</div>'
+            cells.append(f'<div class="dc-cell" title="{html.escape(m["uri"])}">{pic}{info}</div>')
+        return "".join(cells)
+
+    def _repr_html_(self) -> str:
+        style = _CSS.replace("SIZE", str(self.size)).replace("body{", ".dc-root{")
+        return f'<div class="dc-root"><style>{style}</style><div class="dc-grid">{self._cells()}</div></div>'
+
+    def to_html(self) -> str:
+        """A complete, self-contained HTML document (the contact sheet)."""
+        style = _CSS.replace("SIZE", str(self.size))
+        summary = "".join(f"<li>{html.escape(line)}</li>" for line in self.summary)
+        return (
+            "<!doctype html><html><head><meta charset='utf-8'>"
+            f"<title>{html.escape(self.title)}</title><style>{style}</style></head><body>"
+            f"<h1>{html.escape(self.title)}</h1><ul>{summary}</ul>"
+            f'<div class="dc-grid">{self._cells()}</div></body></html>'
+        )
+
+    def __len__(self) -> int:
+        return len(self.thumbs)
+
+
+def make_thumb(meta: dict, size: int, max_pixels: int = DEFAULT_MAX_PIXELS) -> Thumb:
+    """Fetch one file and make its thumbnail; any problem becomes a note on the cell, never an exception."""
+    if meta.get("error"):
+        return Thumb(meta, problem=meta["error"].split(":", 1)[0])
+    try:
+        fs, path = io.filesystem(meta["uri"])
+        with fs.open(path, "rb") as f:
+            data = f.read()
+        jpeg = thumbnail_jpeg(data, size=size, max_pixels=max_pixels)
+    except Exception as e:  # a file may have changed since ingest: show it, do not fail the sheet
+        return Thumb(meta, problem=f"{type(e).__name__}: {e}"[:120])
+    return Thumb(meta, jpeg_b64=base64.b64encode(jpeg).decode("ascii"))
+
+
+def thumbnail_grid(table, limit: int = 16, size: int = 96, title: str = "", summary=()) -> ThumbnailGrid:
+    rows = table.df.select(*META_COLUMNS).limit(limit).to_pylist()
+    return ThumbnailGrid([make_thumb(r, size) for r in rows], size=size, title=title, summary=list(summary))
+
+
+def contact_sheet(table, out_uri: str, limit: int = 64, size: int = 128, summary=()) -> ThumbnailGrid:
+    """Write a self-contained HTML contact sheet of the first ``limit`` rows to ``out_uri``."""
+    title = f"dutycycle: {table.uri}" + (f" ({'; '.join(table.operations)})" if table.operations else "")
+    grid = thumbnail_grid(table, limit=limit, size=size, title=title, summary=summary)
+    io.write_bytes_atomic(out_uri, grid.to_html().encode("utf-8"))
+    return grid

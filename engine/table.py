@@ -1,0 +1,139 @@
+"""The notebook-facing metadata table: a committed table opened as an object backed by a Daft DataFrame.
+
+Every operation returns a new :class:`Table` view over the same committed files, carrying the list of
+operations that produced it; :meth:`Table.save` writes the view as a new table whose manifest records that
+lineage. Nothing is read until a result is asked for (Daft is lazy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import io
+from . import table_format as tf
+
+# Schemes Daft reads natively; others (memory://, ...) are read with pyarrow through fsspec.
+_DAFT_READ_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "http", "https")
+
+
+def read_arrow(table_uri: str, manifest: tf.TableManifest | None = None, columns: list[str] | None = None):
+    """The committed rows with plain pyarrow (no Daft), in manifest file order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    m = manifest or tf.read_manifest(table_uri)
+    parts = []
+    for uri in tf.file_uris(table_uri, m):
+        fs, path = io.filesystem(uri)
+        with fs.open(path, "rb") as f:
+            parts.append(pq.read_table(f, columns=columns))
+    schema = tf.SCHEMA if columns is None else pa.schema([tf.SCHEMA.field(c) for c in columns])
+    return pa.concat_tables([p.cast(schema) for p in parts]) if parts else schema.empty_table()
+
+
+def read_dataframe(table_uri: str, manifest: tf.TableManifest | None = None):
+    """A lazy Daft DataFrame over the manifest's files (only committed files, never leftovers)."""
+    import daft
+
+    m = manifest or tf.read_manifest(table_uri)
+    files = tf.file_uris(table_uri, m)
+    if io.protocol(table_uri) in _DAFT_READ_SCHEMES and files:
+        return daft.read_parquet(files, io_config=io.daft_io_config())
+    return daft.from_arrow(read_arrow(table_uri, m))
+
+
+class Table:
+    """A view of a committed metadata table. ``df`` is the Daft DataFrame; operations return new views."""
+
+    def __init__(self, uri: str, manifest: tf.TableManifest, df=None, operations: tuple[str, ...] = ()):
+        self.uri = uri
+        self.manifest = manifest
+        self.df = df if df is not None else read_dataframe(uri, manifest)
+        self.operations = tuple(operations)
+
+    # -- views ---------------------------------------------------------------------------------------
+    def _derive(self, df, operation: str) -> Table:
+        return Table(self.uri, self.manifest, df, self.operations + (operation,))
+
+    def where(self, predicate) -> Table:
+        """Filter with a Daft expression (``col("width") > 100``) or a SQL string (``"label = 'star'"``)."""
+        import daft
+
+        expr = daft.sql_expr(predicate) if isinstance(predicate, str) else predicate
+        return self._derive(self.df.where(expr), f"where {predicate}")
+
+    def dedupe(self, exact: bool = True, near: bool = True, max_distance: int = 4) -> Table:
+        """Drop exact duplicates (same content hash) and near duplicates (perceptual-hash Hamming distance)."""
+        from .curate import dedupe
+
+        return dedupe(self, exact=exact, near=near, max_distance=max_distance)
+
+    def sample(
+        self,
+        n: int | None = None,
+        fraction: float | None = None,
+        stratify_by: str | None = "label",
+        seed: int = 0,
+    ) -> Table:
+        """A deterministic sample of ``n`` rows or a ``fraction``, kept in proportion per ``stratify_by``."""
+        from .curate import sample
+
+        return sample(self, n=n, fraction=fraction, stratify_by=stratify_by, seed=seed)
+
+    def resplit(self, fractions="0.8,0.1,0.1", seed: int = 0, stratify_by: str | None = "label") -> Table:
+        """Reassign train/val/test so each stratum is split in the given fractions."""
+        from .curate import resplit
+
+        return resplit(self, fractions=fractions, seed=seed, stratify_by=stratify_by)
+
+    # -- results -------------------------------------------------------------------------------------
+    @property
+    def classes(self) -> list[str]:
+        return list(self.manifest.classes)
+
+    def stats(self) -> dict[str, Any]:
+        """Rows, class balance, splits, formats, a size histogram and errors per reason."""
+        from .curate import stats
+
+        return stats(self)
+
+    def count(self) -> int:
+        return self.df.count_rows()
+
+    def __len__(self) -> int:
+        return self.count()
+
+    def to_arrow(self):
+        return self.df.to_arrow().select(tf.SCHEMA.names).cast(tf.SCHEMA)
+
+    def to_pandas(self):
+        try:
+            import pandas  # noqa: F401
+        except ImportError as e:
+            raise ImportError("to_pandas needs pandas; install it or use to_arrow()") from e
+        return self.to_arrow().to_pandas()
+
+    def show_thumbnails(self, n: int = 16, size: int = 96):
+        """An inline grid of the first ``n`` rows' thumbnails for Jupyter (decoded at reduced scale)."""
+        from .inspect import thumbnail_grid
+
+        return thumbnail_grid(self, limit=n, size=size)
+
+    def save(self, uri: str, overwrite: bool = False) -> Table:
+        """Commit this view as a new table at ``uri``; its manifest records the parent and the operations."""
+        from .curate import save
+
+        return save(self, uri, overwrite=overwrite)
+
+    def __repr__(self) -> str:
+        ops = "; ".join(self.operations) or "all rows"
+        return f"Table({self.uri!r}, version {self.manifest.version}, classes {self.classes}, {ops})"
+
+
+def open_table(uri: str, runner: str | None = None, ray_address: str | None = None) -> Table:
+    """Open the committed table at ``uri``. ``runner``: "native" or "ray" (default: DAFT_RUNNER or native)."""
+    if runner or ray_address:
+        from . import runner as runner_mod
+
+        runner_mod.configure(runner, ray_address)
+    return Table(uri, tf.read_manifest(uri))

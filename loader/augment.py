@@ -1,0 +1,167 @@
+"""Batch augmentations on tensors: random crop with padding, horizontal flip, normalization to float.
+
+Each sample's random choices come from a counter-based hash of (seed, epoch, sample id), not from a generator
+shared by the batch, so a sample is augmented the same way whatever its rank, its position in the batch, the
+world size, or whether the run was resumed. The hash is SplitMix64's finalizer over
+``key(seed, epoch) XOR blake2b64(sample_id)``; the 64 output bits are split into the crop's x and y offsets and
+the flip bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from dutycycle.engine.errors import ConfigError
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    """What happens to a uint8 batch before the trainer sees it. ``AugmentConfig.eval()`` for validation."""
+
+    crop_padding: int = 0  # pad each side by this many zero pixels, then crop back at a random offset
+    flip: bool = False  # horizontal flip with probability 1/2
+    normalize: bool = True  # uint8 -> float32 (x / 255 - mean) / std; off keeps uint8
+    mean: Sequence[float] = (0.5,)  # per channel, or one value for all
+    std: Sequence[float] = (0.5,)
+
+    def __post_init__(self):
+        if isinstance(self.crop_padding, bool) or not isinstance(self.crop_padding, int) or self.crop_padding < 0:
+            raise ConfigError(f"AugmentConfig.crop_padding={self.crop_padding!r} is invalid; use an integer >= 0")
+        if not self.mean or not self.std or len(self.mean) != len(self.std):
+            raise ConfigError(
+                f"AugmentConfig mean={tuple(self.mean)} and std={tuple(self.std)} must be non-empty and of equal length"
+            )
+        if any(s <= 0 for s in self.std):
+            raise ConfigError(f"AugmentConfig std={tuple(self.std)} has a value <= 0; use positive values")
+
+    @classmethod
+    def eval(cls, normalize: bool = True, mean: Sequence[float] = (0.5,), std: Sequence[float] = (0.5,)):
+        """No random transforms: what validation uses."""
+        return cls(crop_padding=0, flip=False, normalize=normalize, mean=tuple(mean), std=tuple(std))
+
+    @property
+    def random(self) -> bool:
+        return self.crop_padding > 0 or self.flip
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(30)
+        x *= _M1
+        x ^= x >> np.uint64(27)
+        x *= _M2
+        x ^= x >> np.uint64(31)
+    return x
+
+
+def sample_id_hash(sample_ids: Sequence[str]) -> np.ndarray:
+    """A stable 64-bit hash per sample id (uint64)."""
+    return np.array(
+        [int.from_bytes(hashlib.blake2b(str(s).encode(), digest_size=8).digest(), "little") for s in sample_ids],
+        dtype=np.uint64,
+    )
+
+
+def sample_random_bits(seed: int, epoch: int, sample_ids: Sequence[str]) -> np.ndarray:
+    """64 random bits per sample, a pure function of (seed, epoch, sample id)."""
+    key = hashlib.sha256(f"dutycycle-augment:v1:{int(seed)}:{int(epoch)}".encode()).digest()[:8]
+    return _splitmix64(sample_id_hash(sample_ids) ^ np.uint64(int.from_bytes(key, "little")))
+
+
+def augment_params(config: AugmentConfig, seed: int, epoch: int, sample_ids: Sequence[str]):
+    """Per-sample (dy, dx, flip) as numpy arrays: crop offsets in ``[0, 2*padding]`` and a flip flag."""
+    bits = sample_random_bits(seed, epoch, sample_ids)
+    span = np.uint64(2 * config.crop_padding + 1)
+    dy = ((bits & np.uint64(0xFFFF)) % span).astype(np.int64)
+    dx = (((bits >> np.uint64(16)) & np.uint64(0xFFFF)) % span).astype(np.int64)
+    flip = ((bits >> np.uint64(32)) & np.uint64(1)).astype(bool) if config.flip else np.zeros(len(bits), bool)
+    return dy, dx, flip
+
+
+def crop_flip(images: np.ndarray, config: AugmentConfig, seed: int, epoch: int, sample_ids, layout: str = "HWC"):
+    """Random crop (after zero padding) and horizontal flip of a uint8 numpy batch, per sample; a new array.
+
+    ``images`` is ``[B, H, W, C]`` (``layout="HWC"``) or ``[B, C, H, W]`` (``"CHW"``). Crops are one slice copy
+    per sample from a zero-padded copy of the batch, flips a reversed copy of the flipped subset: far cheaper on
+    CPU than a gather over every pixel.
+    """
+    if not config.random or not len(sample_ids):
+        return images
+    dy, dx, flip = augment_params(config, seed, epoch, sample_ids)
+    p = config.crop_padding
+    hw = (1, 2) if layout == "HWC" else (2, 3)
+    h, w = images.shape[hw[0]], images.shape[hw[1]]
+    if p:
+        padded = np.zeros(images.shape[: hw[0]] + (h + 2 * p, w + 2 * p) + images.shape[hw[1] + 1 :], np.uint8)
+        if layout == "HWC":
+            padded[:, p : p + h, p : p + w] = images
+        else:
+            padded[:, :, p : p + h, p : p + w] = images
+        out = np.empty_like(images)
+        for i in range(len(images)):  # a crop is a rectangular slice: one fast copy per sample
+            if layout == "HWC":
+                out[i] = padded[i, dy[i] : dy[i] + h, dx[i] : dx[i] + w]
+            else:
+                out[i] = padded[i, :, dy[i] : dy[i] + h, dx[i] : dx[i] + w]
+    else:
+        out = images.copy() if flip.any() else images
+    sel = np.flatnonzero(flip)
+    if len(sel):
+        src = out[sel]
+        if layout == "HWC":
+            # channel by channel: a reversed run of single bytes copies far faster than reversed 3-byte pixels
+            for c in range(out.shape[-1]):
+                out[sel, :, :, c] = src[:, :, ::-1, c]
+        else:
+            out[sel] = src[..., ::-1]
+    return out
+
+
+def to_tensor(images: np.ndarray, config: AugmentConfig, layout: str = "HWC"):
+    """uint8 numpy batch -> torch ``[B, C, H, W]``: uint8 (zero-copy; channels_last memory for HWC caches) or,
+    with ``normalize``, contiguous float32 ``(x / 255 - mean) / std``."""
+    import warnings
+
+    import torch
+
+    if config.normalize:
+        chw = images[:, None] if images.ndim == 3 else images.transpose(0, 3, 1, 2) if layout == "HWC" else images
+        c = chw.shape[1]
+        std = np.asarray(_per_channel(config.std, c, "std"), np.float32).reshape(1, c, 1, 1)
+        mean = np.asarray(_per_channel(config.mean, c, "mean"), np.float32).reshape(1, c, 1, 1)
+        # (x / 255 - mean) / std folded into one multiply and one add, written straight into a contiguous NCHW
+        # float32 array. NumPy, not torch: its loops release the GIL and do not compete with the trainer's
+        # intra-op thread pool.
+        out = np.empty(chw.shape, np.float32)
+        np.multiply(chw, np.float32(1.0 / 255.0) / std, out=out)
+        np.add(out, -mean / std, out=out)
+        return torch.from_numpy(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only (object store) arrays: never written through
+        x = torch.from_numpy(images)
+    if x.dim() == 3:  # greyscale [B, H, W]
+        return x.unsqueeze(1)
+    if layout == "HWC":
+        return x.permute(0, 3, 1, 2)  # zero-copy: an NCHW tensor in channels_last memory format
+    return x
+
+
+def apply_augment(images: np.ndarray, config: AugmentConfig, seed: int, epoch: int, sample_ids, layout="HWC"):
+    """The whole batch augmentation: ``crop_flip`` then ``to_tensor``."""
+    return to_tensor(crop_flip(images, config, seed, epoch, sample_ids, layout), config, layout)
+
+
+def _per_channel(values: Sequence[float], channels: int, name: str) -> list[float]:
+    values = [float(v) for v in values]
+    if len(values) == 1:
+        return values * channels
+    if len(values) != channels:
+        raise ConfigError(f"AugmentConfig.{name} has {len(values)} values for {channels} channels; give 1 or {channels}")
+    return values

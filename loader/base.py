@@ -1,0 +1,322 @@
+"""The planned loader: plan an epoch, execute it in one of four modes, hand out batches, remember the position.
+
+Subclasses say where rows come from (``CacheLoader``: a transformed-sample cache; ``RawLoader``: a metadata
+table decoded per step). Everything else, the plan, the execution modes, collation into torch, augmentation,
+device transfer, the resumable state and the consumer-wait statistics, lives here so both paths yield batches
+of the same format from the same plan.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from dutycycle.engine.errors import ConfigError
+
+from .augment import apply_augment
+from .config import LoaderConfig
+from .plan import num_steps, plan_epoch, rank_slice
+from .source import RawBatch
+
+STATE_VERSION = 1
+
+
+@dataclass
+class LoaderStats:
+    """How long the consumer blocked in ``__next__`` (the trainer's data wait). Reset with ``reset()``."""
+
+    total_wait_s: float = 0.0
+    count: int = 0
+    last_wait_s: float = 0.0
+    max_wait_s: float = 0.0
+
+    def record(self, seconds: float) -> None:
+        self.total_wait_s += seconds
+        self.count += 1
+        self.last_wait_s = seconds
+        self.max_wait_s = max(self.max_wait_s, seconds)
+
+    def reset(self) -> None:
+        self.total_wait_s, self.count, self.last_wait_s, self.max_wait_s = 0.0, 0, 0.0, 0.0
+
+
+class PlannedLoader:
+    """Per-rank batches of a deterministic plan. Subclasses implement ``_read_local`` and ``_submit_remote``."""
+
+    layout = "HWC"
+
+    def __init__(self, num_samples: int, fingerprint: str, rank: int, world_size: int, config: LoaderConfig):
+        if not isinstance(config, LoaderConfig):
+            raise ConfigError(f"config={config!r} is invalid; pass a dutycycle.loader.LoaderConfig")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"rank={rank} with world_size={world_size} is invalid; use 0 <= rank < world_size")
+        if config.global_batch_size % world_size:
+            raise ConfigError(
+                f"global_batch_size={config.global_batch_size} is not divisible by world_size={world_size}; "
+                "choose a global batch size that is a multiple of the world size"
+            )
+        if config.drop_last and num_samples < config.global_batch_size:
+            raise ConfigError(
+                f"the split has {num_samples} samples, fewer than global_batch_size={config.global_batch_size}, "
+                "so drop_last leaves no batch; lower the batch size or set drop_last=False"
+            )
+        import torch  # noqa: F401  (loaded here so its import time never counts as the consumer's data wait)
+
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.batch_size = config.global_batch_size // world_size
+        self.num_samples, self.fingerprint = num_samples, fingerprint
+        self.seed = config.seed
+        self.epoch, self.step = 0, 0
+        self.stats = LoaderStats()
+        self._plan_cache: tuple[int, int, list[np.ndarray]] | None = None
+        self._mover = None
+        # Where rows come from and whether a prefetch thread collates them; "auto" decides here, once.
+        mode = config.mode
+        self.in_memory = mode == "memory" or (mode == "auto" and self._auto_in_memory())
+        self.background = mode in ("thread", "ray", "memory") or (
+            mode == "auto" and not (self.in_memory and not self._needs_batch_work())
+        )
+        source = "ray tasks" if mode == "ray" else "memory" if self.in_memory else self._local_source
+        self.execution = f"{mode}: {source}, {'prefetch thread' if self.background else 'caller thread'}"
+
+    # ---------------------------------------------------------------- execution
+
+    _local_source = "per-batch reads"  # what _read_local does when the split is not in memory (for `execution`)
+
+    def _auto_in_memory(self) -> bool:
+        """Whether ``mode="auto"`` holds the split in RAM (subclasses that can, decide; the base cannot)."""
+        return False
+
+    def _needs_batch_work(self) -> bool:
+        """Whether collating a batch costs CPU beyond gathering its rows (then a prefetch thread overlaps it)."""
+        c = self.config
+        return c.augment.random or c.augment.normalize or c.pin_memory or c.device is not None
+
+    # ---------------------------------------------------------------- plan
+
+    def __len__(self) -> int:
+        """Steps (global batches) per epoch."""
+        return num_steps(self.num_samples, self.config.global_batch_size, self.config.drop_last)
+
+    def global_batches(self, epoch: int | None = None) -> list[np.ndarray]:
+        """The epoch's global batches (split indices), identical on every rank and at every world size."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._plan_cache is None or self._plan_cache[:2] != (epoch, self.seed):
+            c = self.config
+            batches = plan_epoch(
+                self.num_samples, self.seed, epoch, self.fingerprint, c.global_batch_size, c.drop_last,
+                shuffle=c.shuffle, block_size=c.block_size, window=c.window,
+            )
+            self._plan_cache = (epoch, self.seed, batches)
+        return self._plan_cache[2]
+
+    def rank_indices(self, step: int, epoch: int | None = None) -> np.ndarray:
+        """This rank's split indices at ``step`` of ``epoch``."""
+        return rank_slice(self.global_batches(epoch)[step], self.rank, self.world_size)
+
+    # ---------------------------------------------------------------- position and state
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the start of ``epoch``; a no-op when already in it (so a resumed position survives)."""
+        if epoch != self.epoch:
+            self.epoch, self.step = int(epoch), 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the batches already handed out (not those prefetched), plus what defines the plan."""
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "step": self.step,  # index of the next global batch to yield in `epoch`
+            "seed": self.seed,
+            "fingerprint": self.fingerprint,
+            "global_batch_size": self.config.global_batch_size,
+            "drop_last": self.config.drop_last,
+            "shuffle": self.config.shuffle,
+            "num_samples": self.num_samples,
+            "world_size": self.world_size,  # informational: a state loads at any world size
+        }
+
+    def load_state_dict(self, state: dict[str, Any], force: bool = False) -> None:
+        """Continue from ``state``: its epoch, step and seed replace this loader's (the seed too, so a resumed run
+        keeps its order and augmentations whatever the new config says). A different cache fingerprint or global
+        batch size changes the plan, so it is refused unless ``force=True`` (then the position is kept as is and
+        clamped to this epoch's length). The world size may differ: the global batches are the same."""
+        for key, mine in (("fingerprint", self.fingerprint), ("global_batch_size", self.config.global_batch_size)):
+            theirs = state.get(key)
+            if theirs != mine and not force:
+                raise ConfigError(
+                    f"loader state has {key}={theirs!r} but this loader has {key}={mine!r}; the saved position "
+                    "refers to another plan. Use the same cache and batch size, or pass force=True"
+                )
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self.step = min(int(state["step"]), len(self))
+        self._plan_cache = None
+
+    # ---------------------------------------------------------------- iteration
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Yield this rank's batches from the current position to the end of the epoch, then move to the next."""
+        if self.step >= len(self):
+            self.epoch, self.step = self.epoch + 1, 0
+        epoch, start, stop = self.epoch, self.step, len(self)
+        produced = self._produce(epoch, range(start, stop))
+        mover = self._device_mover()
+        try:
+            for step in range(start, stop):
+                t0 = time.perf_counter()
+                batch = next(produced)
+                if mover is not None:
+                    batch = mover.wait(batch)
+                self.stats.record(time.perf_counter() - t0)
+                self.step = step + 1  # consumed from here on: a state saved now resumes after this batch
+                yield batch
+            self.epoch, self.step = epoch + 1, 0
+        finally:
+            produced.close()
+
+    def _produce(self, epoch: int, steps: range) -> Iterator[dict[str, Any]]:
+        if self.config.mode == "ray":
+            raws = self._read_all_ray(epoch, steps)
+        else:  # sync, thread, memory, auto
+            raws = self._read_all_local(epoch, steps)
+        batches = self._finished(epoch, raws)
+        return _background(batches, self.config.prefetch) if self.background else batches
+
+    def _read_all_local(self, epoch: int, steps: range) -> Iterator[RawBatch]:
+        for step in steps:
+            yield self._read_local(self.rank_indices(step, epoch))
+
+    def _read_all_ray(self, epoch: int, steps: range) -> Iterator[RawBatch]:
+        """Keep ``prefetch`` Ray read tasks in flight; collect them in plan order (bounded, so memory is too)."""
+        from .ray_exec import get_raw
+
+        pending: deque = deque()
+        todo = iter(steps)
+
+        def submit_next() -> None:
+            step = next(todo, None)
+            if step is not None:
+                pending.append(self._submit_remote(self.rank_indices(step, epoch), step))
+
+        try:
+            for _ in range(self.config.prefetch):
+                submit_next()
+            while pending:
+                ref = pending.popleft()
+                submit_next()
+                yield get_raw(ref)
+        finally:
+            if pending:
+                from .ray_exec import cancel
+
+                cancel(pending)
+
+    def _finished(self, epoch: int, raws: Iterator[RawBatch]) -> Iterator[dict[str, Any]]:
+        try:
+            for raw in raws:
+                yield self.collate(raw, epoch)
+        finally:
+            raws.close()
+
+    def collate(self, raw: RawBatch, epoch: int) -> dict[str, Any]:
+        """numpy rows -> a batch dict of torch tensors (augmented, optionally pinned / on the device)."""
+        import torch
+
+        images = raw.images
+        aug = self.config.augment
+        if images.flags.writeable and images.ndim == 4 and not aug.random and not aug.normalize:
+            # uint8 out, nothing to compute: the zero-copy view apply_augment would return, minus its overhead
+            # (a warnings guard for read-only arrays, which a fresh batch array is not)
+            x = torch.from_numpy(images)
+            x = x.permute(0, 3, 1, 2) if self.layout == "HWC" else x
+        else:
+            if not images.flags.writeable and not aug.normalize and not aug.crop_padding:
+                images = images.copy()  # the tensor would alias read-only (object store) memory
+            x = apply_augment(images, aug, self.seed, epoch, raw.sample_ids, self.layout)
+        batch = {
+            "image": x,
+            "label": torch.from_numpy(np.array(raw.labels, dtype=np.int64)),  # tiny; a writable copy
+            "sample_id": raw.sample_ids.tolist(),
+        }
+        mover = self._device_mover()
+        return mover.move(batch) if mover is not None else batch
+
+    def _device_mover(self):
+        if self.config.pin_memory or self.config.device is not None:
+            if self._mover is None:
+                from .device import DeviceMover
+
+                self._mover = DeviceMover(self.config.pin_memory, self.config.device)
+            return self._mover
+        return None
+
+    def close(self) -> None:
+        """Release resources held between epochs (thread pools); iterating again reopens them."""
+
+    # ---------------------------------------------------------------- subclass hooks
+
+    def _read_local(self, indices: np.ndarray) -> RawBatch:
+        raise NotImplementedError
+
+    def _submit_remote(self, indices: np.ndarray, step: int):
+        raise NotImplementedError
+
+
+_END = object()
+
+
+def _background(items: Iterator[Any], prefetch: int) -> Iterator[Any]:
+    """Run ``items`` on a daemon thread, at most ``prefetch`` results ahead of the consumer.
+
+    An exception in the producer is re-raised in the consumer as itself (e.g. ``CorruptArtifactError`` naming
+    the shard). Closing this generator stops the producer and drops what it had queued.
+    """
+    q: queue.Queue = queue.Queue(maxsize=prefetch)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run():
+        try:
+            for item in items:
+                if not put((True, item)):
+                    return
+            put((True, _END))
+        except BaseException as e:  # handed to the consumer, which raises it
+            put((False, e))
+        finally:
+            items.close()
+
+    thread = threading.Thread(target=run, name="dutycycle-loader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            ok, item = q.get()
+            if not ok:
+                raise item
+            if item is _END:
+                return
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():
+            try:
+                q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        thread.join()

@@ -1,0 +1,110 @@
+"""The raw path: the same plan as the cache loader, executed over the metadata table, decoding every step.
+
+``RawLoader`` selects the table's rows exactly as ``materialize`` does (``engine.cache.plan_rows``: good rows,
+one per sample id, sorted by sample id), keeps ``split``, and uses the same fingerprint, so with the same config
+it yields the same samples in the same batches as a ``CacheLoader`` over the cache built from that table, with
+the same augmentation. The difference is the work per step: every sample is downloaded, decoded and transformed
+(``engine.transform.decode_and_transform``) each time it is drawn: Ray tasks (one per rank batch) in ``"ray"``
+mode, a thread pool otherwise. Comparing the two on your own data shows what the cache saves.
+
+A sample that ``materialize`` would have skipped (it fails to decode) raises ``DecodeError`` here, naming its
+URI: the plan cannot drop samples without changing every later batch.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from dutycycle.engine import io
+from dutycycle.engine.errors import ConfigError
+from dutycycle.engine.transform import DecodeError, TransformSpec, decode_and_transform
+
+from .base import PlannedLoader
+from .config import LoaderConfig
+from .source import RawBatch
+
+
+def read_bytes(uri: str) -> bytes:
+    fs, path = io.filesystem(uri)
+    with fs.open(path, "rb") as f:
+        return f.read()
+
+
+def decode_one(uri: str, spec: TransformSpec) -> np.ndarray:
+    try:
+        return decode_and_transform(read_bytes(uri), spec)
+    except DecodeError as e:
+        raise DecodeError(e.reason, f"{uri!r}: {e}; the cache skips this sample, the raw path cannot") from e
+
+
+def decode_batch(uris: list[str], spec: TransformSpec, pool: ThreadPoolExecutor | None = None) -> np.ndarray:
+    out = np.empty((len(uris), *spec.shape), dtype=np.uint8)
+    arrays = pool.map(lambda u: decode_one(u, spec), uris) if pool is not None else (decode_one(u, spec) for u in uris)
+    for i, a in enumerate(arrays):
+        out[i] = a
+    return out
+
+
+class RawLoader(PlannedLoader):
+    """Per-rank batches of the shared plan, decoded from the files named by a metadata table at every step."""
+
+    def __init__(
+        self,
+        table_uri: str,
+        spec: TransformSpec | dict | str | None = None,
+        split: str = "train",
+        rank: int = 0,
+        world_size: int = 1,
+        config: LoaderConfig | None = None,
+        where: str | None = None,
+    ):
+        from dutycycle.engine.cache import plan_rows
+
+        config = config or LoaderConfig()
+        if config.mode == "memory":
+            raise ConfigError("LoaderConfig.mode='memory' does not apply to the raw path; use sync, thread or ray")
+        if spec is None:
+            spec = TransformSpec()
+        elif not isinstance(spec, TransformSpec):
+            spec = TransformSpec.from_json(spec)
+        self.spec, self.split, self.table_uri = spec, split, table_uri
+        self.layout, self.shape = spec.layout, tuple(spec.shape)
+        plan = plan_rows(table_uri, spec, where)
+        keep = [i for i, s in enumerate(plan.splits) if s == split]
+        if not keep:
+            raise ConfigError(
+                f"split {split!r} has no readable samples in table {table_uri!r}; splits there: "
+                f"{', '.join(sorted(set(plan.splits))) or 'none'}"
+            )
+        self.uris = [plan.uris[i] for i in keep]
+        self.sample_ids = np.asarray([plan.sample_ids[i] for i in keep], dtype=str)
+        self.labels = np.asarray(plan.labels, dtype=np.int64)[keep]
+        self.classes = list(plan.classes)
+        super().__init__(len(keep), plan.fingerprint, rank, world_size, config)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _read_local(self, indices: np.ndarray) -> RawBatch:
+        if self._pool is None and self.config.raw_threads > 1:
+            self._pool = ThreadPoolExecutor(self.config.raw_threads, thread_name_prefix="dutycycle-raw")
+        images = decode_batch([self.uris[i] for i in indices], self.spec, self._pool)
+        return RawBatch(images, self.labels[indices], self.sample_ids[indices])
+
+    def _submit_remote(self, indices: np.ndarray, step: int):
+        from .ray_exec import submit_decode
+
+        uris = [self.uris[i] for i in indices]
+        ref = submit_decode(uris, self.spec.to_json(), self.config.ray_max_retries)
+        return _Pending(ref, self.labels[indices], self.sample_ids[indices])
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+
+class _Pending:
+    """A Ray decode task plus the labels and ids the driver already knows (only pixels travel back)."""
+
+    def __init__(self, ref, labels: np.ndarray, sample_ids: np.ndarray):
+        self.ref, self.labels, self.sample_ids = ref, labels, sample_ids

@@ -1,0 +1,149 @@
+"""Ray execution of the loader: read tasks that gather rank batches from cache shards, and the in-memory split
+shared through the object store. Imported only in ``"ray"`` and ``"memory"`` modes, so ``ray`` stays optional.
+
+A read task gets ``(cache uri, global rows)`` and returns the batch as numpy arrays (images, labels, ids), which
+Ray stores in shared memory and the loader maps without a copy. Tasks are plain functions with no state that
+matters, so a task whose worker dies is simply run again (``max_retries``): the batch it returns is a pure
+function of its arguments, so a retry neither loses nor duplicates a sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import ray
+from dutycycle.engine.cache_format import CacheReader
+from dutycycle.engine.errors import ConfigError
+
+from .source import MemorySplit, RawBatch, ShardGatherer
+
+# Fault injection for tests: when this names a path that does not exist yet, the read task for step
+# DUTYCYCLE_TEST_KILL_STEP creates it and kills its own worker process, once. Read in the driver only.
+KILL_MARKER_ENV = "DUTYCYCLE_TEST_KILL_READ_ONCE"
+KILL_STEP_ENV = "DUTYCYCLE_TEST_KILL_STEP"
+
+_GATHERERS: dict[str, ShardGatherer] = {}  # per worker process: shards opened (and verified) once
+
+
+def _gatherer(cache_uri: str) -> ShardGatherer:
+    g = _GATHERERS.get(cache_uri)
+    if g is None:
+        if len(_GATHERERS) >= 4:  # a worker serving many caches keeps only the recent ones mapped
+            _GATHERERS.pop(next(iter(_GATHERERS)))
+        g = _GATHERERS[cache_uri] = ShardGatherer(CacheReader(cache_uri))
+    return g
+
+
+def _maybe_die(kill_marker: str | None) -> None:
+    if kill_marker:
+        try:
+            fd = os.open(kill_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        os._exit(1)  # a worker crash, not an exception: Ray retries the task on a new worker
+
+
+@ray.remote(num_cpus=1)
+def read_rows_task(cache_uri: str, rows: np.ndarray, kill_marker: str | None = None):
+    _maybe_die(kill_marker)
+    raw = _gatherer(cache_uri).read(rows)
+    return raw.images, raw.labels, raw.sample_ids
+
+
+def kill_marker_for(step: int) -> str | None:
+    marker = os.environ.get(KILL_MARKER_ENV)
+    if marker and int(os.environ.get(KILL_STEP_ENV, "0")) == step:
+        return marker
+    return None
+
+
+def submit_read(cache_uri: str, rows: np.ndarray, step: int, max_retries: int):
+    return read_rows_task.options(max_retries=max_retries).remote(cache_uri, rows, kill_marker_for(step))
+
+
+@ray.remote(num_cpus=1)
+def decode_task(uris: list[str], spec_json: str):
+    from dutycycle.engine.transform import TransformSpec
+
+    from .raw import decode_batch
+
+    return decode_batch(uris, TransformSpec.from_json(spec_json))
+
+
+def submit_decode(uris: list[str], spec_json: str, max_retries: int):
+    return decode_task.options(max_retries=max_retries).remote(uris, spec_json)
+
+
+def get_raw(pending) -> RawBatch:
+    """Wait for a read task; its error surfaces as the original exception (e.g. ``CorruptArtifactError``)."""
+    if hasattr(pending, "ref"):  # a raw-path decode task: pixels from Ray, labels and ids from the driver
+        return RawBatch(get(pending.ref), pending.labels, pending.sample_ids)
+    return RawBatch(*get(pending))
+
+
+def get(ref):
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
+
+
+def cancel(refs) -> None:
+    """Cancel tasks the consumer no longer needs, and collect their outcome so Ray does not log it as unhandled."""
+    refs = [getattr(r, "ref", r) for r in refs]
+    for ref in refs:
+        try:
+            ray.cancel(ref)
+        except Exception:  # already finished or gone: nothing to cancel
+            pass
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=5)
+        except Exception:  # cancelled, failed or slow: either way nobody needs the result
+            pass
+
+
+# ------------------------------------------------------------------------------------------- memory mode
+
+
+@ray.remote(num_cpus=0)
+class _SplitHolder:
+    """Owns one split's arrays in the object store; every loader on the cluster maps the same object."""
+
+    def __init__(self, cache_uri: str, split: str):
+        self.ref, self.error = None, None
+        try:
+            split_data = MemorySplit.load(cache_uri, split)
+            self.ref = ray.put((split_data.images, split_data.labels, split_data.sample_ids))
+        except Exception as e:  # raised from get(), where the caller sees it as itself
+            self.error = e
+
+    def get(self):
+        if self.error is not None:
+            raise self.error
+        return [self.ref]  # wrapped in a list so the caller receives the reference, not the value
+
+
+def shared_memory_split(cache_uri: str, fingerprint: str, split: str) -> tuple[MemorySplit, object]:
+    """The split, held once in the object store (one named holder per cache and split); returns (split, ref).
+
+    Keep the returned ref alive as long as the arrays are in use: they are zero-copy views of the object.
+    """
+    key = hashlib.sha256(f"{cache_uri}\0{fingerprint}\0{split}".encode()).hexdigest()[:16]
+    holder = _SplitHolder.options(name=f"dutycycle-memory-{key}", get_if_exists=True).remote(cache_uri, split)
+    try:
+        (ref,) = get(holder.get.remote())
+    except ray.exceptions.RayActorError as e:
+        raise ConfigError(f"could not hold split {split!r} of {cache_uri!r} in the object store: {e}") from e
+    except Exception:
+        ray.kill(holder)  # a failed load is not cached: the next loader tries again
+        raise
+    images, labels, ids = get(ref)
+    return MemorySplit(images, labels, ids), (holder, ref)

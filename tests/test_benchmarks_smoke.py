@@ -1,0 +1,42 @@
+"""The loader benchmark runs end to end at a tiny size and reports every row; no timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "loader.py"
+ROWS = {
+    "dutycycle-thread", "dutycycle-memory", "dutycycle-ray", "ram-gather", "torch-jpeg",
+    "ray-parquet", "ray-images", "daft-parquet", "webdataset",
+}
+RATIOS = {"vs_ram_gather", "vs_torch_jpeg", "vs_ray_parquet", "vs_ray_images", "vs_daft", "vs_webdataset"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_loader_benchmark_quick(tmp_path):
+    pytest.importorskip("webdataset", reason="the `bench` extra is not installed")
+    out = tmp_path / "loader.json"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "DAFT_ANALYTICS_ENABLED": "0"}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--n", "300", "--min-seconds", "0", "--out", str(out),
+         "--workdir", str(tmp_path / "data")],
+        capture_output=True, text=True, env=env, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert set(rows) == ROWS
+    for name, r in rows.items():
+        assert "error" not in r, f"{name}: {r['error']}"
+        assert r["samples_per_s"] > 0 and r["time_to_first_batch_s"] > 0 and r["peak_rss_mb"] > 0, (name, r)
+    ratios = {r["name"]: r for r in result["ratios"]}
+    assert set(ratios) == RATIOS and all(r["value"] > 0 for r in ratios.values())
+    # the README table comes from stdout
+    assert "| dutycycle-thread |" in proc.stdout and "| webdataset |" in proc.stdout

@@ -1,0 +1,210 @@
+"""Hostile and odd inputs, generated in code: every file gets a row with correct metadata or a clear error."""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+from dutycycle.engine import imageinfo
+from dutycycle.engine.catalog import ingest
+from dutycycle.engine.table import open_table, read_arrow
+from PIL import Image
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return (
+        struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    )
+
+
+def png_bomb(width: int, height: int) -> bytes:
+    """A valid-looking PNG whose header claims width x height greyscale pixels; a few hundred bytes long."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    idat = zlib.compress(b"\x00" * 1024)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", ihdr)
+        + _png_chunk(b"IDAT", idat)
+        + _png_chunk(b"IEND", b"")
+    )
+
+
+def _encode(im: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _noise(w, h, mode="RGB", seed=0):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).convert(mode)
+
+
+def hostile_files() -> dict[str, tuple[bytes, dict]]:
+    """relative path -> (bytes, expected fields); an expected "error" value is the reason prefix."""
+    jpeg = _encode(_noise(64, 48), "JPEG", quality=90)
+    png = _encode(_noise(32, 32), "PNG")
+    idat = png.index(b"IDAT") + 4
+    corrupt_png = png[: idat + 10] + bytes(b ^ 0xFF for b in png[idat + 10 : idat + 40]) + png[idat + 40 :]
+    exif = Image.Exif()
+    exif[imageinfo.ORIENTATION_TAG] = 6
+    rotated = _encode(_noise(40, 20), "JPEG", exif=exif.tobytes())
+    exif8 = Image.Exif()
+    exif8[imageinfo.ORIENTATION_TAG] = 3
+    upside_down = _encode(_noise(40, 20), "JPEG", exif=exif8.tobytes())
+    sixteen = Image.fromarray(np.arange(30 * 20, dtype=np.uint16).reshape(20, 30) * 50)
+    rgba = _noise(24, 16).convert("RGBA")
+    return {
+        "odd/truncated.jpg": (jpeg[: len(jpeg) // 2], {"error": "truncated"}),
+        "odd/header-only.jpg": (jpeg[:300], {"error": "truncated"}),
+        "odd/empty.jpg": (b"", {"error": "empty file"}),
+        "odd/random.jpg": (
+            np.random.default_rng(1).integers(0, 256, 2048, dtype=np.uint8).tobytes(),
+            {"error": "not an image"},
+        ),
+        "odd/page.jpg": (
+            b"<!doctype html><html><body>404 not found</body></html>",
+            {"error": "not an image"},
+        ),
+        "odd/notes.png": (b"just some text\nsaved with an image extension\n", {"error": "not an image"}),
+        "odd/corrupt-chunk.png": (corrupt_png, {"error": "corrupt"}),
+        "odd/bomb.png": (png_bomb(100_000, 100_000), {"error": "decompression bomb"}),
+        "odd/truncated.webp": (_encode(_noise(64, 64), "WEBP")[:200], {"error": "truncated"}),
+        "modes/cmyk.jpg": (
+            _encode(_noise(30, 20, "CMYK"), "JPEG"),
+            {"mode": "CMYK", "channels": 4, "width": 30},
+        ),
+        "modes/sixteen.png": (
+            _encode(sixteen, "PNG"),
+            {"mode": "I;16", "channels": 1, "width": 30, "height": 20},
+        ),
+        "modes/palette.png": (_encode(_noise(30, 20, "P"), "PNG"), {"mode": "P", "channels": 1}),
+        "modes/rgba.png": (_encode(rgba, "PNG"), {"mode": "RGBA", "channels": 4, "width": 24, "height": 16}),
+        "modes/grey.jpg": (
+            _encode(_noise(30, 20, "L"), "JPEG"),
+            {"mode": "L", "channels": 1, "format": "JPEG"},
+        ),
+        "modes/photo.gif": (_encode(_noise(10, 10, "P"), "GIF"), {"format": "GIF", "channels": 1}),
+        "exif/rotated.jpg": (rotated, {"width": 20, "height": 40, "orientation": 6}),
+        "exif/upside-down.jpg": (upside_down, {"width": 40, "height": 20, "orientation": 3}),
+        "names/a jpeg named.png": (jpeg, {"format": "JPEG", "width": 64, "height": 48}),
+        "names/camera-trailer.jpg": (jpeg + b"SEFT trailer " * 40, {"format": "JPEG", "width": 64}),
+        "names/trailing-bytes.png": (png + b"\x00junk" * 30, {"format": "PNG", "width": 32}),
+        "names/UPPER.JPEG": (jpeg + b"", {"format": "JPEG"}),
+        "names/ünïcødé 图像 name.JPG": (_encode(_noise(20, 10), "JPEG"), {"format": "JPEG", "width": 20}),
+        "names/deeper/nested file.webp": (_encode(_noise(33, 17), "WEBP"), {"format": "WEBP", "width": 33}),
+    }
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile") / "src"
+    files = hostile_files()
+    for rel, (data, _) in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    table = str(root.parent / "table")
+    summary = ingest(str(root), table, progress_every=0)
+    return root, table, files, summary
+
+
+def test_every_file_gets_a_row_with_metadata_or_error(hostile):
+    root, table, files, summary = hostile
+    rows = {os.path.relpath(r["uri"], root): r for r in read_arrow(table).to_pylist()}
+    assert sorted(rows) == sorted(files) and summary["rows"] == len(files)
+    for rel, (_, expected) in files.items():
+        r = rows[rel]
+        assert r["label"] == rel.split("/")[0]
+        if "error" in expected:
+            assert r["error"] is not None and r["error"].startswith(expected["error"] + ": "), (
+                rel,
+                r["error"],
+            )
+            assert r["phash"] is None
+        else:
+            assert r["error"] is None, (rel, r["error"])
+            assert r["phash"] is not None
+            for key, value in expected.items():
+                assert r[key] == value, (rel, key, r[key])
+    expected_reasons = {}
+    for _, exp in files.values():
+        if "error" in exp:
+            expected_reasons[exp["error"]] = expected_reasons.get(exp["error"], 0) + 1
+    assert summary["errors"] == expected_reasons
+
+
+def test_bomb_is_refused_from_its_header_without_allocating():
+    """A 10-gigapixel claim: the probe and the thumbnail both refuse it; peak memory stays small."""
+    code = (
+        "import resource, sys\n"
+        "from tests.test_hostile import png_bomb\n"
+        "from dutycycle.engine import imageinfo\n"
+        "data = png_bomb(100_000, 100_000)\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "facts = imageinfo.probe(data)\n"
+        "try:\n"
+        "    imageinfo.thumbnail_jpeg(data)\n"
+        "    thumb = 'made'\n"
+        "except ValueError as e:\n"
+        "    thumb = str(e)\n"
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(facts.error); print(thumb); print((after - before) // 1024)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    ).stdout.splitlines()
+    assert out[0].startswith("decompression bomb: ")
+    assert out[1].startswith("decompression bomb: ")
+    assert int(out[2]) < 64  # MiB: decoding would need 10 GB
+
+
+def test_own_pixel_limit_applies_below_pils():
+    data = _encode(_noise(200, 100), "PNG")
+    facts = imageinfo.probe(data, max_pixels=10_000)
+    assert facts.error == "decompression bomb: header claims 200x100 = 20000 pixels, over the limit of 10000"
+    assert imageinfo.probe(data, max_pixels=20_000).error is None
+
+
+def test_exif_rotation_changes_displayed_size_and_thumbnail():
+    exif = Image.Exif()
+    exif[imageinfo.ORIENTATION_TAG] = 6
+    data = _encode(_noise(80, 40), "JPEG", exif=exif.tobytes())
+    facts = imageinfo.probe(data)
+    assert (facts.width, facts.height, facts.orientation) == (40, 80, 6)
+    thumb = Image.open(io.BytesIO(imageinfo.thumbnail_jpeg(data, size=64)))
+    assert thumb.size == (32, 64)  # upright: taller than wide
+
+
+def test_perceptual_hash_is_stable_under_reencoding_and_differs_across_images():
+    a = _noise(64, 64, seed=1).resize((16, 16)).resize((128, 128))
+    b = _noise(64, 64, seed=2).resize((16, 16)).resize((128, 128))
+    ha = imageinfo.probe(_encode(a, "JPEG", quality=95)).phash
+    ha2 = imageinfo.probe(_encode(a, "JPEG", quality=60)).phash
+    ha3 = imageinfo.probe(_encode(a, "PNG")).phash
+    hb = imageinfo.probe(_encode(b, "JPEG", quality=95)).phash
+    assert imageinfo.hamming(ha, ha2) <= 4 and imageinfo.hamming(ha, ha3) <= 4
+    assert imageinfo.hamming(ha, hb) > 12
+
+
+def test_contact_sheet_renders_every_hostile_row(hostile, tmp_path):
+    _, table, files, _ = hostile
+    from dutycycle.engine.inspect import contact_sheet
+
+    grid = contact_sheet(open_table(table), str(tmp_path / "sheet.html"), limit=100, size=48)
+    assert len(grid) == len(files)
+    readable = sum(1 for _, exp in files.values() if "error" not in exp)
+    assert sum(1 for t in grid.thumbs if t.jpeg_b64) == readable  # CMYK, 16-bit, palette ... all previewed
+    html = (tmp_path / "sheet.html").read_text()
+    assert html.count("data:image/jpeg;base64,") == readable and "decompression bomb" in html
+    assert "ünïcødé 图像 name.JPG" in html

@@ -1,0 +1,278 @@
+"""Ingest on real files: correct metadata, labels, splits, incremental re-ingest, atomic commits, bad arguments."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+from dutycycle.engine import table_format as tf
+from dutycycle.engine.catalog import assign_split, ingest, parse_split
+from dutycycle.engine.errors import ConfigError
+from dutycycle.engine.synth import synthesize
+from dutycycle.engine.table import open_table, read_arrow
+from dutycycle.trainer.cli import main
+from PIL import Image
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ingest") / "shapes"
+    synthesize(str(root), 48, seed=11, broken_fraction=0.1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def table(src, tmp_path_factory):
+    uri = str(tmp_path_factory.mktemp("ingest-table") / "table")
+    summary = ingest(str(src), uri, progress_every=0)
+    return uri, summary
+
+
+def _files(root):
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+
+
+def test_one_row_per_file_with_header_metadata(src, table):
+    uri, summary = table
+    rows = {r["uri"]: r for r in read_arrow(uri).to_pylist()}
+    files = _files(src)
+    assert sorted(rows) == files and summary["rows"] == len(files) == 48
+    errors = 0
+    for path in files:
+        r = rows[path]
+        data = open(path, "rb").read()
+        assert r["sample_id"] == hashlib.sha256(data).hexdigest()[:32]
+        assert r["size_bytes"] == len(data)
+        assert r["label"] == os.path.basename(os.path.dirname(path))
+        assert r["split"] == assign_split(r["sample_id"], (0.8, 0.1, 0.1))
+        try:
+            with Image.open(path) as im:
+                im.load()
+                expected = (im.format, im.width, im.height, im.mode)
+        except Exception:
+            expected = None
+        if expected is None:
+            errors += 1
+            assert r["error"] and r["phash"] is None  # header fields stay when the header was readable
+        else:
+            assert r["error"] is None
+            assert (r["format"], r["width"], r["height"], r["mode"]) == expected
+            assert r["channels"] == 3 and r["orientation"] == 1 and r["phash"] is not None
+    assert errors == 5 == sum(summary["errors"].values())
+    assert sum(summary["classes"].values()) == 48 - errors
+
+
+def test_plain_pyarrow_reads_the_same_rows(table):
+    uri, _ = table
+    m = tf.read_manifest(uri)
+    plain = pq.read_table([os.path.join(uri, f) for f in m.files])
+    assert plain.schema.equals(tf.SCHEMA)
+    via_daft = open_table(uri).to_arrow().sort_by("uri")
+    assert plain.sort_by("uri").equals(via_daft)
+    assert m.num_rows == plain.num_rows and m.classes == ["circle", "square", "star", "triangle"]
+
+
+def test_split_is_deterministic_and_follows_fractions():
+    ids = [hashlib.sha256(str(i).encode()).hexdigest()[:32] for i in range(4000)]
+    splits = [assign_split(i, (0.7, 0.2, 0.1)) for i in ids]
+    assert splits == [assign_split(i, (0.7, 0.2, 0.1)) for i in ids]
+    share = {s: splits.count(s) / len(ids) for s in ("train", "val", "test")}
+    assert abs(share["train"] - 0.7) < 0.03 and abs(share["val"] - 0.2) < 0.03
+    assert all(assign_split(i, (0, 0, 1)) == "test" for i in ids[:50])
+    for bad in ("0.8,0.1", "a,b,c", "0.8,0.3,0.1", "-0.1,0.6,0.5"):
+        with pytest.raises(ConfigError, match="--split"):
+            parse_split(bad)
+
+
+def test_no_phash_and_progress_lines(src, tmp_path, capsys):
+    s = ingest(str(src), str(tmp_path / "t"), phash=False, progress_every=10)
+    err = capsys.readouterr().err
+    assert "48 files" in err and "ingest: 10/48" in err or "ingest: " in err.splitlines()[1]
+    assert len([ln for ln in err.splitlines() if ln.startswith("ingest:")]) >= 3
+    rows = read_arrow(str(tmp_path / "t")).to_pylist()
+    assert all(r["phash"] is None for r in rows)
+    # without pixels, the integrity checks still flag the broken files
+    assert sum(s["errors"].values()) == 5
+
+
+def test_incremental_reingest_reads_only_new_files(src, tmp_path):
+    work = tmp_path / "src"
+    shutil.copytree(src, work)
+    uri = str(tmp_path / "table")
+    first = ingest(str(work), uri, progress_every=0)
+    m1 = tf.read_manifest(uri)
+    old_bytes = {f: open(os.path.join(uri, f), "rb").read() for f in m1.files}
+    # An old file changes content: a re-ingest that re-read it would record a new hash.
+    victim = next(p for p in _files(work) if p.endswith(".jpg"))
+    before = next(r for r in read_arrow(uri).to_pylist() if r["uri"] == victim)
+    with open(victim, "wb") as f:
+        f.write(b"garbage")
+    synthesize(str(tmp_path / "more"), 12, seed=99)
+    for p in _files(tmp_path / "more"):
+        dest = work / os.path.relpath(p, tmp_path / "more")
+        dest = dest.with_name("new_" + dest.name)
+        shutil.copy(p, dest)
+    second = ingest(str(work), uri, progress_every=0)
+    m2 = tf.read_manifest(uri)
+    assert second["new_rows"] == 12 and second["skipped_existing"] == 48 and second["rows"] == 60
+    assert (
+        m2.version == m1.version + 1
+        and m2.files[: len(m1.files)] == m1.files
+        and len(m2.files) > len(m1.files)
+    )
+    assert {f: open(os.path.join(uri, f), "rb").read() for f in m1.files} == old_bytes  # old files untouched
+    after = next(r for r in read_arrow(uri).to_pylist() if r["uri"] == victim)
+    assert after == before
+    rows = read_arrow(uri).to_pylist()
+    assert len({r["uri"] for r in rows}) == 60 == first["rows"] + 12
+    third = ingest(str(work), uri, progress_every=0)
+    assert third["new_rows"] == 0 and tf.read_manifest(uri).version == m2.version
+    with pytest.raises(ConfigError, match="differs from the table"):
+        ingest(str(work), uri, split="0.5,0.25,0.25", progress_every=0)
+
+
+def test_crash_before_commit_leaves_previous_table(src, tmp_path, monkeypatch):
+    work = tmp_path / "src"
+    shutil.copytree(src, work)
+    uri = str(tmp_path / "table")
+    ingest(str(work), uri, progress_every=0)
+    before = read_arrow(uri)
+    synthesize(str(tmp_path / "more"), 8, seed=5)
+    shutil.copytree(tmp_path / "more" / "star", work / "star_more")
+
+    def crash(*a, **k):
+        raise RuntimeError("simulated crash between data and commit")
+
+    monkeypatch.setattr(tf, "commit", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        ingest(str(work), uri, progress_every=0)
+    assert os.path.isdir(os.path.join(uri, tf.version_dir(2)))  # data was written ...
+    assert read_arrow(uri).equals(before)  # ... but readers still see the committed table
+    assert open_table(uri).count() == before.num_rows
+    monkeypatch.undo()
+    again = ingest(str(work), uri, progress_every=0)  # the rerun replaces the uncommitted leftovers
+    assert again["version"] == 2 and again["rows"] == before.num_rows + 2
+
+
+def test_sigkill_during_commit_leaves_previous_table(src, tmp_path):
+    work = tmp_path / "src"
+    shutil.copytree(src, work)
+    uri = str(tmp_path / "table")
+    ingest(str(work), uri, progress_every=0)
+    before = read_arrow(uri)
+    shutil.copy(_files(work)[0], work / "circle" / "copy.jpg")
+    # The child is killed by SIGKILL at the worst moment: after writing data, as the commit starts.
+    code = (
+        "import os, signal, sys\n"
+        "from dutycycle.engine import table_format as tf, catalog\n"
+        "tf.commit = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "catalog.ingest(sys.argv[1], sys.argv[2], progress_every=0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(work), uri], env=os.environ.copy(), timeout=300)
+    assert proc.returncode == -9
+    assert os.listdir(os.path.join(uri, tf.version_dir(2)))
+    assert read_arrow(uri).equals(before)
+
+
+def test_labels_from_csv_and_json(tmp_path):
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    synthesize(str(tmp_path / "s"), 8, seed=4)
+    names = []
+    for p in _files(tmp_path / "s"):
+        shutil.copy(p, flat / os.path.basename(p))
+        names.append(os.path.basename(p))
+    (tmp_path / "labels.csv").write_text(
+        "file,label\n" + "".join(f"{n},{n.split('_')[0]}X\n" for n in names[:6])
+    )
+    (tmp_path / "labels.json").write_text(
+        json.dumps({n: "odd" if i % 2 else "even" for i, n in enumerate(names)})
+    )
+    s = ingest(str(flat), str(tmp_path / "t1"), labels=str(tmp_path / "labels.csv"), progress_every=0)
+    rows = read_arrow(str(tmp_path / "t1")).to_pylist()
+    assert s["unlabelled"] == 2 and all(r["label"].endswith("X") for r in rows if r["label"])
+    s = ingest(str(flat), str(tmp_path / "t2"), labels=str(tmp_path / "labels.json"), progress_every=0)
+    assert s["classes"] == {"even": 4, "odd": 4} and tf.read_manifest(str(tmp_path / "t2")).classes == [
+        "even",
+        "odd",
+    ]
+
+
+def test_duplicate_content_shares_id_and_split(tmp_path):
+    synthesize(str(tmp_path / "s"), 4, seed=1)
+    first = _files(tmp_path / "s")[0]
+    shutil.copy(first, os.path.join(os.path.dirname(first), "copy of it.jpg"))
+    ingest(str(tmp_path / "s"), str(tmp_path / "t"), progress_every=0)
+    rows = read_arrow(str(tmp_path / "t")).to_pylist()
+    dup = [r for r in rows if r["sample_id"] == rows[[r["uri"] for r in rows].index(first)]["sample_id"]]
+    assert len(rows) == 5 and len(dup) == 2 and dup[0]["split"] == dup[1]["split"]
+
+
+def test_table_inside_source_is_not_ingested(tmp_path):
+    synthesize(str(tmp_path / "s"), 8, seed=1)
+    ingest(str(tmp_path / "s"), str(tmp_path / "s" / "_table"), progress_every=0)
+    s = ingest(str(tmp_path / "s"), str(tmp_path / "s" / "_table"), progress_every=0)
+    assert s["rows"] == 8 and s["new_rows"] == 0
+
+
+def test_memory_filesystem_source_and_table():
+    synthesize("memory://ingest-mem/src", 12, seed=2, broken_fraction=0.1)
+    s = ingest("memory://ingest-mem/src", "memory://ingest-mem/table", progress_every=0)
+    assert s["rows"] == 12 and sum(s["errors"].values()) == 1
+    t = open_table("memory://ingest-mem/table")
+    assert t.count() == 12 and all(u.startswith("memory://") for u in t.to_arrow().column("uri").to_pylist())
+
+
+def test_s3_source_and_table(s3):
+    synthesize(f"{s3}/src", 12, seed=3, broken_fraction=0.1)
+    s = ingest(f"{s3}/src", f"{s3}/table", progress_every=0)
+    assert s["rows"] == 12 and s["classes"] and sum(s["errors"].values()) == 1
+    rows = read_arrow(f"{s3}/table").to_pylist()
+    assert all(r["uri"].startswith(f"{s3}/src/") for r in rows)
+    assert (
+        open_table(f"{s3}/table").to_arrow().sort_by("uri").equals(read_arrow(f"{s3}/table").sort_by("uri"))
+    )
+    synthesize(f"{s3}/src/extra", 4, seed=4)
+    again = ingest(f"{s3}/src", f"{s3}/table", progress_every=0)
+    assert again["new_rows"] == 4 and again["rows"] == 16
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["ingest", "{tmp}/missing", "{tmp}/t"], "missing"),
+        (["ingest", "{tmp}/empty", "{tmp}/t"], "contains no files"),
+        (["ingest", "{tmp}/src", "{tmp}/blocker/t"], "blocker"),
+        (["ingest", "{tmp}/src", "{tmp}/t", "--split", "0.9,0.2"], "--split"),
+        (["ingest", "{tmp}/src", "{tmp}/t", "--runner", "spark"], "spark"),
+        (["ingest", "{tmp}/src", "{tmp}/t", "--labels", "{tmp}/nolabels.csv"], "nolabels.csv"),
+        (["inspect", "{tmp}/missing"], "missing"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, needle):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    synthesize(str(tmp_path / "src"), 4, seed=0)
+    rc = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_cli_ingest_prints_summary(src, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "dutycycle.trainer", "ingest", str(src), str(tmp_path / "t")],
+        capture_output=True,
+        text=True,
+        env=os.environ.copy(),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "48 rows" in out.stdout and "classes: circle" in out.stdout and "errors: " in out.stdout
+    assert "ingest: 48 files" in out.stderr

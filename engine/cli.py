@@ -109,7 +109,7 @@ def cmd_inspect(args) -> int:
             table = table.where(args.where)
             table.df.limit(1).collect()  # surface a bad expression here, as one line
         except Exception as e:
-            if isinstance(e, ConfigError):
+            if isinstance(e, (ConfigError, OSError)):  # storage errors are not a bad filter
                 raise
             raise ConfigError(
                 f"--where {args.where!r} is not a valid filter ({str(e).splitlines()[0]}); "

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError, SourceError
+from .imageinfo import DEFAULT_MAX_PIXELS
 
 RESIZE_POLICIES = ("shorter_crop", "pad", "stretch")
 RESAMPLE_FILTERS = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
@@ -34,7 +35,7 @@ BACKGROUNDS = {"black": (0, 0, 0), "white": (255, 255, 255)}
 
 # Decompression-bomb bound: refuse an image whose header announces more pixels than this, before decoding.
 # 64 Mpx is well above any training photograph and keeps one decode under ~200 MB.
-MAX_PIXELS = 64 * 1024 * 1024
+MAX_PIXELS = DEFAULT_MAX_PIXELS  # one limit for ingest and materialize
 
 
 class DecodeError(SourceError):

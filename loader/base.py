@@ -1,4 +1,4 @@
-"""The planned loader: plan an epoch, execute it in one of four modes, hand out batches, remember the position.
+"""The planned loader: plan an epoch, execute it in a ``LoaderConfig`` mode, hand out batches, remember the position.
 
 Subclasses say where rows come from (``CacheLoader``: a transformed-sample cache; ``RawLoader``: a metadata
 table decoded per step). Everything else, the plan, the execution modes, collation into torch, augmentation,
@@ -81,7 +81,7 @@ class PlannedLoader:
         mode = config.mode
         self.in_memory = mode == "memory" or (mode == "auto" and self._auto_in_memory())
         self.background = mode in ("thread", "ray", "memory") or (
-            mode == "auto" and not (self.in_memory and not self._needs_batch_work())
+            mode == "auto" and (not self.in_memory or self._needs_batch_work())
         )
         source = "ray tasks" if mode == "ray" else "memory" if self.in_memory else self._local_source
         self.execution = f"{mode}: {source}, {'prefetch thread' if self.background else 'caller thread'}"
@@ -191,8 +191,9 @@ class PlannedLoader:
         return _background(batches, self.config.prefetch) if self.background else batches
 
     def _read_all_local(self, epoch: int, steps: range) -> Iterator[RawBatch]:
+        batches = self.global_batches(epoch)  # what rank_indices does per step, looked up once
         for step in steps:
-            yield self._read_local(self.rank_indices(step, epoch))
+            yield self._read_local(rank_slice(batches[step], self.rank, self.world_size))
 
     def _read_all_ray(self, epoch: int, steps: range) -> Iterator[RawBatch]:
         """Keep ``prefetch`` Ray read tasks in flight; collect them in plan order (bounded, so memory is too)."""

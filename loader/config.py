@@ -20,7 +20,8 @@ class LoaderConfig:
     ``mode``:
       - ``"auto"`` (the default, what training uses): hold the split in RAM when it takes at most
         ``auto_memory_fraction`` of the memory available (in the Ray object store, shared by the node's loaders,
-        when Ray is initialized), else read the memory-mapped shards in place; collate in a background thread
+        when Ray is initialized; it is read whole before the first batch), else read the memory-mapped shards
+        in place (a batch spanning several shards then costs a second copy); collate in a background thread
         when a batch needs CPU work beyond gathering its rows (random augmentation, normalization, pinning or a
         device copy) or its rows come from shards on disk, and in the caller's thread otherwise (a gather from
         RAM costs well under a millisecond per batch, less than handing the batch between threads).

@@ -147,5 +147,5 @@ class MemorySplit:
     def read(self, indices: np.ndarray) -> RawBatch:
         """``indices`` are split indices from the plan (always in range, so the gather skips bounds checks)."""
         images = np.empty((len(indices), *self.images.shape[1:]), dtype=np.uint8)
-        np.take(self.images, indices, axis=0, out=images, mode="clip")
+        self.images.take(indices, axis=0, out=images, mode="clip")
         return RawBatch(images, self.labels.take(indices), self.sample_ids.take(indices))

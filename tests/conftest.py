@@ -12,6 +12,9 @@ from .harness import moto_server
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+# Every Ray start in the tests (and in their subprocesses) makes its own cluster, never joins one that another
+# process left running on this machine (ray.init() with no address would).
+os.environ.setdefault("RAY_ADDRESS", "local")
 
 
 @pytest.fixture(scope="session")

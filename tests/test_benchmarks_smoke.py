@@ -12,7 +12,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "loader.py"
 ROWS = {
-    "dutycycle-thread", "dutycycle-memory", "dutycycle-ray", "ram-gather", "torch-jpeg",
+    "dutycycle-auto", "dutycycle-thread", "dutycycle-memory", "dutycycle-ray", "ram-gather", "torch-jpeg",
     "ray-parquet", "ray-images", "daft-parquet", "webdataset",
 }
 RATIOS = {"vs_ram_gather", "vs_torch_jpeg", "vs_ray_parquet", "vs_ray_images", "vs_daft", "vs_webdataset"}
@@ -40,3 +40,16 @@ def test_loader_benchmark_quick(tmp_path):
     assert set(ratios) == RATIOS and all(r["value"] > 0 for r in ratios.values())
     # the README table comes from stdout
     assert "| dutycycle-thread |" in proc.stdout and "| webdataset |" in proc.stdout
+
+
+def test_ingest_benchmark_quick(tmp_path):
+    """benchmarks/ingest.py runs end to end at a tiny size and reports both rates and their ratio."""
+    out = tmp_path / "ingest.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "ingest.py"), "--n", "60", "--photos", "4",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    shapes = data["datasets"]["shapes_48_256px"]
+    assert shapes["images"] == 60
+    assert shapes["images_per_s"]["ingest_no_phash"] > 0 and shapes["images_per_s"]["pil_decode_1proc"] > 0
+    assert shapes["ratios"]["ingest_no_phash_vs_pil_decode_1proc"] > 0

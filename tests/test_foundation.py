@@ -67,7 +67,6 @@ def _write_cache(uri):
 
 def test_cache_format_roundtrip_and_commit(tmp_path):
     import pyarrow as pa
-
     from dutycycle.engine import cache_format as cf
     from dutycycle.engine.errors import CorruptArtifactError, SourceError
 

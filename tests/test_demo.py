@@ -1,0 +1,54 @@
+"""`dutycycle demo --small` end to end, as a user runs it (a subprocess: it starts its own Ray cluster)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_demo_small_runs_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", DAFT_ANALYTICS_ENABLED="0")
+    env["RAY_ADDRESS"] = "local"  # never join a cluster another process left running
+    proc = subprocess.run([sys.executable, "-m", "dutycycle.trainer", "demo", "--small", "--out", str(out)],
+                          capture_output=True, text=True, timeout=540, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    text = proc.stdout
+    for stage in ("synth:", "ingest:", "curate:", "inspect:", "materialize:", "train:", "final validation accuracy:",
+                  "time: data_wait", "report:"):
+        assert stage in text, f"{stage!r} missing from the demo output:\n{text}"
+    assert "bad files counted" in text and " 0 bad files" not in text  # the broken files were counted
+    demo = json.loads((out / "demo.json").read_text())
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 6
+    # 6 steps of a tiny CNN: no accuracy target, but the value must be a real accuracy over real val samples
+    assert summary["val_accuracy"] == demo["val_accuracy"]
+    evals = [json.loads(ln) for ln in (out / "run" / "metrics.jsonl").read_text().splitlines() if "val_samples" in ln]
+    assert evals and all(e["val_samples"] > 0 for e in evals)
+    assert 0.0 <= demo["val_accuracy"] <= 1.0
+    assert (out / "run" / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "contact_sheet.html").read_text().count("<img") > 0
+    assert (out / "run" / "config.json").exists() and (out / "run" / "metrics.jsonl").exists()
+
+
+def test_demo_toml_matches_the_demo_settings():
+    """configs/demo.toml is what `dutycycle train` users copy: it must stay the demo's settings."""
+    from dutycycle.trainer.config import load_config
+    from dutycycle.trainer.demo import DEMO
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "configs", "demo.toml")
+    with open(path, "rb") as f:
+        toml = tomllib.load(f)
+    for section, values in DEMO["train"].items():
+        for key, value in values.items():
+            assert toml[section][key] == value, f"configs/demo.toml [{section}] {key}"
+    load_config(path)  # and it validates
+    load_config(os.path.join(root, "configs", "vit.toml"))

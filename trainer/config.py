@@ -1,0 +1,354 @@
+"""Training configuration: a tree of dataclasses, loaded from TOML, overridden with ``--set a.b=value``.
+
+Everything is validated here, in the driver, before any worker starts: an unknown key or a bad value raises
+``ConfigError`` naming the dotted key. The resolved tree is printed and saved as ``RUN_DIR/config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from dutycycle.engine.errors import ConfigError
+
+
+@dataclass
+class AugmentSection:
+    crop_padding: int = 0  # random crop after zero padding by this many pixels (0 = off)
+    flip: bool = False  # random horizontal flip
+    normalize: bool = True  # uint8 -> float in [0, 1]
+
+
+@dataclass
+class DataSection:
+    # Where batches come from: "cache" (a materialized cache), "raw" (decode the metadata table per step) or
+    # "synthetic" (in-memory shapes drawn with numpy; for tests and smoke runs, no files).
+    source: str = "cache"
+    cache: str = ""  # cache URI when source = "cache"
+    table: str = ""  # metadata table URI when source = "raw"
+    size: int = 32  # sample side for source = "raw" / "synthetic"
+    global_batch_size: int = 128  # samples per optimizer step, over all ranks and micro-batches
+    micro_batches: int = 1  # gradient accumulation: micro-batches per optimizer step on each rank
+    eval_batch_size: int = 256  # per rank
+    loader_mode: str = "auto"  # the loader's execution mode inside a worker (see launch.py for why)
+    prefetch: int = 2
+    drop_last: bool = True
+    synthetic_samples: int = 512  # source = "synthetic": training samples (val gets a quarter)
+    slow_ms: float = 0.0  # add this much sleep per batch (to show what a slow loader costs)
+    augment: AugmentSection = field(default_factory=AugmentSection)
+
+
+@dataclass
+class ModelSection:
+    # A registered name ("cnn", "vit") or a plug-in "package.module:factory" returning an nn.Module.
+    name: str = "cnn"
+    width: int = 32  # cnn: channels of the first block; vit: embedding dimension
+    depth: int = 3  # cnn: conv blocks; vit: transformer blocks
+    heads: int = 4  # vit only
+    patch: int = 4  # vit only
+    groups: int = 8  # GroupNorm groups (world-size-invariant normalization)
+
+
+@dataclass
+class OptimSection:
+    name: str = "adamw"  # "adamw" or "sgd"
+    lr: float = 3e-3
+    weight_decay: float = 0.05
+    momentum: float = 0.9  # sgd only
+    beta1: float = 0.9
+    beta2: float = 0.999
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # "cosine" or "constant" after warmup
+    min_lr_ratio: float = 0.05  # cosine floor as a fraction of lr
+    grad_clip: float = 1.0  # max global gradient norm; 0 = off
+
+
+@dataclass
+class ParallelSection:
+    num_workers: int = 1
+    use_gpu: str = "auto"  # "auto" (GPU when the cluster has one), "true" or "false"
+    grad_sync: str = "allreduce"  # the GradSync implementation (trainer/sync.py)
+    bucket_mb: float = 25.0  # gradient bucket size for the flat all-reduce
+    cpus_per_worker: float = 1.0  # Ray CPU reservation per training worker
+    threads_per_worker: int = 0  # torch intra-op threads; 0 = cores / workers on this node
+
+
+@dataclass
+class RaySection:
+    address: str = ""  # "" starts (or joins) a local cluster; "auto" or ray://... joins an existing one
+    storage_path: str = ""  # Ray Train run storage (absolute path or fsspec URI); "" = RUN_DIR/ray
+    placement_strategy: str = "PACK"  # PACK, STRICT_PACK, SPREAD, STRICT_SPREAD
+    label_selector: dict[str, str] = field(default_factory=dict)  # e.g. {"zone" = "us-east-1a"}
+    accelerator_type: str = ""
+
+
+@dataclass
+class RunSection:
+    dir: str = "runs/train"  # run directory (any fsspec URI): config, metrics.jsonl, summary.json, report.png
+    name: str = "dutycycle"
+    seed: int = 0
+    epochs: float = 1.0  # may be fractional; max_steps wins when > 0
+    max_steps: int = 0
+    eval_every: int = 50  # optimizer steps between validation passes (and always at the end); 0 = end only
+    eval_max_batches: int = 0  # cap validation batches per pass; 0 = the whole split
+    log_every: int = 10  # print every N steps (metrics.jsonl records every step)
+    precision: str = "auto"  # "auto" (bf16 autocast on GPU, fp32 on CPU), "fp32", "bf16"
+    report: bool = True  # write report.png at the end
+
+
+@dataclass
+class TrainConfig:
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    ray: RaySection = field(default_factory=RaySection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+CHOICES = {
+    "data.source": ("cache", "raw", "synthetic"),
+    "data.loader_mode": ("auto", "sync", "thread", "ray", "memory"),
+    "optim.name": ("adamw", "sgd"),
+    "optim.schedule": ("cosine", "constant"),
+    "parallel.use_gpu": ("auto", "true", "false"),
+    "parallel.grad_sync": ("allreduce",),
+    "ray.placement_strategy": ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
+    "run.precision": ("auto", "fp32", "bf16"),
+}
+
+
+# ----------------------------------------------------------------------------------------------- building
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert ``value`` (from TOML or a ``--set`` string) to the field type ``tp`` or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        raise AssertionError(f"unsupported union type for {key}")
+    if origin is dict:
+        if isinstance(value, str):
+            value = _parse_mapping(key, value)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r} must be a table of strings, e.g. {key}={{zone=\"a\"}}")
+        return {str(k): str(v) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{key} = {value!r} is not a boolean; use true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r} is not an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} = {value!r} is not an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} = {value!r} is not a number")
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key} = {value!r} must be a string")
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return str(value)
+    raise AssertionError(f"unsupported field type {tp} for {key}")
+
+
+def _parse_mapping(key: str, text: str) -> dict:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{key} = {text!r} is not a TOML inline table; write e.g. {key}={{zone=\"a\"}}") from e
+
+
+def _build(cls, data: dict[str, Any], prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix} must be a table, got {data!r}")
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(f"unknown config key {key!r}; valid keys here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, key)
+        else:
+            kwargs[name] = _coerce(key, value, tp)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
+    """Apply one ``a.b=value`` override to a nested dict, coercing the value to the field's type."""
+    parts = dotted.split(".")
+    cls: Any = TrainConfig
+    node = tree
+    for i, part in enumerate(parts):
+        key = ".".join(parts[: i + 1])
+        names = {f.name for f in dataclasses.fields(cls)}
+        if part not in names:
+            raise ConfigError(f"unknown config key {key!r}; valid keys here: {', '.join(sorted(names))}")
+        tp = _hints(cls)[part]
+        last = i == len(parts) - 1
+        if dataclasses.is_dataclass(tp):
+            if last:
+                raise ConfigError(f"{key} is a section; set one of its keys, e.g. {key}.{dataclasses.fields(tp)[0].name}=...")
+            node = node.setdefault(part, {})
+            cls = tp
+        else:
+            if not last:
+                raise ConfigError(f"unknown config key {dotted!r}: {key} is not a section")
+            node[part] = _coerce(dotted, raw, tp)
+
+
+def parse_overrides(items: list[str] | None) -> list[tuple[str, str]]:
+    out = []
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} must look like key=value, e.g. --set optim.lr=0.01")
+        k, v = item.split("=", 1)
+        out.append((k.strip(), v.strip()))
+    return out
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None, base: dict | None = None) -> TrainConfig:
+    """Load a TOML file (or start from ``base``/defaults), apply ``--set`` overrides, validate."""
+    tree: dict[str, Any] = dict(base or {})
+    if path:
+        try:
+            with open(path, "rb") as f:
+                tree = tomllib.load(f)
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {path!r} does not exist; pass a TOML file such as configs/demo.toml") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from e
+    for k, v in parse_overrides(overrides):
+        _set_dotted(tree, k, v)
+    cfg = _build(TrainConfig, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def from_dict(tree: dict[str, Any]) -> TrainConfig:
+    cfg = _build(TrainConfig, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Value checks that need more than a type; every message names the dotted key."""
+    tree = cfg.to_dict()
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        if tree[section][name] not in allowed:
+            raise ConfigError(f"{key} = {tree[section][name]!r} is not one of {', '.join(allowed)}")
+    positive = {
+        "data.global_batch_size": cfg.data.global_batch_size,
+        "data.micro_batches": cfg.data.micro_batches,
+        "data.eval_batch_size": cfg.data.eval_batch_size,
+        "data.size": cfg.data.size,
+        "parallel.num_workers": cfg.parallel.num_workers,
+        "model.width": cfg.model.width,
+        "model.depth": cfg.model.depth,
+    }
+    for key, v in positive.items():
+        if v <= 0:
+            raise ConfigError(f"{key} = {v} must be positive")
+    for key, v in {
+        "optim.lr": cfg.optim.lr,
+        "optim.weight_decay": cfg.optim.weight_decay,
+        "optim.grad_clip": cfg.optim.grad_clip,
+        "optim.warmup_steps": cfg.optim.warmup_steps,
+        "run.epochs": cfg.run.epochs,
+        "run.max_steps": cfg.run.max_steps,
+        "run.eval_every": cfg.run.eval_every,
+        "data.slow_ms": cfg.data.slow_ms,
+        "parallel.cpus_per_worker": cfg.parallel.cpus_per_worker,
+    }.items():
+        if v < 0:
+            raise ConfigError(f"{key} = {v} must not be negative")
+    if cfg.run.epochs == 0 and cfg.run.max_steps == 0:
+        raise ConfigError("run.epochs and run.max_steps are both 0; set one of them, e.g. --set run.epochs=3")
+    per_step = cfg.parallel.num_workers * cfg.data.micro_batches
+    if cfg.data.global_batch_size % per_step:
+        raise ConfigError(
+            f"data.global_batch_size = {cfg.data.global_batch_size} does not split evenly over "
+            f"parallel.num_workers x data.micro_batches = {per_step}; choose a multiple of {per_step}"
+        )
+    if not cfg.data.drop_last and per_step > 1:
+        # A short last batch splits unevenly over ranks and micro-batches, and the gradient sync averages equal
+        # shares: the step would no longer be the mean over the global batch (or a rank could get no sample).
+        raise ConfigError(
+            f"data.drop_last = false needs parallel.num_workers x data.micro_batches = 1 (got {per_step}); "
+            "keep data.drop_last = true for distributed or accumulated training"
+        )
+    if cfg.data.source == "cache" and not cfg.data.cache:
+        raise ConfigError("data.cache is empty; set it to a materialized cache URI (dutycycle materialize ...)")
+    if cfg.data.source == "raw" and not cfg.data.table:
+        raise ConfigError("data.table is empty; set it to a metadata table URI for data.source = 'raw'")
+    if ":" in cfg.model.name:
+        module, _, attr = cfg.model.name.partition(":")
+        if not module or not attr:
+            raise ConfigError(f"model.name = {cfg.model.name!r} must be a registered name or 'package.module:factory'")
+    else:
+        from .models import MODELS
+
+        if cfg.model.name not in MODELS:
+            raise ConfigError(
+                f"model.name = {cfg.model.name!r} is not registered ({', '.join(sorted(MODELS))}); "
+                "or give a plug-in 'package.module:factory'"
+            )
+    if cfg.model.name == "vit":
+        if cfg.model.width % cfg.model.heads:
+            raise ConfigError(f"model.width = {cfg.model.width} must be divisible by model.heads = {cfg.model.heads}")
+    if cfg.model.name == "cnn" and cfg.model.width % cfg.model.groups:
+        raise ConfigError(f"model.width = {cfg.model.width} must be divisible by model.groups = {cfg.model.groups}")
+
+
+def use_gpu(cfg: TrainConfig, gpus_available: float) -> bool:
+    if cfg.parallel.use_gpu == "auto":
+        return gpus_available >= 1
+    return cfg.parallel.use_gpu == "true"
+
+
+def describe(cfg: TrainConfig) -> str:
+    """The resolved config as TOML-ish text, for printing before a run starts."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for k, v in values.items():
+            lines.append(f"{k} = {json.dumps(v)}")
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""Run outputs: ``metrics.jsonl`` (one JSON object per optimizer step, plus eval rows) and ``summary.json``.
+
+Rank 0 writes. On a local run directory each row is appended and flushed as it happens (so ``tail -f``
+works); on an object store rows are buffered and the whole file is rewritten atomically at each evaluation
+and at the end. ``summary.json`` is written last, with ``write_json_atomic``: a run directory with a summary
+is a finished run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from dutycycle.engine import io
+
+from .timing import ALL_PHASES, USEFUL, breakdown
+
+# Peak dense bf16 tensor FLOP/s per GPU, for model FLOP utilization (vendor datasheets, no sparsity).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+}
+
+
+def peak_flops(device_name: str) -> float | None:
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key in device_name:
+            return value
+    return None
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str, enabled: bool = True):
+        self.run_dir, self.enabled = run_dir, enabled
+        self.uri = io.join(run_dir, "metrics.jsonl")
+        self.local = io.protocol(run_dir) == "file"
+        self.rows: list[dict] = []
+        self._f = None
+        if enabled and self.local:
+            os.makedirs(run_dir, exist_ok=True)
+            self._f = open(self.uri, "w")  # noqa: SIM115 - kept open for the run, closed in close()
+
+    def log(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self.rows.append(row)
+        if self._f is not None:
+            self._f.write(json.dumps(row) + "\n")
+            self._f.flush()
+
+    def flush(self) -> None:
+        if self.enabled and not self.local:
+            io.write_bytes_atomic(self.uri, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
+
+    def close(self) -> None:
+        self.flush()
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    fs, path = io.filesystem(io.join(run_dir, "metrics.jsonl"))
+    with fs.open(path, "r") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize(*, steps: int, samples: int, first_loss: float | None, final_loss: float | None,
+              val_accuracy: float | None, val_loss: float | None, wall_s: float, per_rank_totals: list[dict],
+              world_size: int, device: str, num_params: int, flops_per_sample: float | None = None,
+              peak_flops_per_device: float | None = None, extra: dict | None = None) -> dict:
+    """The run summary. ``per_rank_totals`` holds each rank's phase seconds; the breakdown is their mean, and
+    ``max`` shows the slowest rank per phase (a straggler shows up as max >> mean)."""
+    mean = {k: sum(t.get(k, 0.0) for t in per_rank_totals) / len(per_rank_totals) for k in ALL_PHASES}
+    mx = {k: max(t.get(k, 0.0) for t in per_rank_totals) for k in ALL_PHASES}
+    # "other" is whatever the named phases do not cover, over the whole loop's wall time
+    named = sum(v for k, v in mean.items() if k != "other")
+    mean["other"] = max(0.0, wall_s - named)
+    bd = breakdown(mean, wall_s)
+    train_s = max(wall_s - mean["eval"], 1e-9)
+    summary = {
+        "steps": steps,
+        "samples": samples,
+        "world_size": world_size,
+        "device": device,
+        "num_params": num_params,
+        "first_loss": first_loss,
+        "final_loss": final_loss,
+        "val_accuracy": val_accuracy,
+        "val_loss": val_loss,
+        "wall_s": wall_s,
+        "samples_per_s": samples / train_s,
+        "time_breakdown": {"seconds": bd["seconds"], "fractions": bd["fractions"], "max_seconds": mx},
+        "goodput": sum(bd["fractions"][k] for k in USEFUL),
+        "data_wait_fraction": bd["fractions"]["data_wait"],
+        "comm_fraction": bd["fractions"]["comm"],
+        "mfu": None,
+    }
+    if flops_per_sample and peak_flops_per_device:
+        summary["mfu"] = flops_per_sample * samples / train_s / (peak_flops_per_device * world_size)
+    summary.update(extra or {})
+    return summary
+
+
+def format_breakdown(summary: dict) -> str:
+    """A few lines a person reads at the end of a run."""
+    bd = summary["time_breakdown"]
+    parts = [f"{k} {bd['seconds'][k]:.1f}s ({bd['fractions'][k]:.0%})" for k in ALL_PHASES if bd["seconds"][k] > 0]
+    return "time: " + ", ".join(parts)

@@ -1,0 +1,119 @@
+"""Models. Normalization never uses batch statistics (GroupNorm / LayerNorm), so a model's output for a
+sample does not depend on how the global batch is split across ranks: 1 and N workers train the same weights.
+
+A model factory has the signature ``factory(cfg: ModelSection, in_channels, num_classes, image_size)`` and
+returns an ``nn.Module`` mapping float images [B, C, H, W] to logits [B, num_classes]. Register one in
+``MODELS`` or point ``model.name`` at ``"package.module:factory"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+from dutycycle.engine.errors import ConfigError
+from torch import nn
+
+
+class SmallCNN(nn.Module):
+    """``depth`` conv blocks (conv 3x3, GroupNorm, ReLU, 2x2 max-pool), channels doubling, then a linear head."""
+
+    def __init__(self, in_channels: int, num_classes: int, width: int = 32, depth: int = 3, groups: int = 8):
+        super().__init__()
+        layers: list[nn.Module] = []
+        c_in = in_channels
+        for i in range(depth):
+            c_out = width * 2**i
+            layers += [
+                nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+                nn.GroupNorm(min(groups, c_out), c_out),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(2),
+            ]
+            c_in = c_out
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(c_in, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.features(x)
+        return self.head(x.mean(dim=(2, 3)))  # global average pool: any input size works
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, dim * mlp_ratio), nn.GELU(), nn.Linear(dim * mlp_ratio, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyViT(nn.Module):
+    """A small vision transformer: more parameters per FLOP than the CNN, for the sharding work ahead."""
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int, dim: int = 128, depth: int = 4,
+                 heads: int = 4, patch: int = 4):
+        super().__init__()
+        if image_size % patch:
+            raise ConfigError(f"model.patch = {patch} must divide the image size {image_size}")
+        n = (image_size // patch) ** 2
+        self.patch = nn.Conv2d(in_channels, dim, patch, stride=patch)
+        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos = nn.Parameter(torch.randn(1, n + 1, dim) * 0.02)
+        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        x = self.blocks(x)
+        return self.head(self.norm(x[:, 0]))
+
+
+def cnn(cfg, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    return SmallCNN(in_channels, num_classes, width=cfg.width, depth=cfg.depth, groups=cfg.groups)
+
+
+def vit(cfg, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    return TinyViT(in_channels, num_classes, image_size, dim=cfg.width, depth=cfg.depth, heads=cfg.heads,
+                   patch=cfg.patch)
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": cnn, "vit": vit}
+
+
+def resolve_factory(name: str) -> Callable[..., nn.Module]:
+    if name in MODELS:
+        return MODELS[name]
+    module_name, _, attr = name.partition(":")
+    if not attr:
+        raise ConfigError(f"model.name = {name!r} is not registered ({', '.join(sorted(MODELS))})")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"model.name = {name!r}: cannot import {module_name!r} ({e}); check the module path") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"model.name = {name!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def build_model(cfg, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """Build the model named by ``cfg.name`` (a ModelSection); plug-ins get the same arguments."""
+    model = resolve_factory(cfg.name)(cfg, in_channels, num_classes, image_size)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.name = {cfg.name!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -6,8 +6,7 @@ Public names are resolved lazily from the table below.
 
 from __future__ import annotations
 
-import importlib
-
+from ._lazy import lazy_exports
 from .errors import ConfigError, CorruptArtifactError, DestinationError, DutycycleError, SourceError
 
 # public name -> module that defines it (relative to this package)
@@ -33,10 +32,4 @@ __all__ = [
     *_LAZY,
 ]
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -27,7 +27,7 @@ object-store memory mode), ``ray_data`` (Ray Data export), ``device`` (pinning, 
 
 from __future__ import annotations
 
-import importlib
+from dutycycle.engine._lazy import lazy_exports
 
 # public name -> module that defines it (relative to this package)
 _LAZY = {
@@ -45,10 +45,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

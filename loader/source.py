@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from dutycycle.engine.cache_format import CacheReader
-from dutycycle.engine.errors import ConfigError
+from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 
 
 @dataclass
@@ -123,7 +123,11 @@ def split_rows(reader: CacheReader, split: str) -> np.ndarray:
         return np.arange(reader.num_samples, dtype=np.int64)
     parts = [np.flatnonzero(reader.column(i, "split") == split) + reader.offsets[i] for i in range(reader.num_shards)]
     rows = np.concatenate(parts).astype(np.int64)
-    assert len(rows) == counts[split], (split, len(rows), counts[split])
+    if len(rows) != counts[split]:  # the shards disagree with their manifest: never train on a torn cache
+        raise CorruptArtifactError(
+            f"cache {reader.uri!r} has {len(rows)} {split!r} rows in its shards but its manifest says "
+            f"{counts[split]}; materialize the cache again"
+        )
     return rows
 
 

@@ -11,7 +11,7 @@ Importing this package is cheap: torch and ray load only when training starts.
 
 from __future__ import annotations
 
-import importlib
+from dutycycle.engine._lazy import lazy_exports
 
 _LAZY = {
     "TrainConfig": ".config",
@@ -27,10 +27,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

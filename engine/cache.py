@@ -47,7 +47,7 @@ DEFAULT_ROWS_PER_SHARD = 2048
 class MaterializeConfig:
     rows_per_shard: int = DEFAULT_ROWS_PER_SHARD
     where: str | None = None  # Daft SQL expression over the table's columns, e.g. "split = 'train'"
-    runner: str | None = None  # "native" | "ray" | None (whatever this process already uses)
+    runner: str | None = None  # "native" | "ray" | None (DAFT_RUNNER, else native, else the one already fixed)
     ray_address: str | None = None  # a running Ray cluster for the ray runner; None starts a local one
     batch_size: int = 64  # rows per UDF call
 
@@ -331,10 +331,9 @@ def materialize(
         if hit is not None:
             return hit
 
-    if cfg.runner is not None:
-        from .runner import configure
+    from .runner import configure
 
-        configure(cfg.runner, cfg.ray_address)
+    runner = configure(cfg.runner, cfg.ray_address)
     plan = plan_rows(table, spec, where, tm)
     hit = _reuse(cache, plan.fingerprint, t0)
     if hit is not None:
@@ -345,7 +344,7 @@ def materialize(
             f"table {table!r} has no readable rows{f' matching {where!r}' if where else ''} "
             f"({plan.table_errors} error rows); check the table with `dutycycle inspect` or the filter"
         )
-    if cfg.runner == "ray" and io.protocol(table) == "memory":
+    if runner == "ray" and io.protocol(table) == "memory":
         raise ConfigError("memory:// tables live in one process; use --runner native or a shared location")
 
     out = io.join(cache, plan.fingerprint)

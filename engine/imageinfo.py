@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-# The default ceiling on header-claimed pixels (PIL's own default: about 89 megapixels). Anything larger is
-# recorded as a decompression bomb without being decoded.
-DEFAULT_MAX_PIXELS = 89_478_485
+from .limits import DEFAULT_MAX_PIXELS
+
 ORIENTATION_TAG = 0x0112
 HASH_HEX_CHARS = 32
 

@@ -1,7 +1,9 @@
 """Choose where Daft runs queries: its native (single-process, multithreaded) runner or a Ray cluster.
 
-Precedence: an explicit ``--runner`` value, then the ``DAFT_RUNNER`` environment variable, then native.
-Daft fixes the runner per process once a query has run, so this is called once, before the first query.
+Precedence: an explicit ``--runner`` value, then the ``DAFT_RUNNER`` environment variable, then native, so a
+process that merely has Ray initialized (a Ray Train worker, a notebook with a Ray cluster) still runs Daft
+natively unless asked. Daft fixes the runner per process once a query has run; with nothing asked for
+explicitly, the runner already fixed is kept.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def configure(runner: str | None = None, ray_address: str | None = None) -> str:
     except Exception as e:
         if "more than once" in str(e) and current == name:
             return name  # already running on the requested runner
+        if "more than once" in str(e) and runner is None and not os.environ.get("DAFT_RUNNER"):
+            return current  # nothing was asked for explicitly: keep the runner this process already fixed
         if "more than once" in str(e):
             raise ConfigError(
                 f"Daft already runs queries on the {current!r} runner in this process; choose --runner "

@@ -19,12 +19,13 @@ from __future__ import annotations
 import io as _io
 import json
 from dataclasses import asdict, dataclass, fields
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, SourceError
-from .imageinfo import DEFAULT_MAX_PIXELS
+from .limits import DEFAULT_MAX_PIXELS
+
+if TYPE_CHECKING:  # numpy and PIL load inside the functions: `dutycycle --help` reads only the choices here
+    import numpy as np
 
 RESIZE_POLICIES = ("shorter_crop", "pad", "stretch")
 RESAMPLE_FILTERS = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
@@ -126,6 +127,7 @@ def _resample(name: str):
 
 def to_rgb(img, background: str = "black"):
     """Any PIL mode -> an ``RGB`` image (see the module docstring for the rules)."""
+    import numpy as np
     from PIL import Image
 
     mode = img.mode
@@ -172,6 +174,7 @@ def open_image(data: bytes, max_pixels: int = MAX_PIXELS):
 
 def transform_image(img, spec: TransformSpec) -> np.ndarray:
     """Apply ``spec`` to a decoded PIL image; returns uint8 in the spec's layout."""
+    import numpy as np
     from PIL import Image, ImageOps
 
     if spec.exif:

@@ -60,6 +60,7 @@ class RawLoader(PlannedLoader):
         where: str | None = None,
     ):
         from dutycycle.engine.cache import plan_rows
+        from dutycycle.engine.runner import configure
 
         config = config or LoaderConfig()
         if config.mode == "memory":
@@ -70,6 +71,9 @@ class RawLoader(PlannedLoader):
             spec = TransformSpec.from_json(spec)
         self.spec, self.split, self.table_uri = spec, split, table_uri
         self.layout, self.shape = spec.layout, tuple(spec.shape)
+        # The row plan is a small Daft query: run it where Daft's default says (native unless DAFT_RUNNER), not
+        # on a Ray runner Daft would infer inside a Ray Train worker, whose CPUs the workers already hold.
+        configure()
         plan = plan_rows(table_uri, spec, where)
         keep = [i for i, s in enumerate(plan.splits) if s == split]
         if not keep:

@@ -14,7 +14,7 @@ os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 # Every Ray start in the tests (and in their subprocesses) makes its own cluster, never joins one that another
 # process left running on this machine (ray.init() with no address would).
-os.environ.setdefault("RAY_ADDRESS", "local")
+os.environ["RAY_ADDRESS"] = "local"  # subprocesses started by tests inherit it
 
 
 @pytest.fixture(scope="session")

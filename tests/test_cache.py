@@ -231,9 +231,7 @@ def test_cli_ray_runner_matches_native(tmp_path):
     table, rows = make_shapes_table(str(tmp_path / "data"), n=12, n_errors=1)
     native = materialize(table, str(tmp_path / "native"), SPEC, rows_per_shard=5)
     out = _cli("materialize", table, str(tmp_path / "ray"), "--size", "32", "--rows-per-shard", "5",
-               "--runner", "ray", "--json",
-               # a fresh local cluster, even if another Ray cluster runs on this machine
-               env_extra={"RAY_ADDRESS": "local"}, timeout=400)
+               "--runner", "ray", "--json", timeout=400)  # RAY_ADDRESS=local from conftest: a fresh cluster
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["fingerprint"] == native.manifest.fingerprint and not summary["reused"]

@@ -109,3 +109,11 @@ def test_cache_format_on_s3(s3):
     cf.commit(uri, m)
     r = cf.CacheReader(uri)
     assert np.array_equal(r.images(1), imgs[3:])
+
+
+def test_cli_help_loads_no_numeric_or_image_stack():
+    """`dutycycle --help` builds every subparser; it must not pay for numpy, PIL or pyarrow imports."""
+    code = ("import sys; from dutycycle.trainer.cli import build_parser; build_parser(); "
+            "print([m for m in ('numpy', 'PIL', 'pyarrow', 'daft', 'ray', 'torch') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -208,14 +208,9 @@ def _loader_sources(cfg, rank: int, world_size: int):
         train = CacheLoader(d.cache, "train", rank, world_size, config=train_cfg)
         val = CacheLoader(d.cache, "val", rank, world_size, config=val_cfg)
     else:
-        from dutycycle.engine import runner
         from dutycycle.engine.transform import TransformSpec
         from dutycycle.loader import RawLoader
 
-        # The raw path plans its rows with a small Daft query. Inside a Ray Train worker Daft would otherwise
-        # pick its Ray runner and compete for the CPUs the workers hold; the native runner (or DAFT_RUNNER)
-        # runs it in this process.
-        runner.configure()
         spec = TransformSpec(size=d.size)
         train = RawLoader(d.table, spec, "train", rank, world_size, config=train_cfg)
         val = RawLoader(d.table, spec, "val", rank, world_size, config=val_cfg)

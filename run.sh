@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${DUTYCYCLE_VENV:-.venv}
+TORCH=${DUTYCYCLE_TORCH:-torch==2.13.0}  # the CPU wheel on this machine kind's disk
 
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
@@ -15,8 +16,10 @@ setup() {
      || [ pyproject.toml -nt "$VENV/.dutycycle-installed" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # torch first: the CPU wheel pinned here; without it pip resolves a multi-GB CUDA build.
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-    "$VENV/bin/python" -m pip install -q -e ".[dev,bench]"
+    "$VENV/bin/python" -m pip install -q "$TORCH"
+    # and named again: pip 26, backtracking over fsspec/s3fs, otherwise drops the installed torch and takes the
+    # newest one the range admits (2.14.1, a CUDA build of several GB)
+    "$VENV/bin/python" -m pip install -q -e ".[dev,bench]" "$TORCH"
     touch "$VENV/.dutycycle-installed"
   fi
 }

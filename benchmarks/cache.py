@@ -74,7 +74,7 @@ def prepare(root: Path, n: int) -> dict[str, Any]:
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from dutycycle.engine import table_format as tf
+    from dutycycle.engine.table import format as tf
 
     info_path = root / "data.json"
     if info_path.exists() and json.loads(info_path.read_text())["n"] == n:
@@ -103,7 +103,7 @@ def prepare(root: Path, n: int) -> dict[str, Any]:
 
 
 def row_materialize(root: Path) -> dict[str, Any]:
-    from dutycycle.engine.cache import materialize
+    from dutycycle.engine.cache.materialize import materialize
     from dutycycle.engine.transform import TransformSpec
 
     spec = TransformSpec(size=SIZE)
@@ -124,7 +124,7 @@ def row_materialize(root: Path) -> dict[str, Any]:
 def row_reuse_fresh_process(root: Path) -> dict[str, Any]:
     """Reuse as the CLI sees it: a new process, imports included, nothing decoded."""
     t0 = time.perf_counter()
-    from dutycycle.engine.cache import materialize
+    from dutycycle.engine.cache.materialize import materialize
     from dutycycle.engine.transform import TransformSpec
 
     res = materialize(str(root / "table"), str(root / "cache"), TransformSpec(size=SIZE))
@@ -138,7 +138,7 @@ def _as_batch(images: np.ndarray, labels: np.ndarray):
 
 
 def open_cache_state(root: Path):
-    from dutycycle.engine.cache import open_cache
+    from dutycycle.engine.cache.materialize import open_cache
 
     reader = open_cache(str(root / "cache"))
     shards = [reader.images(i) for i in range(reader.num_shards)]
@@ -170,7 +170,7 @@ def cache_epoch(state, e: int):
 
 
 def open_ram_state(root: Path):
-    from dutycycle.engine.cache import open_cache
+    from dutycycle.engine.cache.materialize import open_cache
 
     reader = open_cache(str(root / "cache"))
     images = np.concatenate([np.array(reader.images(i)) for i in range(reader.num_shards)])
@@ -227,7 +227,7 @@ class JpegFiles:
 
     def __init__(self, table: str):
         import pyarrow.parquet as pq
-        from dutycycle.engine import table_format as tf
+        from dutycycle.engine.table import format as tf
 
         t = pq.read_table(tf.file_uris(table)[0], columns=["uri", "label"])
         self.uris = t.column("uri").to_pylist()
@@ -262,7 +262,7 @@ def row_torch_jpeg(root: Path, min_seconds: float) -> dict[str, Any]:
 
 def row_formats(root: Path, min_seconds: float) -> dict[str, Any]:
     from cache_formats import compare
-    from dutycycle.engine.cache import open_cache
+    from dutycycle.engine.cache.materialize import open_cache
 
     reader = open_cache(str(root / "cache"))
     images = np.concatenate([np.array(reader.images(i)) for i in range(reader.num_shards)])

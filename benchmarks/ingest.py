@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    from dutycycle.engine.catalog import ingest
     from dutycycle.engine.synth import synthesize
+    from dutycycle.engine.table.catalog import ingest
 
     work = tempfile.mkdtemp(prefix="dc-bench-ingest-")
     try:

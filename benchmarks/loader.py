@@ -82,7 +82,7 @@ def prepare(root: Path, n: int, direct: bool = False) -> dict[str, Any]:
     """Write the images, the dutycycle cache and its Parquet and WebDataset copies under ``root`` once.
 
     The cache is made the way users make it (``ingest`` + ``materialize``) unless ``direct`` (``--quick``):
-    then the engine's transform writes it straight through ``cache_format``, the same pixels in less time.
+    then the engine's transform writes it straight through ``engine.cache.format``, the same pixels in less time.
     """
     info_path = root / "data.json"
     if info_path.exists():
@@ -122,8 +122,8 @@ def prepare(root: Path, n: int, direct: bool = False) -> dict[str, Any]:
 
 def materialized_cache(root: Path) -> str:
     """The cache the way users make it: ``ingest`` the image folder (all train), then ``materialize``."""
-    from dutycycle.engine.cache import materialize
-    from dutycycle.engine.catalog import ingest
+    from dutycycle.engine.cache.materialize import materialize
+    from dutycycle.engine.table.catalog import ingest
     from dutycycle.engine.transform import TransformSpec
 
     table = str(root / "table")
@@ -142,7 +142,7 @@ def list_files(images: Path) -> list[tuple[str, int]]:
 
 def direct_cache(cache: Path, files: list[tuple[str, int]]) -> str:
     """Decode + transform every file once with the engine's transform and write a committed cache directly."""
-    from dutycycle.engine import cache_format as cf
+    from dutycycle.engine.cache import format as cf
     from dutycycle.engine.transform import TransformSpec, decode_and_transform
 
     spec = TransformSpec(size=SIZE)
@@ -176,7 +176,7 @@ def direct_cache(cache: Path, files: list[tuple[str, int]]) -> str:
 def write_parquet_copy(cache: str, out: Path) -> None:
     """The same columns as the cache, one uncompressed Parquet file per shard (no decompression to pay)."""
     import pyarrow.parquet as pq
-    from dutycycle.engine.cache_format import CacheReader
+    from dutycycle.engine.cache.format import CacheReader
 
     out.mkdir(parents=True, exist_ok=True)
     reader = CacheReader(cache)
@@ -187,7 +187,7 @@ def write_parquet_copy(cache: str, out: Path) -> None:
 def write_webdataset_copy(cache: str, out: Path, shards: int = 8) -> None:
     """The cache's pixels as WebDataset tar shards: per sample raw uint8 bytes (``.u8``) and a class (``.cls``)."""
     import webdataset as wds
-    from dutycycle.engine.cache_format import CacheReader
+    from dutycycle.engine.cache.format import CacheReader
 
     out.mkdir(parents=True, exist_ok=True)
     reader = CacheReader(cache)
@@ -263,7 +263,7 @@ def row_dutycycle(data: Path, mode: str, min_seconds: float) -> dict[str, Any]:
 
 def row_ram_gather(data: Path, min_seconds: float) -> dict[str, Any]:
     import torch
-    from dutycycle.engine.cache_format import CacheReader
+    from dutycycle.engine.cache.format import CacheReader
 
     def open_loader():
         reader = CacheReader(cache_uri(data))

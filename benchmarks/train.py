@@ -23,9 +23,9 @@ from pathlib import Path
 
 
 def prepare(workdir: str, n: int, size: int) -> tuple[str, str]:
-    from dutycycle.engine.cache import materialize
-    from dutycycle.engine.catalog import ingest
+    from dutycycle.engine.cache.materialize import materialize
     from dutycycle.engine.synth import synthesize
+    from dutycycle.engine.table.catalog import ingest
     from dutycycle.engine.transform import TransformSpec
 
     images, table, cache = (os.path.join(workdir, x) for x in ("images", "table", "cache"))

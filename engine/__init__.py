@@ -11,16 +11,16 @@ from .errors import ConfigError, CorruptArtifactError, DestinationError, Dutycyc
 
 # public name -> module that defines it (relative to this package)
 _LAZY = {
-    "CacheManifest": ".cache_format",
-    "CacheReader": ".cache_format",
+    "CacheManifest": ".cache.format",
+    "CacheReader": ".cache.format",
     "synthesize": ".synth",
-    "ingest": ".catalog",
-    "open_table": ".table",
-    "Table": ".table",
+    "ingest": ".table.catalog",
+    "open_table": ".table.table",
+    "Table": ".table.table",
     "TransformSpec": ".transform",
     "decode_and_transform": ".transform",
-    "materialize": ".cache",
-    "open_cache": ".cache",
+    "materialize": ".cache.materialize",
+    "open_cache": ".cache.materialize",
 }
 
 __all__ = [

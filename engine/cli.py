@@ -63,9 +63,9 @@ def cmd_synth(args) -> int:
 
 
 def cmd_ingest(args) -> int:
-    from .catalog import ingest
     from .errors import ConfigError
     from .imageinfo import DEFAULT_MAX_PIXELS
+    from .table.catalog import ingest
 
     if args.progress_every < 0:
         raise ConfigError(f"--progress-every {args.progress_every} must be >= 0 (0 turns progress off)")
@@ -95,9 +95,9 @@ def cmd_ingest(args) -> int:
 
 def cmd_inspect(args) -> int:
     from . import io
-    from .curate import format_stats
     from .errors import ConfigError
-    from .table import open_table
+    from .table.curate import format_stats
+    from .table.table import open_table
 
     if args.limit < 0:
         raise ConfigError(f"--limit {args.limit} must be >= 0")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from dutycycle.engine.cache_format import CacheReader
+from dutycycle.engine.cache.format import CacheReader
 
 from .base import PlannedLoader
 from .config import LoaderConfig

@@ -27,7 +27,7 @@ def parse_steps(text: str, num_steps: int) -> range:
 
 def plan_records(cache_uri, split, world_size, ranks, steps, epoch, seed, global_batch, drop_last=True, shuffle=True):
     """Yield one dict per (step, rank): the sample ids and labels that rank gets."""
-    from dutycycle.engine.cache_format import CacheReader
+    from dutycycle.engine.cache.format import CacheReader
 
     from .plan import num_steps, plan_epoch, rank_slice
     from .source import ShardGatherer, split_rows

@@ -1,11 +1,12 @@
 """The raw path: the same plan as the cache loader, executed over the metadata table, decoding every step.
 
-``RawLoader`` selects the table's rows exactly as ``materialize`` does (``engine.cache.plan_rows``: good rows,
-one per sample id, sorted by sample id), keeps ``split``, and uses the same fingerprint, so with the same config
-it yields the same samples in the same batches as a ``CacheLoader`` over the cache built from that table, with
-the same augmentation. The difference is the work per step: every sample is downloaded, decoded and transformed
-(``engine.transform.decode_and_transform``) each time it is drawn: Ray tasks (one per rank batch) in ``"ray"``
-mode, a thread pool otherwise. Comparing the two on your own data shows what the cache saves.
+``RawLoader`` selects the table's rows exactly as ``materialize`` does
+(``engine.cache.materialize.plan_rows``: good rows, one per sample id, sorted by sample id), keeps ``split``, and
+uses the same fingerprint, so with the same config it yields the same samples in the same batches as a
+``CacheLoader`` over the cache built from that table, with the same augmentation. The difference is the work
+per step: every sample is downloaded, decoded and transformed (``engine.transform.decode_and_transform``) each
+time it is drawn: Ray tasks (one per rank batch) in ``"ray"`` mode, a thread pool otherwise. Comparing the two
+on your own data shows what the cache saves.
 
 A sample that ``materialize`` would have skipped (it fails to decode) raises ``DecodeError`` here, naming its
 URI: the plan cannot drop samples without changing every later batch.
@@ -59,7 +60,7 @@ class RawLoader(PlannedLoader):
         config: LoaderConfig | None = None,
         where: str | None = None,
     ):
-        from dutycycle.engine.cache import plan_rows
+        from dutycycle.engine.cache.materialize import plan_rows
         from dutycycle.engine.runner import configure
 
         config = config or LoaderConfig()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from dutycycle.engine.cache_format import CacheReader
+from dutycycle.engine.cache.format import CacheReader
 
 from .config import LoaderConfig
 from .plan import plan_epoch

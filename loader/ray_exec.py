@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 import ray
-from dutycycle.engine.cache_format import CacheReader
+from dutycycle.engine.cache.format import CacheReader
 from dutycycle.engine.errors import ConfigError
 
 from .source import MemorySplit, RawBatch, ShardGatherer

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from dutycycle.engine.cache_format import CacheReader
+from dutycycle.engine.cache.format import CacheReader
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 
 

@@ -45,7 +45,7 @@ def make_cache(
     ``sample_pixels(i, shape)`` and label ``i % num_classes``. ``splits`` maps split name to fraction
     (default all ``train``); splits are interleaved deterministically so every shard holds several splits.
     """
-    from dutycycle.engine import cache_format as cf
+    from dutycycle.engine.cache import format as cf
 
     ids = sorted(sample_id(i) for i in range(n))
     images = np.stack([sample_pixels(i, shape) for i in range(n)]) if n else np.zeros((0, *shape), np.uint8)

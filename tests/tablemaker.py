@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from dutycycle.engine import io
-from dutycycle.engine import table_format as tf
+from dutycycle.engine.table import format as tf
 from PIL import Image, ImageDraw, ImageFilter
 
 CLASSES = ["circle", "square", "triangle"]

@@ -12,9 +12,9 @@ import zlib
 import numpy as np
 import pyarrow as pa
 import pytest
-from dutycycle.engine import cache_format as cf
 from dutycycle.engine import io
-from dutycycle.engine.cache import materialize, open_cache
+from dutycycle.engine.cache import format as cf
+from dutycycle.engine.cache.materialize import materialize, open_cache
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError, SourceError
 from dutycycle.engine.transform import TransformSpec, decode_and_transform
 
@@ -249,9 +249,9 @@ def test_public_names_are_lazy():
 
 def test_end_to_end_from_synth_and_ingest(tmp_path):
     import pyarrow.parquet as pq
-    from dutycycle.engine import table_format as tf
-    from dutycycle.engine.catalog import ingest
     from dutycycle.engine.synth import synthesize
+    from dutycycle.engine.table import format as tf
+    from dutycycle.engine.table.catalog import ingest
 
     synthesize(str(tmp_path / "images"), n=40, seed=3, broken_fraction=0.1)
     table = str(tmp_path / "table")

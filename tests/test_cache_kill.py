@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from dutycycle.engine import cache_format as cf
-from dutycycle.engine.cache import materialize, open_cache
+from dutycycle.engine.cache import format as cf
+from dutycycle.engine.cache.materialize import materialize, open_cache
 from dutycycle.engine.errors import SourceError
 from dutycycle.engine.transform import TransformSpec
 
@@ -27,7 +27,7 @@ ROWS_PER_SHARD = 6
 CHILD = textwrap.dedent(
     """
     import sys, time
-    from dutycycle.engine.cache import materialize
+    from dutycycle.engine.cache.materialize import materialize
     from dutycycle.engine.transform import TransformSpec
 
     def log(msg):

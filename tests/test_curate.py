@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 from daft import col
 from dutycycle.engine import imageinfo
-from dutycycle.engine import table_format as tf
-from dutycycle.engine.catalog import ingest
-from dutycycle.engine.curate import allocate, choose_unique, split_rows
 from dutycycle.engine.errors import ConfigError, DestinationError
 from dutycycle.engine.synth import synthesize
-from dutycycle.engine.table import Table, open_table, read_arrow
+from dutycycle.engine.table import format as tf
+from dutycycle.engine.table.catalog import ingest
+from dutycycle.engine.table.curate import allocate, choose_unique, split_rows
+from dutycycle.engine.table.table import Table, open_table, read_arrow
 from dutycycle.trainer.cli import main
 from PIL import Image
 

@@ -15,6 +15,7 @@ from .harness import run_distributed
     "stmt",
     [
         "import dutycycle.engine",
+        "import dutycycle.engine.cache, dutycycle.engine.table",
         "import dutycycle.loader",
         "import dutycycle.trainer",
         "from dutycycle.trainer.cli import build_parser; build_parser()",  # what `dutycycle --help` loads
@@ -62,7 +63,7 @@ def test_ray_cluster_fixture(ray_cluster):
 
 
 def _write_cache(uri):
-    from dutycycle.engine import cache_format as cf
+    from dutycycle.engine.cache import format as cf
 
     imgs = np.arange(5 * 4 * 4 * 3, dtype=np.uint8).reshape(5, 4, 4, 3)
     s0 = cf.write_shard(uri, 0, ["a", "b", "c"], [0, 1, 0], ["train"] * 3, imgs[:3])
@@ -76,7 +77,7 @@ def _write_cache(uri):
 
 def test_cache_format_roundtrip_and_commit(tmp_path):
     import pyarrow as pa
-    from dutycycle.engine import cache_format as cf
+    from dutycycle.engine.cache import format as cf
     from dutycycle.engine.errors import CorruptArtifactError, SourceError
 
     uri = str(tmp_path / "cache")
@@ -102,7 +103,7 @@ def test_cache_format_roundtrip_and_commit(tmp_path):
 
 
 def test_cache_format_on_s3(s3):
-    from dutycycle.engine import cache_format as cf
+    from dutycycle.engine.cache import format as cf
 
     uri = f"{s3}/cache"
     imgs, m = _write_cache(uri)

@@ -12,8 +12,8 @@ import zlib
 import numpy as np
 import pytest
 from dutycycle.engine import imageinfo
-from dutycycle.engine.catalog import ingest
-from dutycycle.engine.table import open_table, read_arrow
+from dutycycle.engine.table.catalog import ingest
+from dutycycle.engine.table.table import open_table, read_arrow
 from PIL import Image
 
 

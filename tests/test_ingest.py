@@ -11,11 +11,11 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-from dutycycle.engine import table_format as tf
-from dutycycle.engine.catalog import assign_split, ingest, parse_split
 from dutycycle.engine.errors import ConfigError
 from dutycycle.engine.synth import synthesize
-from dutycycle.engine.table import open_table, read_arrow
+from dutycycle.engine.table import format as tf
+from dutycycle.engine.table.catalog import assign_split, ingest, parse_split
+from dutycycle.engine.table.table import open_table, read_arrow
 from dutycycle.trainer.cli import main
 from PIL import Image
 
@@ -171,7 +171,7 @@ def test_sigkill_during_commit_leaves_previous_table(src, tmp_path):
     # The child is killed by SIGKILL at the worst moment: after writing data, as the commit starts.
     code = (
         "import os, signal, sys\n"
-        "from dutycycle.engine import table_format as tf, catalog\n"
+        "from dutycycle.engine.table import format as tf, catalog\n"
         "tf.commit = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
         "catalog.ingest(sys.argv[1], sys.argv[2], progress_every=0)\n"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from dutycycle.engine.cache_format import CacheReader
+from dutycycle.engine.cache.format import CacheReader
 from dutycycle.engine.errors import ConfigError
 from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig
 from dutycycle.loader.source import ShardGatherer

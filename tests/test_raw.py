@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from dutycycle.engine.cache import materialize
+from dutycycle.engine.cache.materialize import materialize
 from dutycycle.engine.transform import DecodeError, TransformSpec
 from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig, RawLoader
 

@@ -12,18 +12,18 @@ import subprocess
 import sys
 
 import pytest
-from dutycycle.engine.catalog import ingest
 from dutycycle.engine.errors import ConfigError
 from dutycycle.engine.runner import resolve
 from dutycycle.engine.synth import synthesize
-from dutycycle.engine.table import open_table, read_arrow
+from dutycycle.engine.table.catalog import ingest
+from dutycycle.engine.table.table import open_table, read_arrow
 
 SCRIPT = r"""
 import json, sys
 import daft
 from dutycycle.trainer.cli import main
 from dutycycle.engine import open_table
-from dutycycle.engine.table import read_arrow
+from dutycycle.engine.table.table import read_arrow
 
 src, table, s3src, s3table, html, out = sys.argv[1:]
 rc = main(["ingest", src, table, "--progress-every", "0", "--json"])

@@ -9,7 +9,7 @@ import sys
 # Modules that expose `register(subparsers)`. A room adds its module here once it has subcommands.
 COMMAND_MODULES = [
     "dutycycle.engine.cli",
-    "dutycycle.engine.cache_cli",
+    "dutycycle.engine.cache.cli",
     "dutycycle.loader.cli",
     "dutycycle.trainer.commands",
 ]

@@ -227,7 +227,7 @@ def write_synthetic_cache(cache_uri: str, n_train: int, n_val: int, size: int = 
     Daft involved: for tests and benchmarks that need a cache quickly. Returns the cache URI."""
     import hashlib
 
-    from dutycycle.engine import cache_format as cf
+    from dutycycle.engine.cache import format as cf
 
     images, labels = draw_shapes(n_train + n_val, size, seed)
     splits = ["train"] * n_train + ["val"] * n_val

@@ -44,11 +44,11 @@ def _say(msg: str) -> None:
 def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
              overrides: list[str] | None = None) -> dict:
     from dutycycle.engine import io
-    from dutycycle.engine.cache import materialize
-    from dutycycle.engine.catalog import ingest
+    from dutycycle.engine.cache.materialize import materialize
     from dutycycle.engine.inspect import contact_sheet
     from dutycycle.engine.synth import synthesize
-    from dutycycle.engine.table import open_table
+    from dutycycle.engine.table.catalog import ingest
+    from dutycycle.engine.table.table import open_table
     from dutycycle.engine.transform import TransformSpec
 
     from .config import load_config

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from . import io
-from .errors import CorruptArtifactError, SourceError
+from .. import io
+from ..errors import CorruptArtifactError, SourceError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -10,10 +10,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from . import io
-from . import table_format as tf
-from .errors import ConfigError, DestinationError
-from .imageinfo import error_reason
+from .. import io
+from ..errors import ConfigError, DestinationError
+from ..imageinfo import error_reason
+from . import format as tf
 
 SIZE_BINS = (0, 64, 128, 256, 512, 1024, 4096)
 MAX_NEAR_DISTANCE = 16

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import io
-from . import table_format as tf
+from .. import io
+from . import format as tf
 
 # Schemes Daft reads natively; others (memory://, ...) are read with pyarrow through fsspec.
 _DAFT_READ_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "http", "https")
@@ -115,7 +115,7 @@ class Table:
 
     def show_thumbnails(self, n: int = 16, size: int = 96):
         """An inline grid of the first ``n`` rows' thumbnails for Jupyter (decoded at reduced scale)."""
-        from .inspect import thumbnail_grid
+        from ..inspect import thumbnail_grid
 
         return thumbnail_grid(self, limit=n, size=size)
 
@@ -133,7 +133,7 @@ class Table:
 def open_table(uri: str, runner: str | None = None, ray_address: str | None = None) -> Table:
     """Open the committed table at ``uri``. ``runner``: "native" or "ray" (default: DAFT_RUNNER or native)."""
     if runner or ray_address:
-        from . import runner as runner_mod
+        from .. import runner as runner_mod
 
         runner_mod.configure(runner, ray_address)
     return Table(uri, tf.read_manifest(uri))

@@ -33,8 +33,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from . import io
-from .errors import CorruptArtifactError, SourceError
+from .. import io
+from ..errors import CorruptArtifactError, SourceError
 
 FORMAT_VERSION = 1
 MANIFEST = "_manifest.json"

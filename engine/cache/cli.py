@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .transform import LAYOUTS, RESAMPLE_FILTERS, RESIZE_POLICIES
+from ..transform import LAYOUTS, RESAMPLE_FILTERS, RESIZE_POLICIES
 
 
 def register(subparsers) -> None:
@@ -40,9 +40,9 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cache import materialize, stderr_log
-    from .runner import resolve
-    from .transform import TransformSpec
+    from ..runner import resolve
+    from ..transform import TransformSpec
+    from .materialize import materialize, stderr_log
 
     spec = TransformSpec(
         size=args.size,

@@ -1,14 +1,14 @@
 """The Daft side of materialization: fetch file bytes and run ``decode_and_transform`` in a batch UDF.
 
-Imported only by ``engine.cache`` when it runs, so ``import dutycycle.engine`` stays free of Daft.
+Imported only by ``engine.cache.materialize`` when it runs, so ``import dutycycle.engine`` stays free of Daft.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import io
-from .transform import DecodeError, TransformSpec, decode_and_transform
+from .. import io
+from ..transform import DecodeError, TransformSpec, decode_and_transform
 
 # URI schemes Daft's own readers understand; others (memory://, ...) are read through fsspec in-process.
 DAFT_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "http", "https", "hf")

@@ -7,7 +7,7 @@ The plan, top to bottom:
 4. per file, in a Daft UDF: read the bytes, hash them, parse the header (no pixel decode), check integrity,
    optionally compute a perceptual hash from a reduced decode; assign the split from the content hash;
 5. write the new rows as Parquet files into a fresh version folder, then commit a manifest that names the old
-   and the new files. The manifest write is the commit point (see table_format), so a killed ingest leaves
+   and the new files. The manifest write is the commit point (see table/format.py), so a killed ingest leaves
    the previous table intact.
 """
 
@@ -24,10 +24,10 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import io
-from . import table_format as tf
-from .errors import ConfigError, DestinationError, SourceError
-from .imageinfo import DEFAULT_MAX_PIXELS, error_reason
+from .. import io
+from ..errors import ConfigError, DestinationError, SourceError
+from ..imageinfo import DEFAULT_MAX_PIXELS, error_reason
+from . import format as tf
 
 DEFAULT_SPLIT = (0.8, 0.1, 0.1)
 SPLIT_NAMES = ("train", "val", "test")
@@ -390,7 +390,7 @@ def ingest(
     use_process: bool | None = None,
 ) -> dict[str, Any]:
     """Scan ``source`` and commit (or extend) the metadata table at ``table``; returns a summary dict."""
-    from . import runner as runner_mod
+    from .. import runner as runner_mod
 
     t0 = time.time()
     cfg = IngestConfig(

@@ -1,6 +1,6 @@
 """Notebook helpers for a cache: open it, look at samples as thumbnails, and read its statistics.
 
-    from dutycycle.engine.cache_view import view
+    from dutycycle.engine.cache.view import view
     v = view("cache/")          # a committed cache folder or a cache root
     v                           # summary + a thumbnail grid (rendered by Jupyter through _repr_html_)
     v.stats()                   # dict: samples, shards, bytes, per-class and per-split counts, channel means
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .cache_format import CacheReader
+from .format import CacheReader
 
 
 @dataclass

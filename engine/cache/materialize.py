@@ -8,7 +8,7 @@ The work, top to bottom:
 2. Reuse: ``ROOT/<fingerprint>/manifest.json`` exists -> return it, no work. A small index keyed by the table
    manifest, filter and spec answers that question without reading the table at all.
 3. Shards: sorted rows are cut into fixed groups of ``rows_per_shard``; shard ``i`` always holds the same
-   candidates. Each shard is decoded and transformed by a Daft batch UDF (``cache_udf``),
+   candidates. Each shard is decoded and transformed by a Daft batch UDF (``udf.py``),
    written atomically, then its completion record ``shards/shard-0000i.json`` is written. A rerun after a
    crash verifies and skips shards that have a record; it never reads a shard without one.
 4. Commit: the manifest is written last, then ``ROOT/latest``.
@@ -32,13 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from . import cache_format as cf
-from . import io
-from . import table_format as tf
-from .cache_udf import DAFT_SCHEMES, transform_rows
-from .errors import ConfigError, SourceError
-from .runner import RUNNERS
-from .transform import TransformSpec
+from .. import io
+from ..errors import ConfigError, SourceError
+from ..runner import RUNNERS
+from ..table import format as tf
+from ..transform import TransformSpec
+from . import format as cf
+from .udf import DAFT_SCHEMES, transform_rows
 
 DEFAULT_ROWS_PER_SHARD = 2048
 
@@ -331,7 +331,7 @@ def materialize(
         if hit is not None:
             return hit
 
-    from .runner import configure
+    from ..runner import configure
 
     runner = configure(cfg.runner, cfg.ray_address)
     plan = plan_rows(table, spec, where, tm)

@@ -60,7 +60,7 @@ def run_one(source: str, workers: int, table: str, cache: str, args, run_dir: st
         "goodput": s["goodput"],
         "data_wait_fraction": s["data_wait_fraction"],
         "comm_fraction": s["comm_fraction"],
-        "grad_sync_bytes": s["grad_sync"]["bytes"],
+        "comm_bytes": s["parallel"]["traffic"]["bytes"],
         "final_loss": s["final_loss"],
     }
 

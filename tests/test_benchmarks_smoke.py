@@ -53,3 +53,24 @@ def test_ingest_benchmark_quick(tmp_path):
     assert shapes["images"] == 60
     assert shapes["images_per_s"]["ingest_no_phash"] > 0 and shapes["images_per_s"]["pil_decode_1proc"] > 0
     assert shapes["ratios"]["ingest_no_phash_vs_pil_decode_1proc"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_zero_benchmark_quick(tmp_path):
+    """benchmarks/zero.py runs its rows through torchrun at a tiny size; bytes are exact, so they are checked."""
+    out = tmp_path / "zero.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "zero.py"), "--quick", "--worlds", "2", "--rows",
+                           "allreduce-manual", "stage0-ddp", "stage3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert set(rows) == {"allreduce-manual", "stage0-ddp", "stage3"}
+    for r in rows.values():
+        assert r["samples_per_s"] > 0 and r["bytes_sent_per_step"], r
+    # the baseline and DDP send the same all-reduce; stage 3 sends 1.5x (up to FSDP2's row padding)
+    assert rows["allreduce-manual"]["bytes_sent_per_step"] == rows["stage0-ddp"]["bytes_sent_per_step"]
+    assert 1.5 <= data["ratios"]["stage3_bytes_sent_vs_stage0_2ranks"] < 1.6
+    assert 1.0 <= data["ratios"]["stage3_optimizer_bytes_vs_stage0_over_N_2ranks"] < 1.05
+    assert "| 2 | stage3 |" in proc.stdout

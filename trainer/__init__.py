@@ -20,7 +20,7 @@ _LAZY = {
     "train_local": ".launch",
     "train_ray": ".launch",
     "run_demo": ".demo",
-    "TrainingDiverged": ".loop",
+    "TrainingDiverged": ".steplog",
     "build_model": ".models",
     "MODELS": ".models",
 }

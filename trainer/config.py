@@ -56,7 +56,7 @@ class ModelSection:
 
 @dataclass
 class OptimSection:
-    name: str = "adamw"  # "adamw" or "sgd"
+    name: str = "adamw"  # adamw, adam, sgd, rmsprop, adagrad, adamax, nadam, radam, adafactor (trainer/optim.py)
     lr: float = 3e-3
     weight_decay: float = 0.05
     momentum: float = 0.9  # sgd only
@@ -72,8 +72,16 @@ class OptimSection:
 class ParallelSection:
     num_workers: int = 1
     use_gpu: str = "auto"  # "auto" (GPU when the cluster has one), "true" or "false"
-    grad_sync: str = "allreduce"  # the GradSync implementation (trainer/sync.py)
-    bucket_mb: float = 25.0  # gradient bucket size for the flat all-reduce
+    # ZeRO stage (trainer/parallel/plan.py): 0 = DDP; 1-3 = FSDP2 sharding optimizer state (1), + gradients (2),
+    # + parameters (3)
+    zero_stage: int = 0
+    offload: str = "none"  # "optimizer": sharded parameters, gradients and optimizer state live in host memory
+    # exchange gradients after every micro-batch (DeepSpeed style: less memory, M x the gradient traffic) instead
+    # of once at the accumulation boundary
+    reduce_every_micro_step: bool = False
+    find_unused_parameters: bool = False  # parameters that get no gradient in some step (DDP's flag)
+    node_size: int = 0  # ranks per node for intra/inter-node byte accounting; 0 = all on one node
+    bucket_mb: float = 25.0  # DDP gradient bucket size (stage 0)
     cpus_per_worker: float = 1.0  # Ray CPU reservation per training worker
     threads_per_worker: int = 0  # torch intra-op threads; 0 = cores / workers on this node
 
@@ -97,7 +105,9 @@ class RunSection:
     eval_every: int = 50  # optimizer steps between validation passes (and always at the end); 0 = end only
     eval_max_batches: int = 0  # cap validation batches per pass; 0 = the whole split
     log_every: int = 10  # print every N steps (metrics.jsonl records every step)
-    precision: str = "auto"  # "auto" (bf16 autocast on GPU, fp32 on CPU), "fp32", "bf16"
+    # "auto" (bf16 on GPU, fp32 on CPU), "fp32", "bf16", or "fp64" (model and inputs in float64: parity checks)
+    precision: str = "auto"
+    save_model: bool = True  # write the consolidated weights as RUN_DIR/model.safetensors at the end
     report: bool = True  # write report.png at the end
 
 
@@ -120,12 +130,12 @@ class TrainConfig:
 CHOICES = {
     "data.source": ("cache", "raw", "synthetic"),
     "data.loader_mode": ("auto", "sync", "thread", "ray", "memory"),
-    "optim.name": ("adamw", "sgd"),
+    "optim.name": ("adamw", "adam", "sgd", "rmsprop", "adagrad", "adamax", "nadam", "radam", "adafactor"),
     "optim.schedule": ("cosine", "constant"),
     "parallel.use_gpu": ("auto", "true", "false"),
-    "parallel.grad_sync": ("allreduce",),
+    "parallel.offload": ("none", "optimizer"),
     "ray.placement_strategy": ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
-    "run.precision": ("auto", "fp32", "bf16"),
+    "run.precision": ("auto", "fp32", "bf16", "fp64"),
 }
 
 
@@ -315,6 +325,7 @@ def validate(cfg: TrainConfig) -> None:
             f"data.drop_last = false needs parallel.num_workers x data.micro_batches = 1 (got {per_step}); "
             "keep data.drop_last = true for distributed or accumulated training"
         )
+    _validate_parallel(cfg)
     if cfg.data.source == "cache" and not cfg.data.cache:
         raise ConfigError("data.cache is empty; set it to a materialized cache URI (dutycycle materialize ...)")
     if cfg.data.source == "raw" and not cfg.data.table:
@@ -336,6 +347,26 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"model.width = {cfg.model.width} must be divisible by model.heads = {cfg.model.heads}")
     if cfg.model.name == "cnn" and cfg.model.width % cfg.model.groups:
         raise ConfigError(f"model.width = {cfg.model.width} must be divisible by model.groups = {cfg.model.groups}")
+
+
+def _validate_parallel(cfg: TrainConfig) -> None:
+    from .optim import check_optimizer
+
+    p = cfg.parallel
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage = {p.zero_stage} is not one of 0, 1, 2, 3")
+    if p.offload != "none" and p.zero_stage == 0:
+        raise ConfigError(f"parallel.offload = {p.offload!r} needs sharded optimizer state; "
+                          "set parallel.zero_stage = 1, 2 or 3")
+    if p.reduce_every_micro_step and p.zero_stage == 1:
+        raise ConfigError("parallel.reduce_every_micro_step = true contradicts parallel.zero_stage = 1, which holds "
+                          "full gradients across the accumulation window; use zero_stage = 2 or 3 for that")
+    if p.node_size < 0 or (p.node_size and p.num_workers % p.node_size):
+        raise ConfigError(f"parallel.node_size = {p.node_size} must divide parallel.num_workers = "
+                          f"{p.num_workers} (or be 0: all workers on one node)")
+    if p.bucket_mb <= 0:
+        raise ConfigError(f"parallel.bucket_mb = {p.bucket_mb} must be positive")
+    check_optimizer(cfg.optim.name, p.zero_stage)
 
 
 def use_gpu(cfg: TrainConfig, gpus_available: float) -> bool:

@@ -4,15 +4,18 @@ One optimizer step on one rank:
 
     batch = next(loader)                      data_wait
     x, y = batch -> device                    h2d
-    for each micro-batch:                     forward_backward  (grads accumulate locally, no communication)
-        param_gather.gather(model)            comm  (no-op in the data-parallel baseline; ZeRO-3 gathers here)
-        loss = model(x_i, y_i) * |i| / |batch|; backward
-    grad_sync.sync(model)                     comm  (once, at the accumulation boundary)
-    clip, optimizer.step, lr schedule         optimizer
+    for each micro-batch i:                   forward_backward
+        with strategy.micro_step(i):          (DDP no_sync / FSDP2 sync and reshard switches: parallel/apply.py)
+            loss = model(x_i, y_i) * |i| / |batch|; backward
+                                              comm: collectives that blocked forward/backward (exposed
+                                              communication), moved out of forward_backward
+    clip (exact across shards), optimizer.step, lr schedule   optimizer
     checkpointer.maybe_save(...)              checkpoint
 
-Each rank's loss is the mean over its slice of the global batch; with equal slices the synchronized gradient
-is the gradient of the global mean loss, so 1 and N workers take the same steps.
+Gradients are exchanged at the accumulation boundary (or every micro-batch if asked). Each rank's loss is the
+mean over its slice of the global batch; with equal slices the averaged gradient is the gradient of the global
+mean loss, so 1 and N workers take the same steps. Per-step losses and phase times stay on the device and are
+gathered once per logging interval (steplog.py).
 """
 
 from __future__ import annotations
@@ -26,11 +29,8 @@ from typing import Any
 
 from dutycycle.engine.errors import DutycycleError
 
-from .timing import ALL_PHASES, PHASES
-
-
-class TrainingDiverged(DutycycleError):
-    """The loss became NaN or infinite: the run stops instead of training on garbage."""
+from .steplog import StepLog, TrainingDiverged  # noqa: F401  (TrainingDiverged: re-exported)
+from .timing import ALL_PHASES
 
 
 @dataclass
@@ -41,17 +41,19 @@ class WorkerContext:
     report: Any = None  # callable(metrics: dict) -> None, e.g. ray.train.report; called by every rank
     run_dir: str = ""
     info: dict = field(default_factory=dict)  # merged into the summary (e.g. where each worker ran)
-    state: dict | None = None  # filled with {"model", "optimizer"} at the end (in-process callers, tests)
+    state: dict | None = None  # filled with {"strategy", "model", "optimizer"} at the end (in-process callers, tests)
+    node_size: int = 0  # ranks per node, when the launcher knows it (0: parallel.node_size or one node)
 
 
-@dataclass
-class StepHooks:
-    """The replaceable synchronization points (see sync.py)."""
+class NoCheckpoint:
+    """The checkpointer interface: ``maybe_save`` after each optimizer step (its blocking time is the
+    "checkpoint" phase), ``finalize`` at the end. This one keeps nothing."""
 
-    grad_sync: Any
-    param_gather: Any
-    checkpointer: Any
-    extra: dict = field(default_factory=dict)
+    def maybe_save(self, step: int, strategy, optimizer, loader_state: dict | None) -> bool:
+        return False
+
+    def finalize(self) -> None:
+        return None
 
 
 def lr_at(step: int, total: int, optim) -> float:
@@ -65,93 +67,103 @@ def lr_at(step: int, total: int, optim) -> float:
     return optim.lr * (optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model, optim):
+def resolve_precision(device, precision: str) -> str:
+    """``auto`` is bf16 on GPU and fp32 on CPU; anything else is what was asked for."""
+    if precision == "auto":
+        return "bf16" if getattr(device, "type", "cpu") == "cuda" else "fp32"
+    return precision
+
+
+def autocast_for(device, precision: str, fsdp: bool = False):
+    """bf16 autocast for a resolved precision of bf16, except under FSDP2, whose mixed-precision policy already
+    runs forward in bf16 with fp32 master weights and reductions."""
     import torch
 
-    # no weight decay on norms and biases (1-d parameters), as usual
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() <= 1]
-    groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if optim.name == "sgd":
-        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum)
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2))
-
-
-def autocast_for(device, precision: str):
-    """bf16 autocast on GPU (precision auto/bf16), fp32 on CPU unless bf16 is asked for explicitly."""
-    import torch
-
-    dev_type = getattr(device, "type", "cpu") if device is not None else "cpu"
-    if precision == "bf16" or (precision == "auto" and dev_type == "cuda"):
+    if precision == "bf16" and not fsdp:
+        dev_type = getattr(device, "type", "cpu") if device is not None else "cpu"
         return lambda: torch.autocast(dev_type, dtype=torch.bfloat16)
     return contextlib.nullcontext
 
 
-def forward_backward(model, x, y, micro_batches: int, hooks: StepHooks, timer, autocast) -> float:
-    """Forward and backward over ``micro_batches`` chunks of the rank batch; gradients accumulate in
-    ``.grad`` with no communication. Returns the rank batch's mean loss (a Python float, fp32)."""
+def _loss_input(logits):
+    """Cross-entropy in at least fp32 (bf16 logits are upcast; float64 stays float64)."""
+    import torch
+
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def forward_backward(strategy, x, y, micro_batches: int, autocast, sampler=None):
+    """Forward and backward over ``micro_batches`` chunks of the rank batch. Returns the rank batch's mean loss
+    as a 0-d tensor on the device (no host synchronization). ``sampler`` (first step only) records the model
+    state held after each forward and each backward."""
+    import torch
     import torch.nn.functional as F
 
     n = y.shape[0]
-    total = 0.0
     losses = []
-    for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
-        with timer.phase("comm"):
-            hooks.param_gather.gather(model)
-        with timer.phase("forward_backward"):
+    for i, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True)):
+        with strategy.micro_step(i):
             with autocast():
-                logits = model(xs)
-                loss = F.cross_entropy(logits.float(), ys) * (ys.shape[0] / n)
+                logits = strategy.model(xs)
+            loss = F.cross_entropy(_loss_input(logits), ys) * (ys.shape[0] / n)
+            if sampler is not None:
+                sampler.sample(strategy.module)
             loss.backward()
-            losses.append(loss.detach())
+        if sampler is not None:
+            sampler.sample(strategy.module)
+        losses.append(loss.detach())
+    return torch.stack(losses).sum()
+
+
+def optimizer_step(strategy, optimizer, x, y, *, micro_batches: int, timer, autocast, grad_clip: float,
+                   lr: float, sampler=None):
+    """One full optimizer step on this rank's batch. Returns ``(loss, grad_norm)``: the rank's mean loss and the
+    global gradient norm before clipping (device tensors; the norm is None without clipping)."""
+    norm = None
     with timer.phase("forward_backward"):
-        total = float(sum(losses))  # one host sync per step, after all micro-batches
-    return total
-
-
-def optimizer_step(model, optimizer, x, y, *, micro_batches: int, hooks: StepHooks, timer, autocast,
-                   grad_clip: float, lr: float) -> float:
-    """One full optimizer step on this rank's batch. Returns the rank's mean loss."""
-    import torch
-
-    loss = forward_backward(model, x, y, micro_batches, hooks, timer, autocast)
-    with timer.phase("comm"):
-        hooks.grad_sync.sync(model)  # the accumulation boundary: the only gradient exchange of the step
+        loss = forward_backward(strategy, x, y, micro_batches, autocast, sampler)
+    timer.move("forward_backward", "comm", strategy.meter.take_blocked())
     with timer.phase("optimizer"):
         if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            norm = strategy.clip_grad_norm_(grad_clip)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
+        if sampler is not None:
+            sampler.sample(strategy.module, optimizer)
         optimizer.zero_grad(set_to_none=True)
-    return loss
+    return loss, norm
 
 
-def evaluate(model, source, device, autocast, max_batches: int = 0, index: int = 0) -> tuple[float, float, int]:
+def evaluate(strategy, source, device, autocast, max_batches: int = 0, index: int = 0) -> tuple[float, float, int]:
     """Accuracy and mean loss over the validation source, summed over all ranks: ``(acc, loss, count)``.
 
     Each evaluation is a fresh pass (``set_epoch(index)``, a new index each time) so a pass capped at
     ``max_batches`` starts from the first batch again rather than where the last one stopped; the
-    validation plan is unshuffled and unaugmented, so every pass sees the same batches."""
+    validation plan is unshuffled and unaugmented, so every pass sees the same batches. Collectives issued by
+    the forward passes (FSDP2 gathers) are counted as evaluation traffic, not training traffic."""
     import torch
     import torch.nn.functional as F
 
     from .timing import gather_stats
 
     source.set_epoch(index)
+    model = strategy.module  # DDP's inner module: no gradient hooks needed; FSDP2's root itself
     model.eval()
     correct = loss_sum = count = 0.0
-    with torch.no_grad():
+    with torch.no_grad(), strategy.meter.phase("eval"):
         for i, batch in enumerate(source):
             if max_batches and i >= max_batches:
                 break
-            x = batch["image"].to(device, non_blocking=True)
+            x = batch["image"].to(device, dtype=strategy.compute_dtype, non_blocking=True)
             y = batch["label"].to(device, non_blocking=True)
             with autocast():
-                logits = model(x).float()
+                logits = _loss_input(model(x))
             loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
             correct += float((logits.argmax(1) == y).sum())
             count += y.shape[0]
+        strategy.after_eval()
+    strategy.meter.take_blocked()  # evaluation's collectives are not a training step's exposed communication
     model.train()
     tot = gather_stats([correct, loss_sum, count]).sum(0).tolist()
     if tot[2] == 0:
@@ -184,29 +196,42 @@ def set_threads(cfg, world_size_on_node: int) -> int:
     return n
 
 
-def train_worker(cfg, ctx: WorkerContext, hooks: StepHooks | None = None) -> dict:
-    """Train on this rank until ``max_steps`` / ``epochs``; rank 0 writes metrics and returns the summary."""
+def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None) -> dict:
+    """Train on this rank until ``max_steps`` / ``epochs``; rank 0 writes metrics and returns the summary.
+
+    ``parallelize_fn`` (same signature as ``parallel.apply.parallelize``) replaces how the model is wrapped:
+    benchmarks use it to run a baseline strategy through the same loop."""
     import torch
 
     from . import metrics as M
     from .data import make_sources
     from .models import build_model, count_parameters
-    from .sync import Checkpointer, ParamGather, make_grad_sync
-    from .timing import StepTimer, gather_stats
+    from .optim import make_optimizer
+    from .parallel.apply import parallelize
+    from .parallel.memory import MemorySampler
+    from .timing import StepTimer
 
     rank, world = ctx.rank, ctx.world_size
     device = ctx.device or torch.device("cpu")
+    precision = resolve_precision(device, cfg.run.precision)
     torch.manual_seed(cfg.run.seed)
     train_src, val_src, info = make_sources(cfg, rank, world)
     model = build_model(cfg.model, info.channels, info.num_classes, info.size).to(device)
+    if precision == "fp64":
+        model = model.double()
+    num_params = count_parameters(model)
+    is_cuda = device.type == "cuda"
+    fps = flops_per_sample(model, info.channels, info.size, device) if is_cuda else None
+    peak = M.peak_flops(torch.cuda.get_device_name(device)) if is_cuda else None
     _broadcast_parameters(model, world)
-    optimizer = make_optimizer(model, cfg.optim)
-    hooks = hooks or StepHooks(
-        grad_sync=make_grad_sync(cfg.parallel.grad_sync, world, cfg.parallel.bucket_mb),
-        param_gather=ParamGather(),
-        checkpointer=Checkpointer(),
-    )
-    autocast = autocast_for(device, cfg.run.precision)
+    p = cfg.parallel
+    strategy = (parallelize_fn or parallelize)(model, zero_stage=p.zero_stage, rank=rank, world_size=world, device=device,
+                           micro_batches=cfg.data.micro_batches, reduce_every_micro_step=p.reduce_every_micro_step,
+                           offload=p.offload != "none", precision=precision, bucket_mb=p.bucket_mb,
+                           find_unused_parameters=p.find_unused_parameters, node_size=ctx.node_size or p.node_size)
+    optimizer = make_optimizer(strategy.module.parameters(), cfg.optim)
+    checkpointer = checkpointer or NoCheckpoint()
+    autocast = autocast_for(device, precision, fsdp=strategy.plan.fsdp)
     steps_per_epoch = len(train_src)
     if steps_per_epoch == 0:
         raise DutycycleError(
@@ -214,36 +239,35 @@ def train_worker(cfg, ctx: WorkerContext, hooks: StepHooks | None = None) -> dic
             f"(data.global_batch_size = {cfg.data.global_batch_size}); lower it or add data"
         )
     total = cfg.run.max_steps or max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
-    is_cuda = device.type == "cuda"
-    fps = flops_per_sample(model, info.channels, info.size, device) if is_cuda else None
-    peak = M.peak_flops(torch.cuda.get_device_name(device)) if is_cuda else None
 
     writer = M.MetricsWriter(ctx.run_dir, enabled=(rank == 0 and bool(ctx.run_dir)))
     timer = StepTimer(device)
+    log = StepLog(timer, writer, log_every=cfg.run.log_every, total_steps=total,
+                  verbose=rank == 0 and cfg.run.log_every > 0, base_lr=cfg.optim.lr)
+    sampler = MemorySampler()
     eval_totals = 0.0
     n_evals = 0
-    step = samples = epoch = 0
-    first_loss = last_loss = None
+    step = epoch = 0
     val_acc = val_loss = None
     t_start = time.perf_counter()
-    log = rank == 0 and cfg.run.log_every > 0
 
     def run_eval() -> None:
         nonlocal val_acc, val_loss, eval_totals, n_evals
+        log.flush()
         t0 = time.perf_counter()
-        val_acc, val_loss, n_val = evaluate(model, val_src, device, autocast, cfg.run.eval_max_batches, n_evals)
+        val_acc, val_loss, n_val = evaluate(strategy, val_src, device, autocast, cfg.run.eval_max_batches, n_evals)
         n_evals += 1
         dt = time.perf_counter() - t0
         eval_totals += dt
         writer.log({"step": step, "epoch": epoch, "val_accuracy": val_acc, "val_loss": val_loss,
                     "val_samples": n_val, "eval_s": dt})
         writer.flush()
-        if log:
+        if rank == 0 and cfg.run.log_every > 0:
             print(f"[rank 0] step {step}/{total}: val accuracy {val_acc:.3f}, val loss {val_loss:.4f}", flush=True)
         if ctx.report is not None:
-            ctx.report({"step": step, "val_accuracy": val_acc, "val_loss": val_loss, "loss": last_loss})
+            ctx.report({"step": step, "val_accuracy": val_acc, "val_loss": val_loss, "loss": log.last_loss})
 
-    model.train()
+    strategy.module.train()
     while step < total:
         train_src.set_epoch(epoch)
         it = iter(train_src)
@@ -254,83 +278,129 @@ def train_worker(cfg, ctx: WorkerContext, hooks: StepHooks | None = None) -> dic
             if batch is None:
                 break
             with timer.phase("h2d"):
-                x = batch["image"].to(device, non_blocking=True)
+                x = batch["image"].to(device, dtype=strategy.compute_dtype, non_blocking=True)
                 y = batch["label"].to(device, non_blocking=True)
             lr = lr_at(step, total, cfg.optim)
-            loss = optimizer_step(model, optimizer, x, y, micro_batches=cfg.data.micro_batches, hooks=hooks,
-                                  timer=timer, autocast=autocast, grad_clip=cfg.optim.grad_clip, lr=lr)
-            saved = False
+            loss, grad_norm = optimizer_step(strategy, optimizer, x, y, micro_batches=cfg.data.micro_batches, timer=timer,
+                                  autocast=autocast, grad_clip=cfg.optim.grad_clip, lr=lr,
+                                  sampler=sampler if step == 0 else None)
             with timer.phase("checkpoint"):
-                saved = hooks.checkpointer.maybe_save(step + 1, model, optimizer, train_src.state_dict())
-            # One small all-gather per step: every rank learns the global loss (so all stop together on a
-            # non-finite loss) and rank 0 learns each rank's phase times (mean and max per step).
-            phases = timer.current()
-            stats = gather_stats([loss, float(y.shape[0])] + [phases[k] for k in PHASES])
-            global_loss = float((stats[:, 0] * stats[:, 1]).sum() / stats[:, 1].sum())
-            step_samples = int(stats[:, 1].sum())
-            t = timer.end_step()
+                saved = checkpointer.maybe_save(step + 1, strategy, optimizer, train_src.state_dict())
             step += 1
-            samples += step_samples
-            if not math.isfinite(global_loss):
-                raise TrainingDiverged(
-                    f"loss became {global_loss} at step {step} (epoch {epoch}); lower optim.lr "
-                    f"(now {cfg.optim.lr}) or set optim.grad_clip"
-                )
-            first_loss = global_loss if first_loss is None else first_loss
-            last_loss = global_loss
-            row = {"step": step, "epoch": epoch, "loss": global_loss, "lr": lr, "samples": samples,
-                   "step_s": t["step"], "checkpoint_saved": saved}
-            for i, k in enumerate(PHASES):
-                row[k] = float(stats[:, 2 + i].mean())
-                row[k + "_max"] = float(stats[:, 2 + i].max())
-            writer.log(row)
-            if log and (step % cfg.run.log_every == 0 or step == 1):
-                print(f"[rank 0] step {step}/{total} epoch {epoch} loss {global_loss:.4f} lr {lr:.2e} "
-                      f"data_wait {row['data_wait']*1000:.0f}ms step {t['step']*1000:.0f}ms", flush=True)
+            log.add(step, epoch, lr, loss, int(y.shape[0]), timer.end_step(), grad_norm)
+            if saved:
+                writer.log({"step": step, "checkpoint_saved": True})
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total:
                 run_eval()
         epoch += 1
+    log.flush()
     run_eval()
-    hooks.checkpointer.finalize()
+    checkpointer.finalize()
     wall = time.perf_counter() - t_start
 
-    totals = dict(timer.totals)
-    totals["eval"] = totals.get("eval", 0.0) + eval_totals
-    per_rank = gather_stats([totals[k] for k in ALL_PHASES])
-    per_rank_totals = [dict(zip(ALL_PHASES, row.tolist(), strict=True)) for row in per_rank]
-    summary = M.summarize(
-        steps=step, samples=samples, first_loss=first_loss, final_loss=last_loss, val_accuracy=val_acc,
-        val_loss=val_loss, wall_s=wall, per_rank_totals=per_rank_totals, world_size=world,
-        device=str(device.type), num_params=count_parameters(model), flops_per_sample=fps,
-        peak_flops_per_device=peak,
-        extra={
-            "epochs": epoch, "steps_per_epoch": steps_per_epoch, "global_batch_size": cfg.data.global_batch_size,
-            "micro_batches": cfg.data.micro_batches, "data_source": cfg.data.source,
-            "data_fingerprint": info.fingerprint, "grad_sync": {
-                "name": type(hooks.grad_sync).__name__, "calls": hooks.grad_sync.stats.calls,
-                "collectives": hooks.grad_sync.stats.collectives, "bytes": hooks.grad_sync.stats.bytes},
-            "threads_per_worker": torch.get_num_threads(),
-            "weights_sha256": weights_digest(model),
-            **ctx.info,
-        },
-    )
+    summary = _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, info=info, wall=wall,
+                         eval_s=eval_totals, steps=step, epochs=epoch, steps_per_epoch=steps_per_epoch,
+                         num_params=num_params, precision=precision, fps=fps, peak=peak, val=(val_acc, val_loss))
     writer.close()
     if rank == 0 and ctx.run_dir:
         from dutycycle.engine import io
 
+        if cfg.run.save_model:
+            summary["model"] = io.join(ctx.run_dir, "model.safetensors")
         io.write_json_atomic(io.join(ctx.run_dir, "summary.json"), summary)
-    ctx.state = {"model": model, "optimizer": optimizer}
+    ctx.state = {"strategy": strategy, "model": strategy.module, "optimizer": optimizer}
     return summary
 
 
-def weights_digest(model) -> str:
-    """sha256 over every parameter's bytes: equal digests mean bit-identical weights."""
+def _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info, wall, eval_s, steps, epochs,
+               steps_per_epoch, num_params, precision, fps, peak, val) -> dict:
+    """Gather per-rank totals and memory, write the consolidated model, build the summary (every rank calls
+    this: it holds collectives)."""
+    import torch
+
+    from .parallel.plan import expected_held, expected_traffic, zero_formula
+    from .parallel.state import full_state_dict, to_safetensors
+    from .timing import gather_stats
+
+    world = ctx.world_size
+    totals = dict(timer.totals)
+    totals["eval"] = totals.get("eval", 0.0) + eval_s
+    per_rank = gather_stats([totals[k] for k in ALL_PHASES])
+    per_rank_totals = [dict(zip(ALL_PHASES, row.tolist(), strict=True)) for row in per_rank]
+    held = gather_stats([sampler.peak["params"], sampler.peak["grads"], sampler.peak["optimizer"]])
+    full = full_state_dict(strategy)  # a collective; rank 0 gets the tensors
+    if ctx.rank == 0 and ctx.run_dir and cfg.run.save_model:
+        from dutycycle.engine import io
+
+        io.write_bytes_atomic(io.join(ctx.run_dir, "model.safetensors"), to_safetensors(full))
+
+    plan = strategy.plan
+    master = torch.finfo(strategy.compute_dtype).bits // 8
+    compute = 2 if precision == "bf16" and plan.fsdp else master
+    state_per_param = _optimizer_state_tensors(cfg.optim)
+    optim_bytes = None if state_per_param is None else state_per_param * master
+    n_bytes = num_params * master
+    traffic = strategy.meter.traffic["train"]
+    parallel = {
+        "zero_stage": plan.zero_stage, "strategy": strategy.name, "offload": cfg.parallel.offload,
+        "micro_batches": plan.micro_batches, "reduce_every_micro_step": plan.reduce_every_micro_step,
+        "reshard_after_forward": plan.reshard_after_forward, "units": strategy.units, "precision": precision,
+        "comm_exposed_measured": strategy.meter.host_timing,
+        "traffic": traffic.to_dict(),
+        "traffic_per_step": {k: v / max(1, steps) for k, v in _per_kind_bytes(traffic).items()},
+        "expected_traffic_per_step": expected_traffic(plan, n_bytes, n_bytes),
+        "eval_traffic": strategy.meter.traffic["eval"].to_dict(),
+    }
+    memory = {
+        "held_per_rank": [dict(zip(("params", "grads", "optimizer"), r.tolist(), strict=True)) for r in held],
+        "expected": expected_held(plan, num_params, master, compute, master, optim_bytes or 0),
+        "zero_formula": zero_formula(plan.zero_stage, num_params, world, compute, master, optim_bytes or 0),
+        "optimizer_formula_known": optim_bytes is not None,
+        "cuda_peak_bytes": sampler.cuda_peak(ctx.device),
+    }
+    return M.summarize(
+        steps=steps, samples=log.samples, first_loss=log.first_loss, final_loss=log.last_loss, val_accuracy=val[0],
+        val_loss=val[1], wall_s=wall, per_rank_totals=per_rank_totals, world_size=world,
+        device=str((ctx.device or torch.device("cpu")).type), num_params=num_params, flops_per_sample=fps,
+        peak_flops_per_device=peak,
+        extra={
+            "epochs": epochs, "steps_per_epoch": steps_per_epoch, "global_batch_size": cfg.data.global_batch_size,
+            "micro_batches": cfg.data.micro_batches, "data_source": cfg.data.source,
+            "data_fingerprint": info.fingerprint, "parallel": parallel, "memory": memory,
+            "threads_per_worker": torch.get_num_threads(),
+            "weights_sha256": weights_digest(full) if ctx.rank == 0 else None,
+            **ctx.info,
+        },
+    )
+
+
+def _per_kind_bytes(traffic) -> dict[str, int]:
+    return {k: traffic.intra.get(k, 0) + traffic.inter.get(k, 0) for k in traffic.calls}
+
+
+def _optimizer_state_tensors(optim) -> int | None:
+    """Full-size state tensors per parameter for each optimizer (the ``step`` scalars aside), for the formula."""
+    from .optim import OPTIMIZERS
+
+    if OPTIMIZERS[optim.name][0] in ("AdamW", "Adam", "Adamax", "NAdam", "RAdam"):
+        return 2
+    if optim.name in ("sgd", "rmsprop"):
+        return int(optim.momentum > 0) + (optim.name == "rmsprop")
+    if optim.name == "adagrad":
+        return 1
+    return None  # adafactor: factored state, not a multiple of the parameter count
+
+
+def weights_digest(state: dict) -> str:
+    """sha256 over a consolidated state dict's tensors: equal digests mean bit-identical weights."""
     import hashlib
 
+    import torch
+
     h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
+    for name, p in sorted(state.items()):
         h.update(name.encode())
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -1,6 +1,10 @@
 """Models. Normalization never uses batch statistics (GroupNorm / LayerNorm), so a model's output for a
 sample does not depend on how the global batch is split across ranks: 1 and N workers train the same weights.
 
+A model exposes its repeated blocks as ``model.blocks`` (``nn.Sequential`` or ``nn.ModuleList``): the sharded
+trainer wraps each block as its own FSDP2 unit, so parameters are gathered one block at a time
+(trainer/parallel/apply.py). A model without ``blocks`` is sharded as one unit, with a warning.
+
 A model factory has the signature ``factory(cfg: ModelSection, in_channels, num_classes, image_size)`` and
 returns an ``nn.Module`` mapping float images [B, C, H, W] to logits [B, num_classes]. Register one in
 ``MODELS`` or point ``model.name`` at ``"package.module:factory"``.
@@ -16,27 +20,26 @@ from dutycycle.engine.errors import ConfigError
 from torch import nn
 
 
+class ConvBlock(nn.Sequential):
+    """Conv 3x3, GroupNorm, ReLU, 2x2 max-pool."""
+
+    def __init__(self, c_in: int, c_out: int, groups: int):
+        super().__init__(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.GroupNorm(min(groups, c_out), c_out),
+                         nn.ReLU(inplace=True), nn.MaxPool2d(2))
+
+
 class SmallCNN(nn.Module):
-    """``depth`` conv blocks (conv 3x3, GroupNorm, ReLU, 2x2 max-pool), channels doubling, then a linear head."""
+    """``depth`` conv blocks, channels doubling, then a linear head. ``blocks`` are the units the sharded
+    trainer wraps one by one (FSDP2)."""
 
     def __init__(self, in_channels: int, num_classes: int, width: int = 32, depth: int = 3, groups: int = 8):
         super().__init__()
-        layers: list[nn.Module] = []
-        c_in = in_channels
-        for i in range(depth):
-            c_out = width * 2**i
-            layers += [
-                nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
-                nn.GroupNorm(min(groups, c_out), c_out),
-                nn.ReLU(inplace=True),
-                nn.MaxPool2d(2),
-            ]
-            c_in = c_out
-        self.features = nn.Sequential(*layers)
-        self.head = nn.Linear(c_in, num_classes)
+        chans = [in_channels] + [width * 2**i for i in range(depth)]
+        self.blocks = nn.Sequential(*[ConvBlock(chans[i], chans[i + 1], groups) for i in range(depth)])
+        self.head = nn.Linear(chans[-1], num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.features(x)
+        x = self.blocks(x)
         return self.head(x.mean(dim=(2, 3)))  # global average pool: any input size works
 
 

@@ -4,16 +4,17 @@ Phases (seconds per step, per rank):
   data_wait         blocked on the loader for the next batch
   h2d               host-to-device copy
   forward_backward  forward, loss and backward of every micro-batch
-  comm              gradient synchronization (GradSync) and parameter gathering
+  comm              exposed communication: gradient exchange and parameter gathers not hidden by compute
   optimizer         clipping, optimizer step, zero_grad, schedule
   checkpoint        time the loop stalled for the checkpointer
   eval              validation passes
   other             the rest of the step's wall time (logging, metric reduction, Python)
 
 On CPU each phase is a monotonic-clock interval; every phase boundary is a synchronous point (CPU kernels and
-gloo collectives return when done), so the intervals are honest. On GPU, kernels are asynchronous: phases are
-recorded with CUDA events and resolved once per step after a single synchronize, so timing does not itself
-serialize the GPU inside the step.
+gloo collectives return when done), so the intervals are honest. ``comm`` is *exposed* communication: the time
+the step waited on collectives that computation did not hide (parallel/comm.py measures it and the loop moves
+it out of forward_backward). On GPU, kernels are asynchronous: phases are recorded with CUDA events and resolved
+once per logging interval after a single synchronize, so timing does not itself serialize the GPU.
 """
 
 from __future__ import annotations
@@ -28,21 +29,23 @@ USEFUL = ("forward_backward", "optimizer")
 
 
 class StepTimer:
-    """Times the phases of one step at a time. ``phase(name)`` is a context manager; ``end_step()`` returns
-    ``{phase: seconds}`` including ``other`` and ``step`` (the step's wall time)."""
+    """Times the phases of one step at a time. ``phase(name)`` is a context manager; ``end_step()`` returns the
+    step's record, and ``resolve(records)`` turns records into ``{phase: seconds}`` dicts (with ``other`` and
+    ``step``, the step's wall time) and adds them to ``totals``.
+
+    Resolution is deferred so the loop synchronizes with the device once per logging interval, not once per
+    step: on GPU each phase is a pair of CUDA events, read after a single ``synchronize()`` in ``resolve``."""
 
     def __init__(self, device=None):
         import torch
 
         self.cuda = device is not None and getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available()
-        self._events: list[tuple[str, object, object]] = []
-        self._cpu: dict[str, float] = {}
-        self.start_step()
         self.totals: dict[str, float] = dict.fromkeys((*ALL_PHASES, "step"), 0.0)
         self.steps = 0
+        self.start_step()
 
     def start_step(self) -> None:
-        self._events.clear()
+        self._events: list[tuple[str, object, object]] = []
         self._cpu = dict.fromkeys(PHASES, 0.0)
         self._start = time.perf_counter()
 
@@ -72,31 +75,42 @@ class StepTimer:
         """Attribute time measured elsewhere (e.g. the loader's own wait counter) to a phase."""
         self._cpu[name] += seconds
 
-    def current(self) -> dict[str, float]:
-        """Phase seconds so far in this step (on GPU: synchronizes once and resolves the recorded events)."""
-        if self.cuda and self._events:
+    def move(self, src: str, dst: str, seconds: float) -> None:
+        """Re-attribute ``seconds`` measured inside phase ``src`` to ``dst`` (host-timed phases only): e.g.
+        collectives that blocked inside forward/backward are communication, not compute."""
+        if seconds <= 0:
+            return
+        seconds = min(seconds, self._cpu[src]) if not self.cuda else seconds
+        self._cpu[src] -= seconds
+        self._cpu[dst] += seconds
+
+    def end_step(self) -> dict:
+        """Close the step; returns its unresolved record."""
+        self.steps += 1
+        return {"cpu": dict(self._cpu), "events": list(self._events), "wall": time.perf_counter() - self._start}
+
+    def resolve(self, records: list[dict]) -> list[dict[str, float]]:
+        """Phase seconds per record (one device synchronize for all of them); adds them to ``totals``."""
+        if self.cuda and any(r["events"] for r in records):
             import torch
 
             torch.cuda.synchronize()
-            for name, start, end in self._events:
-                self._cpu[name] += start.elapsed_time(end) / 1000.0
-            self._events.clear()
-        return dict(self._cpu)
-
-    def end_step(self) -> dict[str, float]:
-        self.current()
-        wall = time.perf_counter() - self._start
-        out = dict(self._cpu)
-        out["other"] = max(0.0, wall - sum(out.values()))
-        out["step"] = wall
-        for k, v in out.items():
-            self.totals[k] += v
-        self.steps += 1
+        out = []
+        for r in records:
+            secs = dict(r["cpu"])
+            for name, start, end in r["events"]:
+                secs[name] += start.elapsed_time(end) / 1000.0
+            secs["other"] = max(0.0, r["wall"] - sum(secs.values()))
+            secs["step"] = r["wall"]
+            for k, v in secs.items():
+                self.totals[k] += v
+            out.append(secs)
         return out
 
 
-def gather_stats(values: list[float]):
-    """All-gather a small vector of floats from every rank; returns a [world, len] tensor (one row per rank).
+def gather_stats(values):
+    """All-gather a small table of floats from every rank. ``values`` is a list (one row) or a list of rows;
+    returns a float64 tensor ``[world, len]`` for a list and ``[world, rows, len]`` for rows.
 
     Works without an initialized process group (local mode): the single row is this process's values."""
     import torch
@@ -107,12 +121,10 @@ def gather_stats(values: list[float]):
         return t.unsqueeze(0)
     backend = dist.get_backend()
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    t = t.to(dev)
-    out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=dev)
-    # all_gather_single is the newer name (torch >= 2.10 deprecates all_gather_into_tensor)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, t)
-    return out.view(-1, len(values)).cpu()
+    flat = t.reshape(-1).to(dev)
+    out = torch.empty(dist.get_world_size() * flat.numel(), dtype=torch.float64, device=dev)
+    dist.all_gather_single(out, flat)
+    return out.view(-1, *t.shape).cpu()
 
 
 def breakdown(totals: dict[str, float], wall: float) -> dict[str, dict[str, float]]:

@@ -1,0 +1,271 @@
+"""ZeRO stages side by side: bytes held per rank, logical bytes sent per step, samples/s and exposed communication.
+
+    python benchmarks/zero.py                    # writes benchmarks/results/zero.json
+    python benchmarks/zero.py --quick            # a tiny model, seconds (the smoke test)
+
+Rows, at 2 and 4 ranks (torchrun, gloo, one process per rank on this machine): stages 0 (DDP), 1, 2, 3 (FSDP2)
+and stage 3 with optimizer offload, all on the same ViT (default widened to ~22M parameters), the same synthetic
+global batches, AdamW, fp32. At 2 ranks a baseline row runs the trainer's previous gradient sync: after the last
+backward, gradients copied into flat 25 MB buckets, all-reduced (SUM) and divided by the world size, blocking.
+Every row goes through the same step loop (``train_worker``); only the wrapping differs.
+
+Figures per row: steady-state samples/s (the first ``--skip`` steps excluded: lazy init, the memory sampling
+step), the exposed-communication share of the step (time the step waited on collectives that compute did not
+hide; trainer/parallel/comm.py), logical bytes sent per step by collective kind, and model-state bytes held per
+rank (parameters, gradients, optimizer state) beside the ZeRO paper's formula. Speed figures on a shared 2-core
+machine are noisy and 4 ranks oversubscribe the cores; the byte figures are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROWS = [  # (name, zero_stage, offload, baseline)
+    ("allreduce-manual", 0, "none", True),
+    ("stage0-ddp", 0, "none", False),
+    ("stage1", 1, "none", False),
+    ("stage2", 2, "none", False),
+    ("stage3", 3, "none", False),
+    ("stage3-offload", 3, "optimizer", False),
+]
+
+
+# ------------------------------------------------------------------------------------------ the baseline
+
+
+def manual_allreduce_parallelize(model, *, zero_stage, rank, world_size, device, micro_batches=1,
+                                 bucket_mb=25.0, **_):
+    """The trainer's gradient sync before DDP/FSDP2 (the old ``AllReduceSync``), as a Strategy: written as it
+    was, bucketed, one all-reduce per bucket after the last micro-batch's backward, nothing overlapped."""
+    import torch
+    import torch.distributed as dist
+    from dutycycle.trainer.parallel.apply import Strategy
+    from dutycycle.trainer.parallel.comm import CommMeter
+    from dutycycle.trainer.parallel.plan import make_plan
+    from dutycycle.trainer.parallel.traffic import Topology
+
+    class ManualAllReduce(Strategy):
+        @contextlib.contextmanager
+        def micro_step(self, micro: int):
+            yield
+            if micro == self.plan.micro_batches - 1:
+                with self.meter.blocking():
+                    self._sync()
+
+        def _sync(self):
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            limit = max(1, int(bucket_mb * 1024 * 1024))
+            bucket, size = [], 0
+            for p in [*params, None]:
+                nbytes = 0 if p is None else p.grad.numel() * p.grad.element_size()
+                if bucket and (p is None or size + nbytes > limit):
+                    flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+                    self.meter.count("all_reduce", flat.numel() * flat.element_size(), None, factor=2)
+                    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                    flat.div_(world_size)
+                    offset = 0
+                    for q in bucket:
+                        q.grad.copy_(flat[offset:offset + q.grad.numel()].view_as(q.grad))
+                        offset += q.grad.numel()
+                    bucket, size = [], 0
+                if p is not None:
+                    bucket.append(p)
+                    size += nbytes
+
+    meter = CommMeter(rank, Topology.uniform(world_size, world_size), host_timing=device.type == "cpu")
+    return ManualAllReduce(model=model, module=model, plan=make_plan(0, world_size, micro_batches), meter=meter,
+                           name="allreduce-manual")
+
+
+# ------------------------------------------------------------------------------------------------ worker
+
+
+def worker(args) -> None:
+    """One rank, started by torchrun: train and (rank 0) print the row's figures as one JSON line."""
+    import torch.distributed as dist
+    from dutycycle.trainer.config import load_config
+    from dutycycle.trainer.loop import WorkerContext, set_threads, train_worker
+    from dutycycle.trainer.metrics import read_metrics
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    cfg = load_config(None, [
+        "data.source=synthetic", f"data.size={args.size}", f"data.global_batch_size={args.batch}",
+        f"data.synthetic_samples={args.batch * (args.steps + 1)}", "model.name=vit", f"model.width={args.width}",
+        f"model.depth={args.depth}", f"model.heads={args.heads}", "model.patch=4", f"run.max_steps={args.steps}",
+        "run.eval_every=0", "run.eval_max_batches=1", "run.log_every=0", "run.report=false",
+        "run.save_model=false", f"run.dir={args.run_dir}", f"parallel.num_workers={world}",
+        f"parallel.zero_stage={args.stage}", f"parallel.offload={args.offload}", "optim.warmup_steps=2",
+    ])
+    set_threads(cfg, world)
+    fn = manual_allreduce_parallelize if args.baseline else None
+    summary = train_worker(cfg, WorkerContext(rank=rank, world_size=world, run_dir=args.run_dir),
+                           parallelize_fn=fn)
+    if rank == 0:
+        rows = [r for r in read_metrics(args.run_dir) if "loss" in r][args.skip:]
+        step_s = sum(r["step_s"] for r in rows)
+        out = {
+            "samples_per_s": args.batch * len(rows) / step_s,
+            "step_s_median": statistics.median(r["step_s"] for r in rows),
+            "exposed_comm_share": sum(r["comm"] for r in rows) / step_s,
+            "forward_backward_share": sum(r["forward_backward"] for r in rows) / step_s,
+            "optimizer_share": sum(r["optimizer"] for r in rows) / step_s,
+            "steps_measured": len(rows),
+            "num_params": summary["num_params"],
+            "final_loss": summary["final_loss"],
+            "bytes_sent_per_step": summary["parallel"]["traffic_per_step"],
+            "expected_bytes_per_step": summary["parallel"]["expected_traffic_per_step"],
+            "held_per_rank": summary["memory"]["held_per_rank"],
+            "expected_held": summary["memory"]["expected"],
+            "zero_formula": summary["memory"]["zero_formula"],
+            "threads_per_worker": summary["threads_per_worker"],
+        }
+        print("ZERO_RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------- driver
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_row(name, stage, offload, baseline, world, args, workdir) -> dict:
+    run_dir = os.path.join(workdir, f"{name}-{world}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+           "--master-port", str(_free_port()), __file__, "--worker", "--stage", str(stage), "--offload", offload,
+           "--run-dir", run_dir, *(["--baseline"] if baseline else []), *_shared_args(args)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wall = time.perf_counter() - t0
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("ZERO_RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        # torchrun's own summary comes last; the ranks' tracebacks and C++ aborts come before it
+        return {"name": name, "world_size": world, "returncode": proc.returncode,
+                "error": (proc.stdout + proc.stderr)[-12000:]}
+    return {"name": name, "world_size": world, "zero_stage": stage, "offload": offload, "process_wall_s": wall,
+            **json.loads(line.removeprefix("ZERO_RESULT "))}
+
+
+def _shared_args(args) -> list[str]:
+    return ["--width", str(args.width), "--depth", str(args.depth), "--heads", str(args.heads), "--size",
+            str(args.size), "--batch", str(args.batch), "--steps", str(args.steps), "--skip", str(args.skip)]
+
+
+def ratios(rows: list[dict]) -> dict:
+    by = {(r["name"], r["world_size"]): r for r in rows if "error" not in r}
+    out = {}
+    for world in sorted({w for _, w in by}):
+        s0 = by.get(("stage0-ddp", world))
+        if s0 is None:
+            continue
+        o0 = s0["held_per_rank"][0]["optimizer"]
+        for name in ("stage1", "stage2", "stage3", "stage3-offload"):
+            r = by.get((name, world))
+            if r:
+                held = max(h["optimizer"] for h in r["held_per_rank"])
+                out[f"{name}_optimizer_bytes_vs_stage0_over_N_{world}ranks"] = held / (o0 / world)
+        r3 = by.get(("stage3", world))
+        if r3:
+            out[f"stage3_bytes_sent_vs_stage0_{world}ranks"] = (
+                sum(r3["bytes_sent_per_step"].values()) / sum(s0["bytes_sent_per_step"].values()))
+        base = by.get(("allreduce-manual", world))
+        if base:
+            out[f"stage0_samples_per_s_vs_manual_allreduce_{world}ranks"] = s0["samples_per_s"] / base["samples_per_s"]
+            out[f"manual_allreduce_exposed_comm_share_{world}ranks"] = base["exposed_comm_share"]
+            out[f"stage0_exposed_comm_share_{world}ranks"] = s0["exposed_comm_share"]
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| ranks | row | samples/s | exposed comm | sent per step (MB) | params / grads / optimizer held "
+             "per rank (MB) | ZeRO formula (MB) |", "|---|---|---|---|---|---|---|"]
+    mb = 1024 * 1024
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['world_size']} | {r['name']} | error | | | | |")
+            continue
+        h = r["held_per_rank"][0]
+        z = r["zero_formula"]
+        lines.append(
+            f"| {r['world_size']} | {r['name']} | {r['samples_per_s']:.1f} | {r['exposed_comm_share']:.0%} | "
+            f"{sum(r['bytes_sent_per_step'].values()) / mb:.0f} | {h['params'] / mb:.0f} / {h['grads'] / mb:.0f} / "
+            f"{h['optimizer'] / mb:.0f} | {z['params'] / mb:.0f} / {z['grads'] / mb:.0f} / {z['optimizer'] / mb:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--offload", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
+    p.add_argument("--width", type=int, default=512, help="ViT width (default 512: ~22M parameters at depth 7)")
+    p.add_argument("--depth", type=int, default=7)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--size", type=int, default=32, help="image side (default 32: 65 tokens of 4x4 patches)")
+    p.add_argument("--batch", type=int, default=16, help="global batch size (default 16)")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per row (default 8)")
+    p.add_argument("--skip", type=int, default=2, help="first steps excluded from speed figures (default 2)")
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--rows", nargs="+", default=[r[0] for r in ROWS], choices=[r[0] for r in ROWS])
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--quick", action="store_true", help="a tiny ViT and few steps: seconds, for the smoke test")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero.json"))
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.quick:
+        args.width, args.depth, args.heads, args.size, args.batch, args.steps, args.skip = 32, 2, 2, 8, 8, 3, 1
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for world in args.worlds:
+            for name, stage, offload, baseline in ROWS:
+                if (baseline and world != 2) or name not in args.rows:
+                    continue
+                r = run_row(name, stage, offload, baseline, world, args, workdir)
+                rows.append(r)
+                if "error" in r:
+                    print(f"{world} ranks {name}: error\n{r['error']}", flush=True)
+                else:
+                    print(f"{world} ranks {name:17s} {r['samples_per_s']:8.1f} samples/s, exposed comm "
+                          f"{r['exposed_comm_share']:.0%}, sent/step {sum(r['bytes_sent_per_step'].values()) / 2**20:.0f} MB, "
+                          f"optimizer held {r['held_per_rank'][0]['optimizer'] / 2**20:.0f} MB", flush=True)
+    result = {
+        "benchmark": "zero",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "settings": {k: v for k, v in vars(args).items()
+                     if k not in ("worker", "stage", "offload", "baseline", "run_dir")},
+        "rows": rows,
+        "ratios": ratios(rows),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(table(rows))
+    print(json.dumps(result["ratios"], indent=2))
+    print(f"wrote {args.out}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

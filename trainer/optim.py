@@ -1,0 +1,62 @@
+"""Optimizers by name, and which of them may update a shard on its own.
+
+ZeRO stages 1-3 hand the optimizer only this rank's shard of every parameter (FSDP2 DTensors). That is exact
+for *elementwise* optimizers, whose update of one element reads only that element's gradient and state (SGD,
+Adam, AdamW, RMSprop, ...). An optimizer that couples elements (Adafactor factors the second moment into row and
+column statistics of each matrix) would compute them from a shard and give a different result, so it is refused
+at stage >= 1 before any worker starts.
+"""
+
+from __future__ import annotations
+
+from dutycycle.engine.errors import ConfigError
+
+# name -> (torch.optim class name, elementwise)
+OPTIMIZERS = {
+    "adamw": ("AdamW", True),
+    "adam": ("Adam", True),
+    "sgd": ("SGD", True),
+    "rmsprop": ("RMSprop", True),
+    "adagrad": ("Adagrad", True),
+    "adamax": ("Adamax", True),
+    "nadam": ("NAdam", True),
+    "radam": ("RAdam", True),
+    "adafactor": ("Adafactor", False),
+}
+
+
+def check_optimizer(name: str, zero_stage: int) -> None:
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name = {name!r} is not one of {', '.join(OPTIMIZERS)}")
+    cls, elementwise = OPTIMIZERS[name]
+    if zero_stage >= 1 and not elementwise:
+        ok = ", ".join(n for n, (_, e) in OPTIMIZERS.items() if e)
+        raise ConfigError(
+            f"optim.name = {name!r} ({cls}) is not elementwise: its update of one element depends on others in "
+            f"the same tensor, so it cannot update a ZeRO shard on its own (parallel.zero_stage = {zero_stage}). "
+            f"Use parallel.zero_stage = 0, or an elementwise optimizer: {ok}"
+        )
+
+
+def make_optimizer(params, optim):
+    """The optimizer named by ``optim.name`` over ``params`` (an iterable of parameters, sharded or not).
+
+    No weight decay on 1-d parameters (norms and biases), as usual. Only the arguments a class accepts are
+    passed (``betas`` to the Adam family, ``momentum`` to SGD and RMSprop)."""
+    import inspect
+
+    import torch
+
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.dim() > 1]
+    no_decay = [p for p in params if p.dim() <= 1]
+    groups = [g for g in ({"params": decay, "weight_decay": optim.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    cls = getattr(torch.optim, OPTIMIZERS[optim.name][0])
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {"lr": optim.lr}
+    if "betas" in accepted:
+        kwargs["betas"] = (optim.beta1, optim.beta2)
+    if "momentum" in accepted and optim.name in ("sgd", "rmsprop"):
+        kwargs["momentum"] = optim.momentum
+    return cls(groups, **kwargs)

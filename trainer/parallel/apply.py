@@ -1,0 +1,216 @@
+"""Apply data parallelism to a model: DDP for ZeRO stage 0, FSDP2 per block for stages 1-3.
+
+``parallelize`` is the one function to read: it builds the plan (plan.py), wraps the model the way torchtitan's
+``parallelize`` does (each block bottom-up, then the root, in a fixed order), installs the counting collectives
+(comm.py) and returns a ``Strategy``: the object the step loop talks to.
+
+The step loop calls, per optimizer step::
+
+    for i, micro-batch in enumerate(...):
+        with strategy.micro_step(i):          # DDP no_sync / FSDP2 gradient-sync and reshard switches
+            loss = strategy.model(x); loss.backward()
+    strategy.clip_grad_norm_(max_norm)        # exact across shards
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import CommMeter, CountingAllGather, CountingReduceScatter, counting_allreduce_hook
+from .plan import ShardingPlan, make_plan
+from .traffic import Topology
+
+
+class ShardingWarning(UserWarning):
+    """A model could not be sharded the way it was asked (no blocks, shared parameters)."""
+
+
+# --------------------------------------------------------------------------------------------- strategies
+
+
+@dataclass
+class Strategy:
+    """What the loop needs from data parallelism. ``model`` is what forward is called on (a DDP wrapper, the
+    FSDP2 root, or the plain module); ``module`` is the user's module (``model`` itself for FSDP2)."""
+
+    model: nn.Module
+    module: nn.Module
+    plan: ShardingPlan
+    meter: CommMeter
+    name: str = "local"
+    compute_dtype: torch.dtype = torch.float32  # what inputs are cast to before forward
+    units: list[str] = field(default_factory=list)  # module names sharded as their own FSDP2 unit
+
+    @contextlib.contextmanager
+    def micro_step(self, micro: int):
+        yield
+
+    def after_eval(self) -> None:
+        """Called after a validation pass (FSDP2 stages 1-2 would otherwise keep parameters unsharded)."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(self.module.parameters(), max_norm)
+
+
+class DDPStrategy(Strategy):
+    """Stage 0: ``DistributedDataParallel``; ``no_sync()`` on all micro-batches but the last (unless
+    ``reduce_every_micro_step``), so the one all-reduce per step overlaps the last backward."""
+
+    @contextlib.contextmanager
+    def micro_step(self, micro: int):
+        sync = self.plan.syncs_gradients(micro)
+        self.meter.last_ready = None
+        try:
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                yield
+        except RuntimeError as e:
+            if "find_unused_parameters" in str(e):  # DDP names its own keyword; name the config key instead
+                from dutycycle.engine.errors import ConfigError
+
+                raise ConfigError("a parameter got no gradient in a step, and DDP (parallel.zero_stage = 0) needs to "
+                                  "know: set parallel.find_unused_parameters = true") from e
+            raise
+        if sync and self.meter.last_ready is not None:
+            # exposed communication: from the last bucket's hand-over (compute done) to backward's return
+            self.meter.add_blocked(time.perf_counter() - self.meter.last_ready)
+
+
+class FSDPStrategy(Strategy):
+    """Stages 1-3: FSDP2. Per micro-batch: gradient sync only where the plan says; stage 1 keeps parameters
+    unsharded across micro-batches and reshards after the last backward (the stale-weights trap otherwise)."""
+
+    @contextlib.contextmanager
+    def micro_step(self, micro: int):
+        root = self.model
+        root.set_requires_gradient_sync(self.plan.syncs_gradients(micro))
+        root.set_reshard_after_backward(self.plan.reshards_after_backward(micro))
+        yield
+
+    def after_eval(self) -> None:
+        from .fsdp_api import fsdp_modules
+
+        for m in fsdp_modules(self.model):
+            m.reshard()
+
+
+# --------------------------------------------------------------------------------------------- clipping
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Clip by the global 2-norm over all gradients, exact across shards: FSDP2 gradients are DTensors whose
+    norm is a partial value per rank; ``full_tensor()`` combines them (as torchtitan does)."""
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not grads:
+        return torch.tensor(0.0)
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+# -------------------------------------------------------------------------------------------- sharding units
+
+
+def shard_units(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    """The blocks to shard as their own FSDP2 units, in forward order, and warnings.
+
+    A model exposes its blocks as ``model.blocks`` (an ``nn.Sequential`` or ``nn.ModuleList``), as the models in
+    models.py do. A block sharing a parameter with anything outside it (tied weights) stays in the root unit: FSDP2
+    manages each parameter in exactly one unit, and a tied parameter used outside its unit's forward would be
+    used while sharded."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
+        return [], [f"{type(model).__name__} has no `blocks` (nn.Sequential/ModuleList): it is sharded as one "
+                    "unit, so a whole-model all-gather happens at once (expose blocks to shard per block)"]
+    warns = []
+    owners: dict[int, set[str]] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(name)
+    units = []
+    for i, block in enumerate(blocks):
+        prefix = f"blocks.{i}"
+        inside = {id(p) for p in block.parameters()}
+        shared = any(any(not (o == prefix or o.startswith(prefix + ".")) for o in owners[pid]) for pid in inside)
+        if shared:
+            warns.append(f"{prefix} shares a parameter with another part of the model (tied weights): "
+                         "it stays in the root unit")
+            continue
+        units.append((prefix, block))
+    return units, warns
+
+
+# ------------------------------------------------------------------------------------------------ parallelize
+
+
+def parallelize(model: nn.Module, *, zero_stage: int, rank: int, world_size: int, device: torch.device,
+                micro_batches: int = 1, reduce_every_micro_step: bool = False, offload: bool = False,
+                precision: str = "fp32", bucket_mb: float = 25.0, find_unused_parameters: bool = False,
+                node_size: int = 0) -> Strategy:
+    """Wrap ``model`` (already on ``device``, identical on every rank) for data-parallel training.
+
+    ``precision`` is the resolved compute precision: ``"fp32"``, ``"fp64"`` (the model is float64 already) or
+    ``"bf16"`` (stage 0: the loop autocasts; stages 1-3: FSDP2 keeps fp32 sharded master weights, gathers bf16
+    parameters and reduces gradients in fp32). ``node_size`` (0 = all ranks on one node) feeds the intra/inter-node
+    split of the byte counts."""
+    topology = Topology.uniform(world_size, node_size or world_size)
+    meter = CommMeter(rank, topology, host_timing=device.type == "cpu")
+    plan = make_plan(zero_stage, world_size, micro_batches, reduce_every_micro_step, offload)
+    compute_dtype = torch.float64 if precision == "fp64" else torch.float32
+
+    if not plan.fsdp:
+        if world_size == 1:
+            return Strategy(model=model, module=model, plan=plan, meter=meter, compute_dtype=compute_dtype)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb,
+                  gradient_as_bucket_view=True, find_unused_parameters=find_unused_parameters)
+        ddp.register_comm_hook(None, counting_allreduce_hook(meter))
+        return DDPStrategy(model=ddp, module=model, plan=plan, meter=meter, name="ddp",
+                           compute_dtype=compute_dtype)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from .fsdp_api import fsdp_modules
+
+    ensure_process_group(device)
+    mesh = init_device_mesh(device.type, (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
+        else MixedPrecisionPolicy()
+    # pinned host memory needs an accelerator (it raises on a CPU-only machine)
+    off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    units, warns = shard_units(model)
+    for w in warns:
+        warnings.warn(w, ShardingWarning, stacklevel=2)
+    kwargs = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mp, offload_policy=off)
+    for _, block in units:  # bottom-up: each block its own unit, then the root takes what is left
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    gather, scatter = CountingAllGather(meter), CountingReduceScatter(meter)
+    for m in fsdp_modules(model):  # the setters are per module, not recursive
+        m.set_custom_all_gather(gather)
+        m.set_custom_reduce_scatter(scatter)
+        if find_unused_parameters:
+            m.set_reduce_scatter_unused_params(True, recurse=False)
+    return FSDPStrategy(model=model, module=model, plan=plan, meter=meter, name="fsdp2",
+                        compute_dtype=compute_dtype, units=[n for n, _ in units])
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """FSDP2 needs a process group even for one rank: make a one-process group in memory (no ports) when the
+    run has none (local mode)."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

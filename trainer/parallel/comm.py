@@ -1,0 +1,136 @@
+"""The collectives the sharded trainer issues, wrapped at torch's supported seams so they can be counted, timed
+and (ZeRO++) replaced:
+
+- FSDP2: ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` take objects implementing
+  ``AllGather`` / ``ReduceScatter`` (fsdp_api.py). They are set on every FSDP module (the setters do not
+  recurse).
+- DDP: ``DistributedDataParallel.register_comm_hook`` takes a function of each gradient bucket.
+
+Every call counts logical bytes into a ``Traffic`` (traffic.py) and, when collectives block the calling thread
+(CPU/gloo: FSDP2 calls them synchronously from its hooks), the seconds the thread was blocked. That blocked
+time is the step's *exposed* communication: the loop moves it out of forward/backward into ``comm``. DDP's
+all-reduce runs on gloo's own threads while backward goes on; its exposed part is the time from the moment the
+last gradient bucket is handed over (all gradients computed) until backward returns. On GPU, collectives run on
+side streams and the host does not wait for them, so host time cannot separate them from compute there:
+``CommMeter.host_timing`` is off and the summary says so.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from .fsdp_api import AllGather, ReduceScatter
+from .traffic import Topology, Traffic
+
+
+class CommMeter:
+    """Bytes and blocked seconds of this rank's collectives. ``traffic[phase]`` holds a ``Traffic`` per phase
+    (``"train"``, ``"eval"``); ``phase(name)`` selects which one counts."""
+
+    def __init__(self, rank: int, topology: Topology, host_timing: bool = True):
+        self.rank, self.topology, self.host_timing = rank, topology, host_timing
+        self.traffic: dict[str, Traffic] = {"train": Traffic(), "eval": Traffic()}
+        self._active = "train"
+        self._blocked = 0.0
+        self.last_ready: float | None = None  # DDP: when the last bucket of the step was handed to gloo
+        self._group_ranks: dict[int, list[int]] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        prev, self._active = self._active, name
+        self.traffic.setdefault(name, Traffic())
+        try:
+            yield
+        finally:
+            self._active = prev
+
+    def group_ranks(self, group) -> list[int]:
+        key = id(group)
+        if key not in self._group_ranks:
+            self._group_ranks[key] = dist.get_process_group_ranks(group) if group is not None else \
+                list(range(dist.get_world_size()))
+        return self._group_ranks[key]
+
+    def count(self, kind: str, full_bytes: int, group, factor: int = 1) -> None:
+        """One collective over ``full_bytes`` of full payload (an all-gather's output, a reduce-scatter's or
+        all-to-all's input, an all-reduce's buffer): this rank sends ``full_bytes / W`` to each peer."""
+        ranks = self.group_ranks(group)
+        per_peer = full_bytes // len(ranks)
+        self.traffic[self._active].count(kind, per_peer, self.rank, ranks, self.topology, factor=factor)
+
+    @contextmanager
+    def blocking(self, enabled: bool = True):
+        """Time a collective that blocks this thread (counted as exposed communication)."""
+        if not (enabled and self.host_timing):
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._blocked += time.perf_counter() - t0
+
+    def add_blocked(self, seconds: float) -> None:
+        if self.host_timing:
+            self._blocked += max(0.0, seconds)
+
+    def take_blocked(self) -> float:
+        """Exposed communication seconds since the last call."""
+        out, self._blocked = self._blocked, 0.0
+        return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CountingAllGather(AllGather):
+    """FSDP2's all-gather, unchanged (``all_gather_single``), counted and timed."""
+
+    def __init__(self, meter: CommMeter):
+        self.meter = meter
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.meter.count("all_gather", _nbytes(output_tensor), group)
+        with self.meter.blocking(enabled=not async_op):
+            return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class CountingReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter, unchanged (``reduce_scatter_single`` with FSDP's ``op``), counted and timed."""
+
+    def __init__(self, meter: CommMeter):
+        self.meter = meter
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.meter.count("reduce_scatter", _nbytes(input_tensor), group)
+        with self.meter.blocking(enabled=not async_op):
+            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def counting_allreduce_hook(meter: CommMeter):
+    """A DDP comm hook that does what DDP does without one (scale the bucket by 1/W, all-reduce SUM), counted.
+    Scaling by 1/W happens before the sum, as in DDP's reducer, so stage 0 matches plain DDP bit for bit for
+    power-of-two world sizes (where x/W and x*(1/W) are the same float)."""
+
+    # no annotations here: DDP checks them at registration, and this module's are strings (future annotations)
+    def hook(group, bucket):
+        buf = bucket.buffer()
+        world = dist.get_world_size(group)
+        meter.last_ready = time.perf_counter()
+        meter.count("all_reduce", _nbytes(buf), group, factor=2)
+        buf.div_(world)
+        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    return hook

@@ -1,0 +1,51 @@
+"""Every use of FSDP2's private modules, in one file: what a torch upgrade may break, and nothing else does.
+
+- ``AllGather`` / ``ReduceScatter``: the interfaces behind ``FSDPModule.set_custom_all_gather`` and
+  ``set_custom_reduce_scatter`` (public methods, private interface classes). Checked on torch 2.13: they are
+  called on CPU; ``allocate(size, *, dtype, device)`` must return a tensor (``torch.empty``); the all-gather
+  input is a view into its output; gloo wants flat 1-D tensors; the reduce-scatter receives ``op`` (AVG unless
+  ``set_force_sum_reduction_for_comms``). Returning ``None`` means the collective already finished.
+- ``held_tensors``: the parameter and gradient tensors FSDP2 holds beside the module's registered (sharded)
+  parameters: the unsharded parameters between all-gather and reshard, the unsharded gradients it keeps while
+  gradient sync is off (accumulation), and the padded flat shard behind each sharded parameter. Memory
+  accounting (memory.py) reads them; nothing writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+__all__ = ["AllGather", "ReduceScatter", "FSDPModule", "fsdp_modules", "held_tensors"]
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
+    """Every module ``fully_shard`` was applied to, children before parents (the order they were sharded)."""
+    return [m for m in reversed(list(model.modules())) if isinstance(m, FSDPModule)]
+
+
+def _fsdp_params(module: FSDPModule):
+    state = module._get_fsdp_state()
+    for group in state._fsdp_param_groups:
+        yield from group.fsdp_params
+
+
+def held_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(kind, tensor)`` for the parameter/gradient memory FSDP2 holds, kind in ``sharded_param``,
+    ``unsharded_param``, ``sharded_grad``, ``unsharded_grad``. Freed unsharded storage has size 0."""
+    for module in fsdp_modules(model):
+        for fp in _fsdp_params(module):
+            yield "sharded_param", fp._sharded_param_data  # padded: includes FSDP's padding to W rows
+            grad = fp.sharded_param.grad
+            if grad is not None:
+                yield "sharded_grad", getattr(grad, "_local_tensor", grad)
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                yield "unsharded_param", unsharded
+                if unsharded.grad is not None:
+                    yield "unsharded_grad", unsharded.grad
+            if fp.unsharded_accumulated_grad is not None:
+                yield "unsharded_grad", fp.unsharded_accumulated_grad

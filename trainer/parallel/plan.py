@@ -1,0 +1,151 @@
+"""What each ZeRO stage means here, as plain functions: the torch settings, the bytes held, the bytes sent.
+
+ZeRO (arXiv 1910.02054) partitions model state across the W data-parallel ranks: stage 1 the optimizer state,
+stage 2 also the gradients, stage 3 also the parameters. dutycycle maps the stages onto PyTorch's own
+machinery, and the README's stage table is generated from ``STAGES`` below:
+
+- stage 0 is ``DistributedDataParallel``: bucketed all-reduce launched during backward, ``no_sync()`` on all
+  micro-batches but the last, so the step's one gradient exchange overlaps the last backward.
+- stages 1-3 are FSDP2 (``fully_shard``) applied per block, then to the root. FSDP2 always keeps parameters
+  sharded between optimizer steps (keeping them unsharded across a step would train on stale weights), so the
+  stages differ in what is unsharded *during* the step:
+  stage 3 reshards after forward and gathers again in backward; stage 2 keeps parameters unsharded from forward
+  to the end of backward; stage 1 keeps them (and the full gradients) unsharded across the whole accumulation
+  window. Stage 1 has no exact FSDP2 equivalent: ZeRO-1 keeps parameters replicated between steps, FSDP2 does
+  not; what it holds is measured and reported beside the ZeRO formula.
+
+Gradients are exchanged once per optimizer step, at the accumulation boundary, by default (the fix from the
+seed talks: a cluster was slower than one GPU until synchronization waited for the window's end). With
+``reduce_every_micro_step`` they are reduce-scattered after every micro-batch (DeepSpeed's ZeRO-2 style): less
+memory (no full gradients kept), M times the gradient traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ------------------------------------------------------------------------------------------------- stages
+
+
+@dataclass(frozen=True)
+class Stage:
+    zero: int
+    holds: str  # what one rank holds, ZeRO's words
+    torch: str  # how it maps onto torch
+    sends: str  # per optimizer step, M micro-batches, N = bytes of the full gradients/parameters, W ranks
+
+
+STAGES = (
+    Stage(0, "everything, replicated",
+          "DistributedDataParallel, no_sync() until the last micro-batch",
+          "all-reduce of the gradients: 2N(W-1)/W"),
+    Stage(1, "optimizer state / W; parameters and gradients whole during the step",
+          "fully_shard(reshard_after_forward=False); parameters stay unsharded across micro-batches "
+          "(set_reshard_after_backward only at the last one); one reduce-scatter at the boundary",
+          "all-gather N(W-1)/W + reduce-scatter N(W-1)/W"),
+    Stage(2, "optimizer state and gradients / W; parameters whole from forward to end of backward",
+          "fully_shard(reshard_after_forward=False), resharded after every backward",
+          "M all-gathers N(W-1)/W + reduce-scatter N(W-1)/W (M of them with reduce_every_micro_step)"),
+    Stage(3, "optimizer state, gradients and parameters / W",
+          "fully_shard(reshard_after_forward=True) (an int: hpZ, reshard to a node-sized group)",
+          "2M all-gathers N(W-1)/W + reduce-scatter N(W-1)/W (M of them with reduce_every_micro_step)"),
+)
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """The resolved torch settings for one run (pure data, derived from the parallel config)."""
+
+    zero_stage: int
+    world_size: int
+    micro_batches: int
+    reduce_every_micro_step: bool
+    offload: bool
+    fsdp: bool  # FSDP2 (stages 1-3) or DDP / a plain module (stage 0)
+    reshard_after_forward: bool | int  # FSDP2 only
+    keep_unsharded_across_micro_batches: bool  # stage 1: reshard after backward only at the last micro-batch
+
+    def syncs_gradients(self, micro: int) -> bool:
+        """Whether micro-batch ``micro`` (0-based) of the step exchanges gradients."""
+        return self.reduce_every_micro_step or micro == self.micro_batches - 1
+
+    def reshards_after_backward(self, micro: int) -> bool:
+        """Stage 1 keeps parameters unsharded until the last micro-batch; then they must be resharded, or the
+        next step would compute with the unsharded copy the optimizer never updated (stale weights)."""
+        return not self.keep_unsharded_across_micro_batches or micro == self.micro_batches - 1
+
+
+def make_plan(zero_stage: int, world_size: int, micro_batches: int = 1, reduce_every_micro_step: bool = False,
+              offload: bool = False, reshard_group: int = 0) -> ShardingPlan:
+    """``reshard_group`` > 0 (stage 3 only): reshard to groups of that many ranks after forward (hpZ)."""
+    assert zero_stage in (0, 1, 2, 3), zero_stage
+    reshard: bool | int = zero_stage == 3
+    if zero_stage == 3 and reshard_group and reshard_group < world_size:
+        reshard = reshard_group
+    return ShardingPlan(
+        zero_stage=zero_stage, world_size=world_size, micro_batches=micro_batches,
+        # stage 1 is defined by holding full gradients across the window: it always reduces at the boundary
+        reduce_every_micro_step=reduce_every_micro_step and zero_stage != 1,
+        offload=offload, fsdp=zero_stage >= 1, reshard_after_forward=reshard,
+        keep_unsharded_across_micro_batches=zero_stage == 1,
+    )
+
+
+# ------------------------------------------------------------------------------------------------- memory
+
+
+def zero_formula(stage: int, numel: int, world: int, param_bytes: int, grad_bytes: int, optim_bytes: int) -> dict:
+    """Bytes per rank that the ZeRO paper assigns to each stage: parameters, gradients, optimizer state."""
+    p, g, o = numel * param_bytes, numel * grad_bytes, numel * optim_bytes
+    if stage >= 1:
+        o /= world
+    if stage >= 2:
+        g /= world
+    if stage >= 3:
+        p /= world
+    return {"params": p, "grads": g, "optimizer": o}
+
+
+def expected_held(plan: ShardingPlan, numel: int, master_bytes: int, compute_bytes: int, grad_bytes: int,
+                  optim_bytes: int) -> dict:
+    """Peak bytes one rank holds at the step's phase boundaries (after each forward, after each backward, after
+    the optimizer step) under dutycycle's mapping: what memory.py measures. Padding excluded (FSDP2 pads each
+    parameter's first dimension to a multiple of W).
+
+    ``master_bytes`` is the parameter dtype the optimizer updates, ``compute_bytes`` the dtype forward runs in
+    (2 with bf16 mixed precision), ``grad_bytes`` the reduction dtype.
+    """
+    w = plan.world_size
+    if not plan.fsdp:
+        return {"params": numel * master_bytes, "grads": numel * grad_bytes, "optimizer": numel * optim_bytes}
+    shard = numel / w
+    params = shard * master_bytes
+    if plan.reshard_after_forward is False:  # stages 1-2: the unsharded compute copy beside the shard
+        params += numel * compute_bytes
+    elif plan.reshard_after_forward is not True:  # hpZ: a secondary shard over the node-sized group
+        params += numel * compute_bytes / plan.reshard_after_forward
+    # without a per-micro-batch reduce-scatter, unsharded gradients accumulate across the window
+    accumulates = plan.micro_batches > 1 and not plan.reduce_every_micro_step
+    grads = numel * grad_bytes if accumulates else shard * grad_bytes
+    return {"params": params, "grads": grads, "optimizer": shard * optim_bytes}
+
+
+# ------------------------------------------------------------------------------------------------ traffic
+
+
+def expected_traffic(plan: ShardingPlan, param_bytes_total: int, grad_bytes_total: int) -> dict:
+    """Logical bytes one rank sends per optimizer step (traffic.py's accounting), by collective kind."""
+    w, m = plan.world_size, plan.micro_batches
+    if w == 1:
+        return {}
+    per = (w - 1) / w
+    syncs = m if plan.reduce_every_micro_step else 1
+    if not plan.fsdp:
+        return {"all_reduce": 2 * grad_bytes_total * per * syncs}
+    if plan.zero_stage == 1:
+        gathers = 1
+    elif plan.zero_stage == 2:
+        gathers = m
+    else:
+        gathers = 2 * m
+    return {"all_gather": gathers * param_bytes_total * per, "reduce_scatter": syncs * grad_bytes_total * per}

@@ -11,6 +11,7 @@ from dutycycle.trainer.parallel.quant import (
     QMAX,
     Quantized,
     decode,
+    decode_sum,
     dequantize,
     encode,
     num_blocks,
@@ -110,6 +111,19 @@ def test_byte_cost_and_pack_round_trip(bits):
         assert torch.equal(dequantize(unpack(shifted, n, bits)), dequantize(q)[1])
     with pytest.raises(ValueError, match="does not hold"):
         unpack(torch.zeros(10, dtype=torch.uint8), 1000, bits)
+
+
+def test_decode_sum_and_decode_into():
+    """The summation after an all-to-all (``decode_sum``) and decoding into a caller's tensor agree exactly with
+    decoding every row and summing, in every wire format."""
+    x = torch.randn(3, 2, 1000, generator=torch.Generator().manual_seed(8))
+    for bits in (32, 16, 8, 4):
+        buf = encode(x, bits)
+        assert torch.equal(decode_sum(buf, 1000, bits), decode(buf, 1000, bits).sum(0))
+        for dtype in (torch.float32, torch.bfloat16):
+            out = torch.empty(3, 2, 1000, dtype=dtype)
+            assert decode(buf, 1000, bits, out=out) is out
+            assert torch.equal(out, decode(buf, 1000, bits).to(dtype))
 
 
 def test_wire_formats_fp32_and_bf16():

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .quant import DEFAULT_BLOCK, check_format, decode, encode
+from .quant import DEFAULT_BLOCK, check_format, decode, decode_sum, encode
 from .traffic import Topology, Traffic
 
 
@@ -161,19 +161,21 @@ def make_hierarchy(topology: Topology, backend: str | None = None) -> Hierarchy:
 # --------------------------------------------------------------------------------------------- the exchange
 
 
-def _exchange(rows: torch.Tensor, group, group_ranks: Sequence[int], bits: int, block: int,
-              keep_error: bool, meter: _Meter) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Send ``rows[g]`` (shape ``(k, n)``) to group rank g in wire format ``bits``; return what arrived, decoded
-    to fp32 (``(G, k, n)``, from group rank g at ``[g]``), and this rank's own encoding error (or None)."""
-    G, k, n = rows.shape
-    if G == 1:  # a group of one: nothing on the wire, nothing lost
-        return rows.to(torch.float32), None
-    buf = encode(rows, bits, block)  # (G, k, P) uint8
-    err = rows.to(torch.float32) - decode(buf, n, bits, block) if keep_error else None
+def _encode(x: torch.Tensor, bits: int, block: int, keep_error: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of ``x`` (``(R, n)``) in wire format ``bits`` and, if asked, what encoding lost (``(R, n)`` fp32)."""
+    buf = encode(x, bits, block)
+    return buf, (x.to(torch.float32) - decode(buf, x.shape[-1], bits, block) if keep_error else None)
+
+
+def _all_to_all_sum(buf: torch.Tensor, group, group_ranks: Sequence[int], n: int, bits: int, block: int,
+                    meter: _Meter) -> torch.Tensor:
+    """Send ``buf[g]`` (``k`` encoded rows of ``n`` elements) to group rank g; return the fp32 sum of the k rows
+    that arrived from every group rank (``(k, n)``)."""
+    G, k, _ = buf.shape
     recv = torch.empty_like(buf)
-    dist.all_to_all_single(recv.view(-1), buf.view(-1), group=group)
+    dist.all_to_all_single(recv.view(-1), buf.reshape(-1), group=group)
     meter.hop(k * buf.shape[-1], group_ranks)
-    return decode(recv, n, bits, block), err
+    return decode_sum(recv, n, bits, block)
 
 
 def _is_avg(op) -> bool:
@@ -214,12 +216,15 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     keep = residual is not None
 
     if hierarchy is None:
-        got, err = _exchange(x.view(W, 1, n), group, ranks, bits, block, keep, meter)
-        total = got.sum(dim=0)
+        if W == 1:  # a group of one: nothing to send, nothing lost
+            total, err = x[0].to(torch.float32, copy=True), None  # a copy: AVG divides it in place
+        else:
+            buf, err = _encode(x, bits, block, keep)
+            total = _all_to_all_sum(buf.view(W, 1, -1), group, ranks, n, bits, block, meter)[0]
         if keep and err is None:
             residual.zero_()
         elif keep:
-            residual.view(W, n).copy_(err.view(W, n))
+            residual.view(W, n).copy_(err)
     else:
         total = _two_hop(x, hierarchy, ranks, bits, block, residual, meter)
     if avg:
@@ -236,22 +241,29 @@ def _two_hop(x: torch.Tensor, h: Hierarchy, ranks: Sequence[int], bits: int, blo
     W, n = x.shape
     L, N = h.node_size, h.num_nodes
     keep = residual is not None
-    # hop 1, inside the node: local peer p gets the chunks of every rank with local index p (N of them)
+    # hop 1, inside the node: local peer p gets the chunks of every rank with local index p (N of them), so
+    # each rank ends with its node's partial sums of the chunks of h.inter_ranks (N, n), in that order
     order = torch.tensor([r for p in range(L) for r in h.peers[p]], device=x.device)
-    rows = x.index_select(0, order).view(L, N, n)
-    got, err1 = _exchange(rows, h.intra, h.intra_ranks, bits, block, keep, meter)
-    partial = got.sum(dim=0)  # (N, n): this node's sums of the chunks of h.inter_ranks, in that order
+    if L == 1:  # one rank per node: hop 1 is a no-op
+        partial, err1 = x.index_select(0, order).to(torch.float32), None
+    else:  # encode in rank order, then reorder the (smaller) encoded rows
+        buf, err1 = _encode(x, bits, block, keep)
+        partial = _all_to_all_sum(buf.index_select(0, order).view(L, N, -1), h.intra, h.intra_ranks, n, bits,
+                                  block, meter)
     # hop 2, across nodes among ranks with this local index: re-quantize the partial sums
-    got, err2 = _exchange(partial.view(N, 1, n), h.inter, h.inter_ranks, bits, block, keep, meter)
+    if N == 1:
+        total, err2 = partial[0], None
+    else:
+        buf, err2 = _encode(partial, bits, block, keep)
+        total = _all_to_all_sum(buf.view(N, 1, -1), h.inter, h.inter_ranks, n, bits, block, meter)[0]
     if keep:
-        res = residual.view(W, n)
         if err1 is None:
-            res.zero_()
+            residual.zero_()
         else:
-            res.index_copy_(0, order, err1.view(W, n))
-        if err2 is not None:
-            res.index_add_(0, torch.tensor(h.inter_ranks, device=x.device), err2.view(N, n))
-    return got.sum(dim=0)
+            residual.view(W, n).copy_(err1)
+        if err2 is not None:  # this rank sends itself the chunks of h.inter_ranks in hop 1: fold hop 2's error in
+            residual.view(W, n).index_add_(0, torch.tensor(h.inter_ranks, device=x.device), err2)
+    return total
 
 
 def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, bits: int = 8,
@@ -274,4 +286,4 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, 
     gathered = torch.empty(W * buf.numel(), dtype=torch.uint8, device=buf.device)
     _all_gather_flat(gathered, buf, group=group)  # gloo wants flat 1-D tensors
     meter.hop(buf.numel(), ranks)
-    output.view(W, n).copy_(decode(gathered.view(W, -1), n, bits, block))
+    decode(gathered.view(W, -1), n, bits, block, out=output.view(W, n))

@@ -14,6 +14,7 @@ from dutycycle.trainer.parallel.quant import (
     decode_sum,
     dequantize,
     encode,
+    error_bound,
     num_blocks,
     pack,
     packed_nbytes,
@@ -47,7 +48,7 @@ def worst_ratio(x: torch.Tensor, bits: int, block: int) -> float:
     assert y.shape == x.shape and y.dtype == torch.float32
     xb, yb = block_view(x, block), block_view(y, block)
     err = (xb - yb).abs().amax(-1)
-    bound = xb.abs().amax(-1) / (2 * QMAX[bits])
+    bound = error_bound(xb.abs().amax(-1), bits)
     assert bool(((bound == 0) <= (err == 0)).all()), "an all-zero block must come back exactly"
     return float(torch.where(bound > 0, err / bound.clamp_min(1e-300), torch.zeros_like(err)).max())
 
@@ -78,6 +79,10 @@ def test_error_within_bound_per_block(bits, block):
             assert r <= slack(bits), f"int{bits} block {block} n={n} {name}: error {r:.6f} x bound"
     # the bound is tight: random data comes close to it (a looser rounding, e.g. truncation, would show 2x)
     assert worst_ratio(torch.randn(1 << 14, generator=gen), bits, block) > 0.9
+
+
+def test_documented_bounds():
+    assert error_bound(254.0, 8) == 1.0 and error_bound(14.0, 4) == 1.0  # absmax/254 and absmax/14
 
 
 def test_rows_are_quantized_independently():

@@ -37,7 +37,9 @@ Wire formats (``bits``): 32 = fp32 (unquantized, the baseline), 16 = bf16 (a cas
 formats above, packed with their scales into one uint8 buffer per row (``encode`` / ``decode``), so one
 ``all_to_all_single`` or ``all_gather_into_tensor`` moves data and scales together.
 
-Everything is vectorized torch (no Python loop over blocks) and runs on whatever device the input is on.
+Everything is vectorized over blocks (torch ops, no Python loop per block) and runs on the input's device. On
+CPU the blocks go through in slabs of ``SLAB`` elements so that the fp32 temporaries stay in cache; on an
+accelerator in one pass.
 """
 
 from __future__ import annotations

@@ -103,13 +103,20 @@ def worker(args) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
+    model = [f"model.name={args.model}", f"model.width={args.width}", f"model.depth={args.depth}"]
+    if args.model == "vit":
+        model += [f"model.heads={args.heads}", "model.patch=4"]
+    samples = args.samples or args.batch * (args.steps + 1)
     cfg = load_config(None, [
         "data.source=synthetic", f"data.size={args.size}", f"data.global_batch_size={args.batch}",
-        f"data.synthetic_samples={args.batch * (args.steps + 1)}", "model.name=vit", f"model.width={args.width}",
-        f"model.depth={args.depth}", f"model.heads={args.heads}", "model.patch=4", f"run.max_steps={args.steps}",
-        "run.eval_every=0", "run.eval_max_batches=1", "run.log_every=0", "run.report=false",
+        f"data.synthetic_samples={samples}", *model, f"run.max_steps={args.steps}", "run.eval_every=0",
+        f"run.eval_max_batches={args.eval_batches}", "run.log_every=0", "run.report=false",
         "run.save_model=false", f"run.dir={args.run_dir}", f"parallel.num_workers={world}",
-        f"parallel.zero_stage={args.stage}", f"parallel.offload={args.offload}", "optim.warmup_steps=2",
+        f"parallel.zero_stage={args.stage}", f"parallel.offload={args.offload}", f"optim.lr={args.lr}",
+        f"optim.warmup_steps={max(2, args.steps // 20)}", f"data.augment.flip={str(args.model == 'cnn').lower()}",
+        f"parallel.quant_weights={args.quant_weights}", f"parallel.quant_grads={args.quant_grads}",
+        f"parallel.hpz={str(args.hpz).lower()}", f"parallel.node_size={args.node_size}",
+        f"parallel.error_feedback={str(args.error_feedback).lower()}",
     ])
     set_threads(cfg, world)
     fn = manual_allreduce_parallelize if args.baseline else None
@@ -127,6 +134,9 @@ def worker(args) -> None:
             "steps_measured": len(rows),
             "num_params": summary["num_params"],
             "final_loss": summary["final_loss"],
+            "val_loss": summary["val_loss"],
+            "val_accuracy": summary["val_accuracy"],
+            "traffic": summary["parallel"]["traffic"],
             "bytes_sent_per_step": summary["parallel"]["traffic_per_step"],
             "expected_bytes_per_step": summary["parallel"]["expected_traffic_per_step"],
             "held_per_rank": summary["memory"]["held_per_rank"],
@@ -219,6 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offload", default="none", help=argparse.SUPPRESS)
     p.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
+    # worker options shared with benchmarks/zeropp.py
+    p.add_argument("--model", default="vit", choices=["vit", "cnn"], help=argparse.SUPPRESS)
+    p.add_argument("--quant-weights", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--quant-grads", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--hpz", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--error-feedback", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--node-size", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--samples", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--eval-batches", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--lr", type=float, default=0.003, help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, default=512, help="ViT width (default 512: ~22M parameters at depth 7)")
     p.add_argument("--depth", type=int, default=7)
     p.add_argument("--heads", type=int, default=8)
@@ -267,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "zero",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "settings": {k: v for k, v in vars(args).items()
-                     if k not in ("worker", "stage", "offload", "baseline", "run_dir")},
+        "settings": {k: v for k, v in vars(args).items() if k in ("width", "depth", "heads", "size", "batch", "steps",
+                                                                   "skip", "worlds", "rows", "repeat", "quick")},
         "rows": rows,
         "ratios": ratios(rows),
     }

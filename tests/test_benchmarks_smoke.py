@@ -125,3 +125,27 @@ def test_two_nodes_are_torn_down_on_error():
             assert f"{tag}a" in _namespaces() and f"{tag}b" in _namespaces()
             raise RuntimeError("inside")
     assert tag not in _namespaces()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_zeropp_benchmark_quick(tmp_path):
+    """benchmarks/zeropp.py trains through the quantized seams: on two rate-limited nodes as root (or says why
+    not) and on loopback for the convergence rows."""
+    out = tmp_path / "zeropp.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "zeropp.py"), "--quick", "--rows", "stage3",
+                           "stage3+qwZ+qgZ-int8+hpZ", "fp32", "qwZ+qgZ-int8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    conv = {r["name"]: r for r in data["convergence"]["rows"]}
+    assert set(conv) == {"fp32", "qwZ+qgZ-int8"} and all(r["val_loss"] > 0 for r in conv.values())
+    if os.geteuid() == 0:
+        speed = {r["name"]: r for r in data["speed"]["rows"]}
+        assert set(speed) == {"stage3", "stage3+qwZ+qgZ-int8+hpZ"}
+        q = speed["stage3+qwZ+qgZ-int8+hpZ"]["traffic"]["per_kind"]
+        assert q["all_gather_hpz"]["inter_node_bytes"] == 0 and q["all_gather_hpz"]["calls"] > 0
+        assert speed["stage3"]["traffic"]["inter_node_bytes"] > 3 * speed["stage3+qwZ+qgZ-int8+hpZ"]["traffic"][
+            "inter_node_bytes"]
+    else:
+        assert "root" in data["speed"]["skipped"]

@@ -145,6 +145,7 @@ def worker(args) -> None:
             "threads_per_worker": summary["threads_per_worker"],
         }
         print("ZERO_RESULT " + json.dumps(out), flush=True)
+    dist.barrier()  # nobody tears down while a peer is still communicating
     dist.destroy_process_group()
 
 

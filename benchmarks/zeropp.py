@@ -74,10 +74,12 @@ def speed(args, workdir: str) -> dict:
             if "error" in r:
                 print(f"{name}: error\n{r['error']}", flush=True)
                 continue
-            t = r["traffic"]
+            steps = r["steps_measured"] + args.skip
+            r["inter_node_bytes_per_step"] = r["traffic"]["inter_node_bytes"] / steps
+            r["bytes_per_step"] = r["traffic"]["bytes"] / steps
             print(f"{name:26s} step {r['step_s_median']:6.2f} s, {r['samples_per_s']:6.1f} samples/s, exposed comm "
-                  f"{r['exposed_comm_share']:.0%}, inter-node {t['inter_node_bytes'] / r['steps_measured'] / 2**20:.0f} "
-                  "MB/step (whole run / measured steps)", flush=True)
+                  f"{r['exposed_comm_share']:.0%}, inter-node {r['inter_node_bytes_per_step'] / 2**20:.0f} MB per "
+                  "step per rank", flush=True)
     by = {r["name"]: r for r in rows if "error" not in r}
     ratios = {}
     if "stage3" in by:

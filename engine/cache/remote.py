@@ -34,7 +34,7 @@ from ..errors import ConfigError, CorruptArtifactError
 from . import node
 from .shards import ReadStats, ShardView, single_chunk
 
-EDGE_BYTES = 64 * 1024  # bytes fetched from each end of an object on open: footer, schema, batch metadata
+EDGE_BYTES = 8 * 1024  # fetched from each end of a shard on open: footer, schema, batch metadata (more on demand)
 _MAGIC = b"ARROW1"
 
 
@@ -55,6 +55,7 @@ class RangeFile(_io.RawIOBase):
         self.fs, self.path, self.size, self.stats, self.probe = fs, path, size, stats, probe
         self.pos = 0
         self.pieces: list[tuple[int, bytes]] = []
+        self.located: int | None = None
 
     def readable(self) -> bool:
         return True
@@ -106,6 +107,7 @@ class RangeFile(_io.RawIOBase):
         data = self._kept(self.pos, n)
         if data is None:
             if self.probe is not None and n == self.probe:
+                self.located = self.pos  # Arrow turns the exception into its own error; the offset stays here
                 raise _Located(self.pos)
             self.fetch([(self.pos, self.pos + n)])
             data = self._kept(self.pos, n)
@@ -127,19 +129,17 @@ def open_ranged(fs, path: str, index: int, rows: int, nbytes: int, shape: tuple[
     if f._kept(nbytes - len(_MAGIC), len(_MAGIC)) != _MAGIC:
         raise CorruptArtifactError(f"cache shard {path!r} is not an Arrow IPC file (no footer); "
                                    "materialize the cache again")
-    try:
-        reader = pa.ipc.open_file(pa.PythonFile(f, mode="r"))
-        names = reader.schema.names
-        if reader.num_record_batches != 1 or "image" not in names:
-            raise _NotRangeable()
+    reader = pa.ipc.open_file(pa.PythonFile(f, mode="r"))
+    names = reader.schema.names
+    if reader.num_record_batches == 1 and "image" in names:
         opts = pa.ipc.IpcReadOptions(included_fields=[names.index("image")])
-        pa.ipc.open_file(pa.PythonFile(f, mode="r"), options=opts).get_batch(0)
-        raise _NotRangeable()  # the image buffer was already fetched: not the layout this reader expects
-    except _Located as located:
-        image_offset = located.offset
-    except _NotRangeable:
-        image_offset = None
-    if image_offset is None:
+        try:
+            pa.ipc.open_file(pa.PythonFile(f, mode="r"), options=opts).get_batch(0)
+        except (_Located, OSError, pa.ArrowException):
+            if f.located is None:
+                raise
+    image_offset = f.located
+    if image_offset is None:  # the image buffer was not asked for as one piece: not a layout read by range
         raise CorruptArtifactError(f"cache shard {path!r} is not one record batch with an image column; "
                                    "materialize the cache again")
     f.probe = None
@@ -157,10 +157,6 @@ def open_ranged(fs, path: str, index: int, rows: int, nbytes: int, shape: tuple[
         split=batch.column("split"),
         ranged=RangedPixels(fs, path, index, image_offset, rows, shape, chunks),
     )
-
-
-class _NotRangeable(Exception):
-    pass
 
 
 def _missing(f: RangeFile, start: int, stop: int) -> list[tuple[int, int]]:

@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", required=True)
     p.add_argument("--min-seconds", type=float, default=4.0)
     args = p.parse_args(argv)
+    # The driver's environment disables tqdm progress bars; LitData's optimize() then fails in its worker on a
+    # disabled tqdm_asyncio (no `nrows`) and waits forever for it. Its bars go to stderr, which nobody reads.
+    os.environ.pop("TQDM_DISABLE", None)
     import torch
 
     data = Path(args.data)

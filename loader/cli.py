@@ -48,7 +48,7 @@ def plan_records(cache_uri, split, world_size, ranks, steps, epoch, seed, global
     for step in steps:
         for r in ranks:
             raw = gatherer.read(rows[rank_slice(batches[step], r, world_size)], pixels=False)
-            yield {"epoch": epoch, "step": step, "rank": r, "sample_ids": raw.sample_ids.tolist(),
+            yield {"epoch": epoch, "step": step, "rank": r, "sample_ids": list(raw.sample_ids),
                    "labels": raw.labels.tolist()}
 
 

@@ -35,7 +35,7 @@ from numpy.lib.stride_tricks import as_strided
 class RawBatch:
     images: np.ndarray  # uint8 [B, *sample shape]
     labels: np.ndarray  # int64 [B]
-    sample_ids: np.ndarray  # str [B] (numpy unicode or object array; ``tolist()`` gives Python str)
+    sample_ids: list[str] | np.ndarray  # str [B]: a list, or a numpy unicode/object array
 
 
 class _RowSpan:
@@ -43,12 +43,14 @@ class _RowSpan:
 
     def __init__(self, num_shards: int, row_bytes: int):
         self.row_bytes = row_bytes
-        self.starts = np.full(num_shards, -1, dtype=np.int64)  # byte offset of each registered shard's row 0
+        # Byte offset of each registered shard's row 0, -1 if not registered; one more entry, always -1, for the
+        # shard index a row outside the cache maps to (-1 or num_shards), so one check catches both.
+        self.starts = np.full(num_shards + 1, -1, dtype=np.int64)
         self.view: np.ndarray | None = None
 
     def build(self, arrays: dict[int, np.ndarray]) -> None:
         """Address ``arrays`` (shard -> C-contiguous array whose rows are ``row_bytes`` bytes)."""
-        self.starts[:] = -1
+        self.starts[:] = -1  # the last entry stays -1
         arrays = {s: a for s, a in arrays.items() if a.nbytes}
         if not arrays:
             self.view = None
@@ -65,9 +67,11 @@ class _RowSpan:
         rows = high - addr[lowest] - self.row_bytes + 1  # the last element that starts inside the span
         self.view = as_strided(first, shape=(rows,), strides=(1,), writeable=False)
 
-    def gather(self, shard: np.ndarray, local: np.ndarray) -> np.ndarray:
-        """uint8 [n, row_bytes]: row ``local[i]`` of shard ``shard[i]`` (all registered; rows in range)."""
-        return self.view[self.starts[shard] + local * self.row_bytes].view(np.uint8).reshape(len(shard), -1)
+    def gather(self, shard: np.ndarray, local: np.ndarray, starts: np.ndarray | None = None) -> np.ndarray:
+        """uint8 [n, row_bytes]: row ``local[i]`` of shard ``shard[i]`` (all registered; rows in range).
+        ``starts`` may pass ``self.starts[shard]`` when the caller has it already."""
+        starts = self.starts[shard] if starts is None else starts
+        return self.view[starts + local * self.row_bytes].view(np.uint8).reshape(len(shard), -1)
 
 
 def _ascii_ids(view: ShardView) -> np.ndarray | None:
@@ -130,18 +134,20 @@ class ShardGatherer:
         n = len(rows)
         if n == 0:
             return RawBatch(np.empty((0, *self.shape), np.uint8), np.empty(0, np.int64), np.empty(0, object))
-        if rows.min() < 0 or rows.max() >= self.num_samples:  # the gathers below trust every index
-            raise IndexError(f"cache rows outside [0, {self.num_samples}) requested from {self.reader.uri!r}")
-        shard, local = self.reader.locate(rows)
+        shard, local = self.reader.locate(rows)  # a row outside the cache gets shard -1 or num_shards
         with self._lock:
-            if not self._fast or (self._pixels.starts[shard] < 0).any():  # a shard not open yet (or ranged)
+            starts = self._pixels.starts[shard]
+            if not self._fast or starts.min() < 0:  # a shard not open yet (or ranged), or a row out of range
+                if rows.min() < 0 or rows.max() >= self.num_samples:  # the gathers below trust every index
+                    raise IndexError(f"cache rows outside [0, {self.num_samples}) requested from {self.reader.uri!r}")
                 self._ensure_open(np.unique(shard).tolist())
+                starts = self._pixels.starts[shard]
             if self._fast:
-                images = self._pixels.gather(shard, local).reshape(n, *self.shape) if pixels else None
+                images = self._pixels.gather(shard, local, starts).reshape(n, *self.shape) if pixels else None
                 labels = self._labels.gather(shard, local).view(np.int64).reshape(n)
-                if self._id_width:
+                if self._id_width:  # ASCII bytes of one width: decoding each is cheaper than astype("U")
                     raw = self._ids.gather(shard, local).view(f"S{self._id_width}").reshape(n)
-                    return RawBatch(images, labels, raw.astype(f"U{self._id_width}"))
+                    return RawBatch(images, labels, list(map(bytes.decode, raw.tolist())))
                 return RawBatch(images, labels, self._ids_by_shard(shard, local))
             return self._read_by_shard(shard, local, pixels)
 

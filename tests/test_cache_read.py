@@ -169,3 +169,12 @@ def test_split_index_reads_no_pixels_and_is_built_once_per_node(s3, tmp_path):
     assert second.reader.stats.bytes_fetched == 0  # the node's index file, mapped
     assert np.array_equal(first.rows, second.rows) and len(first.rows) == cf.read_manifest(uri).split_counts["val"]
     assert not second.rows.flags.writeable  # a read-only map of the node's file, not a private array
+
+
+@pytest.mark.parametrize("kw,name", [({"verify": "sometimes"}, "verify"), ({"remote": "ftp"}, "remote"),
+                                     ({"range_chunk_bytes": 0}, "range_chunk_bytes"),
+                                     ({"disk_cache_bytes": -1}, "disk_cache_bytes"),
+                                     ({"max_open_shards": True}, "max_open_shards")])
+def test_bad_read_config_is_a_config_error(kw, name):
+    with pytest.raises(ConfigError, match=f"ReadConfig.{name}"):
+        ReadConfig(**kw)

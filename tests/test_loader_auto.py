@@ -173,7 +173,7 @@ def test_gather_any_rows_in_any_order(cache):
         for img, row in zip(raw.images, rows, strict=True):
             assert np.array_equal(img, sample_pixels(int(row), (8, 8, 3)))
         assert raw.labels.dtype == np.int64 and raw.labels.tolist() == labels[rows].tolist()
-        assert raw.sample_ids.tolist() == ids[rows].tolist()
+        assert list(raw.sample_ids) == ids[rows].tolist()
         assert len(gatherer._open) <= max(2, most)
     for bad in ([0, n], [-1, 2]):
         with pytest.raises(IndexError, match="outside"):
@@ -196,5 +196,5 @@ def test_ids_of_varying_width_take_the_per_shard_path(tmp_path):
     reader = CacheReader(uri)
     raw = ShardGatherer(reader).read(np.array([29, 0, 15, 3]))
     flat = [ids[i] for i in order]
-    assert raw.sample_ids.tolist() == [flat[29], flat[0], flat[15], flat[3]]
+    assert list(raw.sample_ids) == [flat[29], flat[0], flat[15], flat[3]]
     assert [pixel_index(img) for img in raw.images] == [order[29], order[0], order[15], order[3]]

@@ -275,7 +275,12 @@ class CacheReader:
         shape = tuple(self.manifest.shape)
         try:
             if self.mapped:
-                table = open_mapped(self.local_path(i))
+                try:
+                    table = open_mapped(self.local_path(i))
+                except FileNotFoundError:
+                    if self.is_local:
+                        raise
+                    table = open_mapped(self.local_path(i))  # another process evicted the node copy: land it again
                 if table.num_rows != info.rows:
                     raise CorruptArtifactError(
                         f"cache shard {uri!r} has {table.num_rows} rows, manifest says {info.rows}"

@@ -20,12 +20,14 @@ Where a shard's bytes come from (``ReadConfig``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 
 from ..errors import ConfigError, CorruptArtifactError
+
+if TYPE_CHECKING:  # pyarrow loads with the first shard opened, so LoaderConfig and ReadConfig import light
+    import pyarrow as pa
 
 VERIFY = ("once", "always", "never")
 REMOTE = ("auto", "range", "disk")
@@ -107,6 +109,8 @@ def fixed_width_bytes(ids: pa.Array) -> np.ndarray | None:
 
 def single_chunk(col: pa.ChunkedArray | pa.Array) -> pa.Array:
     """A column as one array: zero-copy when it has one chunk (every shard dutycycle writes), else a copy."""
+    import pyarrow as pa
+
     if isinstance(col, pa.ChunkedArray):
         return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     return col
@@ -122,6 +126,8 @@ def pixel_view(image: pa.Array, shape: tuple[int, ...]) -> np.ndarray:
 
 def view_of_table(index: int, table: pa.Table | pa.RecordBatch, shape: tuple[int, ...], shard_uri: str) -> ShardView:
     """A ``ShardView`` over a whole shard already in (mapped) memory."""
+    import pyarrow as pa
+
     names = table.schema.names
     for name in ("sample_id", "label", "split", "image"):
         if name not in names:
@@ -139,4 +145,6 @@ def view_of_table(index: int, table: pa.Table | pa.RecordBatch, shape: tuple[int
 
 def open_mapped(path: str) -> pa.Table:
     """A local Arrow IPC file as a table over a read-only memory map (no copy)."""
+    import pyarrow as pa
+
     return pa.ipc.open_file(pa.memory_map(path, "r")).read_all()

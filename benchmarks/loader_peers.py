@@ -95,6 +95,16 @@ def collate(items: list[tuple[bytes, int, str]], shape: tuple[int, ...]):
             "label": torch.tensor([x[1] for x in items]), "sample_id": [x[2] for x in items]}
 
 
+class DictCollate:
+    """Both peers hand out samples as dicts {"image": bytes, "label": int, "id": str} (picklable for workers)."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def __call__(self, samples):
+        return collate([(s["image"], s["label"], s["id"]) for s in samples], self.shape)
+
+
 # ------------------------------------------------------------------------------------------------ MDS
 
 
@@ -111,14 +121,6 @@ def write_mds(data: Path) -> Path:
     return out
 
 
-class MdsCollate:
-    def __init__(self, shape):
-        self.shape = shape
-
-    def __call__(self, samples):
-        return collate([(s["image"], s["label"], s["id"]) for s in samples], self.shape)
-
-
 def row_mds(data: Path, min_seconds: float) -> dict[str, Any]:
     import torch
 
@@ -129,7 +131,7 @@ def row_mds(data: Path, min_seconds: float) -> dict[str, Any]:
     def open_loader():
         ds = streaming.StreamingDataset(local=str(out), remote=None, shuffle=True, shuffle_seed=SEED,
                                         batch_size=BATCH)
-        return torch.utils.data.DataLoader(ds, batch_size=BATCH, num_workers=2, collate_fn=MdsCollate(shape),
+        return torch.utils.data.DataLoader(ds, batch_size=BATCH, num_workers=2, collate_fn=DictCollate(shape),
                                            persistent_workers=True, drop_last=True)
 
     return measure(open_loader, lambda dl, e: dl, min_seconds=min_seconds)
@@ -160,14 +162,6 @@ def write_litdata(data: Path) -> Path:
     return out
 
 
-class LitCollate:
-    def __init__(self, shape):
-        self.shape = shape
-
-    def __call__(self, samples):
-        return collate([(s["image"], s["label"], s["id"]) for s in samples], self.shape)
-
-
 def row_litdata(data: Path, min_seconds: float) -> dict[str, Any]:
     import litdata
 
@@ -176,7 +170,7 @@ def row_litdata(data: Path, min_seconds: float) -> dict[str, Any]:
 
     def open_loader():
         ds = litdata.StreamingDataset(str(out), shuffle=True, seed=SEED, drop_last=True)
-        return litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=2, collate_fn=LitCollate(shape),
+        return litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=2, collate_fn=DictCollate(shape),
                                            persistent_workers=True, drop_last=True)
 
     return measure(open_loader, lambda dl, e: dl, min_seconds=min_seconds)

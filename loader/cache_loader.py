@@ -77,11 +77,7 @@ class CacheLoader(PlannedLoader):
         c = self.config
         need = len(self.rows) * (self.reader.manifest.sample_bytes + 8 + 4 * _id_chars(self.reader))
         shared = _ray_running()
-        limit = budget.node_memory_limit()
-        if shared:  # the object store holds it: it must fit there too
-            import ray
-
-            limit = min(limit, int(ray.available_resources().get("object_store_memory", 0)) or limit)
+        limit = memory_limit()
         allowed = int(c.memory_fraction * limit)
         key = f"{self.reader.fingerprint}:{self.split}"
         res = budget.reserve(key, need, allowed, shared, c.read.node_dir)
@@ -123,6 +119,19 @@ class CacheLoader(PlannedLoader):
         state = super().state_dict()
         state["split"] = self.split
         return state
+
+
+def memory_limit() -> int:
+    """What in-RAM splits are sized against: the node's limit (``budget.node_memory_limit``), and, when Ray is
+    running (the split then lives in its object store), no more than the object store has free."""
+    from . import budget
+
+    limit = budget.node_memory_limit()
+    if _ray_running():
+        import ray
+
+        limit = min(limit, int(ray.available_resources().get("object_store_memory", 0)) or limit)
+    return limit
 
 
 def _ray_running() -> bool:

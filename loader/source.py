@@ -39,44 +39,50 @@ class RawBatch:
 
 
 class _RowSpan:
-    """The rows of several contiguous arrays (one per shard, ``row_bytes`` each) as rows of one strided view."""
+    """The rows of several contiguous arrays (one per shard, ``row_bytes`` each) as rows of one strided view.
+
+    Shards are added and removed one at a time (O(1) each, plus one vectorized shift when a shard maps below the
+    current origin), so opening a shard never costs a pass over the others. The array at the origin stays
+    referenced, and so mapped, while the span exists, even after its shard is removed.
+    """
 
     def __init__(self, num_shards: int, row_bytes: int):
         self.row_bytes = row_bytes
-        # Byte offset of each registered shard's row 0, -1 if not registered; one more entry, always -1, for the
-        # shard index a row outside the cache maps to (-1 or num_shards), so one check catches both.
+        # Byte offset of each registered shard's row 0 from the origin, -1 if not registered; one more entry,
+        # always -1, for the shard index a row outside the cache maps to (-1 or num_shards): one check, both.
         self.starts = np.full(num_shards + 1, -1, dtype=np.int64)
         self.view: np.ndarray | None = None
+        self._origin: np.ndarray | None = None  # the lowest-addressed array added so far
+        self._lo = self._hi = 0
 
-    def build(self, arrays: dict[int, np.ndarray]) -> None:
-        """Address ``arrays`` (shard -> C-contiguous array whose rows are ``row_bytes`` bytes)."""
-        self.starts[:] = -1  # the last entry stays -1
-        arrays = {s: a for s, a in arrays.items() if a.nbytes}
-        if not arrays:
-            self.view = None
-            return
-        addr = {s: a.__array_interface__["data"][0] for s, a in arrays.items()}
-        lowest = min(addr, key=addr.__getitem__)
-        high = max(addr[s] + arrays[s].nbytes for s in arrays)
-        for s, a in addr.items():
-            assert arrays[s].flags.c_contiguous and arrays[s].nbytes % self.row_bytes == 0
-            self.starts[s] = a - addr[lowest]
+    def add(self, shard: int, array: np.ndarray) -> None:
+        """Address ``array`` (C-contiguous, ``row_bytes`` per row) as shard ``shard``'s rows."""
+        if not array.nbytes:
+            return  # no row lives there, so nothing ever looks it up
+        assert array.flags.c_contiguous and array.nbytes % self.row_bytes == 0
+        addr = array.__array_interface__["data"][0]
+        if self._origin is None or addr < self._lo:
+            if self._origin is not None:
+                self.starts[self.starts >= 0] += self._lo - addr  # offsets from the new, lower origin
+            else:
+                self._hi = addr
+            self._origin, self._lo = array, addr
+        self._hi = max(self._hi, addr + array.nbytes)
+        self.starts[shard] = addr - self._lo
         # One opaque ``V{row_bytes}`` element per byte offset: numpy copies each gathered element with one
         # memcpy (faster here than a [rows, row_bytes] uint8 view, and no slower than np.take from one array).
-        first = arrays[lowest].reshape(-1).view(np.uint8)[: self.row_bytes].view(f"V{self.row_bytes}")
-        rows = high - addr[lowest] - self.row_bytes + 1  # the last element that starts inside the span
+        first = self._origin.reshape(-1).view(np.uint8)[: self.row_bytes].view(f"V{self.row_bytes}")
+        rows = self._hi - self._lo - self.row_bytes + 1  # the last element that starts inside the span
         self.view = as_strided(first, shape=(rows,), strides=(1,), writeable=False)
+
+    def remove(self, shard: int) -> None:
+        self.starts[shard] = -1
 
     def gather(self, shard: np.ndarray, local: np.ndarray, starts: np.ndarray | None = None) -> np.ndarray:
         """uint8 [n, row_bytes]: row ``local[i]`` of shard ``shard[i]`` (all registered; rows in range).
         ``starts`` may pass ``self.starts[shard]`` when the caller has it already."""
         starts = self.starts[shard] if starts is None else starts
         return self.view[starts + local * self.row_bytes].view(np.uint8).reshape(len(shard), -1)
-
-
-def _ascii_ids(view: ShardView) -> np.ndarray | None:
-    ids = view.id_bytes
-    return ids if ids is not None and (ids.size == 0 or int(ids.max()) < 128) else None
 
 
 class ShardGatherer:
@@ -90,43 +96,56 @@ class ShardGatherer:
         self._open: OrderedDict[int, ShardView] = OrderedDict()
         n, per = reader.num_shards, reader.manifest.sample_bytes
         self._pixels, self._labels, self._ids = _RowSpan(n, per), _RowSpan(n, 8), None
-        self._id_width: int | None = None  # set while every open shard has ASCII ids of this width
-        self._fast = False  # whether the spans address every open shard
-        self._lock = threading.Lock()  # the spans are rebuilt while a batch is gathered
+        self._ranged = 0  # open shards read by range (not memory-mapped): then no span serves a batch
+        self._odd_ids = 0  # open shards whose ids are not ASCII of the spans' one width
+        self._lock = threading.Lock()  # the spans change while shards open and close
+
+    @property
+    def _fast(self) -> bool:
+        return self._ranged == 0
+
+    @property
+    def _id_width(self) -> int | None:
+        return self._ids.row_bytes if self._ids is not None and self._odd_ids == 0 else None
+
+    def _add(self, s: int, view: ShardView) -> None:
+        self._open[s] = view
+        if view.pixels is None:
+            self._ranged += 1
+            return
+        self._pixels.add(s, view.pixels)
+        self._labels.add(s, view.labels.view(np.uint8))
+        ids = view.id_bytes
+        if ids is not None and self._ids is None:
+            self._ids = _RowSpan(self.reader.num_shards, ids.shape[1])
+        if ids is None or ids.shape[1] != self._ids.row_bytes:
+            self._odd_ids += 1
+        else:
+            self._ids.add(s, ids)
+
+    def _remove(self, s: int) -> None:
+        view = self._open.pop(s)
+        if view.pixels is None:
+            self._ranged -= 1
+            return
+        self._pixels.remove(s)
+        self._labels.remove(s)
+        ids = view.id_bytes
+        if ids is None or ids.shape[1] != self._ids.row_bytes:
+            self._odd_ids -= 1
+        else:
+            self._ids.remove(s)
 
     def _ensure_open(self, shards: list[int]) -> None:
         """Open the batch's shards that are not open, closing the least recently opened ones beyond the limit
         (batches that find all their shards open skip this: the order is one of opening, not of use)."""
-        changed = False
         for s in shards:
             if s in self._open:
                 self._open.move_to_end(s)
             else:
-                self._open[s] = self.reader.view(s)
-                changed = True
+                self._add(s, self.reader.view(s))
         while len(self._open) > max(self.max_open, len(shards)):
-            self._open.popitem(last=False)  # the batch's own shards were just moved last
-            changed = True
-        if changed:
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        views = self._open
-        self._fast = all(v.pixels is not None for v in views.values())
-        if not self._fast:
-            return
-        self._pixels.build({s: v.pixels for s, v in views.items()})
-        self._labels.build({s: v.labels.view(np.uint8) for s, v in views.items()})
-        ids = {s: _ascii_ids(v) for s, v in views.items()}
-        widths = {a.shape[1] for a in ids.values() if a is not None and a.size}
-        if any(a is None for a in ids.values()) or len(widths) > 1:
-            self._id_width = None
-            return
-        self._id_width = widths.pop() if widths else None
-        if self._id_width:
-            if self._ids is None or self._ids.row_bytes != self._id_width:
-                self._ids = _RowSpan(self.reader.num_shards, self._id_width)
-            self._ids.build(ids)
+            self._remove(next(iter(self._open)))  # the batch's own shards were just moved last
 
     def read(self, rows: np.ndarray, pixels: bool = True) -> RawBatch:
         """Rows (global cache row indices) in the given order. ``pixels=False``: labels and ids only."""

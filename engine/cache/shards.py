@@ -88,9 +88,10 @@ class ShardView:
 
     @property
     def id_bytes(self) -> np.ndarray | None:
-        """The ids as uint8 [rows, L] (zero-copy) when every id has the same byte length L, else None."""
+        """The ids as uint8 [rows, L] (zero-copy) when every id is ASCII of the same byte length L, else None."""
         if self._id_bytes is False:
-            self._id_bytes = fixed_width_bytes(self.ids)
+            ids = fixed_width_bytes(self.ids)
+            self._id_bytes = ids if ids is not None and int(ids.max()) < 128 else None
         return self._id_bytes
 
 

@@ -176,7 +176,7 @@ def resolve(uri: str) -> str:
         fs, path = io.filesystem(latest)
         with fs.open(path, "rb") as f:
             fp = f.read().decode().strip()
-        if fp and is_committed(io.join(uri, fp)):
+        if fp and is_committed(io.resolve_inside(uri, fp, "cache root")):
             return io.join(uri, fp)
     found = committed_fingerprints(uri)
     if len(found) == 1:
@@ -199,7 +199,10 @@ def read_manifest(cache_uri: str) -> CacheManifest:
             f"no committed cache at {cache_uri!r} ({MANIFEST} is missing): run `dutycycle materialize` "
             "to create or finish it"
         )
-    return CacheManifest.from_json(io.read_json(uri))
+    manifest = CacheManifest.from_json(io.read_json(uri))
+    for shard in manifest.shards:  # a path in a manifest must stay inside the cache, or the cache is refused
+        io.resolve_inside(cache_uri, shard.path, "cache")
+    return manifest
 
 
 class CacheReader:
@@ -236,7 +239,7 @@ class CacheReader:
 
     def _open_shard(self, i: int) -> pa.Table:
         info = self.manifest.shards[i]
-        uri = io.join(self.uri, info.path)
+        uri = io.resolve_inside(self.uri, info.path, "cache")
         fs, path = io.filesystem(uri)
         try:
             if io.protocol_of(fs) == "file":

@@ -12,6 +12,7 @@ import zlib
 import numpy as np
 import pytest
 from dutycycle.engine import imageinfo
+from dutycycle.engine import io as dio
 from dutycycle.engine.limits import DEFAULT_MAX_PIXELS
 from dutycycle.engine.table.catalog import ingest
 from dutycycle.engine.table.table import open_table, read_arrow
@@ -205,6 +206,23 @@ def test_eps_is_refused_unparsed_everywhere(tmp_path):
     assert info.value.reason == "unsupported_format"
     with pytest.raises(ValueError, match="unsupported format"):
         imageinfo.thumbnail_jpeg(EPS)
+
+
+def test_file_over_the_byte_cap_is_an_error_row_without_being_read(tmp_path):
+    src = tmp_path / "src" / "photos"
+    src.mkdir(parents=True)
+    (src / "small.jpg").write_bytes(_encode(_noise(20, 10), "JPEG"))
+    with open(src / "huge.jpg", "wb") as f:  # 1 GiB as listed (sparse on disk): reading it whole would hurt
+        f.write(_encode(_noise(20, 10), "JPEG"))
+        f.truncate(2**30)
+    s = ingest(str(tmp_path / "src"), str(tmp_path / "t"), max_file_bytes=1_000_000, progress_every=0)
+    rows = {os.path.basename(r["uri"]): r for r in read_arrow(str(tmp_path / "t")).to_pylist()}
+    assert rows["small.jpg"]["error"] is None and s["errors"] == {"too large": 1}
+    assert rows["huge.jpg"]["error"].startswith("too large: over the per-file limit of 1000000 bytes")
+    assert rows["huge.jpg"]["sample_id"].startswith("unreadable-") and rows["huge.jpg"]["size_bytes"] == 2**30
+    with pytest.raises(dio.FileTooLargeError, match="--max-file-bytes"):
+        dio.read_capped(str(src / "huge.jpg"), 1_000_000)
+    assert len(dio.read_capped(str(src / "small.jpg"), 1_000_000)) == os.path.getsize(src / "small.jpg")
 
 
 def test_reduced_decode_is_bounded_for_formats_without_draft_mode():

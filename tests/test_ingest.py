@@ -344,6 +344,8 @@ def test_s3_source_and_table(s3):
         (["ingest", "{tmp}/src", "{tmp}/t", "--runner", "spark"], "spark"),
         (["ingest", "{tmp}/src", "{tmp}/t", "--labels", "{tmp}/nolabels.csv"], "nolabels.csv"),
         (["inspect", "{tmp}/missing"], "missing"),
+        (["vacuum", "{tmp}/missing"], "missing"),
+        (["ingest", "{tmp}/src", "{tmp}/t", "--max-file-bytes", "0"], "--max-file-bytes"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, needle):
@@ -354,6 +356,20 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, needle):
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_cli_vacuum(tmp_path, capsys):
+    synthesize(str(tmp_path / "src"), 4, seed=0)
+    ingest(str(tmp_path / "src"), str(tmp_path / "t"), progress_every=0)
+    (tmp_path / "t" / "v00009-deadbeef").mkdir()
+    (tmp_path / "t" / "v00009-deadbeef" / "part-00000.parquet").write_bytes(b"left by a killed writer")
+    (tmp_path / "t" / "notes.txt").write_text("not a table file: never touched")
+    assert main(["vacuum", str(tmp_path / "t"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kept_recent"] == 1  # younger than the grace period
+    assert main(["vacuum", str(tmp_path / "t"), "--grace-seconds", "0"]) == 0
+    assert "removed 1 unreferenced files" in capsys.readouterr().out
+    assert not (tmp_path / "t" / "v00009-deadbeef").exists() and (tmp_path / "t" / "notes.txt").exists()
+    assert read_arrow(str(tmp_path / "t")).num_rows == 4
 
 
 def test_cli_ingest_prints_summary(src, tmp_path):

@@ -286,8 +286,9 @@ def ingest(
         version = (previous.version if previous else 0) + 1
         folder = tf.data_dir(version)
         rewritten = [_rewrite(cfg.table, previous, k, changes.drop) for k in changes.affected_files]
-        files = write_rows(cfg.table, folder, [new_rows, *[t for t in rewritten if t.num_rows]])
-        kept = [f for k, f in enumerate(previous.files if previous else []) if k not in set(changes.affected_files)]
+        files = write_rows(cfg.table, folder, [t for t in [new_rows, *rewritten] if t.num_rows])
+        affected = set(changes.affected_files)
+        kept = [f for k, f in enumerate(previous.files if previous else []) if k not in affected]
         num_rows = (previous.num_rows if previous else 0) - len(changes.drop) + new_rows.num_rows
         manifest = _manifest(cfg, previous, version, kept + files, num_rows, new_rows)
         try:

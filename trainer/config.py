@@ -93,6 +93,31 @@ class RaySection:
     placement_strategy: str = "PACK"  # PACK, STRICT_PACK, SPREAD, STRICT_SPREAD
     label_selector: dict[str, str] = field(default_factory=dict)  # e.g. {"zone" = "us-east-1a"}
     accelerator_type: str = ""
+    # Ray Train restarts the whole worker group this many times after a worker dies; the restarted workers resume
+    # from the last committed checkpoint (checkpoint.resume = "auto"). 0 = a failed worker fails the run.
+    max_failures: int = 0
+
+
+@dataclass
+class CheckpointSection:
+    """Checkpoints (trainer/checkpoint/): model, optimizer, loader position, RNG and step, committed by a manifest
+    with checksums written last."""
+
+    every: int = 0  # optimizer steps between saves (and one at the last step); 0 = no checkpoints
+    dir: str = ""  # any fsspec URI; "" = RUN_DIR/checkpoints
+    keep: int = 2  # committed checkpoints kept (at least 2: the newest may be the one being replaced)
+    # true: the step blocks only for the snapshot into host memory, the write streams in the background (at most
+    # one save in flight; a save due while the previous one still writes waits for it, counted as stall).
+    # false: the step blocks for the whole write and commit.
+    async_save: bool = True
+    # "auto": continue from the newest checkpoint under checkpoint.dir whose manifest verifies (falling back to
+    # older ones, loudly); "none": start fresh; or the URI of one step directory (it must verify)
+    resume: str = "auto"
+    # a non-finite loss (or gradient norm) at step s: "skip" = roll back to the last commit before s and leave
+    # out the global batch of step s; "rollback" = roll back and train the same batches again (a transient
+    # fault; the same step failing twice stops); "stop" = stop with the step and the batch's sample ids
+    on_nonfinite: str = "skip"
+    max_rollbacks: int = 3  # rollbacks in one run before a non-finite loss stops it
 
 
 @dataclass
@@ -109,6 +134,10 @@ class RunSection:
     precision: str = "auto"
     save_model: bool = True  # write the consolidated weights as RUN_DIR/model.safetensors at the end
     report: bool = True  # write report.png at the end
+    # before training, every worker runs a small matmul and a timed collective round trip (trainer/checkpoint/
+    # health.py); a worker that fails or exceeds health_timeout_s is named in the error
+    health_check: bool = True
+    health_timeout_s: float = 30.0
 
 
 @dataclass
@@ -119,6 +148,7 @@ class TrainConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     ray: RaySection = field(default_factory=RaySection)
     run: RunSection = field(default_factory=RunSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -136,6 +166,7 @@ CHOICES = {
     "parallel.offload": ("none", "optimizer"),
     "ray.placement_strategy": ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
     "run.precision": ("auto", "fp32", "bf16", "fp64"),
+    "checkpoint.on_nonfinite": ("skip", "rollback", "stop"),
 }
 
 
@@ -307,6 +338,9 @@ def validate(cfg: TrainConfig) -> None:
         "run.eval_every": cfg.run.eval_every,
         "data.slow_ms": cfg.data.slow_ms,
         "parallel.cpus_per_worker": cfg.parallel.cpus_per_worker,
+        "ray.max_failures": cfg.ray.max_failures,
+        "checkpoint.every": cfg.checkpoint.every,
+        "checkpoint.max_rollbacks": cfg.checkpoint.max_rollbacks,
     }.items():
         if v < 0:
             raise ConfigError(f"{key} = {v} must not be negative")
@@ -326,6 +360,7 @@ def validate(cfg: TrainConfig) -> None:
             "keep data.drop_last = true for distributed or accumulated training"
         )
     _validate_parallel(cfg)
+    _validate_checkpoint(cfg)
     if cfg.data.source == "cache" and not cfg.data.cache:
         raise ConfigError("data.cache is empty; set it to a materialized cache URI (dutycycle materialize ...)")
     if cfg.data.source == "raw" and not cfg.data.table:
@@ -367,6 +402,17 @@ def _validate_parallel(cfg: TrainConfig) -> None:
     if p.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb = {p.bucket_mb} must be positive")
     check_optimizer(cfg.optim.name, p.zero_stage)
+
+
+def _validate_checkpoint(cfg: TrainConfig) -> None:
+    c = cfg.checkpoint
+    if c.keep < 2:
+        raise ConfigError(f"checkpoint.keep = {c.keep} must be at least 2: a save replaces the oldest commit only "
+                          "after it has committed itself, and a rollback may need the commit before the newest")
+    if c.resume == "":
+        raise ConfigError('checkpoint.resume is empty; use "auto", "none" or the URI of a checkpoint step directory')
+    if cfg.run.health_timeout_s <= 0:
+        raise ConfigError(f"run.health_timeout_s = {cfg.run.health_timeout_s} must be positive")
 
 
 def use_gpu(cfg: TrainConfig, gpus_available: float) -> bool:

@@ -253,3 +253,14 @@ def test_ray_train_pointer_resolves_to_the_commit(tmp_path):
         "uri": "s3://b/run/checkpoints/step-00000008", "step": 8}
     (tmp_path / POINTER).unlink()
     assert checkpoint_uri(Checkpoint.from_directory(str(tmp_path))) is None
+
+
+def test_checkpoint_async_is_accepted_as_a_key(tmp_path):
+    """``async`` is a Python keyword, so the field is ``async_save``; the natural key works in TOML and --set."""
+    from dutycycle.trainer.config import load_config
+
+    assert load_config(None, ["data.source=synthetic", "checkpoint.async=false"]).checkpoint.async_save is False
+    path = tmp_path / "c.toml"
+    path.write_text('[data]\nsource = "synthetic"\n[checkpoint]\nasync = false\nevery = 3\n')
+    cfg = load_config(str(path))
+    assert cfg.checkpoint.async_save is False and cfg.checkpoint.every == 3

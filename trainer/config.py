@@ -108,7 +108,7 @@ class CheckpointSection:
     keep: int = 2  # committed checkpoints kept (at least 2: the newest may be the one being replaced)
     # true: the step blocks only for the snapshot into host memory, the write streams in the background (at most
     # one save in flight; a save due while the previous one still writes waits for it, counted as stall).
-    # false: the step blocks for the whole write and commit.
+    # false: the step blocks for the whole write and commit. The key "checkpoint.async" is accepted too.
     async_save: bool = True
     # "auto": continue from the newest checkpoint under checkpoint.dir whose manifest verifies (falling back to
     # older ones, loudly); "none": start fresh; or the URI of one step directory (it must verify)
@@ -169,6 +169,9 @@ CHOICES = {
     "checkpoint.on_nonfinite": ("skip", "rollback", "stop"),
 }
 
+
+# Keys that cannot be field names: ``async`` is a Python keyword.
+ALIASES = {"checkpoint.async": "checkpoint.async_save"}
 
 # ----------------------------------------------------------------------------------------------- building
 
@@ -235,6 +238,7 @@ def _parse_mapping(key: str, text: str) -> dict:
 def _build(cls, data: dict[str, Any], prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix} must be a table, got {data!r}")
+    data = {ALIASES.get(f"{prefix}.{k}", f"{prefix}.{k}").rsplit(".", 1)[-1]: v for k, v in data.items()}
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -254,6 +258,7 @@ def _build(cls, data: dict[str, Any], prefix: str):
 
 def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
     """Apply one ``a.b=value`` override to a nested dict, coercing the value to the field's type."""
+    dotted = ALIASES.get(dotted, dotted)
     parts = dotted.split(".")
     cls: Any = TrainConfig
     node = tree

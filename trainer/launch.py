@@ -27,9 +27,15 @@ from .loop import WorkerContext, set_threads, train_worker
 
 
 def resolve_run_dir(cfg: TrainConfig) -> str:
-    """Local run directories become absolute (Ray workers and Ray Train storage need absolute paths)."""
+    """Local run and checkpoint locations become absolute (Ray workers run elsewhere, and Ray Train storage needs
+    absolute paths)."""
     if io.protocol(cfg.run.dir) == "file":
         cfg.run.dir = os.path.abspath(cfg.run.dir)
+    c = cfg.checkpoint
+    if c.dir and io.protocol(c.dir) == "file":
+        c.dir = os.path.abspath(c.dir)
+    if c.resume not in ("auto", "none") and io.protocol(c.resume) == "file":
+        c.resume = os.path.abspath(c.resume)
     return cfg.run.dir
 
 

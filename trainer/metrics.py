@@ -40,13 +40,13 @@ class MetricsWriter:
         self.uri = io.join(run_dir, "metrics.jsonl")
         self.local = io.protocol(run_dir) == "file"
         self.rows: list[dict] = []
-        self._f = None  # opened at the first row (or by resume_from), so an earlier attempt's file is still there
+        self._f = None  # opened at the first row, so an earlier attempt's file is there until then
+        self._mode = "w"
 
     def _open(self) -> None:
         if self._f is None and self.enabled and self.local:
             os.makedirs(self.run_dir, exist_ok=True)
-            self._f = open(self.uri, "w")  # noqa: SIM115 - kept open for the run, closed in close()
-            self._f.writelines(json.dumps(r) + "\n" for r in self.rows)
+            self._f = open(self.uri, self._mode)  # noqa: SIM115 - kept open for the run, closed in close()
 
     def resume_from(self, step: int) -> int:
         """Continue the file of an earlier attempt: keep its rows up to ``step``, drop the later ones (steps that
@@ -59,10 +59,12 @@ class MetricsWriter:
             return 0
         lost = max([r["step"] - step for r in rows if "loss" in r], default=0)
         self.rows = [r for r in rows if r.get("step", 0) <= step]
+        # replaced in one atomic write, then appended to: a crash here leaves the old file or the new one
+        io.write_bytes_atomic(self.uri, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
         if self._f is not None:
             self._f.close()
             self._f = None
-        self._open()
+        self._mode = "a"
         return max(0, lost)
 
     def log(self, row: dict) -> None:

@@ -87,6 +87,8 @@ class Checkpointer:
         """Move the time the step waited for a snapshot (in forward or the optimizer step) to "checkpoint"."""
         for phase, seconds in self._blocked.items():
             timer.move(phase, "checkpoint", seconds)
+            if seconds and self.stalls:
+                self.stalls[-1] += seconds  # a save's stall includes the waits it causes later
             self._blocked[phase] = 0.0
 
     def _arm(self, strategy, optimizer) -> None:

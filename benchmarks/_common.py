@@ -48,24 +48,31 @@ class PeakRSS:
     def __init__(self, interval: float = 0.05):
         self.interval = interval
         self.peak_tree = 0
+        self.peak_private = 0  # resident minus file-backed and shared pages (Linux RssAnon), summed over the tree
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
 
-    def _sample(self) -> int:
+    def _sample(self) -> tuple[int, int]:
         import psutil
 
         me = psutil.Process()
-        total = 0
+        total = private = 0
         for p in [me, *me.children(recursive=True)]:
             try:
-                total += p.memory_info().rss
+                m = p.memory_info()
+                total += m.rss
+                private += m.rss - getattr(m, "shared", 0)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 pass
-        return total
+        return total, private
+
+    def _update(self) -> None:
+        total, private = self._sample()
+        self.peak_tree, self.peak_private = max(self.peak_tree, total), max(self.peak_private, private)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak_tree = max(self.peak_tree, self._sample())
+            self._update()
             self._stop.wait(self.interval)
 
     def __enter__(self) -> PeakRSS:
@@ -75,7 +82,7 @@ class PeakRSS:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak_tree = max(self.peak_tree, self._sample())
+        self._update()
 
     def result(self) -> dict[str, float]:
         mib = 1024**2
@@ -83,6 +90,9 @@ class PeakRSS:
         return {
             "peak_rss_mb": round(max(self.peak_tree, self_hwm) / mib, 1),
             "peak_rss_self_mb": round(self_hwm / mib, 1),
+            # what the row holds privately: memory-mapped files in the page cache (shared by every process on the
+            # node) and shared memory are excluded; peak_rss_mb counts them in every process that maps them
+            "peak_private_mb": round(self.peak_private / mib, 1),
         }
 
 
@@ -229,12 +239,13 @@ def bench_env() -> dict[str, str]:
     return env
 
 
-def run_row(argv: list[str], timeout: float) -> tuple[dict[str, Any], float]:
-    """Run ``python argv...`` in a fresh process; return (its emitted result or ``{"error": ...}``, wall seconds)."""
+def run_row(argv: list[str], timeout: float, python: str | None = None) -> tuple[dict[str, Any], float]:
+    """Run ``python argv...`` in a fresh process (this Python unless ``python`` names another); return (its
+    emitted result or ``{"error": ...}``, wall seconds)."""
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
-            [sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=bench_env()
+            [python or sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=bench_env()
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}, timeout

@@ -6,9 +6,10 @@ random order. Rows, each in its own process (so its peak memory is its own):
 - ``materialize``: ``dutycycle.engine.materialize`` of the metadata table (Daft, native runner): images/s and
   peak RSS; then the same call again (reuse, no work) and its seconds.
 - (a) ``torch-jpeg``: a torch DataLoader, 2 workers, each reading a file and running ``decode_and_transform``.
-- (b) ``cache``: random batches of 256 from the committed cache through ``CacheReader`` (memory-mapped Arrow),
-  gathered into one contiguous array and handed over as a torch tensor.
-- (c) ``ram``: the same samples already in one numpy array in RAM, gathered by random index (upper bound).
+- (b) ``cache``: ``CacheLoader`` over the committed cache in its default mode (memory-mapped Arrow shards read
+  in place), batches of 256 of its shuffled plan, uint8 tensors.
+- (c) ``ram``: the same samples already in one numpy array in RAM, batched by the same plan with the loader's
+  ``np.take`` gather (``loader_rows.RamBound``): the upper bound.
 
 Targets: b/c >= 0.8 and b/a >= 10. The run also compares candidate cache formats on the materialized samples
 (``benchmarks/cache_formats.py``): Parquet uncompressed and zstd, Arrow IPC memory-mapped and lz4.
@@ -137,61 +138,35 @@ def _as_batch(images: np.ndarray, labels: np.ndarray):
     return torch.from_numpy(images), torch.from_numpy(labels)
 
 
-def open_cache_state(root: Path):
-    from dutycycle.engine.cache.materialize import open_cache
+def open_cache_loader(root: Path):
+    """(b) ``CacheLoader`` itself, in its default mode (memory-mapped shards, read in place), uint8 out."""
+    from dutycycle.loader import CacheLoader
+    from loader_rows import loader_config
 
-    reader = open_cache(str(root / "cache"))
-    shards = [reader.images(i) for i in range(reader.num_shards)]
-    labels = [reader.column(i, "label") for i in range(reader.num_shards)]
-    return reader, shards, labels
+    return CacheLoader(str(root / "cache"), "train", 0, 1, loader_config("auto"))
 
 
-def cache_epoch(state, e: int):
-    """(b) random batches from the memory-mapped shards, one contiguous array + labels per batch."""
-    reader, shards, labels = state
-    order = np.random.default_rng([SEED, e]).permutation(reader.num_samples)
-    nb = len(order) // BATCH
-    # Plan the epoch at once: sort each batch's indices (a batch is a set; sorted keeps each shard's rows
-    # together), then map them to (shard, row) in one vectorized call.
-    batches = np.sort(order[: nb * BATCH].reshape(nb, BATCH), axis=1)
-    shard_of, row_of = reader.locate(batches.reshape(-1))
-    shard_of, row_of = shard_of.reshape(nb, BATCH), row_of.reshape(nb, BATCH)
-    shape = tuple(reader.manifest.shape)
-    for b in range(nb):
-        shard, row = shard_of[b], row_of[b]
-        bounds = [0, *(np.flatnonzero(shard[1:] != shard[:-1]) + 1).tolist(), BATCH]
-        out = np.empty((BATCH, *shape), np.uint8)  # fresh per batch: training may keep it
-        lab = np.empty(BATCH, np.int64)
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            # mode="clip" lets take write straight into `out`; the default mode="raise" buffers (3x slower here).
-            np.take(shards[shard[lo]], row[lo:hi], axis=0, out=out[lo:hi], mode="clip")
-            lab[lo:hi] = labels[shard[lo]][row[lo:hi]]
-        yield _as_batch(out, lab)
+def cache_epoch(loader, e: int):
+    loader.set_epoch(e)
+    return loader
 
 
 def open_ram_state(root: Path):
-    from dutycycle.engine.cache.materialize import open_cache
+    """(c) the upper bound: the split in one array in RAM, the loader's plan, the loader's ``np.take`` gather."""
+    from loader_rows import RamBound
 
-    reader = open_cache(str(root / "cache"))
-    images = np.concatenate([np.array(reader.images(i)) for i in range(reader.num_shards)])
-    labels = np.concatenate([reader.column(i, "label") for i in range(reader.num_shards)])
-    return images, labels
+    return RamBound(str(root / "cache"))
 
 
-def ram_epoch(arrays, e: int):
-    """(c) the upper bound: one array in RAM, gathered by the same random indices."""
-    images, labels = arrays
-    order = np.random.default_rng([SEED, e]).permutation(len(images))
-    for b in range(len(order) // BATCH):
-        idx = np.sort(order[b * BATCH : (b + 1) * BATCH])  # sorted like (b), for the same memory locality
-        yield _as_batch(images[idx], labels[idx])
+def ram_epoch(bound, e: int):
+    return bound.epoch(e)
 
 
 def row_cache(root: Path, min_seconds: float) -> dict[str, Any]:
     import torch  # noqa: F401 - imported before timing, so the first batch measures reading only
 
     with PeakRSS() as mem:
-        r = measure(lambda: open_cache_state(root), cache_epoch, min_seconds=min_seconds)
+        r = measure(lambda: open_cache_loader(root), cache_epoch, min_seconds=min_seconds)
     return {**r, **mem.result()}
 
 
@@ -205,21 +180,10 @@ def row_ram(root: Path, min_seconds: float) -> dict[str, Any]:
 
 def row_interleaved(root: Path, min_seconds: float) -> dict[str, Any]:
     """(b) and (c) in one process, alternating epochs, so both see the same machine load (the ratio's source)."""
-    states = {"cache": (open_cache_state(root), cache_epoch), "ram": (open_ram_state(root), ram_epoch)}
-    for state, epoch in states.values():  # warm-up epoch: page cache, mappings
-        for _ in epoch(state, 0):
-            pass
-    totals = {name: [0, 0.0] for name in states}
-    e = 1
-    while min(t[1] for t in totals.values()) < min_seconds:
-        for name, (state, epoch) in states.items():
-            t0 = time.perf_counter()
-            n = sum(len(batch[1]) for batch in epoch(state, e))
-            totals[name][0] += n
-            totals[name][1] += time.perf_counter() - t0
-        e += 1
-    return {name: {"samples_per_s": round(n / t, 1), "samples_timed": n, "seconds_timed": round(t, 3)}
-            for name, (n, t) in totals.items()}
+    from loader_rows import interleave
+
+    r = interleave(str(root / "cache"), min_seconds, "cache", "ram")
+    return {name: {"samples_per_s": v} for name, v in r["samples_per_s"].items()} | {"execution": r["execution"]}
 
 
 class JpegFiles:

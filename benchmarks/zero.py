@@ -103,13 +103,20 @@ def worker(args) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
+    model = [f"model.name={args.model}", f"model.width={args.width}", f"model.depth={args.depth}"]
+    if args.model == "vit":
+        model += [f"model.heads={args.heads}", "model.patch=4"]
+    samples = args.samples or args.batch * (args.steps + 1)
     cfg = load_config(None, [
         "data.source=synthetic", f"data.size={args.size}", f"data.global_batch_size={args.batch}",
-        f"data.synthetic_samples={args.batch * (args.steps + 1)}", "model.name=vit", f"model.width={args.width}",
-        f"model.depth={args.depth}", f"model.heads={args.heads}", "model.patch=4", f"run.max_steps={args.steps}",
-        "run.eval_every=0", "run.eval_max_batches=1", "run.log_every=0", "run.report=false",
+        f"data.synthetic_samples={samples}", *model, f"run.max_steps={args.steps}", "run.eval_every=0",
+        f"run.eval_max_batches={args.eval_batches}", "run.log_every=0", "run.report=false",
         "run.save_model=false", f"run.dir={args.run_dir}", f"parallel.num_workers={world}",
-        f"parallel.zero_stage={args.stage}", f"parallel.offload={args.offload}", "optim.warmup_steps=2",
+        f"parallel.zero_stage={args.stage}", f"parallel.offload={args.offload}", f"optim.lr={args.lr}",
+        f"optim.warmup_steps={max(2, args.steps // 20)}", f"data.augment.flip={str(args.model == 'cnn').lower()}",
+        f"parallel.quant_weights={args.quant_weights}", f"parallel.quant_grads={args.quant_grads}",
+        f"parallel.hpz={str(args.hpz).lower()}", f"parallel.node_size={args.node_size}",
+        f"parallel.error_feedback={str(args.error_feedback).lower()}",
     ])
     set_threads(cfg, world)
     fn = manual_allreduce_parallelize if args.baseline else None
@@ -127,6 +134,9 @@ def worker(args) -> None:
             "steps_measured": len(rows),
             "num_params": summary["num_params"],
             "final_loss": summary["final_loss"],
+            "val_loss": summary["val_loss"],
+            "val_accuracy": summary["val_accuracy"],
+            "traffic": summary["parallel"]["traffic"],
             "bytes_sent_per_step": summary["parallel"]["traffic_per_step"],
             "expected_bytes_per_step": summary["parallel"]["expected_traffic_per_step"],
             "held_per_rank": summary["memory"]["held_per_rank"],
@@ -135,6 +145,7 @@ def worker(args) -> None:
             "threads_per_worker": summary["threads_per_worker"],
         }
         print("ZERO_RESULT " + json.dumps(out), flush=True)
+    dist.barrier()  # nobody tears down while a peer is still communicating
     dist.destroy_process_group()
 
 
@@ -219,15 +230,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offload", default="none", help=argparse.SUPPRESS)
     p.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
+    # worker options shared with benchmarks/zeropp.py
+    p.add_argument("--model", default="vit", choices=["vit", "cnn"], help=argparse.SUPPRESS)
+    p.add_argument("--quant-weights", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--quant-grads", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--hpz", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--error-feedback", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--node-size", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--samples", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--eval-batches", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--lr", type=float, default=0.003, help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, default=512, help="ViT width (default 512: ~22M parameters at depth 7)")
     p.add_argument("--depth", type=int, default=7)
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--size", type=int, default=32, help="image side (default 32: 65 tokens of 4x4 patches)")
+    p.add_argument("--size", type=int, default=16, help="image side (default 16: 17 tokens of 4x4 patches)")
     p.add_argument("--batch", type=int, default=16, help="global batch size (default 16)")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per row (default 8)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps per row (default 10)")
     p.add_argument("--skip", type=int, default=2, help="first steps excluded from speed figures (default 2)")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--rows", nargs="+", default=[r[0] for r in ROWS], choices=[r[0] for r in ROWS])
+    p.add_argument("--repeat", type=int, default=3,
+                   help="run the baseline and stage 0 at 2 ranks this many times, alternating (default 3): the "
+                        "speed ratio is the median of the pairs, which holds when the machine's speed drifts")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--quick", action="store_true", help="a tiny ViT and few steps: seconds, for the smoke test")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero.json"))
@@ -237,8 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.width, args.depth, args.heads, args.size, args.batch, args.steps, args.skip = 32, 2, 2, 8, 8, 3, 1
-    rows = []
+        args.repeat = 1
+    rows, pairs = [], []
     with tempfile.TemporaryDirectory() as workdir:
+        if 2 in args.worlds and {"allreduce-manual", "stage0-ddp"} <= set(args.rows):
+            for i in range(args.repeat - 1):  # the extra alternations; the last pair runs with the table below
+                a = run_row(*ROWS[0], 2, args, os.path.join(workdir, f"pair{i}"))
+                b = run_row(*ROWS[1], 2, args, os.path.join(workdir, f"pair{i}"))
+                pairs.append((a, b))
         for world in args.worlds:
             for name, stage, offload, baseline in ROWS:
                 if (baseline and world != 2) or name not in args.rows:
@@ -251,14 +281,25 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{world} ranks {name:17s} {r['samples_per_s']:8.1f} samples/s, exposed comm "
                           f"{r['exposed_comm_share']:.0%}, sent/step {sum(r['bytes_sent_per_step'].values()) / 2**20:.0f} MB, "
                           f"optimizer held {r['held_per_rank'][0]['optimizer'] / 2**20:.0f} MB", flush=True)
+    by = {(r["name"], r["world_size"]): r for r in rows}
+    if ("allreduce-manual", 2) in by and ("stage0-ddp", 2) in by:
+        pairs.append((by["allreduce-manual", 2], by["stage0-ddp", 2]))
+    pairs = [(a, b) for a, b in pairs if "error" not in a and "error" not in b]
     result = {
         "benchmark": "zero",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "settings": {k: v for k, v in vars(args).items()
-                     if k not in ("worker", "stage", "offload", "baseline", "run_dir")},
+        "settings": {k: v for k, v in vars(args).items() if k in ("width", "depth", "heads", "size", "batch", "steps",
+                                                                   "skip", "worlds", "rows", "repeat", "quick")},
         "rows": rows,
         "ratios": ratios(rows),
     }
+    if pairs:
+        result["stage0_vs_manual_pairs"] = [
+            {"manual_samples_per_s": a["samples_per_s"], "ddp_samples_per_s": b["samples_per_s"],
+             "ratio": b["samples_per_s"] / a["samples_per_s"], "manual_exposed_comm_share": a["exposed_comm_share"],
+             "ddp_exposed_comm_share": b["exposed_comm_share"]} for a, b in pairs]
+        result["ratios"]["stage0_samples_per_s_vs_manual_allreduce_2ranks_median_of_pairs"] = statistics.median(
+            p["ratio"] for p in result["stage0_vs_manual_pairs"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(table(rows))

@@ -13,6 +13,7 @@ from .errors import ConfigError, CorruptArtifactError, DestinationError, Dutycyc
 _LAZY = {
     "CacheManifest": ".cache.format",
     "CacheReader": ".cache.format",
+    "ReadConfig": ".cache.shards",
     "synthesize": ".synth",
     "ingest": ".table.catalog",
     "open_table": ".table.table",

@@ -20,9 +20,10 @@ Evaluation: ``CacheLoader(cache_uri, "val", rank, world_size, LoaderConfig.for_e
 short global batch is split as evenly as possible (the first ``len % world_size`` ranks get one more sample,
 and a rank may get an empty batch when it is shorter than the world size).
 
-Modules: ``plan`` (pure sample plan), ``augment`` (batch augmentation), ``source`` (shard gathering),
-``base`` (execution modes, state, stats), ``cache_loader``, ``raw`` (decode per step), ``ray_exec`` (Ray tasks,
-object-store memory mode), ``ray_data`` (Ray Data export), ``device`` (pinning, CUDA copies), ``cli``.
+Modules: ``plan`` (pure sample plan), ``augment`` (batch augmentation), ``source`` (one gather per batch over
+memory-mapped shards, the split index), ``base`` (execution modes, state, stats), ``cache_loader``, ``budget``
+(the node's in-RAM budget for ``memory`` mode), ``raw`` (decode per step), ``ray_exec`` (Ray tasks, object-store
+memory mode), ``ray_data`` (Ray Data export), ``device`` (pinning, CUDA copies), ``cli``.
 """
 
 from __future__ import annotations

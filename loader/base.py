@@ -79,20 +79,28 @@ class PlannedLoader:
         self._mover = None
         # Where rows come from and whether a prefetch thread collates them; "auto" decides here, once.
         mode = config.mode
-        self.in_memory = mode == "memory" or (mode == "auto" and self._auto_in_memory())
+        self.memory_refused: str | None = None  # why an opted-in in-RAM split was not granted
+        self.in_memory = mode == "memory" and self._hold_in_memory()
         self.background = mode in ("thread", "ray", "memory") or (
-            mode == "auto" and (not self.in_memory or self._needs_batch_work())
+            mode == "auto" and (self._needs_batch_work() or self._reads_block())
         )
-        source = "ray tasks" if mode == "ray" else "memory" if self.in_memory else self._local_source
+        source = "ray tasks" if mode == "ray" else self._memory_source if self.in_memory else self._local_source
+        if self.memory_refused:
+            source += " (memory refused)"
         self.execution = f"{mode}: {source}, {'prefetch thread' if self.background else 'caller thread'}"
 
     # ---------------------------------------------------------------- execution
 
     _local_source = "per-batch reads"  # what _read_local does when the split is not in memory (for `execution`)
+    _memory_source = "memory"
 
-    def _auto_in_memory(self) -> bool:
-        """Whether ``mode="auto"`` holds the split in RAM (subclasses that can, decide; the base cannot)."""
+    def _hold_in_memory(self) -> bool:
+        """Whether ``mode="memory"`` may hold the split in RAM (subclasses that can, decide; the base cannot)."""
         return False
+
+    def _reads_block(self) -> bool:
+        """Whether reading a batch waits on I/O that a prefetch thread should overlap (e.g. a remote cache)."""
+        return True
 
     def _needs_batch_work(self) -> bool:
         """Whether collating a batch costs CPU beyond gathering its rows (then a prefetch thread overlaps it)."""
@@ -245,7 +253,7 @@ class PlannedLoader:
         batch = {
             "image": x,
             "label": torch.from_numpy(np.array(raw.labels, dtype=np.int64)),  # tiny; a writable copy
-            "sample_id": raw.sample_ids.tolist(),
+            "sample_id": raw.sample_ids if isinstance(raw.sample_ids, list) else raw.sample_ids.tolist(),
         }
         mover = self._device_mover()
         return mover.move(batch) if mover is not None else batch

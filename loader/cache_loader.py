@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -31,17 +34,18 @@ class CacheLoader(PlannedLoader):
         config: LoaderConfig | None = None,
     ):
         config = config or LoaderConfig()
-        self.reader = CacheReader(cache_uri)
+        self.reader = CacheReader(cache_uri, read=config.read if isinstance(config, LoaderConfig) else None)
         self.cache_uri, self.split = self.reader.uri, split  # a cache root resolves to its committed folder
         manifest = self.reader.manifest
         self.layout = manifest.layout
         self.shape = tuple(manifest.shape)
         self.classes = list(manifest.classes)
-        self.rows = split_rows(self.reader, split)  # split index -> global cache row
-        super().__init__(len(self.rows), manifest.fingerprint, rank, world_size, config)
-        self._gatherer = ShardGatherer(self.reader)
+        self.rows = split_rows(self.reader, split)  # split index -> global cache row (node-shared, mapped)
         self._memory: MemorySplit | None = None
         self._memory_keepalive: Any = None
+        self._reservation = None
+        super().__init__(len(self.rows), manifest.fingerprint, rank, world_size, config)
+        self._gatherer = ShardGatherer(self.reader)
         if self.in_memory:
             self._load_memory()
 
@@ -54,23 +58,52 @@ class CacheLoader(PlannedLoader):
         ctx = ray.train.get_context()
         return cls(cache_uri, split, ctx.get_world_rank(), ctx.get_world_size(), config)
 
-    _local_source = "memory-mapped shards"
+    @property
+    def _local_source(self) -> str:  # for `execution`
+        return {None: "memory-mapped shards", "disk": "node-local copies of remote shards (memory-mapped)",
+                "range": "ranged reads of remote shards"}[self.reader.remote]
 
-    def _auto_in_memory(self) -> bool:
-        """``mode="auto"``: hold the split in RAM when it fits the memory budget (see ``LoaderConfig``)."""
-        need = len(self.rows) * self.reader.manifest.sample_bytes
-        return need <= self.config.auto_memory_fraction * free_memory_bytes()
+    @property
+    def _memory_source(self) -> str:
+        return "memory (Ray object store, one copy per node)" if _ray_running() else "memory (this process)"
+
+    def _reads_block(self) -> bool:
+        return not self.reader.is_local  # remote reads wait on the network: overlap them
+
+    def _hold_in_memory(self) -> bool:
+        """``mode="memory"``: reserve the split's bytes in the node's budget (see ``budget``), or say why not."""
+        from . import budget
+
+        c = self.config
+        need = len(self.rows) * (self.reader.manifest.sample_bytes + 8 + 4 * _id_chars(self.reader))
+        shared = _ray_running()
+        limit = memory_limit()
+        allowed = int(c.memory_fraction * limit)
+        key = f"{self.reader.fingerprint}:{self.split}"
+        res = budget.reserve(key, need, allowed, shared, c.read.node_dir)
+        if not res.granted:
+            mib = 1024**2
+            self.memory_refused = (
+                f"mode='memory' needs {need / mib:,.0f} MiB for split {self.split!r} but the node's in-RAM budget "
+                f"is {allowed / mib:,.0f} MiB (memory_fraction={c.memory_fraction} of a {limit / mib:,.0f} MiB "
+                f"limit) with {res.used / mib:,.0f} MiB already reserved; reading memory-mapped shards instead "
+                "(the same batches). Raise memory_fraction or use mode='auto'"
+            )
+            warnings.warn(self.memory_refused, stacklevel=3)
+            return False
+        self._reservation = res.key
+        weakref.finalize(self, budget.release, res.key, c.read.node_dir)
+        return True
 
     def _load_memory(self) -> None:
-        import sys
-
-        ray = sys.modules.get("ray")
-        if ray is not None and ray.is_initialized():
+        if _ray_running():
             from .ray_exec import shared_memory_split
 
-            self._memory, self._memory_keepalive = shared_memory_split(self.cache_uri, self.fingerprint, self.split)
+            self._memory, self._memory_keepalive = shared_memory_split(
+                self.cache_uri, self.fingerprint, self.split, self.config.read
+            )
         else:
-            self._memory = MemorySplit.load(self.cache_uri, self.split)
+            self._memory = MemorySplit.load(self.cache_uri, self.split, self.config.read)
 
     def _read_local(self, indices: np.ndarray) -> RawBatch:
         if self._memory is not None:
@@ -80,7 +113,7 @@ class CacheLoader(PlannedLoader):
     def _submit_remote(self, indices: np.ndarray, step: int):
         from .ray_exec import submit_read
 
-        return submit_read(self.cache_uri, self.rows[indices], step, self.config.ray_max_retries)
+        return submit_read(self.cache_uri, self.rows[indices], step, self.config.ray_max_retries, self.config.read)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -88,21 +121,26 @@ class CacheLoader(PlannedLoader):
         return state
 
 
-def free_memory_bytes() -> int:
-    """Memory a new in-RAM split may use: the kernel's MemAvailable (0 when unknown, so "auto" reads shards in
-    place), and no more than the Ray object store has free when Ray is initialized (memory mode puts it there)."""
-    import sys
+def memory_limit() -> int:
+    """What in-RAM splits are sized against: the node's limit (``budget.node_memory_limit``), and, when Ray is
+    running (the split then lives in its object store), no more than the object store has free."""
+    from . import budget
 
-    free = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    free = int(line.split()[1]) * 1024
-                    break
-    except OSError:  # not Linux
-        pass
+    limit = budget.node_memory_limit()
+    if _ray_running():
+        import ray
+
+        limit = min(limit, int(ray.available_resources().get("object_store_memory", 0)) or limit)
+    return limit
+
+
+def _ray_running() -> bool:
     ray = sys.modules.get("ray")
-    if free and ray is not None and ray.is_initialized():
-        free = min(free, int(ray.available_resources().get("object_store_memory", 0)))
-    return free
+    return ray is not None and ray.is_initialized()
+
+
+def _id_chars(reader: CacheReader) -> int:
+    """Characters per sample id (from the first shard's first id), for sizing an in-RAM split."""
+    if not reader.num_shards or not reader.manifest.shards[0].rows:
+        return 0
+    return len(str(reader.column(0, "sample_id")[0]))

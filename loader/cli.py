@@ -47,11 +47,9 @@ def plan_records(cache_uri, split, world_size, ranks, steps, epoch, seed, global
     gatherer = ShardGatherer(reader)
     for step in steps:
         for r in ranks:
-            global_rows = rows[rank_slice(batches[step], r, world_size)]
-            shard, local = reader.locate(global_rows)
-            ids = [str(gatherer.ids(int(s))[i]) for s, i in zip(shard, local, strict=True)]
-            labels = [int(gatherer.labels(int(s))[i]) for s, i in zip(shard, local, strict=True)]
-            yield {"epoch": epoch, "step": step, "rank": r, "sample_ids": ids, "labels": labels}
+            raw = gatherer.read(rows[rank_slice(batches[step], r, world_size)], pixels=False)
+            yield {"epoch": epoch, "step": step, "rank": r, "sample_ids": list(raw.sample_ids),
+                   "labels": raw.labels.tolist()}
 
 
 def cmd_plan(args) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError
 
 from .augment import AugmentConfig
@@ -18,21 +19,26 @@ class LoaderConfig:
     """How batches are planned, read and delivered.
 
     ``mode``:
-      - ``"auto"`` (the default, what training uses): hold the split in RAM when it takes at most
-        ``auto_memory_fraction`` of the memory available (in the Ray object store, shared by the node's loaders,
-        when Ray is initialized; it is read whole before the first batch), else read the memory-mapped shards
-        in place (a batch spanning several shards then costs a second copy); collate in a background thread
-        when a batch needs CPU work beyond gathering its rows (random augmentation, normalization, pinning or a
-        device copy) or its rows come from shards on disk, and in the caller's thread otherwise (a gather from
-        RAM costs well under a millisecond per batch, less than handing the batch between threads).
-        ``loader.execution`` says what it chose. The raw path (which decodes every step) uses ``"thread"``.
+      - ``"auto"`` (the default, what training uses): read the cache in place. Local shards are memory-mapped,
+        so every process on a node shares one copy of the pages through the page cache and a process holds
+        only its batches and the shard index; a remote cache is read by range or from a node-local copy
+        (``read``). Batches are collated in a background thread when that overlaps work: random augmentation,
+        normalization, pinning or a device copy, or reads from a remote cache; otherwise in the caller's
+        thread (a gather from mapped pages costs well under a millisecond per batch, less than handing the
+        batch between threads). ``loader.execution`` says what it chose.
       - ``"sync"``: read and collate in the caller's thread; no threads, no Ray (tests, notebooks, debugging).
-      - ``"thread"``: a background thread reads memory-mapped shards into a bounded queue of ``prefetch``
-        finished batches (back-pressure).
+      - ``"thread"``: like ``auto``, always with a background thread keeping ``prefetch`` finished batches ready.
       - ``"ray"``: Ray tasks read and collate each rank batch from the shards, at most ``prefetch`` in flight,
         retried up to ``ray_max_retries`` times if their worker dies; a background thread augments.
-      - ``"memory"``: the whole split is read once into RAM (into the Ray object store when Ray is initialized,
-        so the loaders of one node share one copy), then served like ``"thread"``.
+      - ``"memory"`` (opt-in, for small datasets): the split is read once into RAM (into the Ray object store
+        when Ray is initialized, which the loaders of a node share), then served like ``"thread"``. It must
+        fit ``memory_fraction`` of the node's memory limit (the cgroup's when it is tighter than the
+        machine's), counted once per node across every loader's in-RAM splits (``budget``); a split that does
+        not fit is read from the memory-mapped shards instead, with a warning and ``loader.memory_refused``
+        saying why. The raw path (which decodes every step) uses ``"thread"``.
+
+    ``read`` says how shards are reached (verification once per node, ranged reads or node-local copies of
+    remote caches); see ``dutycycle.engine.cache.shards.ReadConfig``.
     """
 
     global_batch_size: int = 256
@@ -48,7 +54,8 @@ class LoaderConfig:
     window: int = DEFAULT_WINDOW  # window shuffle size (see plan.py)
     ray_max_retries: int = 3
     raw_threads: int = 4  # decode threads per batch for the raw path outside Ray
-    auto_memory_fraction: float = 0.25  # "auto" holds a split in RAM when it needs at most this share of free memory
+    memory_fraction: float = 0.5  # "memory": in-RAM splits on a node together use at most this share of its limit
+    read: ReadConfig = field(default_factory=ReadConfig)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -59,9 +66,11 @@ class LoaderConfig:
                 raise ConfigError(f"LoaderConfig.{name}={v!r} is invalid; use an integer >= 1")
         if not isinstance(self.ray_max_retries, int) or self.ray_max_retries < 0:
             raise ConfigError(f"LoaderConfig.ray_max_retries={self.ray_max_retries!r} is invalid; use an integer >= 0")
-        f = self.auto_memory_fraction
+        f = self.memory_fraction
         if isinstance(f, bool) or not isinstance(f, int | float) or not 0 <= f <= 1:
-            raise ConfigError(f"LoaderConfig.auto_memory_fraction={f!r} is invalid; use a number in [0, 1]")
+            raise ConfigError(f"LoaderConfig.memory_fraction={f!r} is invalid; use a number in [0, 1]")
+        if not isinstance(self.read, ReadConfig):
+            raise ConfigError(f"LoaderConfig.read={self.read!r} is invalid; pass a dutycycle.engine ReadConfig")
         if not isinstance(self.augment, AugmentConfig):
             raise ConfigError(f"LoaderConfig.augment={self.augment!r} is invalid; pass an AugmentConfig")
 

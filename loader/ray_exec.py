@@ -15,6 +15,7 @@ import os
 import numpy as np
 import ray
 from dutycycle.engine.cache.format import CacheReader
+from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError
 
 from .source import MemorySplit, RawBatch, ShardGatherer
@@ -24,15 +25,16 @@ from .source import MemorySplit, RawBatch, ShardGatherer
 KILL_MARKER_ENV = "DUTYCYCLE_TEST_KILL_READ_ONCE"
 KILL_STEP_ENV = "DUTYCYCLE_TEST_KILL_STEP"
 
-_GATHERERS: dict[str, ShardGatherer] = {}  # per worker process: shards opened (and verified) once
+_GATHERERS: dict[tuple, ShardGatherer] = {}  # per worker process: shards opened once
 
 
-def _gatherer(cache_uri: str) -> ShardGatherer:
-    g = _GATHERERS.get(cache_uri)
+def _gatherer(cache_uri: str, read: ReadConfig | None) -> ShardGatherer:
+    key = (cache_uri, read)
+    g = _GATHERERS.get(key)
     if g is None:
         if len(_GATHERERS) >= 4:  # a worker serving many caches keeps only the recent ones mapped
             _GATHERERS.pop(next(iter(_GATHERERS)))
-        g = _GATHERERS[cache_uri] = ShardGatherer(CacheReader(cache_uri))
+        g = _GATHERERS[key] = ShardGatherer(CacheReader(cache_uri, read=read))
     return g
 
 
@@ -48,9 +50,9 @@ def _maybe_die(kill_marker: str | None) -> None:
 
 
 @ray.remote(num_cpus=1)
-def read_rows_task(cache_uri: str, rows: np.ndarray, kill_marker: str | None = None):
+def read_rows_task(cache_uri: str, rows: np.ndarray, kill_marker: str | None = None, read: ReadConfig | None = None):
     _maybe_die(kill_marker)
-    raw = _gatherer(cache_uri).read(rows)
+    raw = _gatherer(cache_uri, read).read(rows)
     return raw.images, raw.labels, raw.sample_ids
 
 
@@ -61,8 +63,8 @@ def kill_marker_for(step: int) -> str | None:
     return None
 
 
-def submit_read(cache_uri: str, rows: np.ndarray, step: int, max_retries: int):
-    return read_rows_task.options(max_retries=max_retries).remote(cache_uri, rows, kill_marker_for(step))
+def submit_read(cache_uri: str, rows: np.ndarray, step: int, max_retries: int, read: ReadConfig | None = None):
+    return read_rows_task.options(max_retries=max_retries).remote(cache_uri, rows, kill_marker_for(step), read)
 
 
 @ray.remote(num_cpus=1)
@@ -117,10 +119,10 @@ def cancel(refs) -> None:
 class _SplitHolder:
     """Owns one split's arrays in the object store; every loader on the cluster maps the same object."""
 
-    def __init__(self, cache_uri: str, split: str):
+    def __init__(self, cache_uri: str, split: str, read: ReadConfig | None = None):
         self.ref, self.error = None, None
         try:
-            split_data = MemorySplit.load(cache_uri, split)
+            split_data = MemorySplit.load(cache_uri, split, read)
             self.ref = ray.put((split_data.images, split_data.labels, split_data.sample_ids))
         except Exception as e:  # raised from get(), where the caller sees it as itself
             self.error = e
@@ -131,13 +133,14 @@ class _SplitHolder:
         return [self.ref]  # wrapped in a list so the caller receives the reference, not the value
 
 
-def shared_memory_split(cache_uri: str, fingerprint: str, split: str) -> tuple[MemorySplit, object]:
+def shared_memory_split(cache_uri: str, fingerprint: str, split: str, read: ReadConfig | None = None
+                        ) -> tuple[MemorySplit, object]:
     """The split, held once in the object store (one named holder per cache and split); returns (split, ref).
 
     Keep the returned ref alive as long as the arrays are in use: they are zero-copy views of the object.
     """
     key = hashlib.sha256(f"{cache_uri}\0{fingerprint}\0{split}".encode()).hexdigest()[:16]
-    holder = _SplitHolder.options(name=f"dutycycle-memory-{key}", get_if_exists=True).remote(cache_uri, split)
+    holder = _SplitHolder.options(name=f"dutycycle-memory-{key}", get_if_exists=True).remote(cache_uri, split, read)
     try:
         (ref,) = get(holder.get.remote())
     except ray.exceptions.RayActorError as e:

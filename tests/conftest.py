@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -15,6 +16,9 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 # Every Ray start in the tests (and in their subprocesses) makes its own cluster, never joins one that another
 # process left running on this machine (ray.init() with no address would).
 os.environ["RAY_ADDRESS"] = "local"  # subprocesses started by tests inherit it
+# Node-local cache state (verified-shard records, node copies of remote shards, the memory ledger) goes to a
+# folder of this test session, shared with the processes it starts, never the machine's default one.
+os.environ.setdefault("DUTYCYCLE_NODE_DIR", tempfile.mkdtemp(prefix="dc-node-"))
 
 
 @pytest.fixture(scope="session")

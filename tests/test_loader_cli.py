@@ -69,3 +69,18 @@ def test_plan_cli_errors_exit_2(cache, capsys, args, message):
 def test_plan_cli_missing_cache(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "nope")]) == 2
     assert "manifest.json is missing" in capsys.readouterr().err
+
+
+def test_plan_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`dutycycle plan | head -1`: the reader leaves after one line; no BrokenPipe traceback, exit 141 (SIGPIPE).
+    The plan is ~400 KB of lines, far more than a pipe holds, so the writer is still writing when the reader
+    leaves."""
+    big = str(tmp_path / "big")
+    make_cache(big, 4000, shape=(2, 2, 1), shards=2)
+    proc = subprocess.Popen([sys.executable, "-m", "dutycycle.trainer", "plan", big, "--world-size", "2",
+                             "--steps", "0:", "--global-batch", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what head does after its lines
+    _, err = proc.communicate(timeout=60)
+    assert json.loads(first)["step"] == 0
+    assert proc.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()

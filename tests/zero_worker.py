@@ -72,7 +72,8 @@ def _quiet():
 
 def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload: bool = False,
           reduce_every: bool = False, find_unused: bool = False, dtype=torch.float64, grad_clip: float = 0.05,
-          model_fn=Quirky, strategy_cls=None, optim_name: str = "adamw"):
+          model_fn=Quirky, strategy_cls=None, optim_name: str = "adamw", optim_kwargs: dict | None = None,
+          steps: int = STEPS, **parallel_kwargs):
     """Train STEPS AdamW steps on rank ``rank``'s slice of each global batch; returns the strategy and optimizer.
     ``world == 1`` with no process group is the single-process reference on the full batch."""
     from dutycycle.trainer.config import OptimSection
@@ -88,20 +89,22 @@ def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload:
         strategy = parallelize(model, zero_stage=stage, rank=rank, world_size=world, device=torch.device("cpu"),
                                micro_batches=micro_batches, reduce_every_micro_step=reduce_every, offload=offload,
                                precision="fp64" if dtype == torch.float64 else "fp32",
-                               find_unused_parameters=find_unused)
+                               find_unused_parameters=find_unused, **parallel_kwargs)
     if strategy_cls is not None:
         strategy.__class__ = strategy_cls
     optimizer = make_optimizer(strategy.module.parameters(),
-                               OptimSection(name=optim_name, lr=0.02, weight_decay=0.1, momentum=0.9))
+                               OptimSection(**{"name": optim_name, "lr": 0.02, "weight_decay": 0.1, "momentum": 0.9,
+                                               **(optim_kwargs or {})}))
     sampler = MemorySampler()
     per = GLOBAL_BATCH // world
     norms = []
-    for step, (x, y) in enumerate(make_batches(dtype)):
+    for step, (x, y) in enumerate(make_batches(dtype)[:steps]):
         if isinstance(strategy.module, Quirky):
             strategy.module.use_sometimes = step % 2 == 0
         xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
         _, norm = optimizer_step(strategy, optimizer, xs, ys, micro_batches=micro_batches, timer=StepTimer(),
-                                 autocast=contextlib.nullcontext, grad_clip=grad_clip, lr=0.02,
+                                 autocast=contextlib.nullcontext, grad_clip=grad_clip,
+                                 lr=optimizer.param_groups[0]["lr"],
                                  sampler=sampler if step == 0 else None)
         norms.append(float(norm) if norm is not None else None)
     return strategy, optimizer, sampler, norms

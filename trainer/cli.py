@@ -45,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dutycycle {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `dutycycle plan | head`: the reader left; stop quietly, as Unix tools do. Point stdout at /dev/null so
+        # the interpreter's final flush does not raise the same error again (Python's documented recipe).
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool stopped by a closed pipe
     return int(rc or 0)
 
 

@@ -1,4 +1,4 @@
-"""CLI subcommands of the trainer room: ``dutycycle train`` and ``dutycycle demo``."""
+"""CLI subcommands of the trainer room: ``dutycycle train``, ``dutycycle diagnose`` and ``dutycycle demo``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,24 @@ def register(subparsers) -> None:
     p.add_argument("--local", action="store_true",
                    help="run one worker in this process, without Ray (sets parallel.num_workers=1)")
     p.set_defaults(func=cmd_train)
+
+    g = subparsers.add_parser(
+        "diagnose",
+        help="name what a run waits on (data, communication, memory, checkpoints) with short experiments",
+        description="Run short, measured experiments on CONFIG and its data (compute ceiling, loaders alone, end to "
+        "end, host-to-device, scaling, checkpoint stall, memory per ZeRO stage) and print a verdict: the "
+        "dominant wait, the number behind it and the setting that addresses it. Writes diagnosis.json, "
+        "diagnosis.png and diagnosis.html under --out.",
+    )
+    g.add_argument("config", help="a TOML config file, e.g. configs/demo.toml")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable)")
+    g.add_argument("--budget-s", type=float, default=300.0, help="time for all experiments (default 300)")
+    g.add_argument("--out", default="", help="where the report goes (default: RUN_DIR/diagnose)")
+    g.add_argument("--memory-budget-mb", type=float, default=None,
+                   help="memory per rank to check the model state against (default: the device's)")
+    g.add_argument("--only", default="", help="comma-separated experiments to run (default: all)")
+    g.set_defaults(func=cmd_diagnose)
 
     d = subparsers.add_parser(
         "demo",
@@ -48,6 +66,22 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"val accuracy {acc:.3f}, {summary['samples_per_s']:.0f} samples/s, world size {summary['world_size']}")
     print(format_breakdown(summary))
     print(f"run directory: {cfg.run.dir}" + (f"\nreport: {summary['report']}" if summary.get("report") else ""))
+    return 0
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from dutycycle.engine import io
+    from dutycycle.engine.errors import ConfigError
+
+    from .config import load_config
+    from .diagnose import diagnose
+
+    if args.budget_s <= 0:
+        raise ConfigError(f"--budget-s {args.budget_s} must be positive, e.g. --budget-s 300")
+    cfg = load_config(args.config, args.overrides)
+    out = args.out or io.join(cfg.run.dir, "diagnose")
+    diagnose(cfg, out=out, budget_s=args.budget_s, memory_budget_mb=args.memory_budget_mb,
+             only=[x for x in args.only.split(",") if x] or None, config_name=args.config)
     return 0
 
 

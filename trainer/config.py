@@ -80,7 +80,15 @@ class ParallelSection:
     # of once at the accumulation boundary
     reduce_every_micro_step: bool = False
     find_unused_parameters: bool = False  # parameters that get no gradient in some step (DDP's flag)
-    node_size: int = 0  # ranks per node for intra/inter-node byte accounting; 0 = all on one node
+    node_size: int = 0  # ranks per node (consecutive ranks); 0 = all on one node. Byte accounting, hpZ, two-hop qgZ
+    # ZeRO++ (stages 1-3; trainer/parallel/quant.py): int8 parameter all-gathers (qwZ), int8/int4 gradient
+    # exchange by all-to-all summed in fp32 (qgZ), the backward all-gather kept inside the node (hpZ, stage 3)
+    quant_weights: str = "none"  # "none" or "int8"
+    quant_grads: str = "none"  # "none", "int8" or "int4"
+    quant_block: int = 256  # elements per quantization block (one fp32 scale each)
+    hierarchical: bool = True  # qgZ in two hops (inside the node, then across) when node_size splits the ranks
+    error_feedback: bool = False  # keep each rank's gradient quantization error and send it with the next step
+    hpz: bool = False  # stage 3: reshard to a node-sized group after forward (parallel.node_size)
     bucket_mb: float = 25.0  # DDP gradient bucket size (stage 0)
     cpus_per_worker: float = 1.0  # Ray CPU reservation per training worker
     threads_per_worker: int = 0  # torch intra-op threads; 0 = cores / workers on this node
@@ -164,6 +172,8 @@ CHOICES = {
     "optim.schedule": ("cosine", "constant"),
     "parallel.use_gpu": ("auto", "true", "false"),
     "parallel.offload": ("none", "optimizer"),
+    "parallel.quant_weights": ("none", "int8"),
+    "parallel.quant_grads": ("none", "int8", "int4"),
     "ray.placement_strategy": ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
     "run.precision": ("auto", "fp32", "bf16", "fp64"),
     "checkpoint.on_nonfinite": ("skip", "rollback", "stop"),
@@ -406,6 +416,24 @@ def _validate_parallel(cfg: TrainConfig) -> None:
                           f"{p.num_workers} (or be 0: all workers on one node)")
     if p.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb = {p.bucket_mb} must be positive")
+    for key, value in (("quant_weights", p.quant_weights), ("quant_grads", p.quant_grads)):
+        if value != "none" and p.zero_stage == 0:
+            raise ConfigError(f"parallel.{key} = {value!r} quantizes FSDP2's collectives; set parallel.zero_stage "
+                              "= 1, 2 or 3 (stage 0 is DDP's all-reduce)")
+    if p.error_feedback and p.quant_grads == "none":
+        raise ConfigError("parallel.error_feedback = true needs quantized gradients: set parallel.quant_grads = "
+                          "'int8' or 'int4'")
+    if p.quant_block < 2 or p.quant_block % 2:
+        raise ConfigError(f"parallel.quant_block = {p.quant_block} must be an even number >= 2 (int4 packs two "
+                          "values per byte); 256 is the default")
+    if p.hpz:
+        if p.zero_stage != 3:
+            raise ConfigError(f"parallel.hpz = true needs parallel.zero_stage = 3 (got {p.zero_stage}): only stage "
+                              "3 gathers parameters again in backward")
+        if not 1 < p.node_size < p.num_workers:
+            raise ConfigError(f"parallel.hpz = true needs parallel.node_size between 2 and parallel.num_workers - 1 "
+                              f"(got node_size = {p.node_size}, num_workers = {p.num_workers}): the secondary "
+                              "shard lives on the ranks of one node")
     check_optimizer(cfg.optim.name, p.zero_stage)
 
 

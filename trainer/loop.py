@@ -25,6 +25,7 @@ last commit, and leave the offending global batch out), after which the steps co
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -236,6 +237,7 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     from .optim import make_optimizer
     from .parallel.apply import parallelize
     from .parallel.memory import MemorySampler
+    from .parallel.plan import make_quantization
     from .timing import StepTimer
 
     rank, world = ctx.rank, ctx.world_size
@@ -260,7 +262,10 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     strategy = (parallelize_fn or parallelize)(model, zero_stage=p.zero_stage, rank=rank, world_size=world, device=device,
                            micro_batches=cfg.data.micro_batches, reduce_every_micro_step=p.reduce_every_micro_step,
                            offload=p.offload != "none", precision=precision, bucket_mb=p.bucket_mb,
-                           find_unused_parameters=p.find_unused_parameters, node_size=ctx.node_size or p.node_size)
+                           find_unused_parameters=p.find_unused_parameters, node_size=ctx.node_size or p.node_size,
+                           quant=make_quantization(p.quant_weights, p.quant_grads, p.quant_block, p.hierarchical,
+                                                   p.error_feedback, ctx.node_size or p.node_size, world),
+                           hpz=p.hpz)
     optimizer = make_optimizer(strategy.module.parameters(), cfg.optim)
     autocast = autocast_for(device, precision, fsdp=strategy.plan.fsdp)
     steps_per_epoch = len(train_src)
@@ -401,6 +406,7 @@ def _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info, w
         "zero_stage": plan.zero_stage, "strategy": strategy.name, "offload": cfg.parallel.offload,
         "micro_batches": plan.micro_batches, "reduce_every_micro_step": plan.reduce_every_micro_step,
         "reshard_after_forward": plan.reshard_after_forward, "units": strategy.units, "precision": precision,
+        "quantization": dataclasses.asdict(strategy.quant),
         "comm_exposed_measured": strategy.meter.host_timing,
         "traffic": traffic.to_dict(),
         "traffic_per_step": {k: v / max(1, steps) for k, v in _per_kind_bytes(traffic).items()},

@@ -44,12 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1:
             dist.init_process_group("nccl" if gpu else "gloo")
         set_threads(cfg, local_world)
-        try:
-            train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, run_dir=cfg.run.dir,
-                                            info={"launcher": "torchrun"}))
-        finally:
-            if world > 1:
-                dist.destroy_process_group()
+        train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, run_dir=cfg.run.dir,
+                                        info={"launcher": "torchrun"}))
+        if world > 1:
+            # only after success (torchtitan does the same): a rank that failed may leave peers inside a
+            # collective, where a barrier would hang. Every rank reaches the barrier before any tears its groups
+            # down, so none exits while a peer still has collectives in flight (SIGABRT in gloo at exit).
+            dist.barrier()
+            dist.destroy_process_group()
         if rank == 0:
             summary = finish_run(cfg)
             print(f"val accuracy {summary['val_accuracy']}, report {summary.get('report')}")

@@ -24,14 +24,17 @@ Each shard has plain Arrow columns that any Arrow reader understands without dut
 
 ``image`` holds uint8 pixels in the manifest's ``layout`` (HWC or CHW) and ``shape``. A cache without
 ``manifest.json`` is uncommitted and never read; a shard whose sha256 differs from the manifest is refused
-with an error naming it.
+with an error naming it. How shards are read (memory-mapped, by range, node-local copies, checked once per
+node) is ``shards.py``, ``remote.py`` and ``node.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
-from dataclasses import asdict, dataclass, field
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -39,6 +42,9 @@ import pyarrow as pa
 
 from .. import io
 from ..errors import CorruptArtifactError, SourceError
+from . import node
+from .remote import EDGE_BYTES, ChunkCache, DiskCache, RangeFile, open_ranged
+from .shards import ReadConfig, ReadStats, ShardView, open_mapped, view_of_table
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -203,17 +209,33 @@ def read_manifest(cache_uri: str) -> CacheManifest:
 
 
 class CacheReader:
-    """Read-only access to a committed cache: shards memory-mapped when local, checksums verified once."""
+    """Read-only access to a committed cache, one ``ShardView`` per open shard (see ``shards``): local shards are
+    memory-mapped in place, remote ones read by range or from a node-local copy; a shard's sha256 is checked
+    once per node, not on every open (``read.verify``). At most ``read.max_open_shards`` views stay open."""
 
-    def __init__(self, uri: str, verify: bool = True):
+    def __init__(self, uri: str, verify: bool = True, read: ReadConfig | None = None):
         self.uri = resolve(uri)  # a committed cache folder, or a cache root holding one
         self.manifest = read_manifest(self.uri)
-        self.verify = verify
-        self._tables: dict[int, pa.Table] = {}
-        self._lock = threading.Lock()
+        read = read or ReadConfig()
+        if not verify:
+            read = replace(read, verify="never")
+        self.read_config, self.verify = read, read.verify != "never"
+        self.stats = ReadStats()
+        self._views: OrderedDict[int, ShardView] = OrderedDict()
+        self._lock = threading.RLock()
         self.offsets = np.concatenate([[0], np.cumsum([s.rows for s in self.manifest.shards])]).astype(
             np.int64
         )
+        self._fs, _ = io.filesystem(self.uri)
+        self.is_local = io.protocol_of(self._fs) == "file"
+        self.remote = None if self.is_local else read.remote
+        self._disk = self._chunks = None
+        if self.remote in ("auto", "disk"):
+            self._disk = DiskCache(node.node_dir(read.node_dir), read.disk_cache_bytes, self.stats)
+            total = sum(s.bytes for s in self.manifest.shards)
+            self.remote = "disk" if self.remote == "disk" or total <= self._disk.limit else "range"
+        if self.remote == "range":
+            self._chunks = ChunkCache(read.range_cache_bytes, read.range_chunk_bytes, self.stats)
 
     @property
     def fingerprint(self) -> str:
@@ -227,50 +249,119 @@ class CacheReader:
     def num_shards(self) -> int:
         return len(self.manifest.shards)
 
-    def shard(self, i: int) -> pa.Table:
-        """Shard ``i`` as an Arrow table (zero-copy over a memory map for local caches)."""
-        with self._lock:
-            if i not in self._tables:
-                self._tables[i] = self._open_shard(i)
-            return self._tables[i]
+    @property
+    def mapped(self) -> bool:
+        """Whether shard pixels are memory-mapped files (local, or node-local copies) rather than ranged reads."""
+        return self.remote != "range"
 
-    def _open_shard(self, i: int) -> pa.Table:
-        info = self.manifest.shards[i]
-        uri = io.join(self.uri, info.path)
-        fs, path = io.filesystem(uri)
+    def shard_uri(self, i: int) -> str:
+        return io.join(self.uri, self.manifest.shards[i].path)
+
+    def view(self, i: int) -> ShardView:
+        """Shard ``i``'s open view (opened, and verified where that applies, on first use)."""
+        with self._lock:
+            got = self._views.get(i)
+            if got is not None:
+                self._views.move_to_end(i)
+                return got
+            got = self._open_view(i)
+            self._views[i] = got
+            while len(self._views) > self.read_config.max_open_shards:
+                self._views.popitem(last=False)  # a caller still holding the view keeps its memory map alive
+            return got
+
+    def _open_view(self, i: int) -> ShardView:
+        info, uri = self.manifest.shards[i], self.shard_uri(i)
+        shape = tuple(self.manifest.shape)
         try:
-            if io.protocol_of(fs) == "file":
-                buf = pa.memory_map(path, "r").read_buffer()
-            else:
-                with fs.open(path, "rb") as f:
-                    buf = pa.py_buffer(f.read())
+            if self.mapped:
+                try:
+                    table = open_mapped(self.local_path(i))
+                except FileNotFoundError:
+                    if self.is_local:
+                        raise
+                    table = open_mapped(self.local_path(i))  # another process evicted the node copy: land it again
+                if table.num_rows != info.rows:
+                    raise CorruptArtifactError(
+                        f"cache shard {uri!r} has {table.num_rows} rows, manifest says {info.rows}"
+                    )
+                return view_of_table(i, table, shape, uri)
+            return open_ranged(self._fs, io.filesystem(uri)[1], i, info.rows, info.bytes, shape, self.stats,
+                               self._chunks)
         except FileNotFoundError as e:
             raise CorruptArtifactError(
                 f"cache shard {uri!r} listed in the manifest is missing; materialize the cache again"
             ) from e
-        if buf.size != info.bytes or (self.verify and hashlib.sha256(buf).hexdigest() != info.sha256):
+        except (pa.ArrowInvalid, OSError) as e:
+            raise CorruptArtifactError(f"cache shard {uri!r} cannot be read as Arrow IPC ({e}); "
+                                       "delete the cache folder and materialize it again") from e
+
+    def local_path(self, i: int) -> str:
+        """A local file with shard ``i``'s bytes (the shard itself, or its node-local copy), checked per ``verify``."""
+        info, uri = self.manifest.shards[i], self.shard_uri(i)
+        if self.is_local:
+            path = io.filesystem(uri)[1]
+        else:
+            path = self._disk.fetch(self._fs, io.filesystem(uri)[1], info.sha256, info.bytes)
+        if self.read_config.verify == "always":
+            ok, hashed = os.path.getsize(path) == info.bytes and node.sha256_file(path) == info.sha256, True
+        elif self.read_config.verify == "once":
+            ok, hashed = node.verify_once(path, info.sha256, info.bytes, self.read_config.node_dir)
+        else:
+            ok, hashed = os.path.getsize(path) == info.bytes, False
+        self.stats.shards_hashed += hashed
+        if not ok:
             raise CorruptArtifactError(
                 f"cache shard {uri!r} fails its checksum (expected sha256 {info.sha256[:12]}..., {info.bytes} "
                 "bytes); delete the cache folder and materialize it again"
             )
-        table = pa.ipc.open_file(buf).read_all()
-        if table.num_rows != info.rows:
+        return path
+
+    def split_column(self, i: int) -> pa.Array:
+        """Shard ``i``'s ``split`` column alone, read without the pixels (by range on a remote cache) and without
+        verifying the shard (the reads that use its pixels do). For building a split's row index."""
+        uri = self.shard_uri(i)
+        fs, path = io.filesystem(uri)
+        try:
+            if self.is_local:
+                source = pa.memory_map(path, "r")
+            else:
+                f = RangeFile(fs, path, self.manifest.shards[i].bytes, self.stats)
+                f.fetch([(0, EDGE_BYTES), (f.size - EDGE_BYTES, f.size)])  # footer and metadata in one round trip
+                source = pa.PythonFile(f, mode="r")
+            names = pa.ipc.open_file(source).schema.names
+            opts = pa.ipc.IpcReadOptions(included_fields=[names.index("split")])
+            batches = pa.ipc.open_file(source, options=opts)
+            return pa.concat_arrays([batches.get_batch(b).column(0) for b in range(batches.num_record_batches)])
+        except FileNotFoundError as e:
             raise CorruptArtifactError(
-                f"cache shard {uri!r} has {table.num_rows} rows, manifest says {info.rows}"
-            )
-        return table
+                f"cache shard {uri!r} listed in the manifest is missing; materialize the cache again"
+            ) from e
+        except (pa.ArrowInvalid, ValueError, OSError) as e:
+            raise CorruptArtifactError(f"cache shard {uri!r} has no readable split column ({e}); "
+                                       "delete the cache folder and materialize it again") from e
+
+    def shard(self, i: int) -> pa.Table:
+        """Shard ``i`` as a whole Arrow table (zero-copy over a memory map when mapped; a ranged cache downloads
+        it for this call only)."""
+        if self.mapped:
+            return open_mapped(self.local_path(i))
+        fs, path = io.filesystem(self.shard_uri(i))
+        data = fs.cat_file(path)
+        self.stats.add_fetch(len(data))
+        return pa.ipc.open_file(pa.py_buffer(data)).read_all()
 
     def images(self, i: int) -> np.ndarray:
-        """Shard ``i``'s pixels as a read-only uint8 array [rows, *shape], zero-copy from Arrow."""
-        col = self.shard(i).column("image")
-        # combine_chunks copies even a single chunk (a whole shard per call); a shard file holds one chunk.
-        col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-        data = np.frombuffer(col.buffers()[1], dtype=np.uint8)
-        start = col.offset * self.manifest.sample_bytes
-        n = len(col)
-        return data[start : start + n * self.manifest.sample_bytes].reshape(n, *self.manifest.shape)
+        """Shard ``i``'s pixels as a read-only uint8 array [rows, *shape] (zero-copy when mapped)."""
+        v = self.view(i)
+        return v.pixels if v.pixels is not None else v.ranged.take(np.arange(v.rows))
 
     def column(self, i: int, name: str) -> np.ndarray:
+        v = self.view(i)
+        if name == "label":
+            return v.labels
+        if name in ("sample_id", "split"):
+            return (v.ids if name == "sample_id" else v.split).to_numpy(zero_copy_only=False)
         return self.shard(i).column(name).to_numpy(zero_copy_only=False)
 
     def locate(self, global_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

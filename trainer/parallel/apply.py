@@ -24,8 +24,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import CommMeter, CountingAllGather, CountingReduceScatter, counting_allreduce_hook
-from .plan import ShardingPlan, make_plan
+from .comm import (
+    CommMeter,
+    CountingAllGather,
+    CountingReduceScatter,
+    QuantAllGather,
+    QuantReduceScatter,
+    counting_allreduce_hook,
+)
+from .plan import Quantization, ShardingPlan, make_plan
 from .traffic import Topology
 
 
@@ -48,6 +55,7 @@ class Strategy:
     name: str = "local"
     compute_dtype: torch.dtype = torch.float32  # what inputs are cast to before forward
     units: list[str] = field(default_factory=list)  # module names sharded as their own FSDP2 unit
+    quant: Quantization = field(default_factory=Quantization)
 
     @contextlib.contextmanager
     def micro_step(self, micro: int):
@@ -156,16 +164,19 @@ def shard_units(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str
 def parallelize(model: nn.Module, *, zero_stage: int, rank: int, world_size: int, device: torch.device,
                 micro_batches: int = 1, reduce_every_micro_step: bool = False, offload: bool = False,
                 precision: str = "fp32", bucket_mb: float = 25.0, find_unused_parameters: bool = False,
-                node_size: int = 0) -> Strategy:
+                node_size: int = 0, quant: Quantization | None = None, hpz: bool = False) -> Strategy:
     """Wrap ``model`` (already on ``device``, identical on every rank) for data-parallel training.
 
     ``precision`` is the resolved compute precision: ``"fp32"``, ``"fp64"`` (the model is float64 already) or
     ``"bf16"`` (stage 0: the loop autocasts; stages 1-3: FSDP2 keeps fp32 sharded master weights, gathers bf16
-    parameters and reduces gradients in fp32). ``node_size`` (0 = all ranks on one node) feeds the intra/inter-node
-    split of the byte counts."""
+    parameters and reduces gradients in fp32). ``node_size`` (0 = all ranks on one node, consecutive ranks per
+    node) feeds the intra/inter-node split of the byte counts, hpZ's secondary shard and two-hop qgZ. ``quant``:
+    ZeRO++ wire formats for the FSDP2 collectives (plan.make_quantization)."""
     topology = Topology.uniform(world_size, node_size or world_size)
     meter = CommMeter(rank, topology, host_timing=device.type == "cpu")
-    plan = make_plan(zero_stage, world_size, micro_batches, reduce_every_micro_step, offload)
+    plan = make_plan(zero_stage, world_size, micro_batches, reduce_every_micro_step, offload,
+                     reshard_group=node_size if hpz else 0)
+    quant = quant or Quantization()
     compute_dtype = torch.float64 if precision == "fp64" else torch.float32
 
     if not plan.fsdp:
@@ -197,14 +208,22 @@ def parallelize(model: nn.Module, *, zero_stage: int, rank: int, world_size: int
     for _, block in units:  # bottom-up: each block its own unit, then the root takes what is left
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    gather, scatter = CountingAllGather(meter), CountingReduceScatter(meter)
+    hierarchy = None
+    if quant.two_hop:
+        from .qcollectives import make_hierarchy
+
+        hierarchy = make_hierarchy(topology)  # collective: every rank creates every node group, in one order
+    gather = QuantAllGather(meter, quant.weights_bits, quant.block) \
+        if quant.weights_bits < 32 or not isinstance(plan.reshard_after_forward, bool) else CountingAllGather(meter)
     for m in fsdp_modules(model):  # the setters are per module, not recursive
         m.set_custom_all_gather(gather)
-        m.set_custom_reduce_scatter(scatter)
+        m.set_custom_reduce_scatter(
+            QuantReduceScatter(meter, quant.grads_bits, quant.block, hierarchy, quant.error_feedback)
+            if quant.grads_bits < 32 else CountingReduceScatter(meter))
         if find_unused_parameters:
             m.set_reduce_scatter_unused_params(True, recurse=False)
     return FSDPStrategy(model=model, module=model, plan=plan, meter=meter, name="fsdp2",
-                        compute_dtype=compute_dtype, units=[n for n, _ in units])
+                        compute_dtype=compute_dtype, units=[n for n, _ in units], quant=quant)
 
 
 def ensure_process_group(device: torch.device) -> None:

@@ -1,5 +1,5 @@
 """The collectives the sharded trainer issues, wrapped at torch's supported seams so they can be counted, timed
-and (ZeRO++) replaced:
+and (ZeRO++: ``QuantAllGather``, ``QuantReduceScatter`` over qcollectives.py) replaced:
 
 - FSDP2: ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` take objects implementing
   ``AllGather`` / ``ReduceScatter`` (fsdp_api.py). They are set on every FSDP module (the setters do not
@@ -47,6 +47,10 @@ class CommMeter:
             yield
         finally:
             self._active = prev
+
+    @property
+    def active_traffic(self) -> Traffic:
+        return self.traffic[self._active]
 
     def group_ranks(self, group) -> list[int]:
         key = id(group)
@@ -116,6 +120,56 @@ class CountingReduceScatter(ReduceScatter):
         self.meter.count("reduce_scatter", _nbytes(input_tensor), group)
         with self.meter.blocking(enabled=not async_op):
             return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+class QuantAllGather(CountingAllGather):
+    """qwZ: parameter all-gathers in int8 (qcollectives.quantized_all_gather: every rank dequantizes every
+    slot, its own included, so all compute with the same weights; the fp32 master shard is only read).
+
+    hpZ's backward gathers (over the node-sized group FSDP2 reshards to after forward) move the secondary shard,
+    already the dequantized weights of the forward gather: they stay exact and are counted as
+    ``all_gather_hpz``, which never crosses a node."""
+
+    def __init__(self, meter: CommMeter, bits: int, block: int):
+        super().__init__(meter)
+        self.bits, self.block = bits, block
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        from .qcollectives import quantized_all_gather
+
+        secondary = len(self.meter.group_ranks(group)) < self.meter.topology.world_size
+        if secondary:
+            self.meter.count("all_gather_hpz", _nbytes(output_tensor), group)
+            with self.meter.blocking():
+                return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        if self.bits >= 32:
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+        with self.meter.blocking():
+            quantized_all_gather(output_tensor, input_tensor, group, bits=self.bits, block=self.block,
+                                 traffic=self.meter.active_traffic, topology=self.meter.topology)
+        return None  # synchronous: FSDP2 accepts no work handle
+
+
+class QuantReduceScatter(CountingReduceScatter):
+    """qgZ: gradient reduce-scatter as an int8/int4 all-to-all summed in fp32 (two hops over node subgroups when
+    ``hierarchy`` is given), honouring FSDP2's ``op`` (AVG divides by the group size after the sum). One object
+    per FSDP2 module, because error feedback keeps a residual the size of that module's gradients."""
+
+    def __init__(self, meter: CommMeter, bits: int, block: int, hierarchy=None, error_feedback: bool = False):
+        super().__init__(meter)
+        self.bits, self.block, self.hierarchy, self.error_feedback = bits, block, hierarchy, error_feedback
+        self.residual: torch.Tensor | None = None
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        from .qcollectives import quantized_reduce_scatter
+
+        if self.error_feedback and (self.residual is None or self.residual.numel() != input_tensor.numel()):
+            self.residual = torch.zeros(input_tensor.numel(), dtype=torch.float32, device=input_tensor.device)
+        with self.meter.blocking():
+            quantized_reduce_scatter(output_tensor, input_tensor, group, op, bits=self.bits, block=self.block,
+                                     hierarchy=self.hierarchy, residual=self.residual,
+                                     traffic=self.meter.active_traffic, topology=self.meter.topology)
+        return None
 
 
 def counting_allreduce_hook(meter: CommMeter):

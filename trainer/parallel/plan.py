@@ -75,6 +75,34 @@ class ShardingPlan:
         return not self.keep_unsharded_across_micro_batches or micro == self.micro_batches - 1
 
 
+@dataclass(frozen=True)
+class Quantization:
+    """ZeRO++ wire formats (bits: 32 = unquantized, 8 = int8, 4 = int4; quant.py) and their options."""
+
+    weights_bits: int = 32  # parameter all-gathers (qwZ)
+    grads_bits: int = 32  # gradient reduce-scatters (qgZ)
+    block: int = 256
+    two_hop: bool = False  # qgZ inside the node first, then across nodes
+    error_feedback: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.weights_bits < 32 or self.grads_bits < 32
+
+
+BITS = {"none": 32, "int8": 8, "int4": 4}
+
+
+def make_quantization(quant_weights: str = "none", quant_grads: str = "none", block: int = 256,
+                      hierarchical: bool = True, error_feedback: bool = False, node_size: int = 0,
+                      world_size: int = 1) -> Quantization:
+    """Two hops only pay when there is more than one node and more than one rank per node."""
+    grads = BITS[quant_grads]
+    two_hop = hierarchical and grads < 32 and 1 < node_size < world_size
+    return Quantization(weights_bits=BITS[quant_weights], grads_bits=grads, block=block, two_hop=two_hop,
+                        error_feedback=error_feedback and grads < 32)
+
+
 def make_plan(zero_stage: int, world_size: int, micro_batches: int = 1, reduce_every_micro_step: bool = False,
               offload: bool = False, reshard_group: int = 0) -> ShardingPlan:
     """``reshard_group`` > 0 (stage 3 only): reshard to groups of that many ranks after forward (hpZ)."""
@@ -134,7 +162,8 @@ def expected_held(plan: ShardingPlan, numel: int, master_bytes: int, compute_byt
 
 
 def expected_traffic(plan: ShardingPlan, param_bytes_total: int, grad_bytes_total: int) -> dict:
-    """Logical bytes one rank sends per optimizer step (traffic.py's accounting), by collective kind."""
+    """Logical bytes one rank sends per optimizer step (traffic.py's accounting), by collective kind, unquantized
+    (quantized collectives send their packed bytes: quant.packed_nbytes)."""
     w, m = plan.world_size, plan.micro_batches
     if w == 1:
         return {}
@@ -142,10 +171,13 @@ def expected_traffic(plan: ShardingPlan, param_bytes_total: int, grad_bytes_tota
     syncs = m if plan.reduce_every_micro_step else 1
     if not plan.fsdp:
         return {"all_reduce": 2 * grad_bytes_total * per * syncs}
+    out = {"reduce_scatter": syncs * grad_bytes_total * per}
     if plan.zero_stage == 1:
-        gathers = 1
-    elif plan.zero_stage == 2:
-        gathers = m
-    else:
-        gathers = 2 * m
-    return {"all_gather": gathers * param_bytes_total * per, "reduce_scatter": syncs * grad_bytes_total * per}
+        out["all_gather"] = param_bytes_total * per
+    elif plan.zero_stage == 2 or plan.reshard_after_forward is True:
+        out["all_gather"] = (m if plan.zero_stage == 2 else 2 * m) * param_bytes_total * per
+    else:  # hpZ: the forward gathers over all ranks, the backward over the node's (the secondary shard)
+        group = plan.reshard_after_forward
+        out["all_gather"] = m * param_bytes_total * per
+        out["all_gather_hpz"] = m * param_bytes_total * (group - 1) / group
+    return out

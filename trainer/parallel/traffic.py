@@ -63,9 +63,10 @@ class Traffic:
         self.inter[kind] = self.inter.get(kind, 0) + int(inter)
 
     def count(self, kind: str, per_peer_bytes: int, rank: int, group_ranks: Sequence[int], topology: Topology,
-              factor: int = 1) -> None:
+              factor: int = 1, calls: int = 1) -> None:
         """Count one collective in which this global ``rank`` sends ``per_peer_bytes`` (times ``factor``) to
-        every other member of ``group_ranks`` (global ranks)."""
+        every other member of ``group_ranks`` (global ranks). A collective made of several exchanges (the two
+        hops of a hierarchical reduce-scatter) counts its later hops with ``calls=0``."""
         intra = inter = 0
         for peer in group_ranks:
             if peer == rank:
@@ -74,7 +75,7 @@ class Traffic:
                 intra += per_peer_bytes * factor
             else:
                 inter += per_peer_bytes * factor
-        self.add(kind, intra, inter)
+        self.add(kind, intra, inter, calls=calls)
 
     def merge(self, other: Traffic) -> None:
         for kind in other.calls:

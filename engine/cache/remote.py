@@ -1,0 +1,326 @@
+"""Remote shards: read by byte range through Arrow's random-access file reader, or copied once per node to disk.
+
+**By range.** Arrow's IPC file reader asks a random-access file for exactly the pieces it needs: the footer,
+the record batch's metadata, then one buffer per column it was told to include. ``RangeFile`` answers those
+asks with ranged requests (head and tail of the object in one round trip, then the small columns in one more).
+To find the pixels without reading them, the reader is asked for the image column through a file that, when
+Arrow requests the image values buffer (exactly ``rows * sample_bytes`` bytes), stops it with ``_Located``
+naming the offset: Arrow computes the offset from its own metadata, so no layout is assumed here. Pixels are
+then fetched in whole-row chunks as batches need them (``RangedPixels``), all chunks of a batch in one
+concurrent ``cat_ranges`` call, into a bounded chunk cache shared by the reader's shards.
+
+**On disk.** ``DiskCache`` keeps whole shards under ``<node dir>/shards/<sha256>.arrow`` (content-addressed, so
+two caches with the same shard share it). The first process on the node that needs a shard takes its lock,
+downloads it to a temporary file while hashing it, checks the sha256, and renames it into place; the others
+wait on the lock and then map the file. Beyond ``limit_bytes`` the least recently used files are deleted
+(a process that still maps one keeps reading it: unlinking a mapped file is safe on Linux).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io as _io
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections import OrderedDict
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import ConfigError, CorruptArtifactError
+from . import node
+from .shards import ReadStats, ShardView, single_chunk
+
+EDGE_BYTES = 8 * 1024  # fetched from each end of a shard on open: footer, schema, batch metadata (more on demand)
+_MAGIC = b"ARROW1"
+
+
+class _Located(Exception):
+    def __init__(self, offset: int):
+        super().__init__(offset)
+        self.offset = offset
+
+
+class RangeFile(_io.RawIOBase):
+    """A remote object of known size as a seekable, read-only file; reads become ranged requests.
+
+    Ranges fetched once are kept (``pieces``) and serve later reads inside them. With ``probe`` set, a read of
+    exactly ``probe`` bytes outside the kept pieces raises ``_Located(offset)`` instead of fetching.
+    """
+
+    def __init__(self, fs, path: str, size: int, stats: ReadStats, probe: int | None = None):
+        self.fs, self.path, self.size, self.stats, self.probe = fs, path, size, stats, probe
+        self.pos = 0
+        self.pieces: list[tuple[int, bytes]] = []
+        self.located: int | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def fetch(self, ranges: list[tuple[int, int]]) -> None:
+        """Fetch ``[(start, stop), ...]`` concurrently and keep them."""
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted((max(0, a), min(self.size, b)) for a, b in ranges):
+            if b <= a:
+                continue
+            if merged and a <= merged[-1][1]:  # overlapping or touching: one request
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        ranges = merged
+        if not ranges:
+            return
+        got = self.fs.cat_ranges([self.path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges])
+        for (a, b), data in zip(ranges, got, strict=True):
+            if isinstance(data, Exception):
+                raise data
+            if len(data) != b - a:
+                raise CorruptArtifactError(f"cache shard {self.path!r} is shorter than its manifest says; "
+                                           "materialize the cache again")
+            self.pieces.append((a, bytes(data)))
+            self.stats.add_fetch(len(data))
+        self.stats.requests += len(ranges) - 1  # add_fetch counted one request per range
+
+    def _kept(self, start: int, n: int) -> bytes | None:
+        for a, data in self.pieces:
+            if a <= start and start + n <= a + len(data):
+                return data[start - a : start - a + n]
+        return None
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self.pos if n is None or n < 0 else min(n, self.size - self.pos)
+        if n <= 0:
+            return b""
+        data = self._kept(self.pos, n)
+        if data is None:
+            if self.probe is not None and n == self.probe:
+                self.located = self.pos  # Arrow turns the exception into its own error; the offset stays here
+                raise _Located(self.pos)
+            self.fetch([(self.pos, self.pos + n)])
+            data = self._kept(self.pos, n)
+        self.pos += n
+        return data
+
+    def readinto(self, buf) -> int:
+        data = self.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+
+def open_ranged(fs, path: str, index: int, rows: int, nbytes: int, shape: tuple[int, ...], stats: ReadStats,
+                chunks: ChunkCache) -> ShardView:
+    """Open a remote shard for range reads: its small columns now (a few requests), pixels on demand."""
+    per = int(np.prod(shape))
+    f = RangeFile(fs, path, nbytes, stats, probe=rows * per)
+    f.fetch([(0, EDGE_BYTES), (nbytes - EDGE_BYTES, nbytes)])
+    if f._kept(nbytes - len(_MAGIC), len(_MAGIC)) != _MAGIC:
+        raise CorruptArtifactError(f"cache shard {path!r} is not an Arrow IPC file (no footer); "
+                                   "materialize the cache again")
+    reader = pa.ipc.open_file(pa.PythonFile(f, mode="r"))
+    names = reader.schema.names
+    if reader.num_record_batches == 1 and "image" in names:
+        opts = pa.ipc.IpcReadOptions(included_fields=[names.index("image")])
+        try:
+            pa.ipc.open_file(pa.PythonFile(f, mode="r"), options=opts).get_batch(0)
+        except (_Located, OSError, pa.ArrowException):
+            if f.located is None:
+                raise
+    image_offset = f.located
+    if image_offset is None:  # the image buffer was not asked for as one piece: not a layout read by range
+        raise CorruptArtifactError(f"cache shard {path!r} is not one record batch with an image column; "
+                                   "materialize the cache again")
+    f.probe = None
+    f.fetch([(a, b) for a, b in _missing(f, 0, image_offset)])
+    small = [names.index(c) for c in ("sample_id", "label", "split") if c in names]
+    batch = pa.ipc.open_file(pa.PythonFile(f, mode="r"), options=pa.ipc.IpcReadOptions(included_fields=small)).get_batch(0)
+    if batch.num_rows != rows:
+        raise CorruptArtifactError(f"cache shard {path!r} has {batch.num_rows} rows, manifest says {rows}")
+    label = single_chunk(batch.column("label"))
+    return ShardView(
+        index=index,
+        rows=rows,
+        labels=label.to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
+        ids=batch.column("sample_id"),
+        split=batch.column("split"),
+        ranged=RangedPixels(fs, path, index, image_offset, rows, shape, chunks),
+    )
+
+
+def _missing(f: RangeFile, start: int, stop: int) -> list[tuple[int, int]]:
+    """Sub-ranges of ``[start, stop)`` not yet kept by ``f``."""
+    out, pos = [], start
+    for a, data in sorted(f.pieces):
+        if a > pos:
+            out.append((pos, min(a, stop)))
+        pos = max(pos, a + len(data))
+        if pos >= stop:
+            break
+    if pos < stop:
+        out.append((pos, stop))
+    return [(a, b) for a, b in out if b > a]
+
+
+class ChunkCache:
+    """Fetched pixel chunks, least recently used dropped beyond ``capacity`` bytes (shared by a reader's shards)."""
+
+    def __init__(self, capacity: int, chunk_bytes: int, stats: ReadStats):
+        self.capacity, self.chunk_bytes, self.stats = capacity, chunk_bytes, stats
+        self._chunks: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get_many(self, keys: list[tuple[int, int]]) -> dict[tuple[int, int], np.ndarray]:
+        with self._lock:
+            out = {}
+            for k in keys:
+                if k in self._chunks:
+                    self._chunks.move_to_end(k)
+                    out[k] = self._chunks[k]
+            return out
+
+    def put_many(self, items: dict[tuple[int, int], np.ndarray], keep: set) -> None:
+        with self._lock:
+            for k, arr in items.items():
+                self._chunks[k] = arr
+                self._bytes += arr.nbytes
+            while self._bytes > self.capacity and self._chunks:
+                k = next(iter(self._chunks))
+                if k in keep and len(keep) >= len(self._chunks):
+                    break  # everything left is needed by the batch being gathered
+                self._bytes -= self._chunks.pop(k).nbytes
+
+
+class RangedPixels:
+    """Pixels of a remote shard, fetched by whole-row chunks when rows are asked for."""
+
+    def __init__(self, fs, path: str, shard: int, offset: int, rows: int, shape: tuple[int, ...], chunks: ChunkCache):
+        self.fs, self.path, self.shard, self.offset, self.rows, self.shape = fs, path, shard, offset, rows, shape
+        self.per = int(np.prod(shape))
+        self.chunk_rows = max(1, chunks.chunk_bytes // self.per)
+        self.chunks = chunks
+
+    def take(self, local: np.ndarray) -> np.ndarray:
+        """uint8 [len(local), *shape]: the given rows of this shard, in the given order."""
+        which = local // self.chunk_rows
+        need = np.unique(which).tolist()
+        keys = [(self.shard, c) for c in need]
+        have = self.chunks.get_many(keys)
+        todo = [c for c in need if (self.shard, c) not in have]
+        if todo:
+            spans = [(c * self.chunk_rows, min(self.rows, (c + 1) * self.chunk_rows)) for c in todo]
+            got = self.fs.cat_ranges([self.path] * len(todo), [self.offset + a * self.per for a, _ in spans],
+                                     [self.offset + b * self.per for _, b in spans])
+            fresh = {}
+            for c, (a, b), data in zip(todo, spans, got, strict=True):
+                if isinstance(data, Exception):
+                    raise data
+                if len(data) != (b - a) * self.per:
+                    raise CorruptArtifactError(f"cache shard {self.path!r} is shorter than its manifest says; "
+                                               "materialize the cache again")
+                fresh[(self.shard, c)] = np.frombuffer(data, np.uint8).reshape(b - a, *self.shape)
+                self.chunks.stats.add_fetch(len(data), 0)
+            self.chunks.stats.requests += len(todo)
+            have.update(fresh)
+            self.chunks.put_many(fresh, set(keys))
+        out = np.empty((len(local), *self.shape), np.uint8)
+        for c in need:  # remote reads are bound by the network, not by these per-chunk copies
+            sel = np.flatnonzero(which == c)
+            out[sel] = have[(self.shard, c)][local[sel] - c * self.chunk_rows]
+        return out
+
+
+class DiskCache:
+    """Whole remote shards kept on node-local disk, downloaded and verified once per node (see module doc)."""
+
+    def __init__(self, root: str, limit_bytes: int | None, stats: ReadStats):
+        self.root = os.path.join(root, "shards")
+        os.makedirs(self.root, exist_ok=True)
+        self.node_root = root
+        if limit_bytes is None:  # half of what is free now: room for the cache without filling the disk
+            limit_bytes = shutil.disk_usage(self.root).free // 2
+        self.limit, self.stats = limit_bytes, stats
+
+    def path_for(self, sha256: str) -> str:
+        return os.path.join(self.root, f"{sha256}.arrow")
+
+    def fetch(self, fs, remote_path: str, sha256: str, nbytes: int) -> str:
+        """The local path of the shard with content ``sha256`` (downloading and verifying it if needed)."""
+        local = self.path_for(sha256)
+        if os.path.exists(local):
+            _touch(local)
+            return local
+        if nbytes > self.limit:
+            raise ConfigError(
+                f"cache shard {remote_path!r} ({nbytes} bytes) is larger than the node disk cache "
+                f"(disk_cache_bytes={self.limit}); raise ReadConfig.disk_cache_bytes or use remote='range'"
+            )
+        with node.file_lock(node.lock_path(self.node_root, sha256)):
+            if os.path.exists(local):  # another process landed it while we waited
+                _touch(local)
+                return local
+            self._make_room(nbytes)
+            tmp = f"{local}.tmp-{uuid.uuid4().hex}"
+            h = hashlib.sha256()
+            try:
+                with fs.open(remote_path, "rb") as src, open(tmp, "wb") as dst:
+                    while chunk := src.read(8 << 20):
+                        h.update(chunk)
+                        dst.write(chunk)
+                size = os.path.getsize(tmp)
+                self.stats.add_fetch(size)
+                if size != nbytes or h.hexdigest() != sha256:
+                    raise CorruptArtifactError(
+                        f"cache shard {remote_path!r} fails its checksum (expected sha256 {sha256[:12]}..., "
+                        f"{nbytes} bytes); delete the cache folder and materialize it again"
+                    )
+                os.replace(tmp, local)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            self.stats.shards_downloaded += 1
+            self.stats.shards_hashed += 1  # hashed while it landed
+            node.mark_verified(local, sha256, self.node_root)
+        return local
+
+    def _make_room(self, nbytes: int) -> None:
+        with node.file_lock(os.path.join(self.node_root, "locks", "disk-cache-evict.lock")):
+            files = []
+            for entry in os.scandir(self.root):
+                if entry.name.endswith(".arrow"):
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:
+                        continue
+                    files.append((st.st_atime, st.st_size, entry.path))
+            total = sum(size for _, size, _ in files)
+            for _, size, path in sorted(files):  # oldest use first
+                if total + nbytes <= self.limit:
+                    break
+                try:
+                    os.unlink(path)
+                    total -= size
+                except FileNotFoundError:
+                    pass
+
+
+def _touch(path: str) -> None:
+    """Mark a node-local shard as just used: eviction goes by access time. The modification time is kept, since
+    it is part of the version ``node.verify_once`` recorded when the shard landed."""
+    try:
+        st = os.stat(path)
+        os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
+    except OSError:  # evicted meanwhile, or a read-only node folder: the caller's open decides
+        pass

@@ -1,0 +1,383 @@
+"""The experiments behind ``dutycycle diagnose``, each short and measured on the user's own config and data.
+
+Each experiment is a function ``(ctx: Context) -> dict`` of measured numbers; it keeps within ``ctx.seconds``
+where it loops (training runs are short: ``ctx.steps`` optimizer steps). An experiment that does not apply says
+so (``{"applicable": False, "why": ...}``); one that fails raises, and the runner reports it and goes on.
+
+1. compute   the model's step on a synthetic batch already on the device: the ceiling the loader must feed
+2. loader    the loaders alone: decode per step (raw), the cache, and one slice of it held in RAM
+3. end_to_end short training runs from the cache and from raw: the data-wait share of the step
+4. h2d       host-to-device copy time and whether it overlaps compute (GPU only)
+5. scaling   1 vs N workers at the configured ZeRO stage, fp32 and with quantized collectives
+6. checkpoint the step's stall per save, synchronous and asynchronous (when checkpoints are configured)
+7. memory    model-state bytes per rank for every ZeRO stage and offload setting, against the device budget
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dutycycle.engine import io
+
+
+@dataclass
+class Context:
+    cfg: Any  # the user's TrainConfig (never modified: experiments copy it)
+    workdir: str  # run directories of the experiments' short runs
+    seconds: float = 5.0  # how long a measuring loop may run
+    steps: int = 12  # optimizer steps of each short training run
+    memory_budget_bytes: int | None = None  # per rank; None = the device's memory (GPU) or the host's share (CPU)
+    results: dict = field(default_factory=dict)  # earlier experiments' results (scaling reads compute, ...)
+
+
+def variant(cfg, *overrides: str, **sections) -> Any:
+    """A copy of ``cfg`` with ``--set``-style overrides applied and validated."""
+    from ..config import from_dict, load_config
+
+    tree = cfg.to_dict()
+    for section, values in sections.items():
+        tree[section].update(values)
+    base = from_dict(tree)
+    return load_config(None, list(overrides), base=base.to_dict()) if overrides else base
+
+
+def _short_run(ctx: Context, name: str, *overrides: str) -> dict:
+    """A short training run of the config (its launcher: Ray Train, or this process for one worker)."""
+    from ..launch import train
+
+    run_dir = io.join(ctx.workdir, name)
+    cfg = variant(ctx.cfg, f"run.dir={run_dir}", f"run.max_steps={ctx.steps}", "run.eval_every=0",
+                  "run.eval_max_batches=1", "run.log_every=0", "run.report=false", "run.save_model=false",
+                  f"run.name=diagnose-{name}", *overrides)
+    summary = train(cfg, local=cfg.parallel.num_workers == 1, quiet=True)
+    rows = _steady_rows(run_dir)
+    step_s = sum(r["step_s"] for r in rows) or 1e-9
+    return {
+        "workers": cfg.parallel.num_workers,
+        "samples_per_s": cfg.data.global_batch_size * len(rows) / step_s,
+        "step_s": step_s / max(1, len(rows)),
+        "data_wait_share": sum(r["data_wait"] for r in rows) / step_s,
+        "comm_share": sum(r["comm"] for r in rows) / step_s,
+        "checkpoint_share": sum(r["checkpoint"] for r in rows) / step_s,
+        "bytes_per_step": summary["parallel"]["traffic"]["bytes"] / max(1, summary["steps"]),
+        "inter_node_bytes_per_step": summary["parallel"]["traffic"]["inter_node_bytes"] / max(1, summary["steps"]),
+        "comm_exposed_measured": summary["parallel"]["comm_exposed_measured"],
+        "summary": {k: summary.get(k) for k in ("steps", "samples_per_s", "data_wait_fraction", "comm_fraction",
+                                                 "goodput", "checkpoint")},
+    }
+
+
+def _steady_rows(run_dir: str) -> list[dict]:
+    """Per-step rows without the first two (lazy initialization, the memory-sampling step)."""
+    from ..metrics import read_metrics
+
+    rows = [r for r in read_metrics(run_dir) if "loss" in r]
+    return rows[2:] if len(rows) > 4 else rows
+
+
+# ------------------------------------------------------------------------------------------------ 1 compute
+
+
+def _data_info(cfg):
+    from ..data import make_sources
+
+    _, _, info = make_sources(variant(cfg, "data.loader_mode=sync"), 0, 1)
+    return info
+
+
+def compute(ctx: Context) -> dict:
+    """One worker's optimizer step on a random batch already on the device, with that worker's share of the
+    cores: samples/s per worker, times the workers for the ideal aggregate (no communication)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..loop import flops_per_sample, resolve_precision
+    from ..metrics import peak_flops
+    from ..models import build_model
+    from ..optim import make_optimizer
+
+    cfg = ctx.cfg
+    info = _data_info(cfg)
+    workers = cfg.parallel.num_workers
+    device = torch.device("cuda", 0) if torch.cuda.is_available() and cfg.parallel.use_gpu != "false" \
+        else torch.device("cpu")
+    threads_before = torch.get_num_threads()
+    if device.type == "cpu":  # what each worker gets on this machine when they share it
+        torch.set_num_threads(cfg.parallel.threads_per_worker or max(1, (os.cpu_count() or 1) // workers))
+    try:
+        torch.manual_seed(0)
+        model = build_model(cfg.model, info.channels, info.num_classes, info.size).to(device)
+        precision = resolve_precision(device, cfg.run.precision)
+        if precision == "fp64":
+            model = model.double()
+        opt = make_optimizer(model.parameters(), cfg.optim)
+        per_worker = cfg.data.global_batch_size // workers
+        dtype = torch.float64 if precision == "fp64" else torch.float32
+        x = torch.rand(per_worker, info.channels, info.size, info.size, device=device, dtype=dtype)
+        y = torch.randint(0, info.num_classes, (per_worker,), device=device)
+        autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16" else \
+            contextlib.nullcontext
+
+        def step():
+            with autocast():
+                loss = F.cross_entropy(model(x).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(2):
+            step()
+        times, t0 = [], time.perf_counter()
+        while len(times) < 5 or (time.perf_counter() - t0 < ctx.seconds and len(times) < 200):
+            t = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        # the median step: a ceiling, so the steps another process's burst slowed down do not count
+        rate = per_worker / statistics.median(times)
+        out = {"samples_per_s_per_worker": rate, "samples_per_s": rate * workers, "workers": workers,
+               "batch_per_worker": per_worker, "device": device.type, "threads": torch.get_num_threads(),
+               "num_params": sum(p.numel() for p in model.parameters()), "mfu": None}
+        if device.type == "cuda":
+            fps, peak = flops_per_sample(model, info.channels, info.size, device), peak_flops(
+                torch.cuda.get_device_name(device))
+            if fps and peak:
+                out["mfu"] = fps * rate / peak
+        return out
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+# ------------------------------------------------------------------------------------------------- 2 loader
+
+
+def _rate(it, batch_size: int, seconds: float, min_batches: int = 3) -> float:
+    n, t0 = 0, time.perf_counter()
+    for _ in it:
+        n += 1
+        if n >= min_batches and time.perf_counter() - t0 >= seconds:
+            break
+    return n * batch_size / max(time.perf_counter() - t0, 1e-9)
+
+
+def table_of(cfg) -> str | None:
+    """The metadata table behind the config: ``data.table``, or the one the cache was materialized from."""
+    if cfg.data.table:
+        return cfg.data.table
+    if cfg.data.source == "cache" and cfg.data.cache:
+        from dutycycle.engine import open_cache
+
+        return open_cache(cfg.data.cache).manifest.source or None
+    return None
+
+
+def loader(ctx: Context) -> dict:
+    """Global batches per second from each source alone, in this process, with training's augmentation."""
+    from ..data import make_sources
+
+    cfg = ctx.cfg
+    gbs = cfg.data.global_batch_size
+    out: dict[str, Any] = {"global_batch_size": gbs}
+    sources = []
+    if cfg.data.source == "synthetic":
+        sources.append(("synthetic", variant(cfg)))
+    if cfg.data.source == "cache" or cfg.data.cache:
+        sources.append(("cache", variant(cfg, "data.source=cache")))
+    table = table_of(cfg)
+    if table:
+        sources.append(("raw", variant(cfg, "data.source=raw", f"data.table={table}")))
+    seconds = ctx.seconds / (len(sources) + 1)
+    for name, c in sources:
+        train, _, _ = make_sources(c, 0, 1)
+        train.set_epoch(0)
+        out[name] = _rate(iter(train), gbs, seconds)
+        if name in ("cache", "synthetic") and "in_ram" not in out:
+            out["in_ram"] = _rate(_in_ram_batches(train, gbs), gbs, seconds)
+    out["slow_ms"] = cfg.data.slow_ms
+    return out
+
+
+def _in_ram_batches(source, gbs: int, hold: int = 8):
+    """One slice of the data (``hold`` batches) copied into RAM as uint8, then batches gathered from it at random
+    and converted to float as training's loader does: the rate no loader can beat on this machine."""
+    import numpy as np
+    import torch
+
+    source.set_epoch(0)
+    held = [b["image"] for _, b in zip(range(hold), source, strict=False)]
+    images = (torch.cat(held) * 255).round().to(torch.uint8).numpy()  # [N, C, H, W], as it would sit in RAM
+    rng = np.random.default_rng(0)
+    buf = np.empty((gbs, *images.shape[1:]), np.uint8)
+    while True:
+        np.take(images, rng.integers(0, len(images), gbs), axis=0, out=buf)
+        yield torch.from_numpy(buf).float().div_(255.0)
+
+
+# --------------------------------------------------------------------------------------------- 3 end to end
+
+
+def end_to_end(ctx: Context) -> dict:
+    """Short runs of the config as it is (and from raw, when a table is known): where the step's time goes."""
+    cfg = ctx.cfg
+    out = {"configured": cfg.data.source, cfg.data.source: _short_run(ctx, f"e2e-{cfg.data.source}")}
+    table = table_of(cfg)
+    if cfg.data.source == "cache" and table:
+        out["raw"] = _short_run(ctx, "e2e-raw", "data.source=raw", f"data.table={table}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- 4 h2d
+
+
+def h2d(ctx: Context) -> dict:
+    import torch
+
+    if not torch.cuda.is_available() or ctx.cfg.parallel.use_gpu == "false":
+        return {"applicable": False, "why": "a CPU run has no host-to-device copy"}
+    info = _data_info(ctx.cfg)
+    x = torch.empty(ctx.cfg.data.global_batch_size // ctx.cfg.parallel.num_workers, info.channels, info.size,
+                    info.size).pin_memory()
+    dev = torch.device("cuda", 0)
+    for _ in range(3):
+        x.to(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < min(1.0, ctx.seconds):
+        x.to(dev, non_blocking=True)
+        n += 1
+    torch.cuda.synchronize()
+    per_batch = (time.perf_counter() - t0) / n
+    e2e = ctx.results.get("end_to_end", {}).get(ctx.cfg.data.source, {})
+    return {"applicable": True, "copy_s_per_batch": per_batch, "gb_per_s": x.numel() * 4 / per_batch / 1e9,
+            "share_of_step": per_batch / e2e["step_s"] if e2e.get("step_s") else None}
+
+
+# ------------------------------------------------------------------------------------------------- 5 scaling
+
+
+def scaling(ctx: Context) -> dict:
+    """1 vs N workers on synthetic data of the same shape (the loader out of the picture), at the configured ZeRO
+    stage, then with quantized collectives (stage >= 1: int8 gradients, and int8 weight gathers at stage 3)."""
+    cfg = ctx.cfg
+    n = cfg.parallel.num_workers
+    if n == 1:
+        return {"applicable": False, "why": "parallel.num_workers = 1: nothing to scale"}
+    info = _data_info(cfg)
+    synth = ["data.source=synthetic", f"data.size={info.size}",
+             f"data.synthetic_samples={max(cfg.data.global_batch_size * (ctx.steps + 1), 256)}"]
+    one = _short_run(ctx, "scale-1", *synth, "parallel.num_workers=1", "parallel.zero_stage=0",
+                     "parallel.offload=none", "parallel.quant_weights=none", "parallel.quant_grads=none",
+                     "parallel.hpz=false", "parallel.error_feedback=false")
+    many = _short_run(ctx, f"scale-{n}", *synth)
+    out = {"workers": n, "zero_stage": cfg.parallel.zero_stage, "one": one, "many": many,
+           "speedup": many["samples_per_s"] / one["samples_per_s"]}
+    out["efficiency"] = out["speedup"] / n
+    quant = ["parallel.quant_grads=int8"] + (["parallel.quant_weights=int8"] if cfg.parallel.zero_stage == 3 else [])
+    stage = max(1, cfg.parallel.zero_stage)
+    already = cfg.parallel.quant_grads != "none"
+    if not already:
+        q = _short_run(ctx, f"scale-{n}-int8", *synth, f"parallel.zero_stage={stage}", *quant)
+        out["quantized"] = {"zero_stage": stage, "settings": quant, **q,
+                            "speedup": q["samples_per_s"] / one["samples_per_s"]}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- 6 checkpoint
+
+
+def checkpoint(ctx: Context) -> dict:
+    """Stall per save, synchronous and asynchronous, from short runs that save every other step."""
+    cfg = ctx.cfg
+    section = getattr(cfg, "checkpoint", None)
+    if section is None or not dataclasses.is_dataclass(section):
+        return {"applicable": False, "why": "this trainer has no checkpoint section"}
+    info = _data_info(cfg)
+    synth = ["data.source=synthetic", f"data.size={info.size}",
+             f"data.synthetic_samples={max(cfg.data.global_batch_size * (ctx.steps + 1), 256)}"]
+    out = {}
+    for mode in ("sync", "async"):
+        run = _short_run(ctx, f"ckpt-{mode}", *synth, f"checkpoint.dir={io.join(ctx.workdir, 'ckpt-' + mode)}",
+                         "checkpoint.every=2", f"checkpoint.async={str(mode == 'async').lower()}",
+                         "checkpoint.resume=none")
+        saves = max(1, ctx.steps // 2)
+        out[mode] = {"stall_s_per_save": run["checkpoint_share"] * run["step_s"] * ctx.steps / saves, **run}
+    every = getattr(section, "every", 0) or 0
+    out["configured_every"] = every
+    out["configured_async"] = bool(getattr(section, "async_", getattr(section, "async", False)))
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- 7 memory
+
+
+def memory(ctx: Context) -> dict:
+    """Model-state bytes per rank (parameters, gradients, optimizer state) for every ZeRO stage, with and without
+    offload, from the model's parameter count and the formulas the tests check; and the budget they must fit."""
+    import torch
+
+    from ..loop import _optimizer_state_tensors
+    from ..models import build_model
+    from ..parallel.plan import expected_held, make_plan
+
+    cfg = ctx.cfg
+    info = _data_info(cfg)
+    numel = sum(p.numel() for p in build_model(cfg.model, info.channels, info.num_classes, info.size).parameters())
+    w = cfg.parallel.num_workers
+    gpu = torch.cuda.is_available() and cfg.parallel.use_gpu != "false"
+    master = 8 if cfg.run.precision == "fp64" else 4
+    compute = 2 if (cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and gpu)) else master
+    optim_bytes = (_optimizer_state_tensors(cfg.optim) or 2) * master
+    budget, source = ctx.memory_budget_bytes, "--memory-budget-mb"
+    if budget is None:
+        budget, source = device_budget(gpu, w)
+    rows = []
+    for stage in (0, 1, 2, 3):
+        for offload in ((False, True) if stage else (False,)):
+            plan = make_plan(stage, w, cfg.data.micro_batches, cfg.parallel.reduce_every_micro_step, offload)
+            held = expected_held(plan, numel, master, compute if stage else master, master, optim_bytes)
+            # offload keeps the shards (parameters, gradients, optimizer state) in host memory: on a GPU only the
+            # unsharded working copy is device memory; on CPU the device is the host, so nothing moves
+            on_device = held["params"] - (numel / w * master if offload and gpu else 0) + \
+                (0 if offload and gpu else held["grads"] + held["optimizer"])
+            rows.append({"zero_stage": stage, "offload": offload, **held, "device_bytes": on_device,
+                         "fits": on_device <= budget})
+    mine = next(r for r in rows if r["zero_stage"] == cfg.parallel.zero_stage and
+                r["offload"] == (cfg.parallel.offload != "none"))
+    return {"num_params": numel, "workers": w, "budget_bytes": budget, "budget_from": source, "rows": rows,
+            "configured": mine, "activations_counted": False}
+
+
+def device_budget(gpu: bool, workers: int) -> tuple[int, str]:
+    """Per-rank memory: the GPU's, or the host's (cgroup limit if lower) shared by the workers of this node."""
+    import torch
+
+    if gpu:
+        return int(torch.cuda.get_device_properties(0).total_memory), "GPU memory"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if text.isdigit():
+                total = min(total, int(text))
+        except OSError:
+            pass
+    return total // max(1, workers), "host memory (cgroup limit if lower) / workers"
+
+
+EXPERIMENTS = (
+    ("compute", "compute ceiling", compute),
+    ("loader", "loader alone", loader),
+    ("end_to_end", "end to end", end_to_end),
+    ("h2d", "host-to-device", h2d),
+    ("scaling", "scaling", scaling),
+    ("checkpoint", "checkpoint stall", checkpoint),
+    ("memory", "memory per rank", memory),
+)

@@ -1,0 +1,142 @@
+"""What ``dutycycle diagnose`` leaves behind: ``diagnosis.json`` (every number), ``diagnosis.png`` (rates, where
+the step's time goes, memory per stage against the budget) and ``diagnosis.html`` (the verdict, the experiments'
+tables and the picture, one self-contained file)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io as _io
+import json
+
+from dutycycle.engine import io
+
+
+def describe(key: str, res: dict) -> str:
+    """One line a person reads per experiment (the progress line and the HTML table's summary)."""
+    if "error" in res:
+        return f"failed: {res['error']}"
+    if res.get("applicable") is False:
+        return f"not applicable: {res['why']}"
+    if "skipped" in res:
+        return f"skipped: {res['skipped']}"
+    if key == "compute":
+        mfu = f", MFU {res['mfu']:.1%}" if res.get("mfu") else ""
+        return (f"{res['samples_per_s']:,.0f} samples/s ({res['samples_per_s_per_worker']:,.0f} per worker x "
+                f"{res['workers']}, {res['device']}{mfu})")
+    if key == "loader":
+        names = [k for k in ("raw", "cache", "synthetic", "in_ram") if k in res]
+        return ", ".join(f"{k} {res[k]:,.0f} samples/s" for k in names)
+    if key == "end_to_end":
+        parts = []
+        for name in ("cache", "raw", "synthetic"):
+            if name in res:
+                r = res[name]
+                parts.append(f"{name}: {r['samples_per_s']:,.0f} samples/s, data wait {r['data_wait_share']:.0%}, "
+                             f"communication {r['comm_share']:.0%}")
+        return "; ".join(parts)
+    if key == "h2d":
+        return f"{res['copy_s_per_batch'] * 1000:.2f} ms per batch ({res['gb_per_s']:.1f} GB/s)"
+    if key == "scaling":
+        line = (f"{res['workers']} workers {res['speedup']:.2f}x of 1 (efficiency {res['efficiency']:.0%}), "
+                f"communication {res['many']['comm_share']:.0%} of the step")
+        if "quantized" in res:
+            q = res["quantized"]
+            line += f"; quantized: {q['speedup']:.2f}x, communication {q['comm_share']:.0%}"
+        return line
+    if key == "checkpoint":
+        return (f"stall per save {res['sync']['stall_s_per_save']:.3f} s synchronous, "
+                f"{res['async']['stall_s_per_save']:.3f} s asynchronous")
+    if key == "memory":
+        mine = res["configured"]
+        from .verdict import _mb
+
+        return (f"stage {mine['zero_stage']}{' + offload' if mine['offload'] else ''}: "
+                f"{_mb(mine['device_bytes'])} of model state per rank, budget {_mb(res['budget_bytes'])} "
+                f"({'fits' if mine['fits'] else 'does not fit'})")
+    return json.dumps(res)[:200]
+
+
+def picture(findings: dict) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
+    rates = {}
+    comp, load, e2e = findings.get("compute", {}), findings.get("loader", {}), findings.get("end_to_end", {})
+    if "samples_per_s" in comp:
+        rates["compute ceiling"] = comp["samples_per_s"]
+    for k in ("raw", "cache", "synthetic", "in_ram"):
+        if isinstance(load.get(k), float):
+            rates[f"loader: {k}"] = load[k]
+    for k in ("cache", "raw", "synthetic"):
+        if isinstance(e2e.get(k), dict):
+            rates[f"training: {k}"] = e2e[k]["samples_per_s"]
+    if rates:
+        a.barh(list(rates), list(rates.values()), color="#1f77b4")
+        a.set_xscale("log")
+    a.set(title="samples/s", xlabel="samples/s (log)")
+
+    runs = {}
+    for k in ("cache", "raw", "synthetic"):
+        if isinstance(e2e.get(k), dict):
+            runs[f"{k}"] = e2e[k]
+    sc = findings.get("scaling", {})
+    if isinstance(sc.get("many"), dict):
+        runs["1 worker (synthetic)"] = sc["one"]
+        runs[f"{sc['workers']} workers"] = sc["many"]
+        if "quantized" in sc:
+            runs[f"{sc['workers']} workers, quantized"] = sc["quantized"]
+    names = list(runs)
+    left = [0.0] * len(names)
+    for share, color, label in (("data_wait_share", "#d62728", "data wait"), ("comm_share", "#1f77b4",
+                                "communication"), ("checkpoint_share", "#9467bd", "checkpoint")):
+        values = [runs[n].get(share, 0.0) for n in names]
+        b.barh(names, values, left=left, color=color, label=label)
+        left = [x + v for x, v in zip(left, values, strict=True)]
+    b.set(title="waits, share of the step", xlim=(0, 1))
+    b.legend(fontsize=8)
+
+    mem = findings.get("memory", {})
+    if "rows" in mem:
+        labels = [f"{r['zero_stage']}{'+off' if r['offload'] else ''}" for r in mem["rows"]]
+        c.bar(labels, [r["device_bytes"] / 2**20 for r in mem["rows"]],
+              color=["#2ca02c" if r["fits"] else "#d62728" for r in mem["rows"]])
+        c.axhline(mem["budget_bytes"] / 2**20, color="k", ls="--", label="budget per rank")
+        c.legend(fontsize=8)
+    c.set(title="model state per rank by ZeRO stage", ylabel="MB")
+    fig.tight_layout()
+    buf = _io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def page(result: dict, png: bytes) -> str:
+    v = result["verdict"]
+    rows = "".join(f"<tr><td>{html.escape(title)}</td><td>{html.escape(describe(key, res))}</td></tr>"
+                   for key, title, res in result["experiments"])
+    img = base64.b64encode(png).decode()
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>dutycycle diagnose</title>"
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}td{padding:4px 10px;"
+        "border-bottom:1px solid #ddd;vertical-align:top}.verdict{font-size:1.2em;padding:1em;background:#f4f4f4}"
+        "</style></head><body>"
+        f"<h1>dutycycle diagnose</h1><p>config: <code>{html.escape(result['config_name'])}</code></p>"
+        f"<p class='verdict'><b>{html.escape(v['kind'])}</b>: {html.escape(v['headline'])}</p>"
+        f"<p>fix: {html.escape(v['fix'])}</p>"
+        f"<table>{rows}</table><p><img alt='diagnosis' src='data:image/png;base64,{img}' width='100%'></p>"
+        "<p>Every number is in diagnosis.json beside this page.</p></body></html>"
+    )
+
+
+def write(out: str, result: dict) -> dict[str, str]:
+    png = picture(result["findings"])
+    paths = {"json": io.join(out, "diagnosis.json"), "png": io.join(out, "diagnosis.png"),
+             "html": io.join(out, "diagnosis.html")}
+    io.write_bytes_atomic(paths["png"], png)
+    io.write_bytes_atomic(paths["html"], page(result, png).encode())
+    io.write_json_atomic(paths["json"], {k: v for k, v in result.items() if k != "experiments"})
+    return paths

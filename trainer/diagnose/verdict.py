@@ -1,0 +1,152 @@
+"""From measured findings to one plain-language verdict: the run's dominant wait, the number behind it, and the
+dutycycle setting that addresses it. A pure function of the experiments' results, so it is tested on its own.
+
+The order of questions:
+
+1. memory: does the configured ZeRO stage's model state fit the per-rank budget at all? If not, nothing else
+   matters yet: name the least-communicating stage (or offload) that fits.
+2. the waits of a running step, as shares of its time: data (waiting on the loader, end to end), communication
+   (exposed collectives at N workers), checkpoint (stall per save). The largest is the verdict when it exceeds
+   ``THRESHOLD``; otherwise the run is compute-bound, and the verdict says how close to the ceiling it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+THRESHOLD = 0.2  # a wait taking a fifth of the step is worth removing before anything else
+
+
+@dataclass
+class Verdict:
+    kind: str  # memory-bound, data-bound, communication-bound, checkpoint-bound, compute-bound, unknown
+    share: float | None  # the dominant wait's share of the step
+    headline: str  # one line: "data-bound: 41% of each step waits on the loader; ..."
+    fix: str  # the setting or command that addresses it
+    shares: dict  # every measured wait share
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _k(rate: float | None) -> str:
+    if rate is None:
+        return "?"
+    return f"{rate / 1000:.1f}k" if rate >= 1000 else f"{rate:.0f}"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.0f} MB" if n >= 2**20 else f"{n / 2**10:,.0f} KB"
+
+
+def memory_verdict(mem: dict) -> Verdict | None:
+    mine = mem["configured"]
+    if mine["fits"]:
+        return None
+    fitting = [r for r in mem["rows"] if r["fits"]]
+    stage_name = f"parallel.zero_stage = {mine['zero_stage']}" + (" with offload" if mine["offload"] else "")
+    head = (f"memory-bound: {stage_name} holds {_mb(mine['device_bytes'])} of model state per rank, over the "
+            f"budget of {_mb(mem['budget_bytes'])} ({mem['budget_from']})")
+    if fitting:
+        best = fitting[0]  # rows go from the least sharded (least communication) to the most
+        setting = f"parallel.zero_stage = {best['zero_stage']}" + \
+            (' and parallel.offload = "optimizer"' if best["offload"] else "")
+        fix = f"set {setting}: it holds {_mb(best['device_bytes'])} per rank"
+    else:
+        fix = "no ZeRO stage fits: add workers (each stage >= 1 divides the state by their number) or memory"
+    return Verdict("memory-bound", None, f"{head}; {fix}", fix, {})
+
+
+def decide(findings: dict) -> Verdict:
+    """``findings``: experiment name -> its result dict (or ``{"error": ...}``)."""
+    mem = findings.get("memory") or {}
+    if "configured" in mem:
+        v = memory_verdict(mem)
+        if v is not None:
+            return v
+
+    e2e = findings.get("end_to_end") or {}
+    run = e2e.get(e2e.get("configured", ""), {}) if "error" not in e2e else {}
+    scaling = findings.get("scaling") or {}
+    many = scaling.get("many") if scaling.get("applicable", True) and "error" not in scaling else None
+    ckpt = findings.get("checkpoint") or {}
+    ceiling = (findings.get("compute") or {}).get("samples_per_s")
+    loaders = findings.get("loader") or {}
+    shares = {}
+    if run:
+        # Waiting on the loader understates it when decoding shares the cores with compute (CPU runs): decode
+        # threads then slow forward/backward instead. So the loader alone is measured too, and the part of the
+        # compute ceiling it cannot feed counts as data pressure (the seed talk's first experiment).
+        rate = loaders.get(e2e.get("configured"))
+        shortfall = max(0.0, 1.0 - rate / ceiling) if isinstance(rate, float) and ceiling else 0.0
+        shares["data"] = max(run["data_wait_share"], shortfall)
+        shares["communication"] = run["comm_share"]
+        shares["checkpoint"] = run.get("checkpoint_share", 0.0)
+    if many:
+        shares["communication"] = max(shares.get("communication", 0.0), many["comm_share"])
+    if not shares:
+        return Verdict("unknown", None, "no end-to-end or scaling measurement succeeded; see the errors above",
+                       "fix the errors and run dutycycle diagnose again", {})
+    kind, share = max(shares.items(), key=lambda kv: kv[1])
+    if share < THRESHOLD:
+        got = run.get("samples_per_s") if run else None
+        frac = f" ({got / ceiling:.0%} of the compute ceiling of {_k(ceiling)} samples/s)" if got and ceiling else ""
+        head = (f"compute-bound: no wait takes more than {share:.0%} of a step (data {shares.get('data', 0):.0%}, "
+                f"communication {shares.get('communication', 0):.0%}, checkpoint {shares.get('checkpoint', 0):.0%})"
+                f"; it trains at {_k(got)} samples/s{frac}")
+        return Verdict("compute-bound", share, head, "a faster model step (larger batch per worker, bf16 on GPU, "
+                       "more devices) is what shortens this run", shares)
+    if kind == "data":
+        return _data(share, shares, e2e, run, loaders, ceiling)
+    if kind == "communication":
+        return _comm(share, shares, scaling, findings)
+    return _checkpoint(share, shares, ckpt)
+
+
+def _data(share, shares, e2e, run, loaders, ceiling) -> Verdict:
+    configured = e2e.get("configured")
+    rate = loaders.get(configured)
+    head = (f"data-bound: {run['data_wait_share']:.0%} of each step waits on the loader and training reaches "
+            f"{_k(run['samples_per_s'])} samples/s")
+    what = "the raw path decodes" if configured == "raw" else f"the {configured} loader delivers"
+    head += f"; {what} at {_k(rate)} samples/s alone against a compute ceiling of {_k(ceiling)}"
+    if configured == "raw":
+        fix = "materialize a cache (dutycycle materialize TABLE CACHE) and train with data.source = 'cache'"
+        if loaders.get("cache"):
+            fix += f" (the cache reads at {_k(loaders['cache'])} samples/s here)"
+    elif loaders.get("slow_ms"):
+        fix = "remove data.slow_ms (the loader is slowed on purpose)"
+    else:
+        fix = ("raise data.prefetch, use data.loader_mode = 'thread' or 'memory', or give workers more CPUs "
+               "(parallel.cpus_per_worker)")
+    return Verdict("data-bound", share, f"{head}; {fix}", fix, shares)
+
+
+def _comm(share, shares, scaling, findings) -> Verdict:
+    many = scaling.get("many") or {}
+    n = scaling.get("workers")
+    head = f"communication-bound: {share:.0%} of each step waits on collectives"
+    if n:
+        sent = many.get("bytes_per_step", 0) / 2**20
+        head += (f" at {n} workers (speedup {scaling['speedup']:.2f}x over 1 worker; {sent:,.0f} MB sent per step "
+                 f"per rank at ZeRO stage {scaling['zero_stage']})")
+    q = scaling.get("quantized")
+    if q:
+        fix = (f"set {', '.join(s.replace('=', ' = ') for s in q['settings'])} (and parallel.zero_stage = "
+               f"{q['zero_stage']}): measured {q['comm_share']:.0%} of the step in communication, "
+               f"{q['samples_per_s'] / max(many.get('samples_per_s', 1e-9), 1e-9):.2f}x the samples/s")
+    else:
+        fix = ("accumulate more micro-batches per exchange (data.micro_batches), use a lower ZeRO stage if memory "
+               "allows, or quantized collectives (parallel.quant_grads = 'int8')")
+    return Verdict("communication-bound", share, f"{head}; {fix}", fix, shares)
+
+
+def _checkpoint(share, shares, ckpt) -> Verdict:
+    sync, asyn = ckpt.get("sync") or {}, ckpt.get("async") or {}
+    head = f"checkpoint-bound: saving stalls {share:.0%} of the step time"
+    if sync and asyn:
+        fix = (f"save asynchronously (checkpoint.async = true: {asyn['stall_s_per_save']:.2f} s per save against "
+               f"{sync['stall_s_per_save']:.2f} s synchronous) or less often (checkpoint.every)")
+    else:
+        fix = "save asynchronously (checkpoint.async = true) or less often (checkpoint.every)"
+    return Verdict("checkpoint-bound", share, f"{head}; {fix}", fix, shares)

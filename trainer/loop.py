@@ -335,7 +335,8 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
                 step += 1
                 log.add(step, epoch, lr, loss, int(y.shape[0]), timer.end_step(), grad_norm, batch=index,
                         sample_ids=batch.get("sample_id"))
-                if saved:
+                if saved:  # the saved step's own row, written before its commit can land
+                    log.flush()
                     writer.log({"step": step, "checkpoint_saved": True})
                 if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total:
                     run_eval()

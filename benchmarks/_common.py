@@ -257,6 +257,24 @@ def run_row(argv: list[str], timeout: float, python: str | None = None) -> tuple
     return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}, wall
 
 
+def machine() -> dict[str, Any]:
+    """What a result was measured on (CPUs, Python, platform), for the JSON beside the figures."""
+    import platform
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+
+
+def write_result(out: str, result: dict[str, Any], show: tuple[str, ...]) -> None:
+    """Write a benchmark's JSON to ``out`` and print the ``show`` keys of it."""
+    from pathlib import Path
+
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in show}, indent=2))
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     def cell(v: Any) -> str:
         if v is None:

@@ -1,4 +1,5 @@
-"""CLI subcommands of the engine room: ``synth``, ``ingest``, ``inspect``. Heavy imports happen inside them."""
+"""CLI subcommands of the engine room: ``synth``, ``ingest``, ``inspect``, ``vacuum``. Heavy imports happen inside
+them."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def register(subparsers) -> None:
     p.add_argument(
         "--max-pixels", type=int, default=None, help="refuse images whose header claims more pixels"
     )
+    p.add_argument(
+        "--max-file-bytes", type=int, default=None, help="record larger files as errors without reading them"
+    )
     p.add_argument("--progress-every", type=int, default=1000, help="progress line every N files (0: quiet)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     runner.add_arguments(p)
@@ -46,6 +50,19 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the stats as JSON")
     runner.add_arguments(p)
     p.set_defaults(func=cmd_inspect)
+
+    p = subparsers.add_parser(
+        "vacuum", help="delete table data files that no committed version names (after a grace period)"
+    )
+    p.add_argument("table", help="table folder or URI")
+    p.add_argument(
+        "--grace-seconds", type=float, default=3600.0,
+        help="leave files younger than this alone: an ingest still running owns them (default 3600)",
+    )
+    p.add_argument("--keep-versions", type=int, default=None, help="expire all but the newest K versions first")
+    p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_vacuum)
 
 
 def cmd_synth(args) -> int:
@@ -65,6 +82,7 @@ def cmd_synth(args) -> int:
 def cmd_ingest(args) -> int:
     from .errors import ConfigError
     from .imageinfo import DEFAULT_MAX_PIXELS
+    from .limits import DEFAULT_MAX_FILE_BYTES
     from .table.catalog import ingest
 
     if args.progress_every < 0:
@@ -75,7 +93,8 @@ def cmd_ingest(args) -> int:
         labels=args.labels,
         split=args.split,
         phash=not args.no_phash,
-        max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
+        max_pixels=DEFAULT_MAX_PIXELS if args.max_pixels is None else args.max_pixels,
+        max_file_bytes=DEFAULT_MAX_FILE_BYTES if args.max_file_bytes is None else args.max_file_bytes,
         progress_every=args.progress_every,
         runner=args.runner,
         ray_address=args.ray_address,
@@ -84,12 +103,29 @@ def cmd_ingest(args) -> int:
         print(json.dumps(s, indent=2))
         return 0
     print(
-        f"table {s['table']} version {s['version']}: {s['rows']} rows "
-        f"({s['new_rows']} new, {s['skipped_existing']} already present) in {s['seconds']:.1f}s on {s['runner']}"
+        f"table {s['table']} version {s['version']}{'' if s['committed'] else ' (unchanged)'}: {s['rows']} rows "
+        f"({s['new_rows']} new or modified, {s['unchanged']} unchanged, {s['deleted']} deleted) "
+        f"in {s['seconds']:.1f}s on {s['runner']}"
     )
     print("classes: " + (", ".join(f"{k}: {v}" for k, v in s["classes"].items()) or "none"))
     print("splits: " + (", ".join(f"{k}: {v}" for k, v in sorted(s["splits"].items())) or "none"))
     print("errors: " + (", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none"))
+    return 0
+
+
+def cmd_vacuum(args) -> int:
+    from .table.vacuum import vacuum
+
+    r = vacuum(args.table, grace_seconds=args.grace_seconds, keep_versions=args.keep_versions, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    verb = "would remove" if r["dry_run"] else "removed"
+    print(
+        f"table {r['table']}: {verb} {len(r['removed_files'])} unreferenced files ({r['removed_bytes']} bytes); "
+        f"{r['kept_recent']} younger than the grace period kept; {r['versions']} versions"
+        + (f", expired {len(r['expired_versions'])}" if r["expired_versions"] else "")
+    )
     return 0
 
 

@@ -1,9 +1,11 @@
 """Per-file image facts from bytes: header fields, EXIF orientation, integrity checks and a perceptual hash.
 
-Everything here is bounded: dimensions come from the header (``Image.open`` is lazy), the pixel count is
-checked against a limit before anything is decoded, and the perceptual hash decodes a reduced image (JPEG
-draft mode picks a 1/2..1/8 scale at decode time). A file never raises out of :func:`probe`: a problem becomes
-an ``error`` string whose prefix (before the first ``:``) is the reason counted in summaries.
+Everything here is bounded: only the decoders in ``limits.ALLOWED_FORMATS`` see the bytes, dimensions come from
+the header (``Image.open`` is lazy), the pixel count is checked against a limit before anything is decoded, and
+the perceptual hash and thumbnails decode a reduced image (JPEG draft mode picks a 1/2..1/8 scale inside the
+decoder; other formats are decoded only up to ``limits.REDUCED_DECODE_MAX_PIXELS``). A file never raises out
+of :func:`probe`: a problem becomes an ``error`` string whose prefix (before the first ``:``) is the reason
+counted in summaries.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from .limits import DEFAULT_MAX_PIXELS
+from .limits import ALLOWED_FORMATS, DEFAULT_MAX_PIXELS, REDUCED_DECODE_MAX_PIXELS
 
 ORIENTATION_TAG = 0x0112
 HASH_HEX_CHARS = 32
@@ -28,6 +30,22 @@ BOMB = "decompression bomb"
 TRUNCATED = "truncated"
 CORRUPT = "corrupt"
 UNREADABLE = "unreadable"
+UNSUPPORTED = "unsupported format"
+TOO_LARGE = "too large"
+
+# Signatures of image-like formats that are deliberately not decoded (not in ALLOWED_FORMATS), so the error can
+# say "refused" rather than "not an image".
+_REFUSED_SIGNATURES = {
+    b"%!PS": "PostScript/EPS",
+    b"\xc5\xd0\xd3\xc6": "EPS",
+    b"%PDF": "PDF",
+    b"8BPS": "PSD",
+    b"icns": "ICNS",
+    b"\x00\x00\x00\x0cjP  ": "JPEG 2000",
+    b"\xffO\xffQ": "JPEG 2000",
+    b"DDS ": "DDS",
+    b"SIMPLE  =": "FITS",
+}
 
 
 def error_reason(error: str | None) -> str | None:
@@ -70,6 +88,16 @@ def _tail_check(fmt: str, data: bytes) -> str | None:
     return None
 
 
+def refused_format(data: bytes) -> str | None:
+    """The name of a recognised but refused format (EPS, PDF, ...), from its signature; None otherwise."""
+    for magic, name in _REFUSED_SIGNATURES.items():
+        if data.startswith(magic):
+            return name
+    if data[4:8] == b"ftyp" and data[8:12] in (b"heic", b"heix", b"avif", b"mif1", b"msf1"):
+        return "HEIF/AVIF"
+    return None
+
+
 def _sniff(data: bytes) -> str:
     if data.startswith(b"\xff\xd8"):
         return "JPEG"
@@ -92,10 +120,15 @@ def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Ima
         with warnings.catch_warnings():
             # PIL warns between 1x and 2x its own limit; we apply our own limit just below.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(_io.BytesIO(data))
+            im = Image.open(_io.BytesIO(data), formats=ALLOWED_FORMATS)
     except Image.DecompressionBombError as e:
         raise ValueError(f"{BOMB}: {e}") from None
     except UnidentifiedImageError:
+        refused = refused_format(data)
+        if refused:
+            raise ValueError(
+                f"{UNSUPPORTED}: {refused} is not decoded (allowed: {', '.join(ALLOWED_FORMATS)})"
+            ) from None
         if data.startswith(b"RIFF") and data[8:12] == b"WEBP":  # PIL's WebP plugin fails open() on a cut file
             raise ValueError(
                 _tail_check("WEBP", data) or f"{CORRUPT}: WebP stream cannot be parsed"
@@ -148,14 +181,31 @@ def _dct_matrix(n: int) -> np.ndarray:
 _DCT32 = _dct_matrix(32)
 
 
+def reduced_decode(im: Image.Image, mode: str, size: int, max_pixels: int = REDUCED_DECODE_MAX_PIXELS):
+    """Decode ``im`` for a small derivative (hash, preview) at bounded cost; returns the loaded image.
+
+    JPEG: draft mode makes the decoder itself scale by 1/2..1/8 (at least ``size`` px kept), so even the
+    largest allowed JPEG costs a few megapixels. Other formats have no reduced decode in PIL, so they are
+    decoded only when at most ``max_pixels``; a larger one raises ``ValueError`` ("too large: ...").
+    """
+    if im.format == "JPEG":
+        im.draft(mode, (size, size))
+    elif im.width * im.height > max_pixels:
+        raise ValueError(
+            f"{TOO_LARGE}: {im.format} of {im.width}x{im.height} pixels is over the reduced-decode budget of "
+            f"{max_pixels} pixels"
+        )
+    im.load()
+    return im
+
+
 def phash_of(im: Image.Image, orientation: int = 1) -> int:
-    """64-bit DCT perceptual hash as a signed int64, computed from a reduced decode.
+    """64-bit DCT perceptual hash as a signed int64, computed from a reduced decode (see ``reduced_decode``).
 
     Resize to 32x32 grey, 2-D DCT, keep the 8x8 lowest frequencies, set a bit where a coefficient exceeds
     their median. Similar-looking images differ in few bits (Hamming distance).
     """
-    if im.format == "JPEG":
-        im.draft("L", (32, 32))  # the JPEG decoder scales down while decoding: far fewer pixels touched
+    im = reduced_decode(im, "L", 32)
     small = im.convert("L").resize((32, 32), Image.Resampling.BILINEAR)
     small = upright(small, orientation)
     a = np.asarray(small, dtype=np.float64)
@@ -194,10 +244,11 @@ def _probe(data: bytes, max_pixels: int, with_phash: bool) -> ImageFacts:
     if bad is None and fmt == "PNG":
         # verify() walks the chunks and checks their CRCs without decoding pixels.
         try:
-            Image.open(_io.BytesIO(data)).verify()
+            Image.open(_io.BytesIO(data), formats=("PNG",)).verify()
         except Exception as e:
             bad = f"{CORRUPT}: {type(e).__name__}: {e}"
-    if bad is None and with_phash:
+    if bad is None and with_phash and (im.format == "JPEG" or w * h <= REDUCED_DECODE_MAX_PIXELS):
+        # (a larger non-JPEG gets no perceptual hash: dedupe then finds only its exact copies)
         try:
             facts.phash = phash_of(im, orientation)
         except OSError as e:
@@ -216,9 +267,8 @@ def thumbnail_jpeg(data: bytes, size: int = 128, max_pixels: int = DEFAULT_MAX_P
     """A small RGB JPEG of an image, upright, decoded at reduced scale; raises ValueError on a bad file."""
     im = open_checked(data, max_pixels)
     orientation = orientation_of(im)
-    if im.format == "JPEG":
-        im.draft("RGB", (size, size))
     try:
+        im = reduced_decode(im, "RGB", size)
         im.thumbnail((size, size))
     except OSError as e:
         raise ValueError(f"{CORRUPT}: {e}") from None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from . import io
 from .imageinfo import DEFAULT_MAX_PIXELS, thumbnail_jpeg
+from .limits import DEFAULT_MAX_FILE_BYTES
 
 META_COLUMNS = ("uri", "label", "split", "format", "width", "height", "mode", "size_bytes", "error")
 _CSS = """
@@ -45,20 +46,21 @@ class ThumbnailGrid:
         cells = []
         for t in self.thumbs:
             m = t.meta
-            name = html.escape(m["uri"].rsplit("/", 1)[-1])
+            e = {k: html.escape("" if v is None else str(v)) for k, v in m.items()}  # every value is untrusted
+            name = html.escape(str(m.get("uri") or "").rsplit("/", 1)[-1])
             if t.jpeg_b64:
                 pic = f'<img src="data:image/jpeg;base64,{t.jpeg_b64}" alt="{name}">'
             else:
                 pic = f'<div class="dc-err">{html.escape(t.problem or "no preview")}</div>'
-            dims = f"{m.get('width')}x{m.get('height')}" if m.get("width") else "?"
+            dims = f"{e.get('width')}x{e.get('height')}" if m.get("width") else "?"
             info = (
                 f'<div class="dc-label">{html.escape(str(m.get("label")))}</div>'
-                f"<div>{name}</div><div>{html.escape(str(m.get('format')))} {dims} {m.get('mode') or ''}</div>"
-                f"<div>{m.get('split') or ''} · {m.get('size_bytes')} B</div>"
+                f"<div>{name}</div><div>{e.get('format')} {dims} {e.get('mode', '')}</div>"
+                f"<div>{e.get('split', '')} · {e.get('size_bytes')} B</div>"
             )
             if m.get("error"):
-                info += f'<div style="color:#900">{html.escape(m["error"])}</div>'
-            cells.append(f'<div class="dc-cell" title="{html.escape(m["uri"])}">{pic}{info}</div>')
+                info += f'<div style="color:#900">{e["error"]}</div>'
+            cells.append(f'<div class="dc-cell" title="{e.get("uri", "")}">{pic}{info}</div>')
         return "".join(cells)
 
     def _repr_html_(self) -> str:
@@ -80,14 +82,14 @@ class ThumbnailGrid:
         return len(self.thumbs)
 
 
-def make_thumb(meta: dict, size: int, max_pixels: int = DEFAULT_MAX_PIXELS) -> Thumb:
+def make_thumb(
+    meta: dict, size: int, max_pixels: int = DEFAULT_MAX_PIXELS, max_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> Thumb:
     """Fetch one file and make its thumbnail; any problem becomes a note on the cell, never an exception."""
     if meta.get("error"):
         return Thumb(meta, problem=meta["error"].split(":", 1)[0])
     try:
-        fs, path = io.filesystem(meta["uri"])
-        with fs.open(path, "rb") as f:
-            data = f.read()
+        data = io.read_capped(meta["uri"], max_bytes)
         jpeg = thumbnail_jpeg(data, size=size, max_pixels=max_pixels)
     except Exception as e:  # a file may have changed since ingest: show it, do not fail the sheet
         return Thumb(meta, problem=f"{type(e).__name__}: {e}"[:120])

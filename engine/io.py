@@ -16,7 +16,7 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
-from .errors import DestinationError, SourceError
+from .errors import CorruptArtifactError, DestinationError, SourceError
 
 
 def storage_options(uri: str) -> dict[str, Any]:
@@ -46,6 +46,37 @@ def join(uri: str, *parts: str) -> str:
         scheme, rest = uri.split("://", 1)
         return f"{scheme}://" + posixpath.join(rest, *parts)
     return os.path.join(uri, *parts)
+
+
+def resolve_inside(root: str, rel: str, what: str = "artifact") -> str:
+    """The URI of ``rel`` (a path read from ``root``'s manifest) under ``root``, refusing any path that leaves it.
+
+    A manifest is data, not a command: an absolute path, a URI, ``..`` that climbs above the root, an empty
+    name, a NUL byte or (locally) a symlink that points outside the root is refused with an error naming the
+    path, so a hostile or corrupted manifest cannot make a reader open or a writer delete files elsewhere.
+    """
+    bad = None
+    if not isinstance(rel, str) or not rel.strip():
+        bad = "is empty"
+    elif "\x00" in rel:
+        bad = "holds a NUL byte"
+    elif "://" in rel or rel.startswith(("/", "\\")) or (len(rel) > 1 and rel[0].isalpha() and rel[1] == ":"):
+        bad = "is absolute"
+    else:
+        norm = posixpath.normpath(rel)
+        if norm in (".", "..") or norm.startswith("../"):
+            bad = "leaves the root"
+    if bad is None and protocol(root) == "file":
+        real_root = os.path.realpath(root)
+        real = os.path.realpath(os.path.join(root, norm))
+        if os.path.commonpath([real_root, real]) != real_root:
+            bad = "resolves outside the root (through a symlink)"
+    if bad is not None:
+        raise CorruptArtifactError(
+            f"{what} {root!r} names the path {rel!r}, which {bad}; its manifest is corrupt or hostile and is "
+            "refused: recreate it"
+        )
+    return join(root, norm)
 
 
 def to_uri(fs: fsspec.AbstractFileSystem, path: str) -> str:
@@ -102,6 +133,100 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
         raise DestinationError(f"cannot write {uri!r}: permission denied; choose a writable location") from e
     except OSError as e:
         raise DestinationError(f"cannot write {uri!r}: {e}; choose a writable location") from e
+
+
+def write_fsynced(uri: str, write) -> None:
+    """Create ``uri`` with ``write(file)`` and make it durable before returning: a local file is fsynced (and its
+    folder, so the name survives a power cut); an object store's PUT is durable once it returns."""
+    fs, path = filesystem(uri)
+    parent = posixpath.dirname(path)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    if protocol_of(fs) == "file":
+        with open(path, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(parent)
+    else:
+        with fs.open(path, "wb") as f:
+            write(f)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a local folder so the names created in it are durable (a no-op where the OS does not allow it)."""
+    try:
+        fd = os.open(path or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def create_exclusive(uri: str, data: bytes) -> bool:
+    """Create ``uri`` holding ``data`` only if nothing exists there; returns False when it already exists.
+
+    The commit primitive of the table format: two writers racing for one name cannot both win, and a reader
+    never sees a partial object. Local files: the data is written and fsynced under a temporary name, then
+    hard-linked to the final name (``link`` fails if the name exists, atomically). Object stores: a conditional
+    PUT (``If-None-Match: *`` on S3; s3fs's exclusive ``xb`` mode). ``memory://``: one process, check then set.
+    """
+    fs, path = filesystem(uri)
+    parent = posixpath.dirname(path)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    proto = protocol_of(fs)
+    if proto == "file":
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        fsync_dir(parent)
+        return True
+    if proto == "memory":
+        if fs.exists(path):
+            return False
+        fs.pipe_file(path, data)
+        return True
+    try:
+        with fs.open(path, "xb") as f:
+            f.write(data)
+    except FileExistsError:
+        return False
+    except ValueError as e:  # a filesystem without exclusive create: refusing beats a commit that can lose
+        raise DestinationError(
+            f"cannot commit {uri!r}: {proto}:// has no create-if-absent write in fsspec ({e}); use a local "
+            "path or s3://"
+        ) from e
+    return True
+
+
+def read_capped(uri: str, max_bytes: int) -> bytes:
+    """Read a whole file, refusing one larger than ``max_bytes`` before reading it all (never more than
+    ``max_bytes + 1`` bytes are fetched). Raises ``FileTooLargeError`` (a ``SourceError``)."""
+    fs, path = filesystem(uri)
+    with fs.open(path, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise FileTooLargeError(
+            f"{uri!r} is larger than the per-file limit of {max_bytes} bytes; raise --max-file-bytes to read it"
+        )
+    return data
+
+
+class FileTooLargeError(SourceError):
+    """A file over the per-file byte cap (counted as a skip by ingest and materialize)."""
 
 
 def write_json_atomic(uri: str, obj: Any) -> None:

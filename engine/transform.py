@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, SourceError
-from .limits import DEFAULT_MAX_PIXELS
+from .limits import ALLOWED_FORMATS, DEFAULT_MAX_PIXELS
 
 if TYPE_CHECKING:  # numpy and PIL load inside the functions: `dutycycle --help` reads only the choices here
     import numpy as np
@@ -35,8 +35,7 @@ MODES = ("RGB",)
 BACKGROUNDS = {"black": (0, 0, 0), "white": (255, 255, 255)}
 
 # Decompression-bomb bound: refuse an image whose header announces more pixels than this, before decoding.
-# 64 Mpx is well above any training photograph and keeps one decode under ~200 MB.
-MAX_PIXELS = DEFAULT_MAX_PIXELS  # one limit for ingest and materialize
+MAX_PIXELS = DEFAULT_MAX_PIXELS  # one limit for ingest and materialize (see limits.py)
 
 
 class DecodeError(SourceError):
@@ -153,12 +152,20 @@ def to_rgb(img, background: str = "black"):
 
 
 def open_image(data: bytes, max_pixels: int = MAX_PIXELS):
-    """Open ``data`` with PIL, refusing decompression bombs from the header alone (before pixels decode)."""
+    """Open ``data`` with PIL's allowed decoders only, refusing decompression bombs from the header alone
+    (before pixels decode)."""
     from PIL import Image, UnidentifiedImageError
 
+    from .imageinfo import refused_format
+
     try:
-        img = Image.open(_io.BytesIO(data))
+        img = Image.open(_io.BytesIO(data), formats=ALLOWED_FORMATS)
     except UnidentifiedImageError as e:
+        refused = refused_format(data)
+        if refused:
+            raise DecodeError(
+                "unsupported_format", f"{refused} is not decoded (allowed: {', '.join(ALLOWED_FORMATS)})"
+            ) from e
         raise DecodeError("unidentified", f"not a recognised image ({len(data)} bytes)") from e
     except Image.DecompressionBombError as e:
         raise DecodeError("too_many_pixels", str(e)) from e

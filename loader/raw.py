@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from dutycycle.engine import io
 from dutycycle.engine.errors import ConfigError
+from dutycycle.engine.limits import DEFAULT_MAX_FILE_BYTES
 from dutycycle.engine.transform import DecodeError, TransformSpec, decode_and_transform
 
 from .base import PlannedLoader
@@ -26,10 +27,9 @@ from .config import LoaderConfig
 from .source import RawBatch
 
 
-def read_bytes(uri: str) -> bytes:
-    fs, path = io.filesystem(uri)
-    with fs.open(path, "rb") as f:
-        return f.read()
+def read_bytes(uri: str, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> bytes:
+    """The file's bytes, refused past the per-file cap before they are all read (as ingest and materialize do)."""
+    return io.read_capped(uri, max_bytes)
 
 
 def decode_one(uri: str, spec: TransformSpec) -> np.ndarray:
@@ -37,6 +37,8 @@ def decode_one(uri: str, spec: TransformSpec) -> np.ndarray:
         return decode_and_transform(read_bytes(uri), spec)
     except DecodeError as e:
         raise DecodeError(e.reason, f"{uri!r}: {e}; the cache skips this sample, the raw path cannot") from e
+    except io.FileTooLargeError as e:
+        raise DecodeError("too large", f"{e}; the cache skips this sample, the raw path cannot") from e
 
 
 def decode_batch(uris: list[str], spec: TransformSpec, pool: ThreadPoolExecutor | None = None) -> np.ndarray:

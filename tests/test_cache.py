@@ -121,6 +121,24 @@ def test_reuse_does_no_work_and_changes_make_new_caches(tmp_path):
         open_cache(str(root))
 
 
+def test_fingerprint_blocks_ignore_shard_size_and_match_the_raw_plan(tmp_path, monkeypatch):
+    """The fingerprint combines per-block digests (blocks of 3 rows here, so 10 samples make 4 blocks): it does not
+    depend on the shard size, and the raw loader's in-memory plan computes the same one as the Daft plan."""
+    from dutycycle.engine.cache import plan
+    from dutycycle.engine.cache.materialize import plan_rows
+
+    table, rows = make_shapes_table(str(tmp_path / "data"), n=10, n_errors=1)
+    default_fp = plan_rows(table, SPEC).fingerprint
+    monkeypatch.setattr(plan, "FINGERPRINT_BLOCK", 3)
+    a = materialize(table, str(tmp_path / "a"), SPEC, rows_per_shard=4)
+    b = materialize(table, str(tmp_path / "b"), SPEC, rows_per_shard=7)
+    assert a.manifest.fingerprint == b.manifest.fingerprint == plan_rows(table, SPEC).fingerprint != default_fp
+    assert [s.rows for s in a.manifest.shards] == [4, 4, 2] and [s.rows for s in b.manifest.shards] == [7, 3]
+    moved = [dict(r, split="val" if r["split"] == "train" else "train") if i == 5 else r for i, r in enumerate(rows)]
+    write_table(table, moved, version=2)  # one row's split changes: its block's digest, so the fingerprint
+    assert plan_rows(table, SPEC).fingerprint != a.manifest.fingerprint
+
+
 def test_decode_failures_are_counted_not_fatal(tmp_path):
     table, rows = make_shapes_table(str(tmp_path / "data"), n=9, n_errors=1)
     images = str(tmp_path / "data" / "images")
@@ -146,6 +164,14 @@ def test_decode_failures_are_counted_not_fatal(tmp_path):
     }
     assert res.manifest.num_samples == 9
     _check_exact(open_cache(res.uri), rows)
+
+
+def test_files_over_the_byte_cap_are_skipped_unread(tmp_path):
+    table, rows = make_shapes_table(str(tmp_path / "data"), n=6)
+    cap = sorted(r["size_bytes"] for r in rows)[2]  # three files fit, three are over
+    res = materialize(table, str(tmp_path / "cache"), SPEC, max_file_bytes=cap)
+    assert res.manifest.skipped == {"too_large": 3} and res.manifest.num_samples == 3
+    _check_exact(open_cache(res.uri), [r for r in rows if r["size_bytes"] <= cap])
 
 
 def test_uncommitted_or_corrupt_caches_are_refused(tmp_path):

@@ -23,18 +23,18 @@ from .tablemaker import make_shapes_table
 SPEC = TransformSpec(size=16)
 ROWS_PER_SHARD = 6
 
-# The child is the real materialize; its progress hook only slows it so the kill lands mid-run.
+# The child is the real materialize (files decoded in batches of 4 on Daft's threads, shards written as their
+# rows stream in). One image of the last shard is a named pipe that nobody writes to (a read that never
+# returns, like a stalled network read), so the kill always lands while that shard is unfinished, however fast
+# the others are.
 CHILD = textwrap.dedent(
     """
-    import sys, time
+    import sys
     from dutycycle.engine.cache.materialize import materialize
     from dutycycle.engine.transform import TransformSpec
 
-    def log(msg):
-        print(msg, flush=True)
-        time.sleep(0.4)
-
-    materialize(sys.argv[1], sys.argv[2], TransformSpec(size=16), rows_per_shard=int(sys.argv[3]), log=log)
+    materialize(sys.argv[1], sys.argv[2], TransformSpec(size=16), rows_per_shard=int(sys.argv[3]), batch_size=4,
+                log=lambda msg: print(msg, flush=True))
     """
 )
 
@@ -47,22 +47,27 @@ def _stat(p: Path) -> tuple[int, int]:
 @pytest.mark.parametrize("kill_after_records", [1, 3])
 def test_sigkill_then_rerun_finishes_without_redoing_committed_shards(tmp_path, kill_after_records):
     table, rows = make_shapes_table(str(tmp_path / "data"), n=42, seed=kill_after_records)
+    stalled = max(rows, key=lambda r: r["sample_id"])["uri"]  # sorted last: in the last shard
+    content = Path(stalled).read_bytes()
+    os.unlink(stalled)
+    os.mkfifo(stalled)
     root = tmp_path / "cache"
     env = {**os.environ, "DAFT_ANALYTICS_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    # Its own process group: SIGKILL reaches the worker processes too, as when a machine dies.
     child = subprocess.Popen([sys.executable, "-c", CHILD, table, str(root), str(ROWS_PER_SHARD)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     deadline = time.time() + 120
     try:
         while len(list(root.glob("*/shards/*.json"))) < kill_after_records:
             assert child.poll() is None, child.stderr.read().decode()[-2000:]
             assert time.time() < deadline, "materialize made no progress"
             time.sleep(0.02)
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
     finally:
-        if child.poll() is None:
-            child.kill()
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
+    os.unlink(stalled)
+    Path(stalled).write_bytes(content)
 
     # Killed: no manifest, so no reader can open it; every shard file present is complete Arrow.
     (folder,) = [p for p in root.iterdir() if p.is_dir() and p.name != "_index"]

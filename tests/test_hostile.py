@@ -12,8 +12,11 @@ import zlib
 import numpy as np
 import pytest
 from dutycycle.engine import imageinfo
+from dutycycle.engine import io as dio
+from dutycycle.engine.limits import DEFAULT_MAX_PIXELS
 from dutycycle.engine.table.catalog import ingest
 from dutycycle.engine.table.table import open_table, read_arrow
+from dutycycle.engine.transform import DecodeError, TransformSpec, decode_and_transform
 from PIL import Image
 
 
@@ -33,6 +36,12 @@ def png_bomb(width: int, height: int) -> bytes:
         + _png_chunk(b"IDAT", idat)
         + _png_chunk(b"IEND", b"")
     )
+
+
+EPS = (
+    b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 120 80\n%%EndComments\n"
+    b"newpath 10 10 moveto 110 70 lineto stroke\nshowpage\n%%EOF\n"
+)
 
 
 def _encode(im: Image.Image, fmt: str, **kw) -> bytes:
@@ -75,6 +84,10 @@ def hostile_files() -> dict[str, tuple[bytes, dict]]:
         "odd/notes.png": (b"just some text\nsaved with an image extension\n", {"error": "not an image"}),
         "odd/corrupt-chunk.png": (corrupt_png, {"error": "corrupt"}),
         "odd/bomb.png": (png_bomb(100_000, 100_000), {"error": "decompression bomb"}),
+        "odd/bomb-under-pils-limit.png": (png_bomb(*BOMB_UNDER_PIL), {"error": "decompression bomb"}),
+        # PIL would parse it with its EPS plugin and hand the pixels to Ghostscript; the allow-list refuses it
+        "odd/vector.eps": (EPS, {"error": "unsupported format"}),
+        "odd/vector-named.jpg": (EPS, {"error": "unsupported format"}),
         "odd/truncated.webp": (_encode(_noise(64, 64), "WEBP")[:200], {"error": "truncated"}),
         "modes/cmyk.jpg": (
             _encode(_noise(30, 20, "CMYK"), "JPEG"),
@@ -140,13 +153,21 @@ def test_every_file_gets_a_row_with_metadata_or_error(hostile):
     assert summary["errors"] == expected_reasons
 
 
-def test_bomb_is_refused_from_its_header_without_allocating():
-    """A 10-gigapixel claim: the probe and the thumbnail both refuse it; peak memory stays small."""
+# Under PIL's own limit (Image.MAX_IMAGE_PIXELS, ~89.5 Mpx: PIL would not even warn) and over dutycycle's
+# (64 Mpx), so only dutycycle's header check can refuse it: removing that check fails this test.
+BOMB_UNDER_PIL = (10_000, 8_000)
+
+
+def test_bomb_under_pils_limit_is_refused_from_its_header_without_allocating():
+    """Probe, thumbnail and the cache's decode all refuse it from the header; peak memory stays small."""
+    w, h = BOMB_UNDER_PIL
+    assert DEFAULT_MAX_PIXELS < w * h < Image.MAX_IMAGE_PIXELS
     code = (
         "import resource, sys\n"
-        "from tests.test_hostile import png_bomb\n"
+        "from tests.test_hostile import png_bomb, BOMB_UNDER_PIL\n"
         "from dutycycle.engine import imageinfo\n"
-        "data = png_bomb(100_000, 100_000)\n"
+        "from dutycycle.engine.transform import DecodeError, TransformSpec, decode_and_transform\n"
+        "data = png_bomb(*BOMB_UNDER_PIL)\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "facts = imageinfo.probe(data)\n"
         "try:\n"
@@ -154,8 +175,13 @@ def test_bomb_is_refused_from_its_header_without_allocating():
         "    thumb = 'made'\n"
         "except ValueError as e:\n"
         "    thumb = str(e)\n"
+        "try:\n"
+        "    decode_and_transform(data, TransformSpec(size=8))\n"
+        "    sample = 'made'\n"
+        "except DecodeError as e:\n"
+        "    sample = f'{e.reason}: {e}'\n"
         "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "print(facts.error); print(thumb); print((after - before) // 1024)\n"
+        "print(facts.error); print(thumb); print(sample); print((after - before) // 1024)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -164,9 +190,51 @@ def test_bomb_is_refused_from_its_header_without_allocating():
         check=True,
         cwd=os.path.dirname(os.path.dirname(__file__)),
     ).stdout.splitlines()
-    assert out[0].startswith("decompression bomb: ")
-    assert out[1].startswith("decompression bomb: ")
-    assert int(out[2]) < 64  # MiB: decoding would need 10 GB
+    ours = f"header claims {w}x{h} = {w * h} pixels, over the limit of {DEFAULT_MAX_PIXELS}"
+    assert out[0] == out[1] == f"decompression bomb: {ours}"
+    assert out[2] == f"too_many_pixels: image header says {w}x{h} pixels, above the {DEFAULT_MAX_PIXELS} limit"
+    assert int(out[3]) < 64  # MiB: decoding would need 80 MB (L) to 320 MB (RGBA)
+
+
+def test_eps_is_refused_unparsed_everywhere(tmp_path):
+    """Not handed to PIL's EPS plugin (nor Ghostscript): a counted error at ingest, a counted skip in the cache."""
+    facts = imageinfo.probe(EPS, with_phash=False)  # no pixel decode asked: the header alone must refuse it
+    assert facts.error.startswith("unsupported format: PostScript/EPS is not decoded")
+    assert (facts.format, facts.width, facts.height) == (None, None, None)
+    with pytest.raises(DecodeError) as info:
+        decode_and_transform(EPS, TransformSpec(size=8))
+    assert info.value.reason == "unsupported_format"
+    with pytest.raises(ValueError, match="unsupported format"):
+        imageinfo.thumbnail_jpeg(EPS)
+
+
+def test_file_over_the_byte_cap_is_an_error_row_without_being_read(tmp_path):
+    src = tmp_path / "src" / "photos"
+    src.mkdir(parents=True)
+    (src / "small.jpg").write_bytes(_encode(_noise(20, 10), "JPEG"))
+    with open(src / "huge.jpg", "wb") as f:  # 1 GiB as listed (sparse on disk): reading it whole would hurt
+        f.write(_encode(_noise(20, 10), "JPEG"))
+        f.truncate(2**30)
+    s = ingest(str(tmp_path / "src"), str(tmp_path / "t"), max_file_bytes=1_000_000, progress_every=0)
+    rows = {os.path.basename(r["uri"]): r for r in read_arrow(str(tmp_path / "t")).to_pylist()}
+    assert rows["small.jpg"]["error"] is None and s["errors"] == {"too large": 1}
+    assert rows["huge.jpg"]["error"].startswith("too large: over the per-file limit of 1000000 bytes")
+    assert rows["huge.jpg"]["sample_id"].startswith("unreadable-") and rows["huge.jpg"]["size_bytes"] == 2**30
+    with pytest.raises(dio.FileTooLargeError, match="--max-file-bytes"):
+        dio.read_capped(str(src / "huge.jpg"), 1_000_000)
+    assert len(dio.read_capped(str(src / "small.jpg"), 1_000_000)) == os.path.getsize(src / "small.jpg")
+
+
+def test_reduced_decode_is_bounded_for_formats_without_draft_mode():
+    """A PNG over the reduced-decode budget is not decoded for its hash or preview (a JPEG would be drafted)."""
+    w, h = 5_000, 4_000  # 20 Mpx: a legal image (under max_pixels), over the 16 Mpx reduced-decode budget
+    data = png_bomb(w, h)  # a valid header and chunks; decoding would run out of pixel data ("truncated")
+    facts = imageinfo.probe(data)
+    assert facts.error is None and facts.phash is None and (facts.width, facts.height) == (w, h)
+    with pytest.raises(ValueError, match="too large: PNG of 5000x4000 pixels is over the reduced-decode budget"):
+        imageinfo.thumbnail_jpeg(data)
+    small = png_bomb(1_000, 1_000)  # under the budget: decoded, so the missing pixel data is found
+    assert imageinfo.probe(small).error.startswith(("truncated", "corrupt"))
 
 
 def test_own_pixel_limit_applies_below_pils():
@@ -208,3 +276,22 @@ def test_contact_sheet_renders_every_hostile_row(hostile, tmp_path):
     html = (tmp_path / "sheet.html").read_text()
     assert html.count("data:image/jpeg;base64,") == readable and "decompression bomb" in html
     assert "ünïcødé 图像 name.JPG" in html
+
+
+def test_contact_sheet_escapes_every_value(tmp_path):
+    """Every table value is untrusted text in the sheet: label, mode, split, format, error, file name."""
+    from dutycycle.engine.inspect import contact_sheet
+
+    from .tablemaker import write_table
+
+    evil = '"><script>alert(1)</script>'
+    rows = [
+        {"sample_id": "a" * 32, "uri": str(tmp_path / f"x{evil}.jpg"), "size_bytes": 1, "format": f"JPEG{evil}",
+         "width": 4, "height": 4, "mode": f"RGB{evil}", "label": f"cat{evil}", "split": f"train{evil}",
+         "error": f"corrupt: {evil}"},
+    ]
+    table = write_table(str(tmp_path / "t"), rows, classes=["cat"])
+    contact_sheet(open_table(table), str(tmp_path / "sheet.html"), limit=5, size=16, summary=[f"note {evil}"])
+    html = (tmp_path / "sheet.html").read_text()
+    assert "<script>" not in html and "alert(1)" in html
+    assert html.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 7  # label, mode, split, format, error, name, ...

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -16,6 +18,7 @@ from dutycycle.engine.synth import synthesize
 from dutycycle.engine.table import format as tf
 from dutycycle.engine.table.catalog import assign_split, ingest, parse_split
 from dutycycle.engine.table.table import open_table, read_arrow
+from dutycycle.engine.table.vacuum import vacuum
 from dutycycle.trainer.cli import main
 from PIL import Image
 
@@ -102,38 +105,52 @@ def test_no_phash_and_progress_lines(src, tmp_path, capsys):
     assert sum(s["errors"].values()) == 5
 
 
-def test_incremental_reingest_reads_only_new_files(src, tmp_path):
+def test_reingest_sees_new_modified_and_deleted_files(src, tmp_path):
     work = tmp_path / "src"
     shutil.copytree(src, work)
     uri = str(tmp_path / "table")
     first = ingest(str(work), uri, progress_every=0)
     m1 = tf.read_manifest(uri)
     old_bytes = {f: open(os.path.join(uri, f), "rb").read() for f in m1.files}
-    # An old file changes content: a re-ingest that re-read it would record a new hash.
-    victim = next(p for p in _files(work) if p.endswith(".jpg"))
-    before = next(r for r in read_arrow(uri).to_pylist() if r["uri"] == victim)
-    with open(victim, "wb") as f:
+    before = {r["uri"]: r for r in read_arrow(uri).to_pylist()}
+    jpegs = [p for p in _files(work) if p.endswith(".jpg") and before[p]["error"] is None]
+    # Modified with a new size: the row must follow the new content (here: not an image any more).
+    garbage = jpegs[0]
+    with open(garbage, "wb") as f:
         f.write(b"garbage")
+    # Modified in place with the same size: only the modification time tells.
+    same_size = jpegs[1]
+    replacement = open(jpegs[2], "rb").read()
+    data = (replacement + b"\0" * len(open(same_size, "rb").read()))[: os.path.getsize(same_size)]
+    st = os.stat(same_size)
+    with open(same_size, "wb") as f:
+        f.write(data)
+    os.utime(same_size, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    deleted = jpegs[3]
+    os.unlink(deleted)
     synthesize(str(tmp_path / "more"), 12, seed=99)
     for p in _files(tmp_path / "more"):
         dest = work / os.path.relpath(p, tmp_path / "more")
-        dest = dest.with_name("new_" + dest.name)
-        shutil.copy(p, dest)
+        shutil.copy(p, dest.with_name("new_" + dest.name))
+
     second = ingest(str(work), uri, progress_every=0)
-    m2 = tf.read_manifest(uri)
-    assert second["new_rows"] == 12 and second["skipped_existing"] == 48 and second["rows"] == 60
-    assert (
-        m2.version == m1.version + 1
-        and m2.files[: len(m1.files)] == m1.files
-        and len(m2.files) > len(m1.files)
-    )
-    assert {f: open(os.path.join(uri, f), "rb").read() for f in m1.files} == old_bytes  # old files untouched
-    after = next(r for r in read_arrow(uri).to_pylist() if r["uri"] == victim)
-    assert after == before
-    rows = read_arrow(uri).to_pylist()
-    assert len({r["uri"] for r in rows}) == 60 == first["rows"] + 12
+    assert second["committed"] and second["version"] == 2
+    assert (second["new_rows"], second["modified"], second["deleted"], second["unchanged"]) == (14, 2, 1, 45)
+    rows = {r["uri"]: r for r in read_arrow(uri).to_pylist()}
+    assert len(rows) == second["rows"] == tf.read_manifest(uri).num_rows == 48 - 1 + 12
+    assert sorted(rows) == _files(work) and deleted not in rows  # one row per file, the deleted one gone
+    assert rows[garbage]["sample_id"] == hashlib.sha256(b"garbage").hexdigest()[:32]
+    assert rows[garbage]["error"].startswith("not an image") and rows[garbage]["size_bytes"] == 7
+    assert rows[same_size]["sample_id"] == hashlib.sha256(data).hexdigest()[:32] != before[same_size]["sample_id"]
+    for p in set(rows) & set(before) - {garbage, same_size}:
+        assert rows[p] == before[p]  # unchanged files keep their rows (not probed again)
+    # Old data files are immutable: version 1 still reads as it was.
+    assert {f: open(os.path.join(uri, f), "rb").read() for f in m1.files} == old_bytes
+    v1 = tf.read_manifest(uri, 1)
+    assert v1.files == m1.files and read_arrow(uri, v1).num_rows == first["rows"]
+
     third = ingest(str(work), uri, progress_every=0)
-    assert third["new_rows"] == 0 and tf.read_manifest(uri).version == m2.version
+    assert not third["committed"] and third["new_rows"] == 0 and tf.read_manifest(uri).version == 2
     with pytest.raises(ConfigError, match="differs from the table"):
         ingest(str(work), uri, split="0.5,0.25,0.25", progress_every=0)
 
@@ -153,12 +170,18 @@ def test_crash_before_commit_leaves_previous_table(src, tmp_path, monkeypatch):
     monkeypatch.setattr(tf, "commit", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         ingest(str(work), uri, progress_every=0)
-    assert os.path.isdir(os.path.join(uri, tf.version_dir(2)))  # data was written ...
+    (leftover,) = glob.glob(os.path.join(uri, tf.version_dir(2) + "-*"))  # data was written ...
     assert read_arrow(uri).equals(before)  # ... but readers still see the committed table
     assert open_table(uri).count() == before.num_rows
     monkeypatch.undo()
-    again = ingest(str(work), uri, progress_every=0)  # the rerun replaces the uncommitted leftovers
-    assert again["version"] == 2 and again["rows"] == before.num_rows + 2
+    again = ingest(str(work), uri, progress_every=0)  # the rerun commits its own files, touches no others
+    assert again["version"] == 2 and again["rows"] == before.num_rows + 2 and os.path.isdir(leftover)
+    # vacuum: the unreferenced leftovers go once past the grace period; committed files stay
+    assert vacuum(uri)["removed_files"] == []  # younger than the default hour: maybe a running ingest's
+    out = vacuum(uri, grace_seconds=0)
+    assert out["removed_files"] and all(f.startswith(os.path.basename(leftover)) for f in out["removed_files"])
+    assert not os.path.exists(leftover) and read_arrow(uri).num_rows == again["rows"]
+    assert all(os.path.exists(os.path.join(uri, f)) for v in (1, 2) for f in tf.read_manifest(uri, v).files)
 
 
 def test_sigkill_during_commit_leaves_previous_table(src, tmp_path):
@@ -177,8 +200,75 @@ def test_sigkill_during_commit_leaves_previous_table(src, tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code, str(work), uri], env=os.environ.copy(), timeout=300)
     assert proc.returncode == -9
-    assert os.listdir(os.path.join(uri, tf.version_dir(2)))
+    (leftover,) = glob.glob(os.path.join(uri, tf.version_dir(2) + "-*"))
+    assert os.listdir(leftover)
     assert read_arrow(uri).equals(before)
+
+
+# Each child is a real ingest whose commit waits at a gate the test opens, so both have prepared version 2
+# from version 1 before either commits: the second must lose the race, rebase and commit version 3.
+CONCURRENT_CHILD = """
+import json, os, sys, time
+from dutycycle.engine.table import format as tf
+from dutycycle.engine.table.catalog import ingest
+
+src, table, gate = sys.argv[1:4]
+commit = tf.commit
+
+def gated(*args, **kwargs):
+    open(gate + ".ready", "w").close()
+    while not os.path.exists(gate + ".go"):
+        time.sleep(0.02)
+    return commit(*args, **kwargs)
+
+tf.commit = gated
+print("RESULT " + json.dumps(ingest(src, table, progress_every=0)), flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_two_ingests_started_together_both_commit_and_lose_nothing(where, tmp_path, request):
+    base = request.getfixturevalue("s3") if where == "s3" else str(tmp_path)
+    source, uri = f"{base}/src", f"{base}/table"
+    synthesize(source, 16, seed=21)
+    ingest(source, uri, progress_every=0)
+    gates = tmp_path / "gates"
+    gates.mkdir()
+
+    def start(name):
+        proc = subprocess.Popen([sys.executable, "-c", CONCURRENT_CHILD, source, uri, str(gates / name)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+        deadline = time.time() + 180
+        while not (gates / f"{name}.ready").exists():
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.time() < deadline, f"ingest {name} never reached its commit"
+            time.sleep(0.05)
+        return proc
+
+    def finish(proc, name):
+        (gates / f"{name}.go").touch()
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+        return json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+
+    synthesize(f"{source}/first", 5, seed=22)
+    a = start("a")  # sees the first batch of new files
+    synthesize(f"{source}/second", 7, seed=23)
+    b = start("b")  # sees both batches; prepared from version 1 as well
+    ra, rb = finish(a, "a"), finish(b, "b")
+    assert (ra["version"], ra["committed"], ra["conflicts"], ra["new_rows"]) == (2, True, 0, 5)
+    assert (rb["version"], rb["committed"], rb["conflicts"], rb["new_rows"]) == (3, True, 1, 7)
+    # Nothing lost: every file once, as a single fresh ingest sees the source; both versions intact.
+    rows = read_arrow(uri).to_pylist()
+    fresh = ingest(source, f"{base}/fresh", progress_every=0)
+    expected = read_arrow(f"{base}/fresh").to_pylist()
+    key = lambda r: (r["uri"], r["sample_id"], r["split"], r["error"])  # noqa: E731
+    assert sorted(map(key, rows)) == sorted(map(key, expected)) and len(rows) == fresh["rows"] == 28
+    from dutycycle.engine import io
+
+    for v in (1, 2, 3):
+        assert all(io.exists(u) for u in tf.file_uris(uri, tf.read_manifest(uri, v)))
+    assert read_arrow(uri, tf.read_manifest(uri, 2)).num_rows == 21
 
 
 def test_labels_from_csv_and_json(tmp_path):
@@ -254,6 +344,8 @@ def test_s3_source_and_table(s3):
         (["ingest", "{tmp}/src", "{tmp}/t", "--runner", "spark"], "spark"),
         (["ingest", "{tmp}/src", "{tmp}/t", "--labels", "{tmp}/nolabels.csv"], "nolabels.csv"),
         (["inspect", "{tmp}/missing"], "missing"),
+        (["vacuum", "{tmp}/missing"], "missing"),
+        (["ingest", "{tmp}/src", "{tmp}/t", "--max-file-bytes", "0"], "--max-file-bytes"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, needle):
@@ -264,6 +356,20 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, needle):
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_cli_vacuum(tmp_path, capsys):
+    synthesize(str(tmp_path / "src"), 4, seed=0)
+    ingest(str(tmp_path / "src"), str(tmp_path / "t"), progress_every=0)
+    (tmp_path / "t" / "v00009-deadbeef").mkdir()
+    (tmp_path / "t" / "v00009-deadbeef" / "part-00000.parquet").write_bytes(b"left by a killed writer")
+    (tmp_path / "t" / "notes.txt").write_text("not a table file: never touched")
+    assert main(["vacuum", str(tmp_path / "t"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kept_recent"] == 1  # younger than the grace period
+    assert main(["vacuum", str(tmp_path / "t"), "--grace-seconds", "0"]) == 0
+    assert "removed 1 unreferenced files" in capsys.readouterr().out
+    assert not (tmp_path / "t" / "v00009-deadbeef").exists() and (tmp_path / "t" / "notes.txt").exists()
+    assert read_arrow(str(tmp_path / "t")).num_rows == 4
 
 
 def test_cli_ingest_prints_summary(src, tmp_path):

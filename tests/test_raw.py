@@ -78,3 +78,15 @@ def test_raw_rejects_memory_mode_and_unknown_split(data):
         RawLoader(table, SPEC, "train", config=cfg(mode="memory"))
     with pytest.raises(ConfigError, match="split 'test'"):
         RawLoader(table, SPEC, "test", config=cfg(mode="sync"))
+
+
+def test_raw_reads_respect_the_per_file_byte_cap(tmp_path):
+    """The raw path reads untrusted files with the same cap as ingest and materialize: no whole read past it."""
+    from dutycycle.engine.io import FileTooLargeError
+    from dutycycle.loader.raw import read_bytes
+
+    path = tmp_path / "big.jpg"
+    path.write_bytes(b"\xff\xd8\xff" + b"\x00" * 5000)
+    assert len(read_bytes(str(path), max_bytes=10_000)) == 5003
+    with pytest.raises(FileTooLargeError, match="per-file limit of 1000 bytes"):
+        read_bytes(str(path), max_bytes=1000)

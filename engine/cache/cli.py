@@ -32,6 +32,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-exif", action="store_true", help="ignore EXIF orientation")
     p.add_argument("--where", default=None, help="SQL filter over table columns, e.g. \"split = 'train'\"")
     p.add_argument("--rows-per-shard", type=int, default=2048, help="samples per shard (default 2048)")
+    p.add_argument(
+        "--max-file-bytes", type=int, default=None, help="skip larger files as too_large without reading them"
+    )
     p.add_argument("--runner", default=None, help="Daft runner: native (default) or ray; also DAFT_RUNNER")
     p.add_argument("--ray-address", default=None, help="address of a running Ray cluster (with --runner ray)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -40,6 +43,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..limits import DEFAULT_MAX_FILE_BYTES
     from ..runner import resolve
     from ..transform import TransformSpec
     from .materialize import materialize, stderr_log
@@ -60,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         runner=resolve(args.runner),
         ray_address=args.ray_address,
         rows_per_shard=args.rows_per_shard,
+        max_file_bytes=DEFAULT_MAX_FILE_BYTES if args.max_file_bytes is None else args.max_file_bytes,
         log=None if args.quiet else stderr_log,
     )
     s = result.summary()

@@ -182,7 +182,7 @@ def resolve(uri: str) -> str:
         fs, path = io.filesystem(latest)
         with fs.open(path, "rb") as f:
             fp = f.read().decode().strip()
-        if fp and is_committed(io.join(uri, fp)):
+        if fp and is_committed(io.resolve_inside(uri, fp, "cache root")):
             return io.join(uri, fp)
     found = committed_fingerprints(uri)
     if len(found) == 1:
@@ -205,7 +205,10 @@ def read_manifest(cache_uri: str) -> CacheManifest:
             f"no committed cache at {cache_uri!r} ({MANIFEST} is missing): run `dutycycle materialize` "
             "to create or finish it"
         )
-    return CacheManifest.from_json(io.read_json(uri))
+    manifest = CacheManifest.from_json(io.read_json(uri))
+    for shard in manifest.shards:  # a path in a manifest must stay inside the cache, or the cache is refused
+        io.resolve_inside(cache_uri, shard.path, "cache")
+    return manifest
 
 
 class CacheReader:
@@ -255,7 +258,8 @@ class CacheReader:
         return self.remote != "range"
 
     def shard_uri(self, i: int) -> str:
-        return io.join(self.uri, self.manifest.shards[i].path)
+        # a path read from a manifest is data: it must stay inside the cache (read_manifest checked it too)
+        return io.resolve_inside(self.uri, self.manifest.shards[i].path, "cache")
 
     def view(self, i: int) -> ShardView:
         """Shard ``i``'s open view (opened, and verified where that applies, on first use)."""

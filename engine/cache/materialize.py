@@ -2,17 +2,21 @@
 
 The work, top to bottom:
 
-1. ``plan_rows``: read the table's rows (Daft over the committed Parquet files), apply the optional filter,
-   split good rows from error rows, sort by ``sample_id``. The fingerprint is a hash of the selected samples
-   (id, label, split), the class list, the transform spec and the cache format version.
-2. Reuse: ``ROOT/<fingerprint>/manifest.json`` exists -> return it, no work. A small index keyed by the table
-   manifest, filter and spec answers that question without reading the table at all.
-3. Shards: sorted rows are cut into fixed groups of ``rows_per_shard``; shard ``i`` always holds the same
-   candidates. Each shard is decoded and transformed by a Daft batch UDF (``udf.py``),
-   written atomically, then its completion record ``shards/shard-0000i.json`` is written. A rerun after a
-   crash verifies and skips shards that have a record; it never reads a shard without one.
+1. Reuse: a small index keyed by the table manifest, filter and spec names the fingerprint; if
+   ``ROOT/<fingerprint>/manifest.json`` exists, return it without reading the table at all.
+2. Plan (``plan.py``, Daft queries): the table's rows, filtered, good rows one per sample id in sample-id
+   order; counts of error rows and duplicates; the fingerprint from per-block digests of the selected
+   (sample id, label, split) rows, the class list, the spec and the format version. An existing
+   ``ROOT/<fingerprint>/manifest.json`` is returned as is.
+3. Shards (``build.py``): shard ``i`` holds rows ``[i * rows_per_shard, (i + 1) * rows_per_shard)`` of that
+   order. On the Ray runner, Ray tasks build whole shards spread over the nodes; on the native runner, worker
+   threads decode batches of files and this process writes each shard as its rows stream in. Either way a
+   shard is written atomically, then its completion record ``shards/shard-0000i.json``; a shard whose record
+   exists and verifies is not built again, so a rerun after a crash resumes without rewriting committed shards.
 4. Commit: the manifest is written last, then ``ROOT/latest``.
 
+The driver holds O(number of shards) Python objects (records, block digests) plus, on the native runner, the
+rows of about one shard being assembled: never a list over all rows.
 Rows that fail to download or decode are skipped and counted by reason in ``manifest.skipped``; error rows of
 the table are counted as ``table_error``, a second row with an already selected sample id (the same content
 twice) as ``duplicate``. A label's index is its position in the table manifest's ``classes`` (-1 if unlabeled).
@@ -34,11 +38,13 @@ import numpy as np
 
 from .. import io
 from ..errors import ConfigError, SourceError
+from ..limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
 from ..runner import RUNNERS
 from ..table import format as tf
 from ..transform import TransformSpec
+from . import build
 from . import format as cf
-from .udf import DAFT_SCHEMES, transform_rows
+from . import plan as mp
 
 DEFAULT_ROWS_PER_SHARD = 2048
 
@@ -49,7 +55,9 @@ class MaterializeConfig:
     where: str | None = None  # Daft SQL expression over the table's columns, e.g. "split = 'train'"
     runner: str | None = None  # "native" | "ray" | None (DAFT_RUNNER, else native, else the one already fixed)
     ray_address: str | None = None  # a running Ray cluster for the ray runner; None starts a local one
-    batch_size: int = 64  # rows per UDF call
+    batch_size: int = 64  # files fetched and decoded at a time inside a shard (bounds the bytes held)
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # larger files are skipped as "too_large", never read whole
+    max_pixels: int = DEFAULT_MAX_PIXELS
 
     def __post_init__(self):
         if not isinstance(self.rows_per_shard, int) or self.rows_per_shard < 1:
@@ -58,6 +66,8 @@ class MaterializeConfig:
             raise ConfigError(f"runner={self.runner!r} is invalid; use native or ray")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ConfigError(f"batch_size={self.batch_size!r} is invalid; use a positive integer")
+        if not isinstance(self.max_file_bytes, int) or self.max_file_bytes < 1:
+            raise ConfigError(f"max_file_bytes={self.max_file_bytes!r} is invalid; use a positive byte count")
 
 
 @dataclass
@@ -101,88 +111,34 @@ class MaterializeResult:
 # --------------------------------------------------------------------------------------------- planning
 
 
-def _read_table(table_uri: str, manifest: tf.TableManifest, where: str | None):
-    """The table's rows (only the columns the cache needs) as a pyarrow Table, filtered by ``where``."""
-    import daft
-    import pyarrow.parquet as pq
-
-    files = tf.file_uris(table_uri, manifest)
-    if io.protocol(table_uri) in DAFT_SCHEMES:
-        df = daft.read_parquet(files, io_config=io.daft_io_config())
-    else:
-        parts = []
-        for uri in files:
-            fs, path = io.filesystem(uri)
-            with fs.open(path, "rb") as f:
-                parts.append(pq.read_table(f, schema=tf.SCHEMA))
-        import pyarrow as pa
-
-        df = daft.from_arrow(pa.concat_tables(parts) if parts else tf.SCHEMA.empty_table())
-    if where:
-        try:
-            df = df.where(daft.sql_expr(where))
-        except Exception as e:
-            raise ConfigError(
-                f"--where {where!r} is not a valid filter ({_first_line(e)}); use SQL like \"split = 'train'\""
-            ) from e
-    df = df.select("sample_id", "uri", "label", "split", "error")
-    try:
-        return df.to_arrow()
-    except Exception as e:
-        if where and not isinstance(e, OSError):
-            raise ConfigError(
-                f"--where {where!r} failed on table {table_uri!r} ({_first_line(e)}); check column names"
-            ) from e
-        raise
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [ln for ln in str(e).splitlines() if ln.strip()]
-    return lines[0][:200] if lines else type(e).__name__
-
-
-def fingerprint(sample_ids, labels, splits, classes, spec: TransformSpec) -> str:
-    """Hash of what the cache holds: selected samples (sorted), their labels and splits, classes, spec, format."""
-    h = hashlib.sha256()
-    h.update(
-        json.dumps(
-            {"format_version": cf.FORMAT_VERSION, "spec": spec.to_dict(), "classes": classes}, sort_keys=True
-        ).encode()
-    )
-    for sid, lab, spl in zip(sample_ids, labels, splits, strict=True):
-        h.update(f"\n{sid}\t{int(lab)}\t{spl}".encode())
-    return h.hexdigest()[:20]
-
-
 def plan_rows(
     table_uri: str, spec: TransformSpec, where: str | None = None, manifest: tf.TableManifest | None = None
 ) -> Plan:
+    """The selected rows as Python lists, for callers that need every row anyway (the raw loader): the same
+    selection, order and fingerprint as ``materialize`` (which never collects rows like this)."""
     tm = manifest or tf.read_manifest(table_uri)
-    t = _read_table(table_uri, tm, where)
-    errors = t.column("error").to_pylist()
-    good = [i for i, e in enumerate(errors) if e is None]
+    df = mp.table_frame(table_uri, tm, where)
+    n = mp.counts(df, table_uri, where)
+    t = mp.selected_frame(df).to_arrow().sort_by("row")
     ids = t.column("sample_id").to_pylist()
-    uris = t.column("uri").to_pylist()
-    labels = t.column("label").to_pylist()
-    splits = t.column("split").to_pylist()
-    # Content hashes make duplicates possible (the same file twice): keep each sample id once.
-    seen: dict[str, int] = {}
-    for i in good:
-        seen.setdefault(ids[i], i)
-    order = sorted(seen)
-    class_index = {c: k for k, c in enumerate(tm.classes)}
-    rows = [seen[s] for s in order]
-    lab = np.array([class_index.get(labels[i], -1) if labels[i] is not None else -1 for i in rows], np.int64)
-    spl = [splits[i] or "" for i in rows]
+    index = mp.label_index(list(tm.classes))
+    labels = np.array([index.get(v, -1) for v in t.column("label").to_pylist()], np.int64)
+    splits = [s or "" for s in t.column("split").to_pylist()]
+    digests = [
+        mp.rows_digest(zip(ids[lo : lo + mp.FINGERPRINT_BLOCK], labels[lo : lo + mp.FINGERPRINT_BLOCK],
+                           splits[lo : lo + mp.FINGERPRINT_BLOCK], strict=True))
+        for lo in range(0, len(ids), mp.FINGERPRINT_BLOCK)
+    ]
+    good = n["rows"] - n["errors"]
     return Plan(
-        sample_ids=order,
-        uris=[uris[i] for i in rows],
-        labels=lab,
-        splits=spl,
+        sample_ids=ids,
+        uris=t.column("uri").to_pylist(),
+        labels=labels,
+        splits=splits,
         classes=list(tm.classes),
-        table_errors=len(errors) - len(good),
-        duplicates=len(good) - len(order),
-        fingerprint=fingerprint(order, lab, spl, list(tm.classes), spec),
+        table_errors=n["errors"],
+        duplicates=good - len(ids),
+        fingerprint=mp.fingerprint(digests, list(tm.classes), spec),
     )
 
 
@@ -201,84 +157,11 @@ def _index_key(tm: tf.TableManifest, table_uri: str, where: str | None, spec: Tr
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-# --------------------------------------------------------------------------------------------- shards
-
-
-def shard_ranges(n: int, rows_per_shard: int) -> list[tuple[int, int]]:
-    """Deterministic assignment: shard i holds sorted rows [i*R, (i+1)*R)."""
-    return [(s, min(n, s + rows_per_shard)) for s in range(0, n, rows_per_shard)]
-
-
-def record_name(index: int) -> str:
-    return f"{cf.SHARD_DIR}/shard-{index:05d}.json"
-
-
-def _ids_digest(ids: list[str]) -> str:
-    return hashlib.sha256("\n".join(ids).encode()).hexdigest()[:20]
-
-
-def _completed(cache_uri: str, index: int, ids_digest: str) -> dict[str, Any] | None:
-    """The shard's completion record if it exists, matches this plan and its shard passes the checksum."""
-    rec_uri = io.join(cache_uri, record_name(index))
-    if not io.exists(rec_uri):
-        return None
-    rec = io.read_json(rec_uri)
-    if rec.get("ids_digest") != ids_digest:
-        return None
-    info = cf.ShardInfo(**rec["shard"]) if rec.get("shard") else None
-    if info is None:  # every candidate of this shard was skipped; nothing to verify
-        return rec
-    fs, path = io.filesystem(io.join(cache_uri, info.path))
-    try:
-        with fs.open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return None
-    if len(data) != info.bytes or hashlib.sha256(data).hexdigest() != info.sha256:
-        return None
-    return rec
-
-
-def _write_one_shard(
-    cache_uri: str,
-    index: int,
-    plan: Plan,
-    lo: int,
-    hi: int,
-    spec: TransformSpec,
-    cfg: MaterializeConfig,
-    scheme: str,
-) -> dict[str, Any]:
-    images, errors = transform_rows(plan.uris[lo:hi], spec, cfg.batch_size, scheme)
-    keep = [i for i, e in enumerate(errors) if e is None]
-    skipped = Counter(e for e in errors if e is not None)
-    info = None
-    split_counts: Counter[str] = Counter()
-    if keep:
-        pixels = np.frombuffer(b"".join(images[i] for i in keep), np.uint8).reshape(len(keep), *spec.shape)
-        ids = [plan.sample_ids[lo + i] for i in keep]
-        splits = [plan.splits[lo + i] for i in keep]
-        split_counts.update(splits)
-        info = cf.write_shard(cache_uri, index, ids, plan.labels[lo:hi][keep], splits, pixels)
-    rec = {
-        "index": index,
-        "ids_digest": _ids_digest(plan.sample_ids[lo:hi]),
-        "shard": None
-        if info is None
-        else {"path": info.path, "rows": info.rows, "bytes": info.bytes, "sha256": info.sha256},
-        "skipped": dict(skipped),
-        "split_counts": dict(split_counts),
-    }
-    # The record is written after the shard: a record always describes a complete shard.
-    io.write_json_atomic(io.join(cache_uri, record_name(index)), rec)
-    return rec
-
-
 # --------------------------------------------------------------------------------------------- public API
 
 
 def _reuse(root: str, fp: str, t0: float) -> MaterializeResult | None:
-    uri = io.join(root, fp)
+    uri = io.resolve_inside(root, fp, "cache root")  # a fingerprint read from the index is data, not a path
     if not cf.is_committed(uri):
         return None
     _point_latest(root, fp)
@@ -306,6 +189,7 @@ def materialize(
     ray_address: str | None = None,
     rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
     batch_size: int = 64,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     log: Callable[[str], None] | None = None,
 ) -> MaterializeResult:
     """Build (or reuse) the cache of ``table`` under the cache root ``cache``; returns the committed folder.
@@ -321,67 +205,68 @@ def materialize(
         runner=runner,
         ray_address=ray_address,
         batch_size=batch_size,
+        max_file_bytes=max_file_bytes,
     )
     log = log or (lambda msg: None)
     tm = tf.read_manifest(table)
 
     index_uri = io.join(cache, cf.INDEX_DIR, _index_key(tm, table, where, spec) + ".json")
     if io.exists(index_uri):
-        hit = _reuse(cache, io.read_json(index_uri)["fingerprint"], t0)
+        hit = _reuse(cache, str(io.read_json(index_uri).get("fingerprint", "")), t0)
         if hit is not None:
             return hit
 
     from ..runner import configure
 
     runner = configure(cfg.runner, cfg.ray_address)
-    plan = plan_rows(table, spec, where, tm)
-    hit = _reuse(cache, plan.fingerprint, t0)
+    if runner == "ray" and "memory" in (io.protocol(table), io.protocol(cache)):
+        raise ConfigError("memory:// lives in one process; use --runner native or a shared location")
+    df = mp.table_frame(table, tm, where)
+    n = mp.counts(df, table, where)
+    if runner == "ray" and n["memory"]:
+        raise ConfigError("the table names memory:// images, which live in one process; use --runner native")
+    sel = mp.selected_frame(df)
+    blocks = mp.block_digests(sel, list(tm.classes))
+    selected = sum(b[1] for b in blocks)
+    fp = mp.fingerprint([b[2] for b in blocks], list(tm.classes), spec)
+    hit = _reuse(cache, fp, t0)
     if hit is not None:
-        io.write_json_atomic(index_uri, {"fingerprint": plan.fingerprint})
+        io.write_json_atomic(index_uri, {"fingerprint": fp})
         return hit
-    if not plan.sample_ids:
+    if not selected:
         raise SourceError(
             f"table {table!r} has no readable rows{f' matching {where!r}' if where else ''} "
-            f"({plan.table_errors} error rows); check the table with `dutycycle inspect` or the filter"
+            f"({n['errors']} error rows); check the table with `dutycycle inspect` or the filter"
         )
-    if runner == "ray" and io.protocol(table) == "memory":
-        raise ConfigError("memory:// tables live in one process; use --runner native or a shared location")
 
-    out = io.join(cache, plan.fingerprint)
-    scheme = io.protocol(plan.uris[0])
-    ranges = shard_ranges(len(plan.sample_ids), cfg.rows_per_shard)
-    records, written, resumed = [], 0, 0
-    for index, (lo, hi) in enumerate(ranges):
-        rec = _completed(out, index, _ids_digest(plan.sample_ids[lo:hi]))
-        if rec is not None:
-            resumed += 1
-            how = "already committed"
-        else:
-            rec = _write_one_shard(out, index, plan, lo, hi, spec, cfg, scheme)
-            written += 1
-            how = "written"
-        records.append(rec)
-        log(f"shard {index + 1}/{len(ranges)}: {rec['shard']['rows'] if rec['shard'] else 0} samples, {how}")
+    out = io.join(cache, fp)
+    num_shards = -(-selected // cfg.rows_per_shard)
+    log(f"materialize: {selected} samples in {num_shards} shards -> {out} ({runner} runner)")
+    if runner == "ray":
+        records = build.build_on_ray(sel, out, spec, list(tm.classes), cfg, num_shards, log)
+    else:
+        records = build.build_native(sel, out, spec, list(tm.classes), cfg, num_shards, selected, log)
+    assert sorted(records) == list(range(num_shards)), "every shard must report exactly once"
 
     skipped: Counter[str] = Counter()
-    if plan.table_errors:
-        skipped["table_error"] = plan.table_errors
-    if plan.duplicates:
-        skipped["duplicate"] = plan.duplicates
+    if n["errors"]:
+        skipped["table_error"] = n["errors"]
+    if n["rows"] - n["errors"] - selected:
+        skipped["duplicate"] = n["rows"] - n["errors"] - selected
     split_counts: Counter[str] = Counter()
-    for rec in records:
+    for rec in records.values():
         skipped.update(rec["skipped"])
         split_counts.update(rec["split_counts"])
-    shards = [cf.ShardInfo(**rec["shard"]) for rec in records if rec["shard"]]
+    shards = [cf.ShardInfo(**records[i]["shard"]) for i in range(num_shards) if records[i]["shard"]]
     seconds = time.perf_counter() - t0
     manifest = cf.CacheManifest(
-        fingerprint=plan.fingerprint,
+        fingerprint=fp,
         shape=list(spec.shape),
         layout=spec.layout,
         dtype=spec.dtype,
         num_samples=sum(s.rows for s in shards),
         shards=shards,
-        classes=plan.classes,
+        classes=list(tm.classes),
         split_counts=dict(split_counts),
         spec=spec.to_dict(),
         source=table,
@@ -390,7 +275,7 @@ def materialize(
             "where": where or "",
             "table_version": tm.version,
             "rows_per_shard": cfg.rows_per_shard,
-            "runner": cfg.runner or "",
+            "runner": runner,
             "seconds": round(seconds, 3),
             "created_at": time.time(),
         },
@@ -400,14 +285,15 @@ def materialize(
             f"no row of table {table!r} could be decoded (skipped: {dict(skipped)}); check the source images"
         )
     cf.commit(out, manifest)
-    _point_latest(cache, plan.fingerprint)
-    io.write_json_atomic(index_uri, {"fingerprint": plan.fingerprint})
+    _point_latest(cache, fp)
+    io.write_json_atomic(index_uri, {"fingerprint": fp})
+    resumed = sum(rec["status"] == "resumed" for rec in records.values())
     return MaterializeResult(
         uri=out,
         manifest=manifest,
         reused=False,
         seconds=seconds,
-        shards_written=written,
+        shards_written=num_shards - resumed,
         shards_resumed=resumed,
     )
 

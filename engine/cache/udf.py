@@ -1,97 +1,216 @@
-"""The Daft side of materialization: fetch file bytes and run ``decode_and_transform`` in a batch UDF.
+"""A cache shard's work, as plain functions and the Daft UDFs that run them: fetch, decode + transform, write.
 
-Imported only by ``engine.cache.materialize`` when it runs, so ``import dutycycle.engine`` stays free of Daft.
+- ``decode_chunk``: a few files -> each sample's bytes or skip reason (byte cap, allowed decoders, bomb limit).
+- ``finish_shard``: pixels of one shard -> the Arrow IPC shard written atomically, then its completion record.
+- ``build_shard``: one whole shard (resume check, decode, finish) -- the unit of a Ray task.
+- ``shard_udf`` wraps ``build_shard`` over the plan's one-row-per-shard frame (Ray runner); ``decode_udf`` wraps
+  ``decode_chunk`` over batches of rows (native runner, Daft's threads). The bytes of a shard depend only on
+  its rows and the spec, never on where it ran.
+
+Imported only when materialize runs, so ``import dutycycle.engine`` stays free of Daft.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
 from .. import io
 from ..transform import DecodeError, TransformSpec, decode_and_transform
+from . import format as cf
+from .plan import label_index
 
-# URI schemes Daft's own readers understand; others (memory://, ...) are read through fsspec in-process.
-DAFT_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "http", "https", "hf")
-# Object stores are fetched by Daft's async downloader. Local files are read in the UDF: cheaper per file, and
-# Daft's downloader pays a one-off start-up of several seconds per process (measured here: 8-10 s).
-DAFT_DOWNLOAD_SCHEMES = tuple(s for s in DAFT_SCHEMES if s != "file")
+FETCH_THREADS = 16  # concurrent reads per shard from object stores (latency-bound, not CPU-bound)
 
 
-def _fsspec_download_udf():
-    """Bytes for local and memory:// URIs, read through fsspec in the worker (memory:// is per process)."""
+def record_name(index: int) -> str:
+    return f"{cf.SHARD_DIR}/shard-{index:05d}.json"
+
+
+def ids_digest(ids: list[str]) -> str:
+    return hashlib.sha256("\n".join(ids).encode()).hexdigest()[:20]
+
+
+def completed(cache_uri: str, index: int, digest: str) -> dict[str, Any] | None:
+    """The shard's completion record if it exists, matches this plan and its shard passes the checksum."""
+    rec_uri = io.join(cache_uri, record_name(index))
+    if not io.exists(rec_uri):
+        return None
+    rec = io.read_json(rec_uri)
+    if rec.get("ids_digest") != digest:
+        return None
+    if not rec.get("shard"):  # every candidate of this shard was skipped; nothing to verify
+        return rec
+    info = cf.ShardInfo(**rec["shard"])
+    if info.path != cf.shard_name(index):  # a record names its own shard, nothing else
+        return None
+    fs, path = io.filesystem(io.resolve_inside(cache_uri, info.path, "cache"))
+    try:
+        with fs.open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    if len(data) != info.bytes or hashlib.sha256(data).hexdigest() != info.sha256:
+        return None
+    return rec
+
+
+def fetch(uris: list[str], max_bytes: int) -> list[bytes | str]:
+    """Each file's bytes, or the skip reason: ``download_failed`` (missing, unreadable) or ``too_large``."""
+
+    def one(uri: str) -> bytes | str:
+        try:
+            return io.read_capped(uri, max_bytes)
+        except io.FileTooLargeError:
+            return "too_large"
+        except (OSError, ValueError):
+            return "download_failed"
+
+    if not uris or io.protocol(uris[0]) in ("file", "memory"):
+        return [one(u) for u in uris]
+    with ThreadPoolExecutor(min(FETCH_THREADS, len(uris))) as pool:
+        return list(pool.map(one, uris))
+
+
+def transform(data: bytes | str, spec: TransformSpec, max_pixels: int) -> np.ndarray | str:
+    """A sample, or the reason it is skipped (a hostile file is a counted skip, never a crashed worker)."""
+    if isinstance(data, str):
+        return data
+    try:
+        return decode_and_transform(data, spec, max_pixels)
+    except DecodeError as e:
+        return e.reason
+    except Exception as e:  # noqa: BLE001
+        return f"decode_error:{type(e).__name__}"
+
+
+def decode_chunk(uris: list[str], spec: TransformSpec, max_bytes: int, max_pixels: int) -> list[bytes | str]:
+    """Fetch + decode + transform a few files: each sample's bytes, or the reason it is skipped."""
+    out = [transform(data, spec, max_pixels) for data in fetch(uris, max_bytes)]
+    return [o if isinstance(o, str) else o.tobytes() for o in out]
+
+
+def finish_shard(
+    cache_uri: str,
+    index: int,
+    ids: list[str],
+    labels: list[int],
+    splits: list[str],
+    samples: list[bytes | str],
+    spec: TransformSpec,
+    seconds: float = 0.0,
+) -> dict[str, Any]:
+    """Write shard ``index`` from its rows (sample-id order) and their samples (bytes, or a skip reason), then
+    its completion record; returns the record plus ``status: "written"``."""
+    keep = [k for k, s in enumerate(samples) if not isinstance(s, str)]
+    skipped = Counter(s for s in samples if isinstance(s, str))
+    info = None
+    if keep:
+        pixels = np.frombuffer(b"".join(samples[k] for k in keep), np.uint8).reshape(len(keep), *spec.shape)
+        info = cf.write_shard(
+            cache_uri, index, [ids[k] for k in keep], [labels[k] for k in keep], [splits[k] for k in keep], pixels
+        )
+    rec = {
+        "index": index,
+        "ids_digest": ids_digest(ids),
+        "shard": None if info is None else {"path": info.path, "rows": info.rows, "bytes": info.bytes,
+                                           "sha256": info.sha256},
+        "skipped": dict(skipped),
+        "split_counts": dict(Counter(splits[k] for k in keep)),
+        "worker": worker_name(),
+        "seconds": round(seconds, 3),
+    }
+    # The record is written after the shard: a record always describes a complete shard.
+    io.write_json_atomic(io.join(cache_uri, record_name(index)), rec)
+    return {**rec, "status": "written"}
+
+
+def build_shard(
+    cache_uri: str,
+    index: int,
+    rows: list[dict],
+    spec: TransformSpec,
+    classes: list[str],
+    *,
+    batch_size: int,
+    max_bytes: int,
+    max_pixels: int,
+) -> dict[str, Any]:
+    """Shard ``index`` of ``rows`` (dicts: sample_id, uri, label, split), start to finish, unless a verified
+    record says it is done; returns its record plus ``status`` ("written" or "resumed")."""
+    t0 = time.perf_counter()
+    rows = sorted(rows, key=lambda r: r["sample_id"])
+    ids = [r["sample_id"] for r in rows]
+    done = completed(cache_uri, index, ids_digest(ids))
+    if done is not None:
+        return {**done, "status": "resumed"}
+    samples: list[bytes | str] = []
+    for lo in range(0, len(rows), batch_size):  # only one batch of file bytes is held at a time
+        samples += decode_chunk([r["uri"] for r in rows[lo : lo + batch_size]], spec, max_bytes, max_pixels)
+    index_of = label_index(classes)
+    labels = [index_of.get(r["label"], -1) for r in rows]
+    splits = [r["split"] or "" for r in rows]
+    return finish_shard(cache_uri, index, ids, labels, splits, samples, spec, time.perf_counter() - t0)
+
+
+def worker_name() -> str:
+    """Where a shard was built (the Ray node when running in a Ray worker, else the host), for debugging."""
+    import socket
+    import sys
+
+    node = ""
+    if "ray" in sys.modules:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                node = ray.get_runtime_context().get_node_id()
+        except Exception:  # noqa: BLE001 - naming the worker must never fail a shard
+            node = ""
+    return f"{socket.gethostname()}:{os.getpid()}" + (f":node={node}" if node else "")
+
+
+def shard_udf():
+    """Daft row UDF over the plan's shard frame: (shard, rows, options JSON) -> record JSON (Ray runner)."""
     import daft
 
-    @daft.func.batch(return_dtype=daft.DataType.binary())
-    def fetch(uris: daft.Series):
-        import pyarrow as pa
+    @daft.func(return_dtype=daft.DataType.string())
+    def write_shard(shard: int, rows: list[dict], options: str) -> str:
+        o = json.loads(options)
+        rec = build_shard(
+            o["cache"], int(shard), rows, TransformSpec.from_dict(o["spec"]), o["classes"],
+            batch_size=o["batch_size"], max_bytes=o["max_bytes"], max_pixels=o["max_pixels"],
+        )
+        return json.dumps(rec)
 
-        out = []
-        for uri in uris.to_pylist():
-            try:
-                fs, path = io.filesystem(uri)
-                with fs.open(path, "rb") as f:
-                    out.append(f.read())
-            except (OSError, ValueError):
-                out.append(None)
-        return pa.array(out, pa.binary())
-
-    return fetch
+    return write_shard
 
 
-def _transform_udf(spec: TransformSpec, batch_size: int):
-    """A Daft batch UDF: file bytes -> struct{image: fixed_size_binary, error: reason}."""
+def decode_udf(spec: TransformSpec, batch_size: int, max_bytes: int, max_pixels: int, use_process: bool):
+    """Daft batch UDF: file URIs -> struct{image: the sample's bytes, error: skip reason} (native runner)."""
     import daft
 
     out_type = daft.DataType.struct(
         {"image": daft.DataType.fixed_size_binary(spec.sample_bytes), "error": daft.DataType.string()}
     )
 
-    @daft.func.batch(return_dtype=out_type, batch_size=batch_size)
-    def transform(data: daft.Series, spec_json: str):
+    @daft.func.batch(return_dtype=out_type, batch_size=batch_size, use_process=use_process)
+    def decode(uris: daft.Series, spec_json: str):
         import pyarrow as pa
 
         s = TransformSpec.from_json(spec_json)
-        images, errors = [], []
-        for blob in data.to_pylist():
-            if blob is None:
-                images.append(None)
-                errors.append("download_failed")
-                continue
-            try:
-                images.append(decode_and_transform(blob, s).tobytes())
-                errors.append(None)
-            except DecodeError as e:
-                images.append(None)
-                errors.append(e.reason)
-            except Exception as e:  # noqa: BLE001 - a hostile file must be a counted skip, not a crashed worker
-                images.append(None)
-                errors.append(f"decode_error:{type(e).__name__}")
+        out = decode_chunk(uris.to_pylist(), s, max_bytes, max_pixels)
         return pa.StructArray.from_arrays(
-            [pa.array(images, pa.binary(s.sample_bytes)), pa.array(errors, pa.string())],
+            [pa.array([None if isinstance(o, str) else o for o in out], pa.binary(s.sample_bytes)),
+             pa.array([o if isinstance(o, str) else None for o in out], pa.string())],
             names=["image", "error"],
         )
 
-    return transform
-
-
-def transform_rows(uris: list[str], spec: TransformSpec, batch_size: int, scheme: str):
-    """Decode + transform ``uris`` with Daft; returns (images [n, *shape] or None per row, errors)."""
-    import daft
-    from daft import col
-    from daft.functions import download
-
-    df = daft.from_pydict({"row": list(range(len(uris))), "uri": uris})
-    if daft.get_or_infer_runner_type() == "ray":
-        # Give the Ray runner parallel work inside one shard.
-        df = df.into_partitions(max(1, min(8, len(uris) // max(1, batch_size))))
-    if scheme in DAFT_DOWNLOAD_SCHEMES:
-        df = df.with_column("data", download(col("uri"), on_error="null", io_config=io.daft_io_config()))
-    else:
-        df = df.with_column("data", _fsspec_download_udf()(col("uri")))
-    df = df.with_column("out", _transform_udf(spec, batch_size)(col("data"), spec.to_json()))
-    t = df.select(
-        "row", col("out").get("image").alias("image"), col("out").get("error").alias("error")
-    ).to_arrow()
-    order = np.argsort(t.column("row").to_numpy())
-    images, errors = t.column("image").to_pylist(), t.column("error").to_pylist()
-    return [images[i] for i in order], [errors[i] for i in order]
+    return decode

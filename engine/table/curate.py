@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from .. import io
 from ..errors import ConfigError, DestinationError
 from ..imageinfo import error_reason
 from . import format as tf
@@ -234,33 +233,40 @@ def resplit(table, fractions="0.8,0.1,0.1", seed: int = 0, stratify_by: str | No
 
 def save(table, uri: str, overwrite: bool = False):
     """Commit ``table`` (a view) as a new table at ``uri`` with lineage; returns the opened new table."""
-    from .catalog import _check_destination, _write_version
+    from .catalog import _check_destination, _discard, write_rows
     from .table import Table
 
-    if io.exists(io.join(uri, tf.MANIFEST)) and not overwrite:
+    if tf.committed_versions(uri) and not overwrite:
         raise DestinationError(
             f"a table already exists at {uri!r}; choose a new location or pass overwrite=True"
         )
     _check_destination(uri)
-    previous = tf.read_manifest(uri) if io.exists(io.join(uri, tf.MANIFEST)) else None
     rows = table.to_arrow().sort_by("uri")
-    version = (previous.version if previous else 0) + 1
-    files = _write_version(uri, version, rows)
     filters = [op[len("where ") :] for op in table.operations if op.startswith("where ")]
-    manifest = tf.TableManifest(
-        version=version,
-        files=files,
-        num_rows=rows.num_rows,
-        # the parent's classes, so a label keeps its index in the subset
-        classes=list(table.manifest.classes),
-        source=table.uri,
-        lineage={
-            "parent": table.uri,
-            "parent_version": table.manifest.version,
-            "filter": " AND ".join(f"({f})" for f in filters),
-            "operations": list(table.operations),
-        },
-        options=dict(table.manifest.options),
-    )
-    tf.commit(uri, manifest)
-    return Table(uri, manifest)
+    for _ in range(8):  # another writer may commit to `uri` meanwhile: take the next version, files kept
+        versions = tf.committed_versions(uri)
+        version = (versions[-1] if versions else 0) + 1
+        folder = tf.data_dir(version)
+        files = write_rows(uri, folder, [rows])
+        manifest = tf.TableManifest(
+            version=version,
+            files=files,
+            num_rows=rows.num_rows,
+            # the parent's classes, so a label keeps its index in the subset
+            classes=list(table.manifest.classes),
+            source=table.uri,
+            lineage={
+                "parent": table.uri,
+                "parent_version": table.manifest.version,
+                "filter": " AND ".join(f"({f})" for f in filters),
+                "operations": list(table.operations),
+            },
+            options=dict(table.manifest.options),
+        )
+        try:
+            tf.commit(uri, manifest)
+        except tf.CommitConflict:
+            _discard(uri, folder)
+            continue
+        return Table(uri, manifest)
+    raise DestinationError(f"table {uri!r} kept changing while saving; save again")

@@ -265,3 +265,14 @@ def test_checkpoint_async_is_accepted_as_a_key(tmp_path):
     path.write_text('[data]\nsource = "synthetic"\n[checkpoint]\nasync = false\nevery = 3\n')
     cfg = load_config(str(path))
     assert cfg.checkpoint.async_save is False and cfg.checkpoint.every == 3
+
+
+def test_a_symlink_out_of_the_checkpoint_is_refused(tmp_path):
+    save_steps(tmp_path / "ckpt", [1, 2])
+    shard = tmp_path / "ckpt" / "step-00000002" / "__0_0.distcp"
+    outside = tmp_path / "elsewhere.distcp"
+    outside.write_bytes(shard.read_bytes())  # same bytes, so only the link's target can give it away
+    shard.unlink()
+    shard.symlink_to(outside)
+    with pytest.warns(CheckpointWarning, match="through a symlink"):
+        assert find_latest(str(tmp_path / "ckpt")).step == 1

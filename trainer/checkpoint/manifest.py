@@ -170,7 +170,7 @@ def verify_files(step_uri: str, manifest: Manifest, names: list[str]) -> list[st
     problems = []
     for name in names:
         want = manifest.files[name]
-        uri = io.join(step_uri, name)
+        uri = io.resolve_inside(step_uri, name, "checkpoint")  # also refuses a symlink that leads elsewhere
         try:
             size = fs.size(f"{root.rstrip('/')}/{name}")
         except FileNotFoundError:

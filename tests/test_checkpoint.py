@@ -223,12 +223,13 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_key(tmp_path):
     ("checkpoint.on_nonfinite=ignore", "checkpoint.on_nonfinite"), ("ray.max_failures=-2", "ray.max_failures"),
     ("checkpoint.resume=", "checkpoint.resume"), ("run.health_timeout_s=0", "run.health_timeout_s"),
     ("checkpoint.max_rollbacks=-1", "checkpoint.max_rollbacks"),
+    ("checkpoint.dir=memory://ck --set checkpoint.every=2 --set parallel.num_workers=2", "checkpoint.dir"),
 ])
 def test_bad_checkpoint_config_names_the_key(override, key):
     from dutycycle.trainer.config import load_config
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_config(None, ["data.source=synthetic", override])
+        load_config(None, ["data.source=synthetic", *override.split(" --set ")])
 
 
 def test_health_check_names_a_wrong_or_slow_device(tmp_path, monkeypatch):

@@ -444,6 +444,12 @@ def _validate_checkpoint(cfg: TrainConfig) -> None:
                           "after it has committed itself, and a rollback may need the commit before the newest")
     if c.resume == "":
         raise ConfigError('checkpoint.resume is empty; use "auto", "none" or the URI of a checkpoint step directory')
+    where = c.dir or cfg.run.dir
+    if c.every and where.startswith("memory://") and cfg.parallel.num_workers > 1:
+        # each worker process has its own memory:// store: ranks would not see each other's files
+        key = "checkpoint.dir" if c.dir else "run.dir"
+        raise ConfigError(f"{key} = {where!r} keeps checkpoints in one process's memory, which the other "
+                          f"{cfg.parallel.num_workers - 1} worker(s) cannot see; use a local path or s3://")
     if cfg.run.health_timeout_s <= 0:
         raise ConfigError(f"run.health_timeout_s = {cfg.run.health_timeout_s} must be positive")
 

@@ -156,3 +156,24 @@ def test_zeropp_benchmark_quick(tmp_path):
             "inter_node_bytes"]
     else:
         assert "root" in data["speed"]["skipped"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_checkpoint_benchmark_quick(tmp_path):
+    """benchmarks/checkpoint.py runs its rows through torchrun at a tiny size: synchronous and asynchronous saves
+    are measured, and a job killed after its first commit comes back resumed. Timings are not asserted."""
+    out = tmp_path / "checkpoint.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "checkpoint.py"), "--quick", "--rows", "sync", "async",
+                           "recovery", "--out", str(out)], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert set(rows) == {"sync", "async", "recovery"}
+    for name in ("sync", "async"):
+        r = rows[name]
+        assert r["saves"] == 3 and r["stall_s_per_save"] > 0 and r["write_mb_per_s"] > 0 and r["bytes_per_save"] > 0
+    assert data["ratios"]["async_stall_vs_sync"] > 0
+    rec = rows["recovery"]
+    assert rec["resumed_from_step"] >= 3 and rec["steps"] == 8 and rec["recovery_s"] > 0
+    assert "| async |" in proc.stdout

@@ -56,7 +56,7 @@ def test_built_wheel_installs_and_imports_from_itself(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for pkg in PACKAGES:
         assert pkg.replace(".", "/") + "/__init__.py" in names
-    for sub in ("engine/cache", "engine/table", "trainer/parallel"):  # subpackages need their own packages entry
+    for sub in ("engine/cache", "engine/table", "trainer/parallel", "trainer/checkpoint"):  # each needs a packages entry
         assert f"dutycycle/{sub}/__init__.py" in names
     assert "dutycycle/engine/table/catalog.py" in names and "dutycycle/engine/cache/materialize.py" in names
     assert not [n for n in names if n.startswith(("tests/", "notebooks/", "benchmarks/", "engine/"))]

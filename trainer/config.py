@@ -101,6 +101,31 @@ class RaySection:
     placement_strategy: str = "PACK"  # PACK, STRICT_PACK, SPREAD, STRICT_SPREAD
     label_selector: dict[str, str] = field(default_factory=dict)  # e.g. {"zone" = "us-east-1a"}
     accelerator_type: str = ""
+    # Ray Train restarts the whole worker group this many times after a worker dies; the restarted workers resume
+    # from the last committed checkpoint (checkpoint.resume = "auto"). 0 = a failed worker fails the run.
+    max_failures: int = 0
+
+
+@dataclass
+class CheckpointSection:
+    """Checkpoints (trainer/checkpoint/): model, optimizer, loader position, RNG and step, committed by a manifest
+    with checksums written last."""
+
+    every: int = 0  # optimizer steps between saves (and one at the last step); 0 = no checkpoints
+    dir: str = ""  # any fsspec URI; "" = RUN_DIR/checkpoints
+    keep: int = 2  # committed checkpoints kept (at least 2: the newest may be the one being replaced)
+    # true: the step blocks only for the snapshot into host memory, the write streams in the background (at most
+    # one save in flight; a save due while the previous one still writes waits for it, counted as stall).
+    # false: the step blocks for the whole write and commit. The key "checkpoint.async" is accepted too.
+    async_save: bool = True
+    # "auto": continue from the newest checkpoint under checkpoint.dir whose manifest verifies (falling back to
+    # older ones, loudly); "none": start fresh; or the URI of one step directory (it must verify)
+    resume: str = "auto"
+    # a non-finite loss (or gradient norm) at step s: "skip" = roll back to the last commit before s and leave
+    # out the global batch of step s; "rollback" = roll back and train the same batches again (a transient
+    # fault; the same step failing twice stops); "stop" = stop with the step and the batch's sample ids
+    on_nonfinite: str = "skip"
+    max_rollbacks: int = 3  # rollbacks in one run before a non-finite loss stops it
 
 
 @dataclass
@@ -117,6 +142,10 @@ class RunSection:
     precision: str = "auto"
     save_model: bool = True  # write the consolidated weights as RUN_DIR/model.safetensors at the end
     report: bool = True  # write report.png at the end
+    # before training, every worker runs a small matmul and a timed collective round trip (trainer/checkpoint/
+    # health.py); a worker that fails or exceeds health_timeout_s is named in the error
+    health_check: bool = True
+    health_timeout_s: float = 30.0
 
 
 @dataclass
@@ -127,6 +156,7 @@ class TrainConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     ray: RaySection = field(default_factory=RaySection)
     run: RunSection = field(default_factory=RunSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -146,8 +176,12 @@ CHOICES = {
     "parallel.quant_grads": ("none", "int8", "int4"),
     "ray.placement_strategy": ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
     "run.precision": ("auto", "fp32", "bf16", "fp64"),
+    "checkpoint.on_nonfinite": ("skip", "rollback", "stop"),
 }
 
+
+# Keys that cannot be field names: ``async`` is a Python keyword.
+ALIASES = {"checkpoint.async": "checkpoint.async_save"}
 
 # ----------------------------------------------------------------------------------------------- building
 
@@ -214,6 +248,7 @@ def _parse_mapping(key: str, text: str) -> dict:
 def _build(cls, data: dict[str, Any], prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix} must be a table, got {data!r}")
+    data = {ALIASES.get(f"{prefix}.{k}", f"{prefix}.{k}").rsplit(".", 1)[-1]: v for k, v in data.items()}
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -233,6 +268,7 @@ def _build(cls, data: dict[str, Any], prefix: str):
 
 def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
     """Apply one ``a.b=value`` override to a nested dict, coercing the value to the field's type."""
+    dotted = ALIASES.get(dotted, dotted)
     parts = dotted.split(".")
     cls: Any = TrainConfig
     node = tree
@@ -317,6 +353,9 @@ def validate(cfg: TrainConfig) -> None:
         "run.eval_every": cfg.run.eval_every,
         "data.slow_ms": cfg.data.slow_ms,
         "parallel.cpus_per_worker": cfg.parallel.cpus_per_worker,
+        "ray.max_failures": cfg.ray.max_failures,
+        "checkpoint.every": cfg.checkpoint.every,
+        "checkpoint.max_rollbacks": cfg.checkpoint.max_rollbacks,
     }.items():
         if v < 0:
             raise ConfigError(f"{key} = {v} must not be negative")
@@ -336,6 +375,7 @@ def validate(cfg: TrainConfig) -> None:
             "keep data.drop_last = true for distributed or accumulated training"
         )
     _validate_parallel(cfg)
+    _validate_checkpoint(cfg)
     if cfg.data.source == "cache" and not cfg.data.cache:
         raise ConfigError("data.cache is empty; set it to a materialized cache URI (dutycycle materialize ...)")
     if cfg.data.source == "raw" and not cfg.data.table:
@@ -395,6 +435,23 @@ def _validate_parallel(cfg: TrainConfig) -> None:
                               f"(got node_size = {p.node_size}, num_workers = {p.num_workers}): the secondary "
                               "shard lives on the ranks of one node")
     check_optimizer(cfg.optim.name, p.zero_stage)
+
+
+def _validate_checkpoint(cfg: TrainConfig) -> None:
+    c = cfg.checkpoint
+    if c.keep < 2:
+        raise ConfigError(f"checkpoint.keep = {c.keep} must be at least 2: a save replaces the oldest commit only "
+                          "after it has committed itself, and a rollback may need the commit before the newest")
+    if c.resume == "":
+        raise ConfigError('checkpoint.resume is empty; use "auto", "none" or the URI of a checkpoint step directory')
+    where = c.dir or cfg.run.dir
+    if c.every and where.startswith("memory://") and cfg.parallel.num_workers > 1:
+        # each worker process has its own memory:// store: ranks would not see each other's files
+        key = "checkpoint.dir" if c.dir else "run.dir"
+        raise ConfigError(f"{key} = {where!r} keeps checkpoints in one process's memory, which the other "
+                          f"{cfg.parallel.num_workers - 1} worker(s) cannot see; use a local path or s3://")
+    if cfg.run.health_timeout_s <= 0:
+        raise ConfigError(f"run.health_timeout_s = {cfg.run.health_timeout_s} must be positive")
 
 
 def use_gpu(cfg: TrainConfig, gpus_available: float) -> bool:

@@ -1,8 +1,10 @@
 """Batch sources: what the step loop consumes.
 
 A batch source is an iterable of dicts ``{"image": float32 [B, C, H, W], "label": int64 [B], ...}`` (one
-rank's share of one global batch per item) with ``len()`` (steps per epoch), ``set_epoch(e)`` and
-``state_dict()``. The loop times ``next()`` itself, so every source's data wait is measured the same way.
+rank's share of one global batch per item) with ``len()`` (steps per epoch), ``set_epoch(e)`` (a no-op when
+already in epoch ``e``, so a restored position survives), ``state_dict()`` / ``load_state_dict()`` (epoch and
+next global batch; loads at any world size) and ``position()`` (``(epoch, index of the next global batch)``).
+The loop times ``next()`` itself, so every source's data wait is measured the same way.
 
 Sources:
 - ``ArraySource``: arrays in memory, the same plan as the loader (a permutation per (seed, epoch), a rank
@@ -14,7 +16,7 @@ Sources:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from dutycycle.engine.errors import ConfigError
@@ -28,6 +30,7 @@ class DataInfo:
     train_samples: int
     val_samples: int
     fingerprint: str = ""
+    lineage: dict = field(default_factory=dict)  # where the data came from (cache, table), for checkpoints
 
 
 # ------------------------------------------------------------------------------------------- synthetic data
@@ -79,14 +82,21 @@ class ArraySource:
         return n // self.global_batch_size if self.drop_last else -(-n // self.global_batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.batch_index = epoch, 0
+        if epoch != self.epoch:
+            self.epoch, self.batch_index = epoch, 0
+
+    def position(self) -> tuple[int, int]:
+        return self.epoch, self.batch_index
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed,
                 "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.batch_index = state["epoch"], state["batch_index"]
+        if state.get("global_batch_size", self.global_batch_size) != self.global_batch_size:
+            raise ConfigError(f"the saved position is for data.global_batch_size = {state['global_batch_size']}, "
+                              f"this run has {self.global_batch_size}; use the same global batch size")
+        self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
 
     def _order(self) -> np.ndarray:
         n = len(self.labels)
@@ -134,6 +144,12 @@ class SlowSource:
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+    def position(self) -> tuple[int, int]:
+        return self.inner.position()
+
     def __iter__(self):
         for batch in self.inner:
             time.sleep(self.delay_s)
@@ -158,12 +174,28 @@ class LoaderSource:
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state)
 
+    def position(self) -> tuple[int, int]:
+        return self.loader.epoch, self.loader.step
+
     def __iter__(self):
         for batch in self.loader:
             x = batch["image"]  # already [B, C, H, W]
             if not x.is_floating_point():  # normalize off: the model still wants floats
                 x = x.float().div_(255.0)
             yield {**batch, "image": x}
+
+
+def take(it, source, skip: set[tuple[int, int]]):
+    """The next batch of ``it`` (an iterator over ``source``) and its global batch index, leaving out the global
+    batches in ``skip`` (``(epoch, index)`` pairs: batches set aside after a non-finite loss). ``(None, -1)`` at
+    the end of the epoch."""
+    while True:
+        epoch, index = source.position()
+        batch = next(it, None)
+        if batch is None:
+            return None, -1
+        if (epoch, index) not in skip:
+            return batch, index
 
 
 # ---------------------------------------------------------------------------------------------- factories
@@ -180,7 +212,8 @@ def make_sources(cfg, rank: int, world_size: int):
                             seed=cfg.run.seed, drop_last=d.drop_last, flip=d.augment.flip)
         val = ArraySource(images[n_train:], labels[n_train:], d.eval_batch_size * world_size, rank, world_size,
                           shuffle=False, drop_last=False)
-        info = DataInfo(len(SHAPES), 3, d.size, n_train, n_val, fingerprint=f"synthetic-{cfg.run.seed}")
+        info = DataInfo(len(SHAPES), 3, d.size, n_train, n_val, fingerprint=f"synthetic-{cfg.run.seed}",
+                        lineage={"synthetic": {"samples": n_train, "size": d.size, "seed": cfg.run.seed + 1000}})
     elif d.source in ("cache", "raw"):
         train, val, info = _loader_sources(cfg, rank, world_size)
     else:  # validated in config
@@ -216,8 +249,13 @@ def _loader_sources(cfg, rank: int, world_size: int):
         val = RawLoader(d.table, spec, "val", rank, world_size, config=val_cfg)
     shape, layout = tuple(train.shape), train.layout
     channels, size = (shape[0], shape[1]) if layout == "CHW" else (shape[2], shape[0])
+    if d.source == "cache":
+        m = train.reader.manifest
+        lineage = {"cache": train.cache_uri, "table": m.source, "options": m.options}
+    else:
+        lineage = {"table": d.table}
     info = DataInfo(len(train.classes), channels, size, train.num_samples, val.num_samples,
-                    fingerprint=train.fingerprint)
+                    fingerprint=train.fingerprint, lineage=lineage)
     return LoaderSource(train), LoaderSource(val), info
 
 

@@ -27,9 +27,15 @@ from .loop import WorkerContext, set_threads, train_worker
 
 
 def resolve_run_dir(cfg: TrainConfig) -> str:
-    """Local run directories become absolute (Ray workers and Ray Train storage need absolute paths)."""
+    """Local run and checkpoint locations become absolute (Ray workers run elsewhere, and Ray Train storage needs
+    absolute paths)."""
     if io.protocol(cfg.run.dir) == "file":
         cfg.run.dir = os.path.abspath(cfg.run.dir)
+    c = cfg.checkpoint
+    if c.dir and io.protocol(c.dir) == "file":
+        c.dir = os.path.abspath(c.dir)
+    if c.resume not in ("auto", "none") and io.protocol(c.resume) == "file":
+        c.resume = os.path.abspath(c.resume)
     return cfg.run.dir
 
 
@@ -106,9 +112,13 @@ def _ray_train_fn(payload: dict) -> None:
     # Ray's own labels (ray.io/...) are noise in a summary; keep the user's
     for w in where:
         w["labels"] = {k: v for k, v in w["labels"].items() if not k.startswith("ray.io/")}
-    info = {"workers": where, "launcher": "ray"}
+    from .checkpoint.raytrain import latest_reported, report_commit
+
+    # a restarted group resumes from the newest verified commit by itself (checkpoint.resume = "auto"); Ray
+    # Train's own record of the last reported one is kept for the summary
+    info = {"workers": where, "launcher": "ray", "ray_checkpoint": latest_reported()}
     train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, report=ray.train.report,
-                                    run_dir=payload["run_dir"], info=info))
+                                    run_dir=payload["run_dir"], info=info, on_commit=report_commit))
 
 
 def init_ray(cfg: TrainConfig) -> None:
@@ -145,7 +155,7 @@ def scaling_config(cfg: TrainConfig, gpu: bool):
 def train_ray(cfg: TrainConfig) -> dict:
     """Run on Ray Train's TorchTrainer with ``parallel.num_workers`` workers."""
     import ray
-    from ray.train import FailureConfig, RunConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     init_ray(cfg)
@@ -158,8 +168,11 @@ def train_ray(cfg: TrainConfig) -> dict:
         train_loop_config={"config": cfg.to_dict(), "run_dir": cfg.run.dir, "use_gpu": gpu},
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         scaling_config=scaling_config(cfg, gpu),
-        # no automatic restarts: a failed run reports its error (fault tolerance comes with checkpoints)
-        run_config=RunConfig(name=cfg.run.name, storage_path=storage, failure_config=FailureConfig(max_failures=0)),
+        # a dead worker restarts the whole group up to ray.max_failures times; the new workers resume from the
+        # last commit. Ray Train keeps pointers to dutycycle's commits (checkpoint/raytrain.py), as many as we keep.
+        run_config=RunConfig(name=cfg.run.name, storage_path=storage,
+                             failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
     )
     try:
         result = trainer.fit()
@@ -170,7 +183,11 @@ def train_ray(cfg: TrainConfig) -> dict:
         raise
     if result.error is not None:
         raise result.error
-    return finish_run(cfg)
+    from .checkpoint import checkpoint_uri
+
+    summary = finish_run(cfg)
+    summary["ray_result_checkpoint"] = checkpoint_uri(result.checkpoint)  # Ray Train's pointer to the last commit
+    return summary
 
 
 def _user_error(err: BaseException):

@@ -10,12 +10,16 @@ One optimizer step on one rank:
                                               comm: collectives that blocked forward/backward (exposed
                                               communication), moved out of forward_backward
     clip (exact across shards), optimizer.step, lr schedule   optimizer
-    checkpointer.maybe_save(...)              checkpoint
+    checkpointer.maybe_save(...)              checkpoint (trainer/checkpoint/: snapshot now, write in background)
 
 Gradients are exchanged at the accumulation boundary (or every micro-batch if asked). Each rank's loss is the
 mean over its slice of the global batch; with equal slices the averaged gradient is the gradient of the global
 mean loss, so 1 and N workers take the same steps. Per-step losses and phase times stay on the device and are
 gathered once per logging interval (steplog.py).
+
+Around the steps: a pre-flight health check of every worker, a resume from the newest verified checkpoint
+(``checkpoint.resume``), and, when a flush finds a non-finite loss, the checkpointer's recovery (roll back to the
+last commit, and leave the offending global batch out), after which the steps continue from the restored one.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 
 from dutycycle.engine.errors import DutycycleError
 
-from .steplog import StepLog, TrainingDiverged  # noqa: F401  (TrainingDiverged: re-exported)
+from .steplog import StepLog, TrainingDiverged
 from .timing import ALL_PHASES
 
 
@@ -44,17 +48,40 @@ class WorkerContext:
     info: dict = field(default_factory=dict)  # merged into the summary (e.g. where each worker ran)
     state: dict | None = None  # filled with {"strategy", "model", "optimizer"} at the end (in-process callers, tests)
     node_size: int = 0  # ranks per node, when the launcher knows it (0: parallel.node_size or one node)
+    on_commit: Any = None  # callable(step, uri), every rank, after a checkpoint commits (Ray Train: report it)
 
 
 class NoCheckpoint:
-    """The checkpointer interface: ``maybe_save`` after each optimizer step (its blocking time is the
-    "checkpoint" phase), ``finalize`` at the end. This one keeps nothing."""
+    """The checkpointer interface (``checkpoint.checkpointer.Checkpointer`` is the real one), keeping nothing:
+    ``restore`` before the first step (a resumed step and epoch, or None), ``account`` and ``maybe_save`` after
+    each optimizer step (``due`` says whether a save comes; its blocking time is the "checkpoint" phase),
+    ``recover`` on a non-finite loss (roll back, or raise), ``finalize`` at the end, ``close`` on any exit."""
+
+    skipped: frozenset = frozenset()  # (epoch, global batch) pairs the data loop leaves out
+
+    def restore(self, strategy, optimizer, source):
+        return None
+
+    def due(self, step: int) -> bool:
+        return False
 
     def maybe_save(self, step: int, strategy, optimizer, loader_state: dict | None) -> bool:
         return False
 
+    def account(self, timer) -> None:
+        return None
+
+    def recover(self, err, strategy, optimizer, source):
+        raise err
+
     def finalize(self) -> None:
         return None
+
+    def close(self) -> None:
+        return None
+
+    def summary(self) -> dict:
+        return {}
 
 
 def lr_at(step: int, total: int, optim) -> float:
@@ -205,7 +232,7 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     import torch
 
     from . import metrics as M
-    from .data import make_sources
+    from .data import make_sources, take
     from .models import build_model, count_parameters
     from .optim import make_optimizer
     from .parallel.apply import parallelize
@@ -216,6 +243,11 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     rank, world = ctx.rank, ctx.world_size
     device = ctx.device or torch.device("cpu")
     precision = resolve_precision(device, cfg.run.precision)
+    health = None
+    if cfg.run.health_check:
+        from .checkpoint.health import preflight
+
+        health = preflight(rank, world, device, cfg.run.health_timeout_s, ctx.run_dir)
     torch.manual_seed(cfg.run.seed)
     train_src, val_src, info = make_sources(cfg, rank, world)
     model = build_model(cfg.model, info.channels, info.num_classes, info.size).to(device)
@@ -235,7 +267,6 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
                                                    p.error_feedback, ctx.node_size or p.node_size, world),
                            hpz=p.hpz)
     optimizer = make_optimizer(strategy.module.parameters(), cfg.optim)
-    checkpointer = checkpointer or NoCheckpoint()
     autocast = autocast_for(device, precision, fsdp=strategy.plan.fsdp)
     steps_per_epoch = len(train_src)
     if steps_per_epoch == 0:
@@ -246,15 +277,21 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     total = cfg.run.max_steps or max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
 
     writer = M.MetricsWriter(ctx.run_dir, enabled=(rank == 0 and bool(ctx.run_dir)))
+    if checkpointer is None:
+        from .checkpoint import make_checkpointer
+
+        checkpointer = make_checkpointer(cfg, ctx, total_steps=total, data_info=info, writer=writer)
     timer = StepTimer(device)
     log = StepLog(timer, writer, log_every=cfg.run.log_every, total_steps=total,
                   verbose=rank == 0 and cfg.run.log_every > 0, base_lr=cfg.optim.lr)
     sampler = MemorySampler()
     eval_totals = 0.0
     n_evals = 0
-    step = epoch = 0
-    val_acc = val_loss = None
     t_start = time.perf_counter()
+    restored = checkpointer.restore(strategy, optimizer, train_src)
+    step, epoch = (restored.step, restored.epoch) if restored else (0, 0)
+    first_step = step
+    val_acc = val_loss = None
 
     def run_eval() -> None:
         nonlocal val_acc, val_loss, eval_totals, n_evals
@@ -272,40 +309,60 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
         if ctx.report is not None:
             ctx.report({"step": step, "val_accuracy": val_acc, "val_loss": val_loss, "loss": log.last_loss})
 
-    strategy.module.train()
-    while step < total:
-        train_src.set_epoch(epoch)
-        it = iter(train_src)
+    def run_steps() -> None:
+        nonlocal step, epoch
         while step < total:
-            timer.start_step()
-            with timer.phase("data_wait", host=True):
-                batch = next(it, None)
-            if batch is None:
+            train_src.set_epoch(epoch)
+            it = iter(train_src)
+            while step < total:
+                timer.start_step()
+                with timer.phase("data_wait", host=True):
+                    batch, index = take(it, train_src, checkpointer.skipped)
+                if batch is None:
+                    break
+                with timer.phase("h2d"):
+                    x = batch["image"].to(device, dtype=strategy.compute_dtype, non_blocking=True)
+                    y = batch["label"].to(device, non_blocking=True)
+                lr = lr_at(step, total, cfg.optim)
+                loss, grad_norm = optimizer_step(strategy, optimizer, x, y, micro_batches=cfg.data.micro_batches,
+                                                 timer=timer, autocast=autocast, grad_clip=cfg.optim.grad_clip,
+                                                 lr=lr, sampler=sampler if step == first_step else None)
+                checkpointer.account(timer)
+                if checkpointer.due(step + 1):
+                    log.flush()  # every loss before a commit is checked before the commit can hold its update
+                with timer.phase("checkpoint"):
+                    saved = checkpointer.maybe_save(step + 1, strategy, optimizer, train_src.state_dict())
+                step += 1
+                log.add(step, epoch, lr, loss, int(y.shape[0]), timer.end_step(), grad_norm, batch=index,
+                        sample_ids=batch.get("sample_id"))
+                if saved:  # the saved step's own row, written before its commit can land
+                    log.flush()
+                    writer.log({"step": step, "checkpoint_saved": True})
+                if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total:
+                    run_eval()
+            epoch += 1
+        log.flush()
+
+    strategy.module.train()
+    try:
+        while True:
+            try:
+                run_steps()
                 break
-            with timer.phase("h2d"):
-                x = batch["image"].to(device, dtype=strategy.compute_dtype, non_blocking=True)
-                y = batch["label"].to(device, non_blocking=True)
-            lr = lr_at(step, total, cfg.optim)
-            loss, grad_norm = optimizer_step(strategy, optimizer, x, y, micro_batches=cfg.data.micro_batches, timer=timer,
-                                  autocast=autocast, grad_clip=cfg.optim.grad_clip, lr=lr,
-                                  sampler=sampler if step == 0 else None)
-            with timer.phase("checkpoint"):
-                saved = checkpointer.maybe_save(step + 1, strategy, optimizer, train_src.state_dict())
-            step += 1
-            log.add(step, epoch, lr, loss, int(y.shape[0]), timer.end_step(), grad_norm)
-            if saved:
-                writer.log({"step": step, "checkpoint_saved": True})
-            if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total:
-                run_eval()
-        epoch += 1
-    log.flush()
-    run_eval()
-    checkpointer.finalize()
+            except TrainingDiverged as err:  # roll back to the last commit (or raise, per checkpoint.on_nonfinite)
+                restored = checkpointer.recover(err, strategy, optimizer, train_src)
+                step, epoch = restored.step, restored.epoch
+        run_eval()
+        checkpointer.finalize()
+    finally:
+        checkpointer.close()
     wall = time.perf_counter() - t_start
 
     summary = _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, info=info, wall=wall,
                          eval_s=eval_totals, steps=step, epochs=epoch, steps_per_epoch=steps_per_epoch,
                          num_params=num_params, precision=precision, fps=fps, peak=peak, val=(val_acc, val_loss))
+    summary["checkpoint"] = checkpointer.summary()
+    summary["health"] = health
     writer.close()
     if rank == 0 and ctx.run_dir:
         from dutycycle.engine import io

@@ -3,7 +3,8 @@
 Rank 0 writes. On a local run directory each row is appended and flushed as it happens (so ``tail -f``
 works); on an object store rows are buffered and the whole file is rewritten atomically at each evaluation
 and at the end. ``summary.json`` is written last, with ``write_json_atomic``: a run directory with a summary
-is a finished run.
+is a finished run. A resumed run keeps the rows up to the step it resumed from and appends after them
+(``resume_from``): rows of steps that were lost with the failed attempt are dropped and counted.
 """
 
 from __future__ import annotations
@@ -39,14 +40,37 @@ class MetricsWriter:
         self.uri = io.join(run_dir, "metrics.jsonl")
         self.local = io.protocol(run_dir) == "file"
         self.rows: list[dict] = []
-        self._f = None
-        if enabled and self.local:
-            os.makedirs(run_dir, exist_ok=True)
-            self._f = open(self.uri, "w")  # noqa: SIM115 - kept open for the run, closed in close()
+        self._f = None  # opened at the first row, so an earlier attempt's file is there until then
+        self._mode = "w"
+
+    def _open(self) -> None:
+        if self._f is None and self.enabled and self.local:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self._f = open(self.uri, self._mode)  # noqa: SIM115 - kept open for the run, closed in close()
+
+    def resume_from(self, step: int) -> int:
+        """Continue the file of an earlier attempt: keep its rows up to ``step``, drop the later ones (steps that
+        will be trained again) and return how many steps were lost (0 when there was no earlier file)."""
+        if not self.enabled:
+            return 0
+        try:
+            rows = read_metrics(self.run_dir)
+        except FileNotFoundError:
+            return 0
+        lost = max([r["step"] - step for r in rows if "loss" in r], default=0)
+        self.rows = [r for r in rows if r.get("step", 0) <= step]
+        # replaced in one atomic write, then appended to: a crash here leaves the old file or the new one
+        io.write_bytes_atomic(self.uri, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        self._mode = "a"
+        return max(0, lost)
 
     def log(self, row: dict) -> None:
         if not self.enabled:
             return
+        self._open()
         self.rows.append(row)
         if self._f is not None:
             self._f.write(json.dumps(row) + "\n")

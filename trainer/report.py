@@ -35,6 +35,9 @@ def write_report(run_dir: str) -> str:
     ax_loss.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=1, label="train loss")
     if evals:
         ax_loss.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", ms=3, label="val loss")
+    for r in rows:  # where the run resumed or rolled back: the steps after it were trained again
+        if r.get("event") in ("resume", "nonfinite"):
+            ax_loss.axvline(r["step"], color="#9467bd", lw=0.8, ls="--")
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     ax_loss.set_yscale("log")
     ax_loss.legend()
@@ -60,6 +63,7 @@ def write_report(run_dir: str) -> str:
     fig.suptitle(
         f"{summary['steps']} steps, {summary['samples_per_s']:.0f} samples/s"
         + (f", final val accuracy {acc:.1%}" if acc is not None else "")
+        + checkpoint_line(summary.get("checkpoint") or {})
     )
     fig.tight_layout()
     import io as _io
@@ -70,3 +74,19 @@ def write_report(run_dir: str) -> str:
     uri = io.join(run_dir, "report.png")
     io.write_bytes_atomic(uri, buf.getvalue())
     return uri
+
+
+def checkpoint_line(ck: dict) -> str:
+    """Checkpoint figures for the title: stall per save, write throughput, recovery."""
+    parts = []
+    if ck.get("saves"):
+        mbps = ck.get("write_mb_per_s")
+        parts.append(f"{ck['saves']} checkpoints, stall {ck['stall_s']['mean'] * 1000:.0f} ms/save"
+                     + (f", write {mbps:.0f} MB/s" if mbps else ""))
+    resumed = ck.get("resumed")
+    if resumed:
+        parts.append(f"resumed at step {resumed['step']} in {resumed['restore_s']:.1f} s "
+                     f"({resumed['steps_lost']} steps lost)")
+    if ck.get("nonfinite"):
+        parts.append(f"{len(ck['nonfinite'])} rollback(s)")
+    return "\n" + "; ".join(parts) if parts else ""

@@ -4,8 +4,9 @@ Reading a loss or a phase time on the host forces the device to catch up, and ga
 is a collective: doing either every step would serialize the very overlap the trainer tries to get. So each step
 leaves a record (its loss as a device tensor, its phase timer record), and every ``log_every`` steps (and before
 each evaluation and at the end) ``flush`` resolves them all at once: one device synchronize, one small
-all-gather, one row per step in ``metrics.jsonl``. A non-finite global loss is caught at the flush and named by
-its step.
+all-gather, one row per step in ``metrics.jsonl``. A non-finite global loss (or gradient norm, when clipping
+computes it) is caught at the flush and named by its step and global batch; the checkpointer decides what
+happens next (``checkpoint.on_nonfinite``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,19 @@ from .timing import PHASES, gather_stats
 
 
 class TrainingDiverged(DutycycleError):
-    """The loss became NaN or infinite: the run stops instead of training on garbage."""
+    """The loss (or the gradient norm) became NaN or infinite at ``step``, whose global batch was ``batch`` of
+    ``epoch``; ``sample_ids`` are this rank's samples of it (all ranks' once the checkpointer has gathered them)."""
+
+    def __init__(self, message: str, *, step: int = 0, epoch: int = 0, batch: int = -1, sample_ids=None):
+        super().__init__(message)
+        self.step, self.epoch, self.batch, self.sample_ids = step, epoch, batch, sample_ids
+
+    def __reduce__(self):  # keep the fields when Ray ships the error to the driver
+        return (_rebuild_diverged, (str(self), self.step, self.epoch, self.batch, self.sample_ids))
+
+
+def _rebuild_diverged(message, step, epoch, batch, sample_ids):
+    return TrainingDiverged(message, step=step, epoch=epoch, batch=batch, sample_ids=sample_ids)
 
 
 @dataclass
@@ -31,6 +44,8 @@ class _Pending:
     samples: int  # this rank's samples in the step
     record: dict  # StepTimer.end_step()
     grad_norm: object = None  # the global gradient norm before clipping (0-d device tensor), when clipping
+    batch: int = -1  # the global batch's index in its epoch (the plan's position)
+    sample_ids: object = None  # this rank's sample ids of the batch
 
 
 class StepLog:
@@ -43,8 +58,9 @@ class StepLog:
         self.last_loss: float | None = None
         self.base_lr = base_lr
 
-    def add(self, step: int, epoch: int, lr: float, loss, samples: int, record: dict, grad_norm=None) -> None:
-        self.pending.append(_Pending(step, epoch, lr, loss, samples, record, grad_norm))
+    def add(self, step: int, epoch: int, lr: float, loss, samples: int, record: dict, grad_norm=None,
+            batch: int = -1, sample_ids=None) -> None:
+        self.pending.append(_Pending(step, epoch, lr, loss, samples, record, grad_norm, batch, sample_ids))
         if step == 1 or (self.log_every and step % self.log_every == 0):
             self.flush()
 
@@ -69,12 +85,14 @@ class StepLog:
             s = stats[:, j]
             n = float(s[:, 1].sum())
             global_loss = float((s[:, 0] * s[:, 1]).sum() / n)
-            if not math.isfinite(global_loss):
+            bad = None if math.isfinite(global_loss) else f"loss became {global_loss}"
+            if bad is None and p.grad_norm is not None and not math.isfinite(host[j][1]):
+                bad = f"gradient norm became {host[j][1]}"
+            if bad:
                 self.pending.clear()
                 raise TrainingDiverged(
-                    f"loss became {global_loss} at step {p.step} (epoch {p.epoch}); lower optim.lr "
-                    f"(now {self.base_lr:g}) or set optim.grad_clip"
-                )
+                    f"{bad} at step {p.step} (epoch {p.epoch}); lower optim.lr (now {self.base_lr:g}) or set "
+                    "optim.grad_clip", step=p.step, epoch=p.epoch, batch=p.batch, sample_ids=p.sample_ids)
             self.samples += int(n)
             self.first_loss = global_loss if self.first_loss is None else self.first_loss
             self.last_loss = global_loss

@@ -1,0 +1,41 @@
+"""Checkpoints: snapshot in memory, write in the background, commit with a checksummed manifest, resume at any
+world size, roll back from non-finite losses, and a pre-flight health check.
+
+Modules, in the order a save and a resume go through them:
+
+- ``checkpointer.py``: what the step loop calls (when to save, resume, non-finite recovery, the summary);
+- ``saver.py``: the async policy (at most one save in flight), the commit protocol and retention;
+- ``storage.py``: DCP save/load through fsspec, checksums while writing, loads that run no pickle;
+- ``manifest.py``: the commit record (sizes and sha256 of every file), step directories, removal;
+- ``state.py``: the trainer state saved beside the tensors (step, loader, RNG, config, lineage), JSON;
+- ``resume.py``: which checkpoint to continue from (newest that verifies, loudly falling back) and loading it;
+- ``health.py``: the pre-flight check per worker;
+- ``raytrain.py``: commits reported to Ray Train as pointer checkpoints.
+
+Heavy imports (torch, DCP, Ray) stay inside the modules that need them.
+"""
+
+from __future__ import annotations
+
+__all__ = ["checkpoint_uri", "find_latest", "make_checkpointer"]
+
+
+def make_checkpointer(cfg, ctx, *, total_steps: int, data_info=None, writer=None):
+    from .checkpointer import make_checkpointer as make
+
+    return make(cfg, ctx, total_steps=total_steps, data_info=data_info, writer=writer)
+
+
+def find_latest(root: str):
+    """The newest checkpoint under ``root`` whose manifest verifies, in this process (no process group):
+    ``resume.Selected`` (step, uri, manifest, fallbacks) or None."""
+    from .resume import select
+
+    return select(root, rank=0, world=1)
+
+
+def checkpoint_uri(ray_checkpoint):
+    """The dutycycle checkpoint a Ray Train ``Checkpoint`` (e.g. ``Result.checkpoint``) points to."""
+    from .raytrain import checkpoint_uri as resolve
+
+    return resolve(ray_checkpoint)

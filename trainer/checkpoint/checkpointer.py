@@ -1,0 +1,253 @@
+"""The step loop's checkpointer: when to save, resume at start, and recovery from a non-finite loss.
+
+What the loop calls (``loop.NoCheckpoint`` is the same interface, doing nothing)::
+
+    restored = checkpointer.restore(strategy, optimizer, source)   # resume: step and epoch, or None
+    per step:  checkpointer.account(timer)                         # snapshot waits -> the checkpoint phase
+               checkpointer.due(step) -> flush the step log first  # a commit never holds an unchecked loss
+               checkpointer.maybe_save(step, strategy, optimizer, source.state_dict())
+    on TrainingDiverged: restored = checkpointer.recover(err, strategy, optimizer, source)
+    at the end: checkpointer.finalize(); checkpointer.summary()
+
+A non-finite loss (or gradient norm) at step s means the update of step s may be garbage, and every commit at s
+or later may hold it: those are uncommitted, the newest commit before s is loaded, and (``skip``) the global
+batch of step s is left out from then on (recorded in later checkpoints, so a resume leaves it out too).
+Because the loop flushes the step log before every save, all losses before a commit's step were checked when
+it committed: at most the newest commit can hold a bad update, and keep >= 2 leaves the one before it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+from dutycycle.engine import io
+from dutycycle.engine.errors import SourceError
+
+from . import resume
+from .saver import Commit, Saver
+from .state import TrainerState, capture_rng
+
+
+@dataclass
+class Restored:
+    step: int
+    epoch: int
+
+
+class Checkpointer:
+    def __init__(self, cfg, ctx, *, total_steps: int, data_info=None, writer=None, on_phase=None):
+        c = cfg.checkpoint
+        self.cfg, self.c, self.total = cfg, c, total_steps
+        self.rank, self.world, self.device = ctx.rank, ctx.world_size, ctx.device
+        self.root = c.dir or (io.join(ctx.run_dir, "checkpoints") if ctx.run_dir else "")
+        self.on_commit = getattr(ctx, "on_commit", None)
+        self.writer = writer
+        self.data = {"fingerprint": getattr(data_info, "fingerprint", ""),
+                     "lineage": getattr(data_info, "lineage", {})}
+        self.saver = None
+        if c.every > 0 and self.root:
+            self.saver = Saver(self.root, rank=self.rank, world_size=self.world, keep=c.keep,
+                               async_save=c.async_save, device=self.device, on_phase=on_phase)
+        self.skipped: set[tuple[int, int]] = set()
+        self.stalls: list[float] = []
+        self.commits: list[Commit] = []
+        self.restored: dict | None = None
+        self.events: list[dict] = []  # rollbacks and skips
+        self._hooks = None
+        self._blocked = {"optimizer": 0.0, "forward_backward": 0.0}
+
+    # ------------------------------------------------------------------------------------------- saving
+
+    def due(self, step: int) -> bool:
+        return self.saver is not None and (step % self.c.every == 0 or step == self.total)
+
+    def maybe_save(self, step: int, strategy, optimizer, loader_state: dict | None) -> bool:
+        if not self.due(step):
+            return False
+        from ..parallel.state import sharded_state_dict
+
+        self._arm(strategy, optimizer)
+        model_sd, optim_sd = sharded_state_dict(strategy, optimizer)
+        plan = strategy.plan
+        state = TrainerState(
+            step=step, epoch=int((loader_state or {}).get("epoch", 0)), loader=dict(loader_state or {}), rng=[],
+            world_size=self.world, skipped=sorted([e, b] for e, b in self.skipped),
+            schedule={"total_steps": self.total, "lr": self.cfg.optim.lr, "warmup_steps": self.cfg.optim.warmup_steps,
+                      "schedule": self.cfg.optim.schedule, "min_lr_ratio": self.cfg.optim.min_lr_ratio},
+            config=self.cfg.to_dict(), data=self.data,
+            strategy={"name": strategy.name, "zero_stage": plan.zero_stage})
+        stall, commit = self.saver.save(step, {"model": model_sd, "optim": optim_sd}, state, capture_rng(self.device))
+        self.stalls.append(stall)
+        self._committed(commit)
+        return True
+
+    def account(self, timer) -> None:
+        """Move the time the step waited for a snapshot (in forward or the optimizer step) to "checkpoint"."""
+        for phase, seconds in self._blocked.items():
+            timer.move(phase, "checkpoint", seconds)
+            if seconds and self.stalls:
+                self.stalls[-1] += seconds  # a save's stall includes the waits it causes later
+            self._blocked[phase] = 0.0
+
+    def _arm(self, strategy, optimizer) -> None:
+        """Asynchronous saves copy the state while training goes on, so whatever changes it must wait for the
+        copy: the optimizer step (parameters and optimizer state), and forward too when the model has buffers
+        (e.g. running statistics, updated in forward)."""
+        if self._hooks is not None or not self.c.async_save:
+            return
+
+        def waiter(phase):
+            def hook(*_args, **_kwargs):
+                self._blocked[phase] += self.saver.wait_staged()
+            return hook
+
+        self._hooks = [optimizer.register_step_pre_hook(waiter("optimizer"))]
+        if any(True for _ in strategy.module.buffers()):
+            self._hooks.append(strategy.model.register_forward_pre_hook(waiter("forward_backward")))
+
+    def _committed(self, commit: Commit | None) -> None:
+        if commit is None:
+            return
+        self.commits.append(commit)
+        if self.writer is not None:
+            self.writer.log({"step": commit.step, "checkpoint_committed": commit.uri, "bytes": commit.bytes,
+                             "snapshot_s": commit.snapshot_s, "write_s": commit.write_s, "commit_s": commit.commit_s})
+        if self.on_commit is not None:  # every rank, in step order (Ray Train: a report is a barrier)
+            self.on_commit(commit.step, commit.uri)
+
+    def _wait(self) -> None:
+        if self.saver is not None:
+            self._committed(self.saver.wait())
+
+    def finalize(self) -> None:
+        """Wait for the last save to commit (at the end of training; every rank)."""
+        self._wait()
+        self.close()
+
+    def close(self) -> None:
+        """Release the background thread (also on error paths: a save in flight still finishes first)."""
+        if self.saver is not None:
+            try:
+                self.saver.wait()
+            except Exception as e:  # noqa: BLE001 - already failing; say so and let the first error surface
+                print(f"[checkpoint] the last save did not complete: {e}", file=sys.stderr, flush=True)
+            self.saver.close()
+        for h in self._hooks or []:
+            h.remove()
+        self._hooks = None
+
+    # ------------------------------------------------------------------------------------------ resuming
+
+    def restore(self, strategy, optimizer, source) -> Restored | None:
+        """Resume per ``checkpoint.resume`` (every rank). None: start from step 0."""
+        c = self.c
+        target = {"none": "", "auto": self.root}.get(c.resume, c.resume)
+        if not target:
+            return None
+        t0 = time.perf_counter()
+        selected = resume.select(target, self.rank, self.world)
+        if selected is None:
+            if c.resume != "auto":
+                raise SourceError(f"checkpoint.resume = {target!r} holds no committed checkpoint; use \"auto\" or "
+                                  "\"none\", or the URI of a step directory")
+            return None
+        saved = resume.read_trainer_state(selected)
+        resume.check_compatible(saved, self.cfg, self.data["fingerprint"], selected.uri)
+        restored = self._load(selected, strategy, optimizer, source)
+        steps_lost = self.writer.resume_from(restored.step) if self.writer is not None else 0
+        self.restored = {"step": restored.step, "uri": selected.uri, "restore_s": time.perf_counter() - t0,
+                         "steps_lost": steps_lost, "fallbacks": selected.fallbacks}
+        if self.writer is not None:
+            self.writer.log({"step": restored.step, "event": "resume", **self.restored})
+        if self.rank == 0:
+            print(f"[checkpoint] resumed from {selected.uri} (step {restored.step}, epoch {restored.epoch}) in "
+                  f"{self.restored['restore_s']:.2f} s", flush=True)
+        return restored
+
+    def _load(self, selected, strategy, optimizer, source) -> Restored:
+        state = resume.load(selected, strategy, optimizer, source, rank=self.rank, device=self.device)
+        self.skipped = {(e, b) for e, b in state.skipped}
+        epoch, index = source.position()
+        if index >= len(source):  # saved after an epoch's last batch: continue with the next epoch
+            epoch += 1
+            source.set_epoch(epoch)
+        return Restored(step=state.step, epoch=epoch)
+
+    # -------------------------------------------------------------------------------- non-finite losses
+
+    def recover(self, err, strategy, optimizer, source) -> Restored:
+        """Handle ``TrainingDiverged`` (every rank, at the same flush): roll back or raise, per
+        ``checkpoint.on_nonfinite``."""
+        from ..steplog import TrainingDiverged
+
+        ids = [i for part in resume.all_gather(list(err.sample_ids or []), self.world) for i in part]
+        shown = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
+        what = f"{err} [global batch {err.batch} of epoch {err.epoch}: {len(ids)} samples, ids {shown}]"
+        policy = self.c.on_nonfinite
+        retry = policy == "rollback" and any(e["step"] == err.step for e in self.events)
+
+        def stop(why: str) -> TrainingDiverged:
+            if self.writer is not None:
+                self.writer.log({"step": err.step, "event": "nonfinite", "action": "stop", "epoch": err.epoch,
+                                 "batch": err.batch, "sample_ids": ids})
+            return TrainingDiverged(f"{what}; {why}", step=err.step, epoch=err.epoch, batch=err.batch,
+                                    sample_ids=ids)
+
+        # commits at or after step s may hold its update: uncommit them whatever happens next
+        self._wait()
+        if self.rank == 0 and self.root:
+            from . import manifest as mf
+
+            for step, uri in mf.list_steps(self.root):
+                if step >= err.step:
+                    mf.remove(uri)
+        resume.broadcast(None, self.world)  # every rank waits for the removal before looking for a commit
+        if policy == "stop":
+            raise stop("stopping (checkpoint.on_nonfinite = \"stop\")") from None
+        if retry:
+            raise stop("it happened again after rolling back, so the batch itself is bad: set "
+                       "checkpoint.on_nonfinite = \"skip\" to leave it out") from None
+        if len(self.events) >= self.c.max_rollbacks:
+            raise stop(f"already rolled back {len(self.events)} times (checkpoint.max_rollbacks)") from None
+        selected = resume.select(self.root, self.rank, self.world, below=err.step) if self.root else None
+        if selected is None:
+            raise stop(f"there is no committed checkpoint before step {err.step} to roll back to "
+                       f"(checkpoint.every = {self.c.every})") from None
+        restored = self._load(selected, strategy, optimizer, source)
+        if policy == "skip":
+            self.skipped.add((err.epoch, err.batch))
+        event = {"step": err.step, "event": "nonfinite", "action": policy, "epoch": err.epoch, "batch": err.batch,
+                 "rolled_back_to": restored.step, "sample_ids": ids}
+        self.events.append(event)
+        if self.writer is not None:
+            self.writer.log(event)
+        if self.rank == 0:
+            action = "leaving its global batch out" if policy == "skip" else "training the same batches again"
+            print(f"[checkpoint] {what}; rolled back to step {restored.step}, {action}", file=sys.stderr, flush=True)
+        return restored
+
+    # ------------------------------------------------------------------------------------------ summary
+
+    def summary(self) -> dict:
+        commits = self.commits
+        write_s = sum(c.write_s for c in commits)
+        written = sum(c.bytes for c in commits)
+        return {
+            "dir": self.root, "every": self.c.every, "async_save": self.c.async_save, "keep": self.c.keep,
+            "saves": len(self.stalls), "committed": [c.step for c in commits],
+            "stall_s": {"mean": sum(self.stalls) / len(self.stalls) if self.stalls else 0.0,
+                        "max": max(self.stalls, default=0.0), "total": sum(self.stalls), "per_save": self.stalls},
+            "waited_for_previous_save": self.saver.stalled_on_previous if self.saver else 0,
+            "snapshot_s_mean": sum(c.snapshot_s for c in commits) / len(commits) if commits else 0.0,
+            "write_s_mean": write_s / len(commits) if commits else 0.0,
+            "bytes_per_save": written / len(commits) if commits else 0,
+            "write_mb_per_s": written / write_s / 1e6 if write_s > 0 else None,
+            "resumed": self.restored, "nonfinite": self.events,
+            "skipped_batches": sorted([e, b] for e, b in self.skipped),
+        }
+
+
+def make_checkpointer(cfg, ctx, *, total_steps: int, data_info=None, writer=None) -> Checkpointer:
+    return Checkpointer(cfg, ctx, total_steps=total_steps, data_info=data_info, writer=writer)

@@ -1,0 +1,218 @@
+"""The commit record of a checkpoint: ``manifest.json``, written last, naming every file with its size and sha256.
+
+A checkpoint is one directory per step, ``CHECKPOINT_DIR/step-00000012/``::
+
+    __0_0.distcp, __1_0.distcp   each rank's shard of model and optimizer state (DCP, torch.save format)
+    .metadata                    DCP's own index (a pickle; kept for plain DCP readers, never read here)
+    metadata.json                the same index as JSON: what dutycycle's loads read (storage.py)
+    trainer_state.json           step, epoch, loader position, RNG per rank, schedule, config, data lineage
+    manifest.json                written last, by rank 0, once every rank's files are written: the commit
+
+No manifest, no checkpoint: a directory without one (a save that was killed, a hand-made folder) is ignored.
+DCP's ``.metadata`` is not enough as a commit marker: it holds no checksums (flipped bytes in a shard load as a
+silently wrong tensor), and rewriting a directory in place is not atomic. Removing a checkpoint deletes its
+manifest first, so a removal that is interrupted leaves an ignored directory, never a committed partial one.
+
+A file name read from a manifest is data: it must be a plain name inside the step directory (no separators, no
+``..``), or the checkpoint is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+from dutycycle.engine import io
+from dutycycle.engine.errors import CorruptArtifactError
+
+FORMAT = "dutycycle-checkpoint/1"
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+METADATA_JSON = "metadata.json"
+MAX_JSON_BYTES = 64 * 1024**2  # manifests, trainer state and metadata are small; a larger file is refused unread
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
+_CHUNK = 8 * 1024**2
+
+
+@dataclass
+class FileRecord:
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    step: int
+    world_size: int
+    files: dict[str, FileRecord]
+    format: str = FORMAT
+    created: float = field(default_factory=time.time)
+    info: dict = field(default_factory=dict)  # what was saved, for people: strategy, stage, bytes, timings
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["files"] = {k: asdict(v) for k, v in sorted(self.files.items())}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict, where: str) -> Manifest:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise CorruptArtifactError(f"{where} is not a {FORMAT} manifest (format {d.get('format')!r})"
+                                       if isinstance(d, dict) else f"{where} is not a JSON object")
+        try:
+            files = {}
+            for name, rec in d["files"].items():
+                check_name(name, where)
+                files[name] = FileRecord(int(rec["size"]), str(rec["sha256"]))
+            return cls(step=int(d["step"]), world_size=int(d["world_size"]), files=files, format=d["format"],
+                       created=float(d.get("created", 0.0)), info=dict(d.get("info", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptArtifactError(f"{where} is malformed ({type(e).__name__}: {e})") from None
+
+
+def check_name(name: str, where: str) -> str:
+    """A file name from a manifest or DCP index must stay inside the step directory."""
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", "..") or name == MANIFEST:
+        raise CorruptArtifactError(f"{where} names the file {name!r}, which is not a plain file name inside the "
+                                   "checkpoint directory; the checkpoint is refused")
+    return name
+
+
+# ------------------------------------------------------------------------------------------- step directories
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+def list_steps(root: str) -> list[tuple[int, str]]:
+    """``(step, uri)`` of every step directory under ``root`` (committed or not), newest first."""
+    fs, path = io.filesystem(root)
+    fs.invalidate_cache(path)  # object-store listings are cached per process; other processes write here
+    try:
+        entries = fs.ls(path, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for e in entries:
+        if e.get("type") != "directory":
+            continue
+        step = parse_step(e["name"])
+        if step is not None:
+            out.append((step, io.join(root, step_name(step))))
+    return sorted(out, reverse=True)
+
+
+def is_committed(step_uri: str) -> bool:
+    fs, path = io.filesystem(step_uri)
+    fs.invalidate_cache(path)
+    return fs.exists(f"{path.rstrip('/')}/{MANIFEST}")
+
+
+def read_json_bounded(uri: str) -> object:
+    """Read a small JSON file, refusing one larger than ``MAX_JSON_BYTES`` before reading it."""
+    fs, path = io.filesystem(uri)
+    fs.invalidate_cache(path)
+    size = fs.size(path)
+    if size is None or size > MAX_JSON_BYTES:
+        raise CorruptArtifactError(f"{uri} is {size} bytes, more than the {MAX_JSON_BYTES} a checkpoint's JSON "
+                                   "file may hold; the checkpoint is refused")
+    with fs.open(path, "rb") as f:
+        data = f.read(MAX_JSON_BYTES + 1)
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptArtifactError(f"{uri} is not valid JSON ({e}); the checkpoint is refused") from None
+
+
+def read_manifest(step_uri: str) -> Manifest | None:
+    """The step's manifest, or None when it has none (not committed)."""
+    uri = io.join(step_uri, MANIFEST)
+    try:
+        data = read_json_bounded(uri)
+    except FileNotFoundError:
+        return None
+    return Manifest.from_json(data, uri)
+
+
+def write_manifest(step_uri: str, manifest: Manifest) -> None:
+    """The commit: one atomic write (rename on a local disk, a single PUT on an object store)."""
+    io.write_json_atomic(io.join(step_uri, MANIFEST), manifest.to_json())
+
+
+# ------------------------------------------------------------------------------------------------- checksums
+
+
+def file_digest(uri: str) -> FileRecord:
+    fs, path = io.filesystem(uri)
+    h, size = hashlib.sha256(), 0
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return FileRecord(size, h.hexdigest())
+
+
+def verify_files(step_uri: str, manifest: Manifest, names: list[str]) -> list[str]:
+    """Check ``names`` (a share of the manifest's files) against their recorded size and sha256; returns one
+    message per problem, each naming the file."""
+    fs, root = io.filesystem(step_uri)
+    fs.invalidate_cache(root)
+    problems = []
+    for name in names:
+        want = manifest.files[name]
+        uri = io.resolve_inside(step_uri, name, "checkpoint")  # also refuses a symlink that leads elsewhere
+        try:
+            size = fs.size(f"{root.rstrip('/')}/{name}")
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+            continue
+        if size != want.size:
+            problems.append(f"{name} is {size} bytes but the manifest says {want.size} (truncated or overwritten)")
+            continue
+        got = file_digest(uri)
+        if got.sha256 != want.sha256:
+            problems.append(f"{name} has sha256 {got.sha256[:16]}... but the manifest says {want.sha256[:16]}... "
+                            "(corrupted)")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------- removal
+
+
+def remove(step_uri: str) -> None:
+    """Delete a checkpoint directory, manifest first: an interrupted removal leaves an uncommitted (ignored)
+    directory, never a committed one with files missing."""
+    fs, path = io.filesystem(step_uri)
+    manifest = f"{path.rstrip('/')}/{MANIFEST}"
+    if fs.exists(manifest):
+        fs.rm(manifest)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def retention(root: str, keep: int, newest: int) -> list[int]:
+    """After the commit of step ``newest``: keep the ``keep`` newest committed checkpoints at or below it, delete
+    older committed ones and any uncommitted directory older than ``newest`` (left by killed saves). Directories
+    newer than ``newest`` are left alone. Returns the steps deleted."""
+    kept, deleted = 0, []
+    for step, uri in list_steps(root):
+        if step > newest:
+            continue
+        if is_committed(uri) and kept < keep:
+            kept += 1
+            continue
+        if step == newest:  # never delete what was just committed
+            continue
+        remove(uri)
+        deleted.append(step)
+    return deleted

@@ -1,0 +1,145 @@
+"""Choosing a checkpoint to continue from, verifying it, and loading it into a parallelized model.
+
+Selection (``checkpoint.resume = "auto"``): rank 0 lists the step directories, newest first; each is a candidate
+only with a manifest. The ranks verify a candidate together (each checks the sizes and sha256 of every W-th file
+of the manifest) and agree on the verdict; the first candidate that verifies is loaded. A candidate that fails
+is reported loudly, naming the file and what is wrong with it, and the next older commit is tried. A directory
+without a manifest (a killed save, a hand-made folder) is skipped quietly: it was never a checkpoint.
+
+Loading reshards: the state is read with DCP into this run's own sharded state dict (any world size, any ZeRO
+stage) and applied with ``set_state_dict``; the loader position loads at any world size; each rank takes its own
+saved RNG state (rank 0's where the saving run had fewer ranks).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import dataclass
+
+from dutycycle.engine import io
+from dutycycle.engine.errors import ConfigError, CorruptArtifactError
+
+from . import manifest as mf
+from .state import TrainerState, restore_rng
+
+
+class CheckpointWarning(UserWarning):
+    """A committed checkpoint failed verification and an older one is used instead."""
+
+
+@dataclass
+class Selected:
+    step: int
+    uri: str
+    manifest: mf.Manifest
+    fallbacks: list[str]  # why newer commits were passed over
+
+
+def _collectives(world: int):
+    import torch.distributed as dist
+
+    return world > 1 and dist.is_available() and dist.is_initialized()
+
+
+def broadcast(obj, world: int):
+    if not _collectives(world):
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather(obj, world: int) -> list:
+    if not _collectives(world):
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def verify(uri: str, rank: int, world: int) -> tuple[mf.Manifest | None, list[str]]:
+    """Read the manifest and verify this rank's share of its files; the ranks' problems are combined, so every
+    rank returns the same verdict. ``(None, [])``: not committed."""
+    try:
+        manifest = mf.read_manifest(uri)
+        problems = [] if manifest is None else mf.verify_files(uri, manifest, sorted(manifest.files)[rank::world])
+    except CorruptArtifactError as e:
+        manifest, problems = None, [str(e)]
+    except OSError as e:
+        manifest, problems = None, [f"it could not be read ({type(e).__name__}: {e})"]
+    gathered = all_gather((manifest is not None, problems), world)
+    problems = [p for _, ps in gathered for p in ps]
+    if not gathered[0][0] and not problems:
+        return None, []
+    return manifest, problems
+
+
+def select(target: str, rank: int, world: int, below: int | None = None) -> Selected | None:
+    """The checkpoint to load: ``target`` is a step directory (it must verify) or a root to search newest
+    first (``below``: only steps before it). None when the root holds no verified commit."""
+    if mf.parse_step(target) is not None:
+        manifest, problems = verify(target, rank, world)
+        if manifest is None or problems:
+            why = "; ".join(problems) if problems else f"it has no {mf.MANIFEST} (the save never committed)"
+            raise CorruptArtifactError(f"checkpoint.resume = {target!r} cannot be used: {why}")
+        return Selected(manifest.step, target, manifest, [])
+    candidates = broadcast(mf.list_steps(target) if rank == 0 else None, world)
+    fallbacks = []
+    for step, uri in candidates:
+        if below is not None and step >= below:
+            continue
+        manifest, problems = verify(uri, rank, world)
+        if manifest is None and not problems:
+            continue  # never committed: not a checkpoint
+        if problems:
+            msg = f"checkpoint {uri} fails verification: {'; '.join(problems)}; falling back to an older commit"
+            fallbacks.append(msg)
+            if rank == 0:
+                warnings.warn(msg, CheckpointWarning, stacklevel=2)
+                print(f"[checkpoint] {msg}", file=sys.stderr, flush=True)
+            continue
+        return Selected(step, uri, manifest, fallbacks)
+    return None
+
+
+def read_trainer_state(selected: Selected) -> TrainerState:
+    uri = io.join(selected.uri, mf.TRAINER_STATE)
+    return TrainerState.from_json(mf.read_json_bounded(uri), uri)
+
+
+def check_compatible(saved: TrainerState, cfg, fingerprint: str, uri: str) -> None:
+    """Refuse a checkpoint made for another model, dataset or batch size (the state would not fit, or would
+    resume another plan), naming the key."""
+    mine = cfg.to_dict()
+    theirs = saved.config
+    keys = [("model", k) for k in mine["model"]] + [("data", "global_batch_size"), ("optim", "name")]
+    for section, key in keys:
+        a, b = theirs.get(section, {}).get(key), mine[section][key]
+        if a is not None and a != b:
+            raise ConfigError(f"checkpoint {uri} was saved with {section}.{key} = {a!r}, this run has {b!r}; use the "
+                              "same setting, another checkpoint.dir, or checkpoint.resume = \"none\" to start fresh")
+    if saved.data.get("fingerprint") and saved.data["fingerprint"] != fingerprint:
+        raise ConfigError(f"checkpoint {uri} was saved for data with fingerprint {saved.data['fingerprint']!r}, this "
+                          f"run reads {fingerprint!r}; point data.cache at the same cache, or set checkpoint.resume = "
+                          "\"none\" to start fresh")
+
+
+def load(selected: Selected, strategy, optimizer, source, *, rank: int, device=None) -> TrainerState:
+    """Load model, optimizer, loader position and this rank's RNG from a verified checkpoint (every rank)."""
+    from ..parallel.state import sharded_state_dict
+    from .storage import read_state
+
+    state = read_trainer_state(selected)
+    model_sd, optim_sd = sharded_state_dict(strategy, optimizer)
+    read_state({"model": model_sd, "optim": optim_sd}, selected.uri, set(selected.manifest.files))
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(strategy.module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    source.load_state_dict(state.loader)
+    restore_rng(state.rng_for(rank), device)
+    return state

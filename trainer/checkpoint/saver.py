@@ -1,0 +1,212 @@
+"""Saving a checkpoint: snapshot, write, commit, retention; at most one save in flight.
+
+    after optimizer step N (every rank)
+      wait for the previous save, if still running      the policy: wait, and count the wait as stall
+      snapshot: model + optimizer state -> host memory   DCP's DefaultStager (pinned and on a side stream on GPU);
+                                                         asynchronous: a stager thread copies while the next
+                                                         forward/backward runs, and the next optimizer step (and
+                                                         the next forward, for models with buffers) waits for it
+      ── background thread, its own gloo group ─────────────────────────────────────────────────────────────
+      write: dcp.save of the snapshot into step-N/       every rank its shard, hashed while written; rank 0
+                                                         writes DCP's index once every rank has written
+      commit: gather sizes + sha256 (+ RNG) at rank 0;   rank 0 writes trainer_state.json, then manifest.json:
+                                                         the checkpoint exists from this moment
+      retention: rank 0 deletes commits beyond the newest K, and torn directories older than the commit
+
+Synchronous saves (``checkpoint.async_save = false``) run the same steps on the caller's thread from the live
+state (no snapshot copy), so the step blocks for all of it.
+
+The snapshot's host buffers are reused from one save to the next (DCP's stager caches them), which is one reason
+a save waits for the previous one to finish. Background collectives go through a gloo group of their own, so
+they never interleave with training's collectives. DCP's ``CheckpointException`` derives from ``BaseException``:
+the background thread catches ``BaseException`` and the error is raised, as a ``DestinationError`` naming the
+checkpoint, on the training thread at the next wait.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from dutycycle.engine import io
+from dutycycle.engine.errors import DestinationError
+
+from . import manifest as mf
+from .state import TrainerState
+
+
+@dataclass
+class Commit:
+    """One committed checkpoint, as the saving side measured it."""
+
+    step: int
+    uri: str
+    bytes: int  # all ranks' files
+    snapshot_s: float  # copy into host memory (asynchronous saves: on the stager thread)
+    write_s: float  # dcp.save, from the first rank starting to every rank done
+    commit_s: float  # checksums gathered, trainer state and manifest written
+    retention_s: float = 0.0
+    deleted: list[int] = field(default_factory=list)
+
+
+class Saver:
+    """Owns the stager, the background thread and its process group. ``save`` returns the seconds the caller
+    was blocked; ``wait`` finishes the save in flight and returns its ``Commit``."""
+
+    def __init__(self, root: str, *, rank: int, world_size: int, keep: int, async_save: bool, device=None,
+                 on_phase=None):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.root, self.rank, self.world, self.keep, self.async_save = root, rank, world_size, keep, async_save
+        self.on_phase = on_phase or (lambda name: None)
+        cuda = device is not None and getattr(device, "type", "cpu") == "cuda" and torch.cuda.is_available()
+        # pinned memory and non-blocking copies need an accelerator (they raise on a CPU-only machine)
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=async_save, use_non_blocking_copy=cuda)) \
+            if async_save else None
+        # background saves talk over their own group: the training thread's collectives use the default one
+        self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="dutycycle-checkpoint") if async_save else None
+        self.staging: Future | None = None
+        self.inflight: Future | None = None
+        self.stalled_on_previous = 0  # saves that had to wait for the previous one
+
+    # ----------------------------------------------------------------------------------------- the caller
+
+    def save(self, step: int, state: dict, trainer_state: TrainerState, rng: dict) -> tuple[float, Commit | None]:
+        """Start (asynchronous) or do (synchronous) the save of ``state`` (``{"model": ..., "optim": ...}`` from
+        ``get_state_dict``) as step ``step``. Returns ``(seconds blocked, the previous save's Commit if this call
+        waited for it)``."""
+        t0 = time.perf_counter()
+        previous = None
+        if self.inflight is not None:
+            self.stalled_on_previous += not self.inflight.done()
+            previous = self.wait()
+        self.on_phase("snapshot")
+        if not self.async_save:
+            commit = self._write_and_commit(step, state, trainer_state, rng, snapshot_s=0.0)
+            return time.perf_counter() - t0, commit
+        t_snap = time.perf_counter()
+        self.staging = self.stager.stage(state)
+        self.inflight = self.pool.submit(self._background, step, self.staging, trainer_state, rng, t_snap)
+        return time.perf_counter() - t0, previous
+
+    def wait_staged(self) -> float:
+        """Block until the snapshot in flight is copied (the live state may change after that); returns the
+        seconds blocked."""
+        if self.staging is None:
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            self.staging.result()
+        except BaseException:  # noqa: BLE001 - reported by wait(), where the save's error surfaces
+            pass
+        self.staging = None
+        return time.perf_counter() - t0
+
+    def wait(self) -> Commit | None:
+        """Finish the save in flight; returns its Commit (None if none was in flight). A failed save raises."""
+        if self.inflight is None:
+            return None
+        fut, self.inflight = self.inflight, None
+        self.wait_staged()
+        try:
+            return fut.result()
+        except BaseException as e:  # CheckpointException is a BaseException
+            raise DestinationError(f"a checkpoint under {self.root} could not be saved ({type(e).__name__}: "
+                                   f"{str(e)[:2000]}); earlier commits are intact") from e
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
+    # ------------------------------------------------------------------------------------ background thread
+
+    def _background(self, step, staging: Future, trainer_state, rng, t_snap) -> Commit:
+        staged = staging.result()
+        snapshot_s = time.perf_counter() - t_snap
+        return self._write_and_commit(step, staged, trainer_state, rng, snapshot_s)
+
+    def _write_and_commit(self, step: int, state: dict, trainer_state: TrainerState, rng: dict,
+                          snapshot_s: float) -> Commit:
+        from .storage import write_state
+
+        uri = io.join(self.root, mf.step_name(step))
+        self.on_phase("write")
+        t0 = time.perf_counter()
+        # A directory already there (a torn save, or a commit being redone after a rollback) is removed first,
+        # manifest first; every rank waits for that before writing into it.
+        error = None
+        if self.rank == 0:
+            try:
+                mf.remove(uri)
+            except Exception as e:  # noqa: BLE001 - every rank must learn of it, so it goes through a broadcast
+                error = f"{type(e).__name__}: {e}"
+        error = self._broadcast(error)
+        if error:
+            raise DestinationError(f"could not clear {uri} before saving: {error}")
+        files = write_state(state, uri, self.group)
+        t1 = time.perf_counter()
+        self.on_phase("commit")
+        gathered = self._gather({"files": {k: [r.size, r.sha256] for k, r in files.items()}, "rng": rng})
+        error = None
+        total = 0
+        if self.rank == 0:
+            try:
+                records = {}
+                for part in gathered:
+                    for name, (size, sha) in part["files"].items():
+                        records[mf.check_name(name, uri)] = mf.FileRecord(size, sha)
+                trainer_state.rng = [part["rng"] for part in gathered]
+                records[mf.TRAINER_STATE] = _write_json(io.join(uri, mf.TRAINER_STATE), trainer_state.to_json())
+                total = sum(r.size for r in records.values())
+                info = {"bytes": total, "strategy": trainer_state.strategy, "snapshot_s": snapshot_s,
+                        "write_s": t1 - t0}
+                mf.write_manifest(uri, mf.Manifest(step=step, world_size=self.world, files=records, info=info))
+            except Exception as e:  # noqa: BLE001 - as above
+                error = f"{type(e).__name__}: {e}"
+        error, total = self._broadcast((error, total))
+        if error:
+            raise DestinationError(f"could not commit {uri}: {error}")
+        t2 = time.perf_counter()
+        self.on_phase("retention")
+        deleted = mf.retention(self.root, self.keep, step) if self.rank == 0 else []
+        self.on_phase("done")
+        return Commit(step=step, uri=uri, bytes=total, snapshot_s=snapshot_s, write_s=t1 - t0, commit_s=t2 - t1,
+                      retention_s=time.perf_counter() - t2, deleted=deleted)
+
+    # ------------------------------------------------------------------------ collectives on the save group
+
+    def _broadcast(self, obj):
+        if self.group is None or self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _gather(self, obj) -> list:
+        if self.group is None or self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out or []
+
+
+def _write_json(uri: str, obj) -> mf.FileRecord:
+    import hashlib
+    import json
+
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    io.write_bytes_atomic(uri, data)
+    return mf.FileRecord(len(data), hashlib.sha256(data).hexdigest())

@@ -1,0 +1,244 @@
+"""DCP save and load through fsspec (local paths and ``s3://``), with what DCP lacks added at its seams.
+
+DCP gives the sharded format and resharding: each rank writes its own file (``__{rank}_0.distcp``), rank 0 writes
+the index (``.metadata``) once every rank's write has finished, and a load at any world size reads the slices it
+needs. Added here, each at a public seam of DCP's storage classes:
+
+- **Checksums while writing.** Every stream DCP writes through is hashed as it goes, so when ``dcp.save`` returns
+  each rank knows the size and sha256 of its own files without reading them back (on an object store a read-back
+  would download the checkpoint again).
+- **Loads run no pickle.** DCP's ``.metadata`` is a pickle, and DCP loads non-tensor values (optimizer
+  hyperparameters) with ``torch.load(weights_only=False)``. Rank 0 also writes the index as JSON
+  (``metadata.json``); loads read that one, and load non-tensor values with ``weights_only=True`` (tensors and
+  plain Python values only). Tensors are loaded by DCP with ``weights_only=True`` already. Every file a load
+  touches is named in the manifest, and the manifest's checksums were verified first (resume.py).
+
+This module touches one private torch class, ``torch.distributed.checkpoint._fsspec_filesystem.FileSystem``
+(the stream factory FsspecWriter writes through): the one place to look at on a torch upgrade.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io as _io
+import json
+import os
+import warnings
+from contextlib import contextmanager
+
+import torch
+import torch.distributed.checkpoint as dcp
+from dutycycle.engine import io
+from dutycycle.engine.errors import CorruptArtifactError
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .manifest import METADATA_JSON, FileRecord, check_name, read_json_bounded
+
+# dcp.save/load in one process with no process group say so on every call; that is the intended use here
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+# ---------------------------------------------------------------------------------------------------- writing
+
+
+class _HashingStream(_io.RawIOBase):
+    """Passes writes through to ``raw`` and hashes them (DCP writes each file front to back, no seeks)."""
+
+    def __init__(self, raw):
+        super().__init__()
+        self.raw, self.sha, self.size = raw, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        n = self.raw.write(view)
+        n = len(view) if n is None else n
+        self.sha.update(view[:n])
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()  # flushes
+            self.raw.close()
+
+
+class _HashingFileSystem(FileSystem):
+    """FsspecWriter's file system with every written file's size and sha256 recorded by base name."""
+
+    def __init__(self, records: dict[str, FileRecord]):
+        super().__init__()
+        self.records = records
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as stream:
+            hashing = _HashingStream(stream)
+            yield hashing
+        self.records[os.path.basename(os.fspath(path))] = FileRecord(hashing.size, hashing.sha.hexdigest())
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        rec = self.records.pop(os.path.basename(os.fspath(path)), None)
+        if rec is not None:
+            self.records[os.path.basename(os.fspath(new_path))] = rec
+
+
+class _Writer(FsspecWriter):
+    """FsspecWriter that records checksums of what it writes and adds the JSON index beside ``.metadata``."""
+
+    def __init__(self, uri: str):
+        local = io.protocol(uri) == "file"
+        # fsync each file on a local disk; an object store's PUT is durable when it returns (DCP would call
+        # os.sync() for the whole machine on streams without a file descriptor)
+        super().__init__(uri, sync_files=local, **io.storage_options(uri))
+        self.records: dict[str, FileRecord] = {}
+        self.fs = _HashingFileSystem(self.records)
+        self.path = self.fs.init_path(uri, **io.storage_options(uri))
+
+    def finish(self, metadata: Metadata, results) -> None:
+        super().finish(metadata, results)  # fills metadata.storage_data, writes .metadata
+        data = json.dumps(metadata_to_json(metadata), separators=(",", ":")).encode()
+        with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_JSON), "wb") as f:
+            f.write(data)
+
+
+def write_state(state: dict, uri: str, process_group=None) -> dict[str, FileRecord]:
+    """``dcp.save`` of ``state`` into the directory ``uri`` (every rank calls it; ``process_group`` carries DCP's
+    planning collectives). Returns the files this rank wrote (rank 0: also the indexes) with sizes and sha256."""
+    writer = _Writer(uri)
+    dcp.save(state, storage_writer=writer, process_group=process_group)
+    return dict(writer.records)
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+
+class _Reader(FsspecReader):
+    """FsspecReader that reads the JSON index, and only files the (verified) manifest names."""
+
+    def __init__(self, uri: str, allowed: set[str]):
+        super().__init__(uri, **io.storage_options(uri))
+        self.uri, self.allowed = uri, allowed
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        where = io.join(self.uri, METADATA_JSON)
+        metadata = metadata_from_json(read_json_bounded(where), where)
+        for info in metadata.storage_data.values():
+            if check_name(info.relative_path, where) not in self.allowed:
+                raise CorruptArtifactError(f"{where} refers to {info.relative_path!r}, which the manifest does not "
+                                           "list; the checkpoint is refused")
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor values (optimizer hyperparameters) loaded with ``weights_only=True``: no code runs on load."""
+
+    def load_bytes(self, read_item, value) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def read_state(state: dict, uri: str, allowed: set[str], process_group=None) -> None:
+    """``dcp.load`` into ``state`` (tensors filled in place, resharded to this world size). A failure on any rank
+    raises ``CorruptArtifactError`` with every rank's reason (DCP's own ``CheckpointException`` derives from
+    ``BaseException``, which ``except Exception`` would miss)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=_Reader(uri, allowed), planner=_SafeLoadPlanner(),
+                 process_group=process_group)
+    except CheckpointException as e:
+        reasons = "; ".join(f"rank {rank}: {exc}" for rank, (exc, _) in sorted(e.failures.items()))
+        raise CorruptArtifactError(f"checkpoint {uri} could not be loaded ({reasons})") from None
+
+
+# ------------------------------------------------------------------------------------------ the JSON index
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str, where: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptArtifactError(f"{where} names the unknown dtype {name!r}; the checkpoint is refused")
+    return dtype
+
+
+def metadata_to_json(md: Metadata) -> dict:
+    """DCP's index as plain JSON: tensor entries (dtype, size, chunks), byte entries, and where each is stored."""
+    entries = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, BytesStorageMetadata):
+            entries[fqn] = {"bytes": True}
+        else:
+            p = m.properties
+            assert p.layout == torch.strided and p.memory_format == torch.contiguous_format, (fqn, p)
+            entries[fqn] = {"dtype": _dtype_name(p.dtype), "requires_grad": p.requires_grad, "size": list(m.size),
+                            "chunks": [[list(c.offsets), list(c.sizes)] for c in m.chunks]}
+    storage = [{"fqn": k.fqn, "offset": None if k.offset is None else list(k.offset), "index": k.index,
+                "file": v.relative_path, "start": v.offset, "length": v.length,
+                "transforms": list(v.transform_descriptors or [])}
+               for k, v in md.storage_data.items()]
+    planner = {k: list(v) for k, v in (md.planner_data or {}).items()}
+    return {"version": md.version, "entries": entries, "storage": storage, "planner": planner}
+
+
+def metadata_from_json(d, where: str) -> Metadata:
+    try:
+        entries = {}
+        for fqn, e in d["entries"].items():
+            if e.get("bytes"):
+                entries[fqn] = BytesStorageMetadata()
+                continue
+            props = TensorProperties(dtype=_dtype(e["dtype"], where), requires_grad=bool(e["requires_grad"]))
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(map(int, o)), sizes=torch.Size(map(int, s)))
+                      for o, s in e["chunks"]]
+            entries[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(map(int, e["size"])),
+                                                 chunks=chunks)
+        storage = {}
+        for s in d["storage"]:
+            key = MetadataIndex(str(s["fqn"]), None if s["offset"] is None else [int(x) for x in s["offset"]],
+                                None if s["index"] is None else int(s["index"]))
+            storage[key] = _StorageInfo(str(s["file"]), int(s["start"]), int(s["length"]),
+                                        [str(t) for t in s["transforms"]] or None)
+        planner = {str(k): tuple(v) for k, v in d["planner"].items()}
+        return Metadata(state_dict_metadata=entries, planner_data=planner, storage_data=storage,
+                        version=d["version"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptArtifactError(f"{where} is malformed ({type(e).__name__}: {e}); the checkpoint is refused") \
+            from None

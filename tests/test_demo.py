@@ -21,12 +21,31 @@ def test_demo_small_runs_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     text = proc.stdout
     for stage in ("synth:", "ingest:", "curate:", "inspect:", "materialize:", "train:", "final validation accuracy:",
-                  "time: data_wait", "report:"):
+                  "time: data_wait", "recovery:", "diagnose:", "[diagnose] verdict:", "everything together:"):
         assert stage in text, f"{stage!r} missing from the demo output:\n{text}"
+    # a readable log: each of rank 0's lines once, no state-API warning every second
+    both = proc.stdout + proc.stderr
+    assert "Failed to query Ray Train Controller actor state" not in both
+    step_lines = [ln for ln in both.splitlines() if "[rank 0] step 1/16 " in ln]
+    assert len(step_lines) == 1, step_lines
     assert "bad files counted" in text and " 0 bad files" not in text  # the broken files were counted
     demo = json.loads((out / "demo.json").read_text())
     summary = json.loads((out / "run" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 6
+    assert summary["world_size"] == 2 and summary["steps"] == 16
+    assert summary["parallel"]["zero_stage"] == 2 and summary["parallel"]["quantization"]["grads_bits"] == 8
+    # one worker was killed mid-run; Ray Train restarted the group and it resumed from a commit by itself
+    rec = demo["recovery"]
+    assert rec["killed_pid"] and rec["error"] is None, rec
+    assert rec["resumed_from_step"] >= 4 and rec["resumed_from_step"] % 4 == 0 and rec["recovery_s"] > 0
+    assert summary["checkpoint"]["resumed"]["step"] == rec["resumed_from_step"]
+    steps = [json.loads(ln)["step"] for ln in (out / "run" / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in ln]
+    assert steps == list(range(1, 17))  # lost steps trained again, none twice
+    assert demo["diagnosis"]["verdict"]["kind"] in ("compute-bound", "data-bound", "communication-bound",
+                                                    "checkpoint-bound")
+    assert (out / "diagnose" / "diagnosis.html").exists()
+    page = (out / "demo.html").read_text()
+    assert "Failure and recovery" in page and demo["diagnosis"]["verdict"]["kind"] in page
     # 6 steps of a tiny CNN: no accuracy target, but the value must be a real accuracy over real val samples
     assert summary["val_accuracy"] == demo["val_accuracy"]
     evals = [json.loads(ln) for ln in (out / "run" / "metrics.jsonl").read_text().splitlines() if "val_samples" in ln]

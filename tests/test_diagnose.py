@@ -44,7 +44,9 @@ def test_verdict_names_the_largest_wait_with_its_number_and_fix():
     v = decide({"end_to_end": _e2e(data=0.05, comm=0.1, rate=800.0), "compute": {"samples_per_s": 1000.0}})
     assert v.kind == "compute-bound" and "80% of the compute ceiling" in v.headline
 
-    assert decide({"end_to_end": {"error": "boom"}}).kind == "unknown"
+    v = decide({"end_to_end": {"error": "boom"}})
+    assert v.kind == "unknown" and "end_to_end experiment failed" in v.headline
+    assert "were not measured" in decide({"compute": {"samples_per_s": 1.0}}).headline
 
 
 def test_memory_verdict_comes_first_and_names_the_stage_that_fits():
@@ -140,3 +142,10 @@ def test_diagnose_cli_reports_a_failed_experiment_and_goes_on(tmp_path, capsys):
     assert "[diagnose] 2/3 loader alone: failed:" in out and "[diagnose] 3/3 memory per rank: stage 0" in out
     assert (tmp_path / "run" / "diagnose" / "diagnosis.html").exists()
     assert main(["diagnose", str(cfg), "--only", "nope"]) == 2
+
+
+def test_compute_bound_workers_that_do_not_scale_are_named():
+    v = decide({"end_to_end": _e2e(comm=0.1), "scaling": {"workers": 2, "speedup": 0.75, "efficiency": 0.375,
+                                                          "zero_stage": 2, "many": {"comm_share": 0.17}}})
+    assert v.kind == "compute-bound" and "2 workers reach only 0.75x of one" in v.headline
+    assert "do not add compute" in v.fix

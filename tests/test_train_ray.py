@@ -96,3 +96,26 @@ def test_torchrun_entry_trains_two_ranks(cache, tmp_path):
     assert summary["world_size"] == 2 and summary["launcher"] == "torchrun" and summary["steps"] == 4
     assert summary["parallel"]["strategy"] == "ddp"
     assert summary["parallel"]["traffic"]["per_kind"]["all_reduce"]["calls"] >= 4
+
+
+def test_results_reach_the_driver_through_ray_train_storage(ray_cluster, cache, tmp_path):
+    """The workers write their run directory where the driver cannot see it (``memory://`` is private to each
+    process, like a local disk on another node): the summary and result files still reach the driver, through
+    Ray Train's result checkpoint in ``ray.storage_path``."""
+    import uuid
+
+    import fsspec
+
+    run_dir = f"memory://dc-{uuid.uuid4().hex[:8]}/run"
+    cfg = cfg_for(cache, run_dir, "parallel.num_workers=2", "run.max_steps=4", "run.eval_every=0",
+                  "run.report=true", f"ray.storage_path={tmp_path / 'ray'}")
+    summary = train(cfg, quiet=True)
+    assert summary["steps"] == 4 and summary["world_size"] == 2
+    fs = fsspec.filesystem("memory")  # this (driver) process's memory: filled from Ray's storage
+    base = run_dir.removeprefix("memory://")
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)}
+    assert {"summary.json", "metrics.jsonl", "report.png"} <= names, names
+    rows = [json.loads(x) for x in fs.cat(base + "/metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert fs.cat(base + "/report.png")[:4] == b"\x89PNG"
+    assert summary["ray_storage"].startswith(str(tmp_path / "ray"))

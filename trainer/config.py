@@ -101,6 +101,7 @@ class RaySection:
     placement_strategy: str = "PACK"  # PACK, STRICT_PACK, SPREAD, STRICT_SPREAD
     label_selector: dict[str, str] = field(default_factory=dict)  # e.g. {"zone" = "us-east-1a"}
     accelerator_type: str = ""
+    log_level: str = "WARNING"  # Ray Train's own console lines (INFO: resources, every rank's reports, ...)
     # Ray Train restarts the whole worker group this many times after a worker dies; the restarted workers resume
     # from the last committed checkpoint (checkpoint.resume = "auto"). 0 = a failed worker fails the run.
     max_failures: int = 0
@@ -175,6 +176,7 @@ CHOICES = {
     "parallel.quant_weights": ("none", "int8"),
     "parallel.quant_grads": ("none", "int8", "int4"),
     "ray.placement_strategy": ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
+    "ray.log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "run.precision": ("auto", "fp32", "bf16", "fp64"),
     "checkpoint.on_nonfinite": ("skip", "rollback", "stop"),
 }

@@ -1,11 +1,14 @@
 """``dutycycle demo``: the whole pipeline on generated data, as one command.
 
     synth (with a few broken files) -> ingest (bad files counted) -> curate (filter, dedupe, save)
-    -> materialize (transformed-sample cache) -> train on a local Ray cluster -> accuracy, time, report
+    -> materialize (transformed-sample cache) -> train on a local Ray cluster (ZeRO stage 2, int8 gradient
+    exchange, asynchronous checkpoints) while one worker is killed mid-run and the run recovers by itself
+    -> diagnose the same config -> accuracy, time, recovery, verdict, and demo.html tying them together
 
 Every stage is the public API a user would call, and every artifact lands under ``--out`` so a person can
-look at it afterwards (``images/``, ``table/``, ``curated/``, ``cache/``, ``run/``). Running the demo again in
-the same folder reuses what is already there (ingest adds only new files, the cache is found by fingerprint).
+look at it afterwards (``images/``, ``table/``, ``curated/``, ``cache/``, ``run/``, ``diagnose/``). Running the
+demo again in the same folder reuses the data (ingest adds only new files, the cache is found by fingerprint) and
+trains afresh (``run/`` is cleared, or training would resume from the previous run's last checkpoint).
 """
 
 from __future__ import annotations
@@ -22,8 +25,13 @@ DEMO = {
         "data": {"global_batch_size": 128, "eval_batch_size": 256, "augment": {"flip": True}},
         "model": {"name": "cnn", "width": 32, "depth": 3},
         "optim": {"lr": 0.005, "warmup_steps": 30, "weight_decay": 0.05},
-        "run": {"epochs": 6, "eval_every": 100, "log_every": 25},
+        "parallel": {"zero_stage": 2, "quant_grads": "int8"},
+        "checkpoint": {"every": 50, "async_save": True, "keep": 2},
+        "ray": {"max_failures": 1},
+        "run": {"epochs": 6, "eval_every": 100, "log_every": 10},
     },
+    "kill_after_step": 70,  # one worker is killed once this step is logged (after the step-50 commit)
+    "diagnose": {"budget_s": 150, "only": None},
 }
 SMALL = {
     "images": 300,
@@ -32,8 +40,13 @@ SMALL = {
         "data": {"global_batch_size": 32, "eval_batch_size": 64},
         "model": {"name": "cnn", "width": 8, "depth": 3},
         "optim": {"lr": 0.003, "warmup_steps": 2},
-        "run": {"max_steps": 6, "eval_every": 3, "log_every": 1},
+        "parallel": {"zero_stage": 2, "quant_grads": "int8"},
+        "checkpoint": {"every": 4, "async_save": True, "keep": 2},
+        "ray": {"max_failures": 1},
+        "run": {"max_steps": 16, "eval_every": 8, "log_every": 2},
     },
+    "kill_after_step": 6,
+    "diagnose": {"budget_s": 60, "only": ["compute", "loader", "end_to_end", "memory"]},
 }
 
 
@@ -63,7 +76,7 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
     # Validate the training config first: a bad --set fails before minutes of data preparation.
     base = dict(plan["train"])
     base["data"] = {**base["data"], "source": "cache", "cache": "(set after materialize)"}
-    base["parallel"] = {"num_workers": workers}
+    base["parallel"] = {**base.get("parallel", {}), "num_workers": workers}
     base["run"] = {**base["run"], "dir": run_dir, "name": "demo"}
     load_config(None, overrides, base=base)
     t_start = time.perf_counter()
@@ -102,21 +115,61 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
 
     base["data"]["cache"] = res.uri
     cfg = load_config(None, overrides, base=base)
+    if io.exists(run_dir):  # train afresh: a previous demo's checkpoints would be resumed from
+        fs, path = io.filesystem(run_dir)
+        fs.rm(path, recursive=True)
     t = time.perf_counter()
-    _say(f"train: {cfg.parallel.num_workers} workers on a local Ray cluster, run directory {run_dir}")
-    summary = train(cfg, local=False, quiet=True)
+    _say(f"train: {cfg.parallel.num_workers} workers on a local Ray cluster, ZeRO stage {cfg.parallel.zero_stage}, "
+         f"{cfg.parallel.quant_grads} gradient exchange, asynchronous checkpoints every {cfg.checkpoint.every} "
+         f"steps; run directory {run_dir}")
+    chaos = None
+    if cfg.parallel.num_workers > 1 and cfg.ray.max_failures > 0 and cfg.checkpoint.every and io.protocol(run_dir) == "file":
+        from .chaos import KillOneWorker
+
+        chaos = KillOneWorker(run_dir, cfg.checkpoint.dir or io.join(run_dir, "checkpoints"), plan["kill_after_step"])
+        chaos.start()
+        _say(f"failure injection: rank 1 will be killed (SIGKILL) once step {plan['kill_after_step']} is logged")
+    try:
+        summary = train(cfg, local=False, quiet=True)
+    finally:
+        if chaos is not None:
+            chaos.stop()
+            chaos.join(10)
     stages["train"] = time.perf_counter() - t
-    total = time.perf_counter() - t_start
+    recovery = chaos.report.to_dict() if chaos is not None else None
 
     acc = summary["val_accuracy"]
     _say(f"final validation accuracy: {acc:.1%} ({summary['steps']} steps, {summary['samples_per_s']:.0f} samples/s, "
          f"world size {summary['world_size']})")
     _say(format_breakdown(summary))
     _say(f"goodput {summary['goodput']:.0%}, data wait {summary['data_wait_fraction']:.1%}, "
-         f"communication {summary['comm_fraction']:.1%}")
+         f"communication {summary['comm_fraction']:.1%}, checkpoint stall "
+         f"{summary['time_breakdown']['fractions']['checkpoint']:.1%}")
+    if recovery:
+        if recovery.get("recovery_s") is not None:
+            _say(f"recovery: rank {recovery['killed_rank']} (pid {recovery['killed_pid']}) killed at step "
+                 f"{recovery['killed_at_step']}; the restarted workers resumed from the step-"
+                 f"{recovery['resumed_from_step']} commit {recovery['recovery_s']:.1f} s later, "
+                 f"{recovery['steps_lost']} steps lost and trained again")
+        else:
+            _say(f"recovery: no failure was injected ({recovery.get('error')})")
+
+    t = time.perf_counter()
+    from .diagnose import diagnose
+
+    d = plan["diagnose"]
+    _say(f"diagnose: the same config, budget {d['budget_s']} s")
+    diagnosis = diagnose(cfg, out=io.join(out, "diagnose"), budget_s=d["budget_s"], only=d["only"],
+                         say=lambda m: print(m, flush=True), config_name="the demo's training config")
+    stages["diagnose"] = time.perf_counter() - t
+    total = time.perf_counter() - t_start
     _say("stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in stages.items()) + f"; total {total:.0f}s")
-    _say(f"report: {summary.get('report')}")
     result = {"val_accuracy": acc, "total_s": total, "stages": stages, "run_dir": run_dir,
-              "report": summary.get("report"), "cache": res.uri, "contact_sheet": sheet, "summary": summary}
+              "report": summary.get("report"), "cache": res.uri, "contact_sheet": sheet, "summary": summary,
+              "recovery": recovery, "diagnosis": {"verdict": diagnosis["verdict"], "files": diagnosis["files"]}}
+    from .demo_report import write
+
+    result["html"] = write(out, result)
+    _say(f"report: {summary.get('report')}; everything together: {result['html']}")
     io.write_json_atomic(io.join(out, "demo.json"), {k: v for k, v in result.items() if k != "summary"})
     return result

@@ -24,6 +24,7 @@ from dutycycle.engine import io
 
 from .config import TrainConfig, describe, from_dict, use_gpu
 from .loop import WorkerContext, set_threads, train_worker
+from .rayresults import report_results, results_from, runtime_env
 
 
 def resolve_run_dir(cfg: TrainConfig) -> str:
@@ -117,8 +118,15 @@ def _ray_train_fn(payload: dict) -> None:
     # a restarted group resumes from the newest verified commit by itself (checkpoint.resume = "auto"); Ray
     # Train's own record of the last reported one is kept for the summary
     info = {"workers": where, "launcher": "ray", "ray_checkpoint": latest_reported()}
-    train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, report=ray.train.report,
-                                    run_dir=payload["run_dir"], info=info, on_commit=report_commit))
+    last_commit: dict = {}
+
+    def on_commit(step: int, uri: str) -> None:
+        last_commit.update(step=step, uri=uri)
+        report_commit(step, uri)
+
+    summary = train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, report=ray.train.report,
+                                              run_dir=payload["run_dir"], info=info, on_commit=on_commit))
+    report_results(cfg, payload["run_dir"], summary, rank, last_commit or None)
 
 
 def init_ray(cfg: TrainConfig) -> None:
@@ -129,11 +137,11 @@ def init_ray(cfg: TrainConfig) -> None:
     env = {"RAY_USAGE_STATS_ENABLED": "0", "DAFT_ANALYTICS_ENABLED": "0"}
     for k, v in env.items():
         os.environ.setdefault(k, v)
+    runtime = runtime_env({k: os.environ[k] for k in env})  # one print per line, no state-API warnings
     if cfg.ray.address:
-        ray.init(address=cfg.ray.address, log_to_driver=True, configure_logging=False)
+        ray.init(address=cfg.ray.address, log_to_driver=True, configure_logging=False, runtime_env=runtime)
     else:
-        ray.init(include_dashboard=False, configure_logging=False,
-                 runtime_env={"env_vars": {k: os.environ[k] for k in env}})
+        ray.init(include_dashboard=False, configure_logging=False, runtime_env=runtime)
 
 
 def scaling_config(cfg: TrainConfig, gpu: bool):
@@ -155,7 +163,7 @@ def scaling_config(cfg: TrainConfig, gpu: bool):
 def train_ray(cfg: TrainConfig) -> dict:
     """Run on Ray Train's TorchTrainer with ``parallel.num_workers`` workers."""
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     init_ray(cfg)
@@ -170,7 +178,7 @@ def train_ray(cfg: TrainConfig) -> dict:
         scaling_config=scaling_config(cfg, gpu),
         # a dead worker restarts the whole group up to ray.max_failures times; the new workers resume from the
         # last commit. Ray Train keeps pointers to dutycycle's commits (checkpoint/raytrain.py), as many as we keep.
-        run_config=RunConfig(name=cfg.run.name, storage_path=storage,
+        run_config=RunConfig(name=cfg.run.name, storage_path=storage, logging_config=LoggingConfig(cfg.ray.log_level),
                              failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
     )
@@ -183,11 +191,8 @@ def train_ray(cfg: TrainConfig) -> dict:
         raise
     if result.error is not None:
         raise result.error
-    from .checkpoint import checkpoint_uri
-
-    summary = finish_run(cfg)
-    summary["ray_result_checkpoint"] = checkpoint_uri(result.checkpoint)  # Ray Train's pointer to the last commit
-    return summary
+    # through Ray Train's result and storage, not the driver's disk (rank 0 may have run on another node)
+    return results_from(cfg, result)
 
 
 def _user_error(err: BaseException):

@@ -84,9 +84,19 @@ def decide(findings: dict) -> Verdict:
         shares["checkpoint"] = run.get("checkpoint_share", 0.0)
     if many:
         shares["communication"] = max(shares.get("communication", 0.0), many["comm_share"])
+    mode = "async" if ckpt.get("configured_async") else "sync"
+    if ckpt.get("configured_every") and isinstance(ckpt.get(mode), dict) and run:
+        # the configured cadence: one stall per `every` steps of the end-to-end step time
+        stall = ckpt[mode]["stall_s_per_save"]
+        shares["checkpoint"] = max(shares.get("checkpoint", 0.0),
+                                   stall / (ckpt["configured_every"] * run["step_s"] + stall))
     if not shares:
-        return Verdict("unknown", None, "no end-to-end or scaling measurement succeeded; see the errors above",
-                       "fix the errors and run dutycycle diagnose again", {})
+        failed = [k for k in ("end_to_end", "scaling") if "error" in (findings.get(k) or {})]
+        if failed:
+            return Verdict("unknown", None, f"the {' and '.join(failed)} experiment failed (see its error above), "
+                           "so no wait could be measured", "fix the error and run dutycycle diagnose again", {})
+        return Verdict("unknown", None, "the waits of a running step were not measured (the end_to_end and scaling "
+                       "experiments did not run)", "run dutycycle diagnose without --only, or with end_to_end", {})
     kind, share = max(shares.items(), key=lambda kv: kv[1])
     if share < THRESHOLD:
         got = run.get("samples_per_s") if run else None
@@ -94,8 +104,16 @@ def decide(findings: dict) -> Verdict:
         head = (f"compute-bound: no wait takes more than {share:.0%} of a step (data {shares.get('data', 0):.0%}, "
                 f"communication {shares.get('communication', 0):.0%}, checkpoint {shares.get('checkpoint', 0):.0%})"
                 f"; it trains at {_k(got)} samples/s{frac}")
-        return Verdict("compute-bound", share, head, "a faster model step (larger batch per worker, bf16 on GPU, "
-                       "more devices) is what shortens this run", shares)
+        fix = "a faster model step (larger batch per worker, bf16 on GPU, more devices) is what shortens this run"
+        if many and scaling.get("efficiency", 1.0) < 0.7:
+            # the workers wait on nothing, yet N of them barely beat one: they share the compute itself (on CPU,
+            # the same cores; the compute ceiling per worker assumes each gets its share)
+            head += (f"; but {scaling['workers']} workers reach only {scaling['speedup']:.2f}x of one (efficiency "
+                     f"{scaling['efficiency']:.0%}) with communication at {many['comm_share']:.0%} of the step: "
+                     "they share the same compute")
+            fix = ("workers that share one machine's cores do not add compute: put them on separate devices or nodes "
+                   "(parallel.num_workers per node = its accelerators), or run one worker with all the cores")
+        return Verdict("compute-bound", share, head, fix, shares)
     if kind == "data":
         return _data(share, shares, e2e, run, loaders, ceiling)
     if kind == "communication":

@@ -1,0 +1,72 @@
+"""``demo.html``: one page tying the demo together: the data stages, the training result and where its time went,
+the failure and the recovery, and the diagnosis, with links to the artifacts each stage left."""
+
+from __future__ import annotations
+
+import base64
+import html
+import os
+
+from dutycycle.engine import io
+
+
+def _img(uri: str | None) -> str:
+    if not uri or not io.exists(uri):
+        return ""
+    fs, path = io.filesystem(uri)
+    with fs.open(path, "rb") as f:
+        data = base64.b64encode(f.read()).decode()
+    return f"<p><img alt='{html.escape(os.path.basename(uri))}' src='data:image/png;base64,{data}' width='100%'></p>"
+
+
+def _link(uri: str | None, text: str) -> str:
+    if not uri:
+        return html.escape(text)
+    return f"<a href='{html.escape(uri)}'>{html.escape(text)}</a>"
+
+
+def _rows(pairs) -> str:
+    return "".join(f"<tr><td>{html.escape(str(k))}</td><td>{v}</td></tr>" for k, v in pairs)
+
+
+def write(out: str, result: dict) -> str:
+    s, rec, dg = result["summary"], result.get("recovery") or {}, result.get("diagnosis") or {}
+    e = html.escape
+    stages = _rows((k, f"{v:.1f} s") for k, v in result["stages"].items())
+    bd = s["time_breakdown"]
+    time_rows = _rows((k, f"{bd['seconds'][k]:.1f} s ({bd['fractions'][k]:.0%})") for k in bd["seconds"]
+                      if bd["seconds"][k] > 0)
+    par, ck = s.get("parallel", {}), s.get("checkpoint") or {}
+    train_rows = _rows([
+        ("validation accuracy", f"{s['val_accuracy']:.1%}"),
+        ("steps, samples/s", f"{s['steps']}, {s['samples_per_s']:.0f}"),
+        ("workers, ZeRO stage", f"{s['world_size']}, {par.get('zero_stage')}"),
+        ("gradient exchange", e(str(par.get("quantization", {})))),
+        ("bytes sent per step per rank", f"{sum(par.get('traffic_per_step', {}).values()) / 2**20:.2f} MB"),
+        ("checkpoints committed", e(str(ck.get("committed")))),
+        ("stall per save (mean)", f"{ck.get('stall_s', {}).get('mean', 0) * 1000:.0f} ms" if ck else "-"),
+        ("goodput", f"{s['goodput']:.0%}"),
+    ])
+    rec_rows = _rows((k.replace("_", " "), e(str(v))) for k, v in rec.items()) if rec else \
+        "<tr><td colspan=2>no failure was injected</td></tr>"
+    verdict = dg.get("verdict", {})
+    body = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>dutycycle demo</title><style>"
+        "body{font-family:sans-serif;max-width:1100px;margin:2em auto}td{padding:4px 10px;border-bottom:1px solid "
+        "#ddd}h2{margin-top:1.6em}.verdict{font-size:1.15em;padding:1em;background:#f4f4f4}</style></head><body>"
+        "<h1>dutycycle demo</h1>"
+        f"<p>total {result['total_s']:.0f} s. Artifacts under <code>{e(out)}</code>.</p>"
+        f"<h2>Data</h2><table>{stages}</table>"
+        f"<p>{_link(result.get('contact_sheet'), 'contact sheet of the curated table')} &middot; cache "
+        f"<code>{e(result.get('cache', ''))}</code></p>"
+        f"<h2>Training</h2><table>{train_rows}</table><h3>Where the time went (mean per rank)</h3>"
+        f"<table>{time_rows}</table>{_img(s.get('report'))}"
+        f"<h2>Failure and recovery</h2><table>{rec_rows}</table>"
+        f"<h2>Diagnosis</h2><p class='verdict'><b>{e(verdict.get('kind', 'not run'))}</b>: "
+        f"{e(verdict.get('headline', ''))}</p>"
+        f"<p>{_link((dg.get('files') or {}).get('html'), 'the full diagnosis')}</p>"
+        f"{_img((dg.get('files') or {}).get('png'))}</body></html>"
+    )
+    uri = io.join(out, "demo.html")
+    io.write_bytes_atomic(uri, body.encode())
+    return uri

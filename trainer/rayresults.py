@@ -15,7 +15,10 @@ state API once a second whether the controller lives; the state API is served by
 local clusters do not start, so each query logged "Failed to query Ray Train Controller actor state" (46 lines in
 one demo). Those warnings are silenced in every worker (``quiet_ray_logs``, Ray's ``worker_process_setup_hook``);
 what the cleaner would have done, freeing the run's placement group if its controller died, happens anyway when
-the driver's Ray session ends. Ray Train's own INFO lines (resources requested, each rank's "Reporting training
+the driver's Ray session ends. Ray Train sets the root logger of each worker to INFO with a console handler, so
+the span records Daft's Rust engine emits through Python logging (logger ``tracing.span``: one line per operator,
+"ScanTaskSource::get_data;", 46 of them each time the raw loader plans its rows) would print too; that logger is
+held at WARNING in every worker. Ray Train's own INFO lines (resources requested, each rank's "Reporting training
 result N" at every report, each checkpoint persisted) are filtered by ``ray.log_level`` (default WARNING, through
 ``RunConfig(logging_config=...)``); set it to INFO to see them again. They stay in Ray's session log files.
 """
@@ -36,11 +39,13 @@ RAY_WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 
 def quiet_ray_logs() -> None:
     """Runs in every Ray worker process at start (``worker_process_setup_hook``). Ray Train reconfigures its
-    ``ray.train`` loggers after this hook (``ray.log_level`` filters those); these two it does not touch: the
+    ``ray.train`` loggers after this hook (``ray.log_level`` filters those); these three it does not touch: the
     placement-group cleaner's, and the one that prints every rank's "Reporting training result N" line, which is
-    named after its file rather than under ``ray.train``."""
+    named after its file rather than under ``ray.train``; and Daft's Rust span records (``tracing``), which
+    Ray Train's INFO root logger would print to the console."""
     import importlib.util
 
+    logging.getLogger("tracing").setLevel(logging.WARNING)
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
     spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")
     if spec is not None and spec.origin:

@@ -156,6 +156,27 @@ def test_loading_never_unpickles(tmp_path):
     assert not os.path.exists(marker)
 
 
+def test_non_tensor_values_load_without_unpickling_code(tmp_path):
+    """DCP's default load planner unpickles non-tensor values (optimizer hyperparameters) with the weights-only
+    guard off: a value that runs code when unpickled, saved as a hyperparameter, is refused by dutycycle's planner
+    with an error naming the checkpoint, and runs nothing (this fails if storage._SafeLoadPlanner is removed)."""
+    marker = "/tmp/dutycycle-pickle-ran"
+    if os.path.exists(marker):
+        os.unlink(marker)
+    state = state_for(1)
+    state["optim"]["evil"] = _Boom()
+    saver = Saver(str(tmp_path), rank=0, world_size=1, keep=2, async_save=False)
+    saver.save(1, state, TrainerState(step=1, epoch=0, loader={}, rng=[], world_size=1), capture_rng())
+    saver.wait()
+    saver.close()
+    sel = find_latest(str(tmp_path))
+    got = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+           "optim": {"m": torch.zeros(64, 32), "lr": 0.0, "betas": (0.0, 0.0), "evil": None}}
+    with pytest.raises(CorruptArtifactError, match="step-00000001"):
+        read_state(got, sel.uri, set(sel.manifest.files))
+    assert not os.path.exists(marker)
+
+
 def test_metadata_json_round_trips_dcps_index(tmp_path):
     from dutycycle.trainer.checkpoint.storage import metadata_from_json, metadata_to_json
     from torch.distributed.checkpoint import FileSystemReader

@@ -7,8 +7,8 @@ needs. Added here, each at a public seam of DCP's storage classes:
 - **Checksums while writing.** Every stream DCP writes through is hashed as it goes, so when ``dcp.save`` returns
   each rank knows the size and sha256 of its own files without reading them back (on an object store a read-back
   would download the checkpoint again).
-- **Loads run no pickle.** DCP's ``.metadata`` is a pickle, and DCP loads non-tensor values (optimizer
-  hyperparameters) with ``torch.load(weights_only=False)``. Rank 0 also writes the index as JSON
+- **Loads run no pickle.** DCP's ``.metadata`` is a pickle, and DCP's default load planner unpickles non-tensor
+  values (optimizer hyperparameters) with the weights-only guard off. Rank 0 also writes the index as JSON
   (``metadata.json``); loads read that one, and load non-tensor values with ``weights_only=True`` (tensors and
   plain Python values only). Tensors are loaded by DCP with ``weights_only=True`` already. Every file a load
   touches is named in the manifest, and the manifest's checksums were verified first (resume.py).

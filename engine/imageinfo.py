@@ -98,6 +98,13 @@ def refused_format(data: bytes) -> str | None:
     return None
 
 
+def refusal(data: bytes) -> str | None:
+    """Why ``data`` is not decoded when it is a recognised but refused format, else None: one message for
+    every caller that opens untrusted bytes (the table's probe and thumbnails, the cache's decode)."""
+    refused = refused_format(data)
+    return f"{refused} is not decoded (allowed: {', '.join(ALLOWED_FORMATS)})" if refused else None
+
+
 def _sniff(data: bytes) -> str:
     if data.startswith(b"\xff\xd8"):
         return "JPEG"
@@ -124,11 +131,9 @@ def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Ima
     except Image.DecompressionBombError as e:
         raise ValueError(f"{BOMB}: {e}") from None
     except UnidentifiedImageError:
-        refused = refused_format(data)
-        if refused:
-            raise ValueError(
-                f"{UNSUPPORTED}: {refused} is not decoded (allowed: {', '.join(ALLOWED_FORMATS)})"
-            ) from None
+        reason = refusal(data)
+        if reason:
+            raise ValueError(f"{UNSUPPORTED}: {reason}") from None
         if data.startswith(b"RIFF") and data[8:12] == b"WEBP":  # PIL's WebP plugin fails open() on a cut file
             raise ValueError(
                 _tail_check("WEBP", data) or f"{CORRUPT}: WebP stream cannot be parsed"

@@ -18,6 +18,10 @@ from fsspec.core import url_to_fs
 
 from .errors import CorruptArtifactError, DestinationError, SourceError
 
+# Schemes Daft's own readers understand (its Parquet scans and URL downloads, hf:// included); others
+# (memory://, ...) are read in-process through fsspec. One list, so ingest, tables and caches agree.
+DAFT_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "http", "https", "hf")
+
 
 def storage_options(uri: str) -> dict[str, Any]:
     """fsspec storage options for ``uri``; for s3 the endpoint comes from ``AWS_ENDPOINT_URL``."""
@@ -108,6 +112,15 @@ def daft_io_config():
     return IOConfig(s3=s3)
 
 
+def _write_local_fsynced(path: str, write) -> None:
+    """Create the local file ``path`` with ``write(file)`` and fsync it, so its bytes are on disk before the caller
+    renames, links or commits it."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_bytes_atomic(uri: str, data: bytes) -> None:
     """Write ``data`` so that a reader sees either the old object or the whole new one, never part of it.
 
@@ -121,10 +134,7 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
             fs.makedirs(parent, exist_ok=True)
         if protocol_of(fs) == "file":
             tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_local_fsynced(tmp, lambda f: f.write(data))
             os.replace(tmp, path)
         else:
             with fs.open(path, "wb") as f:
@@ -143,10 +153,7 @@ def write_fsynced(uri: str, write) -> None:
     if parent:
         fs.makedirs(parent, exist_ok=True)
     if protocol_of(fs) == "file":
-        with open(path, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_local_fsynced(path, write)
         fsync_dir(parent)
     else:
         with fs.open(path, "wb") as f:
@@ -182,10 +189,7 @@ def create_exclusive(uri: str, data: bytes) -> bool:
     proto = protocol_of(fs)
     if proto == "file":
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_local_fsynced(tmp, lambda f: f.write(data))
         try:
             os.link(tmp, path)
         except FileExistsError:

@@ -156,16 +156,14 @@ def open_image(data: bytes, max_pixels: int = MAX_PIXELS):
     (before pixels decode)."""
     from PIL import Image, UnidentifiedImageError
 
-    from .imageinfo import refused_format
+    from .imageinfo import refusal
 
     try:
         img = Image.open(_io.BytesIO(data), formats=ALLOWED_FORMATS)
     except UnidentifiedImageError as e:
-        refused = refused_format(data)
-        if refused:
-            raise DecodeError(
-                "unsupported_format", f"{refused} is not decoded (allowed: {', '.join(ALLOWED_FORMATS)})"
-            ) from e
+        reason = refusal(data)
+        if reason:
+            raise DecodeError("unsupported_format", reason) from e
         raise DecodeError("unidentified", f"not a recognised image ({len(data)} bytes)") from e
     except Image.DecompressionBombError as e:
         raise DecodeError("too_many_pixels", str(e)) from e

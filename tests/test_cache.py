@@ -266,7 +266,7 @@ def test_cli_ray_runner_matches_native(tmp_path):
     assert ray_m.options["runner"] == "ray"
 
 
-def test_public_names_are_lazy():
+def test_public_names_resolve():
     import dutycycle.engine as engine
 
     assert engine.TransformSpec is TransformSpec and engine.materialize is materialize

@@ -95,7 +95,7 @@ def test_s3_cache_read_by_range_with_bounded_memory(s3, tmp_path):
     _, expected = loader_batches(local, ReadConfig(), steps=3, **plan)
     assert_same(got, expected)
     # The first window's 8 blocks of 32 rows, fetched in chunks of 10 rows (~1 MB), each shard's ids, labels
-    # and splits (~24 KB) and 16 KB of edges per shard. Measured: 1.18 MB in 51 requests, 0.19 of the cache.
+    # and splits (~24 KB) and 16 KB of edges per shard. Measured: 1.18 MB in 47 requests, 0.19 of the cache.
     fetched = loader.reader.stats.bytes_fetched
     assert fetched < 0.25 * total, (fetched, total)
     # A whole epoch: every Python-visible allocation (numpy buffers, fetched bytes) together peaks near the

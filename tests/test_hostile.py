@@ -196,7 +196,7 @@ def test_bomb_under_pils_limit_is_refused_from_its_header_without_allocating():
     assert int(out[3]) < 64  # MiB: decoding would need 80 MB (L) to 320 MB (RGBA)
 
 
-def test_eps_is_refused_unparsed_everywhere(tmp_path):
+def test_eps_is_refused_unparsed_everywhere():
     """Not handed to PIL's EPS plugin (nor Ghostscript): a counted error at ingest, a counted skip in the cache."""
     facts = imageinfo.probe(EPS, with_phash=False)  # no pixel decode asked: the header alone must refuse it
     assert facts.error.startswith("unsupported format: PostScript/EPS is not decoded")

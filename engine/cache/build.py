@@ -98,9 +98,10 @@ def build_native(sel, out: str, spec: TransformSpec, classes: list[str], cfg, nu
     rows = sel.with_column("shard", (col("row") // size).cast(daft.DataType.int64()))
     if records:
         rows = rows.where(~col("shard").is_in(list(records)))
-    # Threads, not Daft's worker processes: PIL releases the GIL while decoding and resizing, and on this 2-CPU
+    # Threads, not Daft's worker processes: PIL releases the GIL while decoding and resizing, and on a 2-CPU
     # machine processes were no faster at 12k images (13.9 s vs 13.1 s) and far slower to start at 3k (4.1 s vs
-    # 2.4 s). Threads also see memory://, which lives in this process only.
+    # 2.4 s): measured once while writing this, not a benchmark row. Threads also see memory://, which lives in
+    # this process only.
     decode = udf.decode_udf(spec, cfg.batch_size, cfg.max_file_bytes, cfg.max_pixels, use_process=False)
     rows = rows.sort("row").select("shard", "sample_id", "label", "split",
                                    decode(col("uri"), spec.to_json()).alias("out"))

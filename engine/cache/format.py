@@ -161,6 +161,16 @@ def write_latest(root_uri: str, fingerprint: str) -> None:
     io.write_bytes_atomic(io.join(root_uri, LATEST), (fingerprint + "\n").encode())
 
 
+def read_latest(root_uri: str) -> str | None:
+    """The fingerprint that ``ROOT/latest`` names (stripped; may be empty), or None when there is no pointer."""
+    latest = io.join(root_uri, LATEST)
+    if not io.exists(latest):
+        return None
+    fs, path = io.filesystem(latest)
+    with fs.open(path, "rb") as f:
+        return f.read().decode().strip()
+
+
 def committed_fingerprints(root_uri: str) -> list[str]:
     """Fingerprint folders under a cache root that have a manifest (sorted by name)."""
     fs, path = io.filesystem(root_uri)
@@ -177,13 +187,9 @@ def resolve(uri: str) -> str:
     ``latest`` points at, or the only committed fingerprint folder."""
     if is_committed(uri):
         return uri
-    latest = io.join(uri, LATEST)
-    if io.exists(latest):
-        fs, path = io.filesystem(latest)
-        with fs.open(path, "rb") as f:
-            fp = f.read().decode().strip()
-        if fp and is_committed(io.resolve_inside(uri, fp, "cache root")):
-            return io.join(uri, fp)
+    fp = read_latest(uri)
+    if fp and is_committed(io.resolve_inside(uri, fp, "cache root")):
+        return io.join(uri, fp)
     found = committed_fingerprints(uri)
     if len(found) == 1:
         return io.join(uri, found[0])

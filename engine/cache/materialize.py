@@ -31,7 +31,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -57,7 +57,7 @@ class MaterializeConfig:
     ray_address: str | None = None  # a running Ray cluster for the ray runner; None starts a local one
     batch_size: int = 64  # files fetched and decoded at a time inside a shard (bounds the bytes held)
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # larger files are skipped as "too_large", never read whole
-    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS  # images whose header claims more are skipped before decoding
 
     def __post_init__(self):
         if not isinstance(self.rows_per_shard, int) or self.rows_per_shard < 1:
@@ -68,6 +68,8 @@ class MaterializeConfig:
             raise ConfigError(f"batch_size={self.batch_size!r} is invalid; use a positive integer")
         if not isinstance(self.max_file_bytes, int) or self.max_file_bytes < 1:
             raise ConfigError(f"max_file_bytes={self.max_file_bytes!r} is invalid; use a positive byte count")
+        if not isinstance(self.max_pixels, int) or self.max_pixels < 1:
+            raise ConfigError(f"max_pixels={self.max_pixels!r} is invalid; use a positive pixel count")
 
 
 @dataclass
@@ -92,7 +94,6 @@ class MaterializeResult:
     seconds: float
     shards_written: int = 0
     shards_resumed: int = 0
-    details: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -162,21 +163,18 @@ def _index_key(tm: tf.TableManifest, table_uri: str, where: str | None, spec: Tr
 
 def _reuse(root: str, fp: str, t0: float) -> MaterializeResult | None:
     uri = io.resolve_inside(root, fp, "cache root")  # a fingerprint read from the index is data, not a path
-    if not cf.is_committed(uri):
+    try:
+        manifest = cf.read_manifest(uri)  # checks that the cache is committed: no separate existence check
+    except SourceError:  # not committed (or not any more)
         return None
     _point_latest(root, fp)
-    return MaterializeResult(uri=uri, manifest=cf.read_manifest(uri), reused=True, seconds=time.perf_counter() - t0)
+    return MaterializeResult(uri=uri, manifest=manifest, reused=True, seconds=time.perf_counter() - t0)
 
 
 def _point_latest(root: str, fp: str) -> None:
     """``ROOT/latest`` names the cache the most recent materialize returned (rewritten only when it changes)."""
-    latest = io.join(root, cf.LATEST)
-    if io.exists(latest):
-        fs, path = io.filesystem(latest)
-        with fs.open(path, "rb") as f:
-            if f.read().decode().strip() == fp:
-                return
-    cf.write_latest(root, fp)
+    if cf.read_latest(root) != fp:
+        cf.write_latest(root, fp)
 
 
 def materialize(
@@ -190,6 +188,7 @@ def materialize(
     rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
     batch_size: int = 64,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
     log: Callable[[str], None] | None = None,
 ) -> MaterializeResult:
     """Build (or reuse) the cache of ``table`` under the cache root ``cache``; returns the committed folder.
@@ -206,6 +205,7 @@ def materialize(
         ray_address=ray_address,
         batch_size=batch_size,
         max_file_bytes=max_file_bytes,
+        max_pixels=max_pixels,
     )
     log = log or (lambda msg: None)
     tm = tf.read_manifest(table)

@@ -61,6 +61,8 @@ def sha256_file(path: str) -> str:
 
 
 def write_file_atomic(path: str, data: bytes) -> None:
+    """Replace ``path`` atomically. Not fsynced, unlike ``io.write_bytes_atomic``: these are node-local records,
+    and one lost in a power cut only means the work it records is done again."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     with open(tmp, "wb") as f:

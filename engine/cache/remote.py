@@ -91,8 +91,7 @@ class RangeFile(_io.RawIOBase):
                 raise CorruptArtifactError(f"cache shard {self.path!r} is shorter than its manifest says; "
                                            "materialize the cache again")
             self.pieces.append((a, bytes(data)))
-            self.stats.add_fetch(len(data))
-        self.stats.requests += len(ranges) - 1  # add_fetch counted one request per range
+            self.stats.add_fetch(len(data))  # one request per range, as in RangedPixels.take
 
     def _kept(self, start: int, n: int) -> bytes | None:
         for a, data in self.pieces:
@@ -231,8 +230,7 @@ class RangedPixels:
                     raise CorruptArtifactError(f"cache shard {self.path!r} is shorter than its manifest says; "
                                                "materialize the cache again")
                 fresh[(self.shard, c)] = np.frombuffer(data, np.uint8).reshape(b - a, *self.shape)
-                self.chunks.stats.add_fetch(len(data), 0)
-            self.chunks.stats.requests += len(todo)
+                self.chunks.stats.add_fetch(len(data))
             have.update(fresh)
             self.chunks.put_many(fresh, set(keys))
         out = np.empty((len(local), *self.shape), np.uint8)

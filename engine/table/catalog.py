@@ -36,7 +36,7 @@ from .probe import SPLIT_NAMES, assign_split  # noqa: F401 - public here: the sp
 
 DEFAULT_SPLIT = (0.8, 0.1, 0.1)
 ROWS_PER_FILE = 200_000
-MAX_COMMIT_ATTEMPTS = 8  # commits lost to concurrent writers before an ingest gives up
+MAX_COMMIT_ATTEMPTS = 8  # commits lost to concurrent writers before an ingest (or a save) gives up
 
 
 @dataclass
@@ -177,12 +177,23 @@ def _discard(table_uri: str, folder: str) -> None:
         pass  # vacuum removes it later
 
 
-def _rewrite(table_uri: str, manifest: tf.TableManifest, file_index: int, drop):
+def _try_commit(table_uri: str, folder: str, manifest: tf.TableManifest) -> bool:
+    """Commit ``manifest``, whose data files this writer wrote under ``folder``. False when another writer took
+    that version first: the folder is discarded and the caller retries against the newer version."""
+    try:
+        tf.commit(table_uri, manifest)  # the commit point: the data files are invisible until it succeeds
+    except tf.CommitConflict:
+        _discard(table_uri, folder)
+        return False
+    return True
+
+
+def _rewrite(file_uri: str, drop):
     """The rows of one committed data file minus those whose URI is in ``drop`` (copy-on-write)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    fs, path = io.filesystem(tf.file_uris(table_uri, manifest)[file_index])
+    fs, path = io.filesystem(file_uri)
     with fs.open(path, "rb") as f:
         t = pq.read_table(f).cast(tf.SCHEMA)
     return t.filter(pc.invert(pc.is_in(t.column("uri"), value_set=drop)))
@@ -262,7 +273,8 @@ def ingest(
 
     probed = tf.SCHEMA.empty_table()  # every row probed so far, kept across commit attempts
     for attempt in range(MAX_COMMIT_ATTEMPTS):
-        previous = tf.read_manifest(cfg.table) if tf.committed_versions(cfg.table) else None
+        versions = tf.committed_versions(cfg.table)  # listed once: read_manifest() alone would list them again
+        previous = tf.read_manifest(cfg.table, versions[-1]) if versions else None
         _check_compatible(cfg, previous)
         listing = scan.list_source(cfg.source)
         # A table kept inside its own source folder must not ingest its own files.
@@ -285,16 +297,14 @@ def ingest(
         new_rows = _select(probed, changes.todo)
         version = (previous.version if previous else 0) + 1
         folder = tf.data_dir(version)
-        rewritten = [_rewrite(cfg.table, previous, k, changes.drop) for k in changes.affected_files]
+        uris = tf.file_uris(cfg.table, previous) if changes.affected_files else []  # resolved once, not per file
+        rewritten = [_rewrite(uris[k], changes.drop) for k in changes.affected_files]
         files = write_rows(cfg.table, folder, [t for t in [new_rows, *rewritten] if t.num_rows])
         affected = set(changes.affected_files)
         kept = [f for k, f in enumerate(previous.files if previous else []) if k not in affected]
         num_rows = (previous.num_rows if previous else 0) - len(changes.drop) + new_rows.num_rows
         manifest = _manifest(cfg, previous, version, kept + files, num_rows, new_rows)
-        try:
-            tf.commit(cfg.table, manifest)  # the commit point: everything above is invisible until it succeeds
-        except tf.CommitConflict:
-            _discard(cfg.table, folder)
+        if not _try_commit(cfg.table, folder, manifest):
             continue
         summary = {"version": version, "committed": True, "new_rows": new_rows.num_rows, **counts}
         return _finish(cfg, manifest, summary, t0, runner_name)
@@ -359,15 +369,9 @@ def _manifest(
 def _finish(
     cfg: IngestConfig, manifest: tf.TableManifest, summary: dict, t0: float, runner_name: str
 ) -> dict:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from .table import read_arrow
 
-    parts = []
-    for uri in tf.file_uris(cfg.table, manifest):
-        fs, path = io.filesystem(uri)
-        with fs.open(path, "rb") as f:
-            parts.append(pq.read_table(f, columns=["label", "error", "split"]))
-    counts = table_summary(pa.concat_tables(parts)) if parts else table_summary(tf.SCHEMA.empty_table())
+    counts = table_summary(read_arrow(cfg.table, manifest, columns=["label", "error", "split"]))
     return {
         "table": cfg.table,
         "source": cfg.source,

@@ -233,7 +233,7 @@ def resplit(table, fractions="0.8,0.1,0.1", seed: int = 0, stratify_by: str | No
 
 def save(table, uri: str, overwrite: bool = False):
     """Commit ``table`` (a view) as a new table at ``uri`` with lineage; returns the opened new table."""
-    from .catalog import _check_destination, _discard, write_rows
+    from .catalog import MAX_COMMIT_ATTEMPTS, _check_destination, _try_commit, write_rows
     from .table import Table
 
     if tf.committed_versions(uri) and not overwrite:
@@ -243,7 +243,8 @@ def save(table, uri: str, overwrite: bool = False):
     _check_destination(uri)
     rows = table.to_arrow().sort_by("uri")
     filters = [op[len("where ") :] for op in table.operations if op.startswith("where ")]
-    for _ in range(8):  # another writer may commit to `uri` meanwhile: take the next version, files kept
+    # Another writer may commit to `uri` meanwhile: take the next version, files kept.
+    for _ in range(MAX_COMMIT_ATTEMPTS):
         versions = tf.committed_versions(uri)
         version = (versions[-1] if versions else 0) + 1
         folder = tf.data_dir(version)
@@ -263,10 +264,6 @@ def save(table, uri: str, overwrite: bool = False):
             },
             options=dict(table.manifest.options),
         )
-        try:
-            tf.commit(uri, manifest)
-        except tf.CommitConflict:
-            _discard(uri, folder)
-            continue
-        return Table(uri, manifest)
+        if _try_commit(uri, folder, manifest):
+            return Table(uri, manifest)
     raise DestinationError(f"table {uri!r} kept changing while saving; save again")

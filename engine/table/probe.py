@@ -16,7 +16,6 @@ import pyarrow as pa
 from .. import io
 from . import format as tf
 
-DAFT_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "http", "https")
 PROCESS_THRESHOLD = 2000  # files below which the UDF runs in threads (worker processes cost seconds to start)
 SPLIT_NAMES = ("train", "val", "test")
 
@@ -104,7 +103,7 @@ def run_probe(cfg, todo, labels: list[str | None], runner: str, progress) -> pa.
     if cfg.progress_every:
         # results stream back in batches of this size, so the progress line moves during long scans
         df = df.into_batches(max(1, min(cfg.progress_every, 1000)))
-    if io.protocol(cfg.source) in DAFT_SCHEMES:
+    if io.protocol(cfg.source) in io.DAFT_SCHEMES:
         # Files over the byte cap (by their listed size) are not downloaded at all: their URI becomes null.
         small = daft.functions.when(col("size_bytes") <= cfg.max_file_bytes, col("uri")).otherwise(None)
         data = daft.functions.download(small, on_error="null", io_config=io.daft_io_config())

@@ -12,9 +12,6 @@ from typing import Any
 from .. import io
 from . import format as tf
 
-# Schemes Daft reads natively; others (memory://, ...) are read with pyarrow through fsspec.
-_DAFT_READ_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "http", "https")
-
 
 def read_arrow(table_uri: str, manifest: tf.TableManifest | None = None, columns: list[str] | None = None):
     """The committed rows with plain pyarrow (no Daft), in manifest file order."""
@@ -37,7 +34,7 @@ def read_dataframe(table_uri: str, manifest: tf.TableManifest | None = None):
 
     m = manifest or tf.read_manifest(table_uri)
     files = tf.file_uris(table_uri, m)
-    if io.protocol(table_uri) in _DAFT_READ_SCHEMES and files:
+    if io.protocol(table_uri) in io.DAFT_SCHEMES and files:
         return daft.read_parquet(files, io_config=io.daft_io_config())
     return daft.from_arrow(read_arrow(table_uri, m))
 

@@ -6,8 +6,9 @@ random order. Rows, each in its own process (so its peak memory is its own):
 - ``materialize``: ``dutycycle.engine.materialize`` of the metadata table (Daft, native runner): images/s and
   peak RSS; then the same call again (reuse, no work) and its seconds.
 - (a) ``torch-jpeg``: a torch DataLoader, 2 workers, each reading a file and running ``decode_and_transform``.
-- (b) ``cache``: ``CacheLoader`` over the committed cache in its default mode (memory-mapped Arrow shards read
-  in place), batches of 256 of its shuffled plan, uint8 tensors.
+- (b) ``cache``: ``CacheLoader`` over the committed cache in ``mode="auto"``, the default mode (memory-mapped Arrow
+  shards read in place), batches of 256 of its shuffled plan, uint8 tensors (``normalize=False``, no crop or
+  flip: not the default ``AugmentConfig``, which normalizes to float32).
 - (c) ``ram``: the same samples already in one numpy array in RAM, batched by the same plan with the loader's
   ``np.take`` gather (``loader_rows.RamBound``): the upper bound.
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRSS, emit, measure, run_row  # noqa: E402
+from _common import PeakRSS, emit, machine, measure, run_row, write_result  # noqa: E402
 
 BATCH = 256
 SIZE = 64
@@ -139,16 +139,12 @@ def _as_batch(images: np.ndarray, labels: np.ndarray):
 
 
 def open_cache_loader(root: Path):
-    """(b) ``CacheLoader`` itself, in its default mode (memory-mapped shards, read in place), uint8 out."""
+    """(b) ``CacheLoader`` itself, in ``mode="auto"`` (memory-mapped shards, read in place), uint8 out
+    (``normalize=False``: ``loader_rows.loader_config``)."""
     from dutycycle.loader import CacheLoader
     from loader_rows import loader_config
 
     return CacheLoader(str(root / "cache"), "train", 0, 1, loader_config("auto"))
-
-
-def cache_epoch(loader, e: int):
-    loader.set_epoch(e)
-    return loader
 
 
 def open_ram_state(root: Path):
@@ -164,9 +160,10 @@ def ram_epoch(bound, e: int):
 
 def row_cache(root: Path, min_seconds: float) -> dict[str, Any]:
     import torch  # noqa: F401 - imported before timing, so the first batch measures reading only
+    from loader_rows import _set_epoch  # the loader benchmark's epoch step: set_epoch(e), then iterate it
 
     with PeakRSS() as mem:
-        r = measure(lambda: open_cache_loader(root), cache_epoch, min_seconds=min_seconds)
+        r = measure(lambda: open_cache_loader(root), _set_epoch, min_seconds=min_seconds)
     return {**r, **mem.result()}
 
 
@@ -226,14 +223,11 @@ def row_torch_jpeg(root: Path, min_seconds: float) -> dict[str, Any]:
 
 def row_formats(root: Path, min_seconds: float) -> dict[str, Any]:
     from cache_formats import compare
-    from dutycycle.engine.cache.materialize import open_cache
+    from loader_data import cache_arrays
 
-    reader = open_cache(str(root / "cache"))
-    images = np.concatenate([np.array(reader.images(i)) for i in range(reader.num_shards)])
-    labels = np.concatenate([reader.column(i, "label") for i in range(reader.num_shards)])
-    ids = np.concatenate([reader.column(i, "sample_id") for i in range(reader.num_shards)]).tolist()
+    images, labels, ids = cache_arrays(str(root / "cache"))
     with tempfile.TemporaryDirectory(prefix="dc-formats-", dir=root) as d:
-        return compare(ids, labels, images, Path(d), min_seconds)
+        return compare(ids.tolist(), labels, images, Path(d), min_seconds)
 
 
 ROWS = {
@@ -297,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "cache",
         "config": {"n": args.n, "batch_size": BATCH, "sample_shape": [SIZE, SIZE, 3], "min_seconds": args.min_seconds},
         "data": info,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": machine(),
         "samples_per_s": rate,
         "ratios": ratios,
         "materialization": summary,
@@ -305,11 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "total_s": round(time.perf_counter() - t0, 1),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("samples_per_s", "ratios", "materialization")}, indent=2))
-    print(f"wrote {out}", file=sys.stderr)
+    write_result(args.out, result, ("samples_per_s", "ratios", "materialization"))
     return 0
 
 

@@ -5,8 +5,11 @@ delivers the same thing, a dict with a uint8 ``image`` tensor [B, 3, 64, 64], ``
 and runs in its own process so its peak memory is its own. Rows (code in ``loader_rows.py`` and, for the two
 peers that need their own virtual environment, ``loader_peers.py``):
 
-1. ``dutycycle-auto``: ``CacheLoader`` in its default mode, the figure the ratios use: the shards memory-mapped
-   and read in place (nothing copied into the process; the page cache is shared by every process on a node).
+1. ``dutycycle-auto``: ``CacheLoader`` in ``mode="auto"`` (the default mode), the figure the ratios use: the shards
+   memory-mapped and read in place (nothing copied into the process; the page cache is shared by every process on
+   a node). Every dutycycle row hands out uint8 (``normalize=False``, no crop or flip; ``loader_rows.PLAIN``), as
+   the peers do, so it is not the default ``AugmentConfig`` (which normalizes to float32, and then ``auto`` adds a
+   prefetch thread).
    ``thread`` (the same with a prefetch thread), ``memory`` (opt-in: the split copied into RAM) and ``ray``
    (Ray read tasks) are reported alongside, and ``s3-range`` / ``s3-disk`` read the same cache from a local
    S3-compatible server (moto) by range or through node-local copies: their time to first batch is from a
@@ -35,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -44,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRSS, emit, local_ray, markdown_table, run_row  # noqa: E402
+from _common import PeakRSS, emit, local_ray, machine, markdown_table, run_row  # noqa: E402
 
 PRIMARY = "dutycycle-auto"
 HERE = Path(__file__).resolve().parent
@@ -53,7 +55,8 @@ VENV_ROWS = {"mds", "litdata"}  # rows run by loader_peers.py in the peers' venv
 
 # name -> (group, description)
 ROWS: dict[str, tuple[str, str]] = {
-    "dutycycle-auto": ("1", "dutycycle CacheLoader, default mode: memory-mapped shards read in place"),
+    "dutycycle-auto": ("1", "dutycycle CacheLoader, auto mode, uint8 out (normalize=False, like the peers): "
+                            "memory-mapped shards read in place"),
     "dutycycle-thread": ("1", "dutycycle CacheLoader, thread mode: mapped shards, prefetch thread"),
     "dutycycle-memory": ("1", "dutycycle CacheLoader, opt-in memory mode: the split copied into RAM"),
     "dutycycle-ray": ("1", "dutycycle CacheLoader, ray mode: Ray read tasks"),
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                    "quick": args.quick, "primary": PRIMARY, "targets_by_group": TARGETS,
                    "one_process_per_row": not args.quick},
         "data": info,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": machine(),
         "rows": [{"name": k, "group": ROWS[k][0], "description": ROWS[k][1], **v} for k, v in rows.items()],
         "ratios": ratios,
         "total_s": round(time.perf_counter() - t0, 1),

@@ -47,8 +47,9 @@ def prepare(root: Path, n: int, direct: bool = False) -> dict[str, Any]:
         cache, writer = direct_cache(root / "cache-direct", list_files(root / "images")), "cache_format (direct)"
     t_cache = time.perf_counter() - t0
     write_parquet_copy(cache, root / "parquet")
-    write_webdataset_copy(cache, root / "wds")
-    write_raw_arrays(cache, root / "raw.npz")
+    arrays = cache_arrays(cache)  # read once for both copies
+    write_webdataset_copy(arrays, root / "wds")
+    write_raw_arrays(arrays, root / "raw.npz")
     info = {
         "n": n,
         "cache": cache,
@@ -138,19 +139,21 @@ def write_parquet_copy(cache: str, out: Path) -> None:
         pq.write_table(reader.shard(i), out / f"part-{i:05d}.parquet", compression="none", use_dictionary=False)
 
 
-def write_webdataset_copy(cache: str, out: Path, shards: int = 8) -> None:
-    """The cache's pixels as WebDataset tar shards: per sample raw uint8 bytes (``.u8``) and a class (``.cls``)."""
+def write_webdataset_copy(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], out: Path, shards: int = 8) -> None:
+    """The cache's pixels (``cache_arrays``) as WebDataset tar shards: per sample raw uint8 bytes (``.u8``) and a
+    class (``.cls``)."""
     import webdataset as wds
 
     out.mkdir(parents=True, exist_ok=True)
-    images, labels, _ = cache_arrays(cache)
+    images, labels, _ = arrays
     for s, idx in enumerate(np.array_split(np.arange(len(images)), shards)):
         with wds.TarWriter(str(out / f"shard-{s:05d}.tar"), encoder=False, mtime=0) as w:
             for i in idx:
                 w.write({"__key__": f"{i:08d}", "u8": images[i].tobytes(), "cls": str(int(labels[i])).encode()})
 
 
-def write_raw_arrays(cache: str, out: Path) -> None:
-    """The samples as one .npz (no pickle) for the peers' writers (MDS, LitData), which run in their own venv."""
-    images, labels, ids = cache_arrays(cache)
+def write_raw_arrays(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], out: Path) -> None:
+    """The samples (``cache_arrays``) as one .npz (no pickle) for the peers' writers (MDS, LitData), which run in
+    their own venv."""
+    images, labels, ids = arrays
     np.savez(out, images=images, labels=labels, ids=ids)

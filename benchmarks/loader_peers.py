@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import PeakRSS, emit, measure  # noqa: E402
+from loader_rows import check_batch  # noqa: E402  (numpy-only imports at module level, as here)
 
 BATCH = 256
 SEED = 0
@@ -86,6 +87,17 @@ def raw(data: Path):
     return arrays["images"], arrays["labels"], arrays["ids"]
 
 
+def sample_shape(data: Path) -> tuple[int, ...]:
+    """One sample's shape, from the header of ``images`` in ``raw.npz``: loading the array to learn it would put
+    the whole dataset in this process's memory, and its kernel high-water mark into the row's peak RSS."""
+    import zipfile
+
+    with zipfile.ZipFile(data / "raw.npz") as z, z.open("images.npy") as f:
+        major, _ = np.lib.format.read_magic(f)
+        header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        return tuple(header(f)[0][1:])
+
+
 def collate(items: list[tuple[bytes, int, str]], shape: tuple[int, ...]):
     import torch
 
@@ -121,12 +133,11 @@ def write_mds(data: Path) -> Path:
     return out
 
 
-def row_mds(data: Path, min_seconds: float) -> dict[str, Any]:
+def row_mds(data: Path, min_seconds: float, shape: tuple[int, ...]) -> dict[str, Any]:
     import torch
 
     out = data / "mds"
     streaming = import_streaming()
-    shape = raw(data)[0].shape[1:]
 
     def open_loader():
         ds = streaming.StreamingDataset(local=str(out), remote=None, shuffle=True, shuffle_seed=SEED,
@@ -134,7 +145,7 @@ def row_mds(data: Path, min_seconds: float) -> dict[str, Any]:
         return torch.utils.data.DataLoader(ds, batch_size=BATCH, num_workers=2, collate_fn=DictCollate(shape),
                                            persistent_workers=True, drop_last=True)
 
-    return measure(open_loader, lambda dl, e: dl, min_seconds=min_seconds)
+    return measure(open_loader, lambda dl, e: dl, min_seconds=min_seconds, check=check_batch)
 
 
 # ------------------------------------------------------------------------------------------------ LitData
@@ -162,18 +173,17 @@ def write_litdata(data: Path) -> Path:
     return out
 
 
-def row_litdata(data: Path, min_seconds: float) -> dict[str, Any]:
+def row_litdata(data: Path, min_seconds: float, shape: tuple[int, ...]) -> dict[str, Any]:
     import litdata
 
     out = data / "litdata"
-    shape = raw(data)[0].shape[1:]
 
     def open_loader():
         ds = litdata.StreamingDataset(str(out), shuffle=True, seed=SEED, drop_last=True)
         return litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=2, collate_fn=DictCollate(shape),
                                            persistent_workers=True, drop_last=True)
 
-    return measure(open_loader, lambda dl, e: dl, min_seconds=min_seconds)
+    return measure(open_loader, lambda dl, e: dl, min_seconds=min_seconds, check=check_batch)
 
 
 ROWS = {"mds": (write_mds, row_mds), "litdata": (write_litdata, row_litdata)}
@@ -193,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     data = Path(args.data)
     write, row = ROWS[args.row]
     write(data)  # once per data folder, before the row's memory is watched
+    shape = sample_shape(data)
     with PeakRSS() as rss:
-        result = row(data, args.min_seconds)
+        result = row(data, args.min_seconds, shape)
     emit({args.row: {**result, **rss.result(), "torch": torch.__version__}})
     return 0
 

@@ -25,6 +25,7 @@ from loader_data import SEED, SIZE, cache_arrays, list_files  # noqa: E402
 BATCH = 256
 SLOW_BATCHES = 12  # the decoding rows are timed over this many batches after the warm-up one, not an epoch
 S3_BATCHES = 40  # batches timed from the moto S3 server (a local process: its rate says little about S3's)
+# Every dutycycle row hands out uint8, as the peers do: not the default AugmentConfig, which normalizes to float32
 PLAIN = {"crop_padding": 0, "flip": False, "normalize": False}
 
 

@@ -253,7 +253,7 @@ class PlannedLoader:
         batch = {
             "image": x,
             "label": torch.from_numpy(np.array(raw.labels, dtype=np.int64)),  # tiny; a writable copy
-            "sample_id": raw.sample_ids if isinstance(raw.sample_ids, list) else raw.sample_ids.tolist(),
+            "sample_id": raw.sample_ids,  # a list from every source (``RawBatch``)
         }
         mover = self._device_mover()
         return mover.move(batch) if mover is not None else batch

@@ -91,9 +91,7 @@ def node_memory_limit(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") 
 class Reservation:
     key: str
     granted: bool
-    nbytes: int
     used: int  # bytes reserved on the node by others when asked
-    budget: int
 
 
 def _alive(pid: int) -> bool:
@@ -145,13 +143,13 @@ def reserve(key: str, nbytes: int, budget: int, shared: bool, root: str | None =
         else:
             granted = False
         node.write_file_atomic(path, json.dumps(ledger).encode())
-    return Reservation(key, granted, nbytes, used, budget)
+    return Reservation(key, granted, used)
 
 
-def release(key: str, root: str | None = None, pid: int | None = None) -> None:
+def release(key: str, root: str | None = None) -> None:
     """Drop this process from ``key`` (a key returned in ``Reservation.key``); the entry goes with its last pid."""
     path, lock = _ledger_paths(root)
-    pid = os.getpid() if pid is None else pid
+    pid = os.getpid()
     with node.file_lock(lock):
         ledger = _load(path)
         entry = ledger.get(key)

@@ -43,7 +43,6 @@ class CacheLoader(PlannedLoader):
         self.rows = split_rows(self.reader, split)  # split index -> global cache row (node-shared, mapped)
         self._memory: MemorySplit | None = None
         self._memory_keepalive: Any = None
-        self._reservation = None
         super().__init__(len(self.rows), manifest.fingerprint, rank, world_size, config)
         self._gatherer = ShardGatherer(self.reader)
         if self.in_memory:
@@ -91,8 +90,7 @@ class CacheLoader(PlannedLoader):
             )
             warnings.warn(self.memory_refused, stacklevel=3)
             return False
-        self._reservation = res.key
-        weakref.finalize(self, budget.release, res.key, c.read.node_dir)
+        weakref.finalize(self, budget.release, res.key, c.read.node_dir)  # the ledger entry lives as long as self
         return True
 
     def _load_memory(self) -> None:
@@ -102,8 +100,8 @@ class CacheLoader(PlannedLoader):
             self._memory, self._memory_keepalive = shared_memory_split(
                 self.cache_uri, self.fingerprint, self.split, self.config.read
             )
-        else:
-            self._memory = MemorySplit.load(self.cache_uri, self.split, self.config.read)
+        else:  # this loader's reader and split index, not a second reader that would read them again
+            self._memory = MemorySplit.gather(self.reader, self.rows)
 
     def _read_local(self, indices: np.ndarray) -> RawBatch:
         if self._memory is not None:
@@ -143,4 +141,4 @@ def _id_chars(reader: CacheReader) -> int:
     """Characters per sample id (from the first shard's first id), for sizing an in-RAM split."""
     if not reader.num_shards or not reader.manifest.shards[0].rows:
         return 0
-    return len(str(reader.column(0, "sample_id")[0]))
+    return len(str(reader.view(0).ids[0].as_py()))  # one value, not the whole column converted to numpy

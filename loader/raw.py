@@ -27,14 +27,10 @@ from .config import LoaderConfig
 from .source import RawBatch
 
 
-def read_bytes(uri: str, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> bytes:
-    """The file's bytes, refused past the per-file cap before they are all read (as ingest and materialize do)."""
-    return io.read_capped(uri, max_bytes)
-
-
 def decode_one(uri: str, spec: TransformSpec) -> np.ndarray:
     try:
-        return decode_and_transform(read_bytes(uri), spec)
+        # the file's bytes, refused past the per-file cap before they are all read (as ingest and materialize do)
+        return decode_and_transform(io.read_capped(uri, DEFAULT_MAX_FILE_BYTES), spec)
     except DecodeError as e:
         raise DecodeError(e.reason, f"{uri!r}: {e}; the cache skips this sample, the raw path cannot") from e
     except io.FileTooLargeError as e:
@@ -95,14 +91,14 @@ class RawLoader(PlannedLoader):
         if self._pool is None and self.config.raw_threads > 1:
             self._pool = ThreadPoolExecutor(self.config.raw_threads, thread_name_prefix="dutycycle-raw")
         images = decode_batch([self.uris[i] for i in indices], self.spec, self._pool)
-        return RawBatch(images, self.labels[indices], self.sample_ids[indices])
+        return RawBatch(images, self.labels[indices], self.sample_ids[indices].tolist())
 
     def _submit_remote(self, indices: np.ndarray, step: int):
         from .ray_exec import submit_decode
 
         uris = [self.uris[i] for i in indices]
         ref = submit_decode(uris, self.spec.to_json(), self.config.ray_max_retries)
-        return _Pending(ref, self.labels[indices], self.sample_ids[indices])
+        return _Pending(ref, self.labels[indices], self.sample_ids[indices].tolist())
 
     def close(self) -> None:
         if self._pool is not None:
@@ -113,5 +109,5 @@ class RawLoader(PlannedLoader):
 class _Pending:
     """A Ray decode task plus the labels and ids the driver already knows (only pixels travel back)."""
 
-    def __init__(self, ref, labels: np.ndarray, sample_ids: np.ndarray):
+    def __init__(self, ref, labels: np.ndarray, sample_ids: list[str]):
         self.ref, self.labels, self.sample_ids = ref, labels, sample_ids

@@ -35,7 +35,7 @@ from numpy.lib.stride_tricks import as_strided
 class RawBatch:
     images: np.ndarray  # uint8 [B, *sample shape]
     labels: np.ndarray  # int64 [B]
-    sample_ids: list[str] | np.ndarray  # str [B]: a list, or a numpy unicode/object array
+    sample_ids: list[str]  # [B]: a list, the form the batch dict hands out (every producer converts once)
 
 
 class _RowSpan:
@@ -143,7 +143,9 @@ class ShardGatherer:
             if s in self._open:
                 self._open.move_to_end(s)
             else:
-                self._add(s, self.reader.view(s))
+                # ``_open_view``, not ``view``: ``_open`` is the one cache of these views (capped at max_open
+                # like the reader's); going through the reader's too would keep a second LRU of the same views.
+                self._add(s, self.reader._open_view(s))
         while len(self._open) > max(self.max_open, len(shards)):
             self._remove(next(iter(self._open)))  # the batch's own shards were just moved last
 
@@ -152,7 +154,7 @@ class ShardGatherer:
         rows = np.asarray(rows, dtype=np.int64)
         n = len(rows)
         if n == 0:
-            return RawBatch(np.empty((0, *self.shape), np.uint8), np.empty(0, np.int64), np.empty(0, object))
+            return RawBatch(np.empty((0, *self.shape), np.uint8), np.empty(0, np.int64), [])
         shard, local = self.reader.locate(rows)  # a row outside the cache gets shard -1 or num_shards
         with self._lock:
             starts = self._pixels.starts[shard]
@@ -170,14 +172,14 @@ class ShardGatherer:
                 return RawBatch(images, labels, self._ids_by_shard(shard, local))
             return self._read_by_shard(shard, local, pixels)
 
-    def _ids_by_shard(self, shard: np.ndarray, local: np.ndarray) -> np.ndarray:
+    def _ids_by_shard(self, shard: np.ndarray, local: np.ndarray) -> list[str]:
         import pyarrow as pa
 
         ids = np.empty(len(shard), dtype=object)
         for s in np.unique(shard).tolist():
             sel = np.flatnonzero(shard == s)
             ids[sel] = self._open[s].ids.take(pa.array(local[sel])).to_numpy(zero_copy_only=False)
-        return ids
+        return ids.tolist()
 
     def _read_by_shard(self, shard: np.ndarray, local: np.ndarray, pixels: bool) -> RawBatch:
         n = len(shard)
@@ -192,7 +194,7 @@ class ShardGatherer:
         return RawBatch(images, labels, self._ids_by_shard(shard, local))
 
 
-def split_rows(reader: CacheReader, split: str, node_root: str | None = None) -> np.ndarray:
+def split_rows(reader: CacheReader, split: str) -> np.ndarray:
     """Global row indices of ``split`` in cache order (the order materialize wrote: sorted by sample id).
 
     Reads only the shards' ``split`` column (by range on a remote cache) and no pixels, verifies nothing (the
@@ -211,8 +213,9 @@ def split_rows(reader: CacheReader, split: str, node_root: str | None = None) ->
     if counts[split] == reader.num_samples:
         return np.arange(reader.num_samples, dtype=np.int64)
     import hashlib
+    import io
 
-    root = node.node_dir(node_root or reader.read_config.node_dir)
+    root = node.node_dir(reader.read_config.node_dir)
     key = hashlib.sha256(f"{reader.fingerprint}\0{split}".encode()).hexdigest()[:24]
     path = os.path.join(root, "index", f"split-{key}.npy")
     with node.file_lock(node.lock_path(root, key)):
@@ -228,10 +231,9 @@ def split_rows(reader: CacheReader, split: str, node_root: str | None = None) ->
                 f"cache {reader.uri!r} has {len(rows)} {split!r} rows in its shards but its manifest says "
                 f"{counts[split]}; materialize the cache again"
             )
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}.npy"
-        np.save(tmp, rows, allow_pickle=False)
-        os.replace(tmp, path)
+        buf = io.BytesIO()  # the index is 8 bytes a row: written whole, atomically, under the lock
+        np.save(buf, rows, allow_pickle=False)
+        node.write_file_atomic(path, buf.getvalue())
     return np.asarray(np.load(path, mmap_mode="r", allow_pickle=False))
 
 
@@ -241,18 +243,20 @@ class MemorySplit:
     def __init__(self, images: np.ndarray, labels: np.ndarray, sample_ids: np.ndarray):
         self.images, self.labels, self.sample_ids = images, labels, np.asarray(sample_ids)
 
-    @property
-    def nbytes(self) -> int:
-        return self.images.nbytes + self.labels.nbytes + self.sample_ids.nbytes
+    @classmethod
+    def gather(cls, reader: CacheReader, rows: np.ndarray) -> MemorySplit:
+        """The cache rows ``rows`` (a split's, from ``split_rows``) copied into RAM. A gatherer of its own, dropped
+        when this returns, so the shards it mapped to copy them are not kept mapped beside the copy."""
+        raw = ShardGatherer(reader).read(rows)
+        return cls(raw.images, raw.labels, raw.sample_ids)
 
     @classmethod
     def load(cls, cache_uri: str, split: str, read=None) -> MemorySplit:
         reader = CacheReader(cache_uri, read=read)
-        raw = ShardGatherer(reader).read(split_rows(reader, split))
-        return cls(raw.images, raw.labels, raw.sample_ids)
+        return cls.gather(reader, split_rows(reader, split))
 
     def read(self, indices: np.ndarray) -> RawBatch:
         """``indices`` are split indices from the plan (always in range, so the gather skips bounds checks)."""
         images = np.empty((len(indices), *self.images.shape[1:]), dtype=np.uint8)
         self.images.take(indices, axis=0, out=images, mode="clip")
-        return RawBatch(images, self.labels.take(indices), self.sample_ids.take(indices))
+        return RawBatch(images, self.labels.take(indices), self.sample_ids.take(indices).tolist())

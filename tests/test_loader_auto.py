@@ -52,11 +52,18 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("augment,background", [(PLAIN, False), (TRAIN_AUG, True)])
-def test_auto_reads_mapped_shards_and_matches_sync(cache, augment, background):
-    loader, got = batches(cache, "train", 1, 2, mode="auto", augment=augment)
+def test_auto_reads_mapped_shards_and_matches_sync(cache, augment, background, monkeypatch):
+    def per_shard(*_a, **_k):
+        raise AssertionError("a local cache took the per-shard path")
+
+    # One gather per batch over all the shards' mapped pages: the per-shard paths (remote shards, ids of
+    # varying width) must not run, so they fail the test if they do.
+    with monkeypatch.context() as m:
+        m.setattr(ShardGatherer, "_read_by_shard", per_shard)
+        m.setattr(ShardGatherer, "_ids_by_shard", per_shard)
+        loader, got = batches(cache, "train", 1, 2, mode="auto", augment=augment)
     assert not loader.in_memory and loader.background == background, loader.execution
     assert loader.execution.startswith("auto: memory-mapped shards")
-    assert loader._gatherer._fast  # one gather per batch over all the shards' mapped pages
     _, expected = batches(cache, "train", 1, 2, mode="sync", augment=augment)
     assert_same(got, expected)
 

@@ -38,8 +38,8 @@ def mem():
             out["Cache" + head[0][:-1]] += int(head[1]) * 1024
     return out
 
-uri, warmup, rank, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-cfg = LoaderConfig(global_batch_size=256, mode=mode, memory_fraction=1.0,
+uri, warmup, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+cfg = LoaderConfig(global_batch_size=256, mode="auto",
                    augment=AugmentConfig(crop_padding=0, flip=False, normalize=False))
 # A loader over a tiny cache first: torch, numpy and Arrow set up their lazy state (allocator pools, code pages
 # of the shared libraries) on a first batch, which would otherwise count as the loader's memory.
@@ -57,8 +57,8 @@ sys.stdin.readline()  # every rank has measured: exit
 """
 
 
-def run_ranks(uri: str, warmup: str, mode: str) -> list[dict]:
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, uri, warmup, str(r), mode], stdin=subprocess.PIPE,
+def run_ranks(uri: str, warmup: str) -> list[dict]:
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, uri, warmup, str(r)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
     # Every rank reads its epoch and waits; then all measure at once (while all four map the cache, so the
     # kernel divides the shared pages among them), report, and exit together.
@@ -86,15 +86,14 @@ def test_four_loader_processes_share_the_split_through_the_page_cache(tmp_path):
     make_cache(uri, n, shape=(64, 64, 3), shards=8)
     make_cache(str(tmp_path / "warmup"), 512, shape=(64, 64, 3), shards=2, fingerprint="warmup")
     split = n * per  # 96 MiB of pixels
-    ranks = run_ranks(uri, str(tmp_path / "warmup"), "auto")
+    ranks = run_ranks(uri, str(tmp_path / "warmup"))
     assert sum(r["seen"] for r in ranks) == n and all("memory-mapped shards" in r["execution"] for r in ranks)
     anon = sum(r["final"]["RssAnon"] - r["before"]["RssAnon"] for r in ranks)
     cache_pss = sum(r["final"]["CachePss"] for r in ranks)
     # Measured here: private memory grew by 1.9, 1.9, 1.9 and -4.1 MiB (0.016 of one split in all: batch
     # buffers come and go); each rank maps the whole 96.4 MiB of shards (its quarter of every batch is spread
     # over all of them), and the four Pss shares of those pages add up to 96.4 MiB: 1.00 split for the node,
-    # where summed RSS would say 4. The same four ranks in mode="memory" (a private copy each, no Ray) grew
-    # their private memory by 4 x ~102 MiB: 4.25 splits.
+    # where summed RSS would say 4.
     assert anon < 0.1 * split, (anon / 2**20, split / 2**20)
     assert cache_pss < 1.1 * split, (cache_pss / 2**20, split / 2**20)
     for r in ranks:  # nor does any one rank hold a private copy, even briefly before its epoch ended

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -255,6 +256,13 @@ def run_row(argv: list[str], timeout: float, python: str | None = None) -> tuple
             return json.loads(line[len(RESULT_PREFIX) :]), wall
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
     return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}, wall
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a rendezvous: torchrun's, or MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def machine() -> dict[str, Any]:

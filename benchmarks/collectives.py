@@ -5,7 +5,7 @@
 
 Rows, per world size and size (elements of the full, unsharded buffer):
 
-- ``rs_gloo_fp32``: gloo's own reduce_scatter_tensor, fp32, a reference only (gloo runs an all-reduce
+- ``rs_gloo_fp32``: gloo's own reduce_scatter_single, fp32, a reference only (gloo runs an all-reduce
   underneath: about twice the bytes its logical count says).
 - ``rs_{fp32,bf16,int8,int4}_{flat,hier}``: ``quantized_reduce_scatter`` with that wire format: one
   all-to-all, or two hops (inside the node, then across nodes, 4 ranks as 2 nodes of 2). The fp32 row is the
@@ -23,9 +23,8 @@ the slow link; the link rate actually reached is measured with a point-to-point 
 ``t = c + k / rate`` per row over the measured link rates and reports the rate below which the quantized row beats
 its fp32 baseline. Every rank runs with one thread (4 ranks share 2 cores here).
 
-Not here: the ViT training step at ZeRO stage 3 at 1 Gbit/s with and without qwZ/qgZ/hpZ needs these functions
-in FSDP2's comm seams (issue 8's trainer/parallel/comm.py, not on main yet); ``netns.launch_two_nodes`` is the
-launcher for it.
+Not here: the ViT training step at ZeRO stage 3 at 1 Gbit/s with and without qwZ/qgZ/hpZ, which runs these
+functions in FSDP2's comm seams (trainer/parallel/comm.py), is benchmarks/zeropp.py's.
 """
 
 from __future__ import annotations
@@ -89,17 +88,13 @@ def _case_call(case: str, b: dict, topo, hierarchy):
 
     rank, world, avg = dist.get_rank(), dist.get_world_size(), dist.ReduceOp.AVG
     if case == "rs_gloo_fp32":
-        native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
         def call(t=None):
-            native(b["rs_out"], b["rs_in"], op=avg)
+            dist.reduce_scatter_single(b["rs_out"], b["rs_in"], op=avg)
             if t is not None:  # logical bytes: what a real reduce-scatter sends, not what gloo does
                 t.count("reduce_scatter", 4 * b["rs_out"].numel(), rank, range(world), topo)
     elif case == "ag_gloo_fp32":
-        native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
         def call(t=None):
-            native(b["ag_out"], b["ag_in"])
+            dist.all_gather_single(b["ag_out"], b["ag_in"])
             if t is not None:
                 t.count("all_gather", 4 * b["ag_in"].numel(), rank, range(world), topo)
     elif case.startswith("rs_"):
@@ -324,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": __import__("torch").__version__, "threads_per_rank": 1},
         "config": {"quick": args.quick, "sizes": sizes, "net_sizes": net_sizes, "rates_gbit": rates,
                    "repeats": repeats, "block": 256},
-        "not_measured": ["vit_stage3_step_1gbit: needs the quantized collectives in FSDP2's comm seams (issue 8's "
-                         "trainer/parallel/comm.py), not on main yet; benchmarks/netns.py launches it"],
+        "not_measured": ["vit_stage3_step_1gbit: the training step through FSDP2's comm seams is measured by "
+                         "benchmarks/zeropp.py (results/zeropp.json)"],
     }
     print("codec throughput (1 thread) ...", flush=True)
     result["codec"] = codec_throughput(codec_sizes, repeats=max(3, repeats))

@@ -1,7 +1,8 @@
 """Two "nodes" on one machine: network namespaces joined by a rate-limited veth pair, for distributed benchmarks.
 
-    from netns import launch_two_nodes
-    ranks = launch_two_nodes([sys.executable, "my_entry.py", ...], world_size=4, rate_gbit=1.0)
+    from netns import launch, two_nodes
+    with two_nodes(rate_gbit=1.0) as net:
+        ranks = launch(net, [sys.executable, "my_entry.py", ...], world_size=4, timeout=600)
 
 runs ``world_size`` processes of a torch.distributed entry (env:// initialization, as torchrun starts them):
 ranks 0..W/2-1 in namespace A, the rest in namespace B. Each namespace has its own loopback; a rank binds gloo to
@@ -23,13 +24,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from _common import free_port  # beside this file, which is on sys.path wherever `import netns` works
 
 SUBNET = "10.231.7"  # private addresses; they exist only inside the two namespaces
 
@@ -111,12 +113,6 @@ def two_nodes(rate_gbit: float | None = None, tag: str | None = None) -> Iterato
         signal.signal(signal.SIGTERM, previous)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(net: TwoNodes | None, argv: Sequence[str], world_size: int, *, timeout: float,
            env: dict[str, str] | None = None) -> list[RankResult]:
     """Run ``argv`` as ``world_size`` ranks, the first half in node A and the rest in node B (``net=None``: all
@@ -125,7 +121,7 @@ def launch(net: TwoNodes | None, argv: Sequence[str], world_size: int, *, timeou
     if net is not None and (world_size < 2 or world_size % 2):
         raise ValueError(f"world_size={world_size}: two nodes need an even number of ranks, at least 2")
     per_node = world_size // 2 if net is not None else world_size
-    port = 29511 if net is not None else _free_port()  # a fresh namespace has every port free
+    port = 29511 if net is not None else free_port()  # a fresh namespace has every port free
     procs = []
     for rank in range(world_size):
         node = rank // per_node
@@ -164,10 +160,3 @@ def launch(net: TwoNodes | None, argv: Sequence[str], world_size: int, *, timeou
             out.close()
             err.close()
     return results
-
-
-def launch_two_nodes(argv: Sequence[str], world_size: int = 4, rate_gbit: float | None = 1.0, *,
-                     timeout: float = 600, env: dict[str, str] | None = None) -> list[RankResult]:
-    """``launch`` inside a fresh pair of namespaces at ``rate_gbit``, torn down afterwards."""
-    with two_nodes(rate_gbit) as net:
-        return launch(net, argv, world_size, timeout=timeout, env=env)

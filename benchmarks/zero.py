@@ -23,13 +23,19 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import free_port  # noqa: E402
+
+# the ViT every row trains (~22M parameters) and the tiny one of --quick (with its steps); zeropp.py uses both
+VIT_DEFAULTS = {"width": 512, "depth": 7, "heads": 8, "size": 16, "batch": 16, "skip": 2}
+VIT_QUICK = {"width": 32, "depth": 2, "heads": 2, "size": 8, "batch": 8, "steps": 3, "skip": 1}
 
 ROWS = [  # (name, zero_stage, offload, baseline)
     ("allreduce-manual", 0, "none", True),
@@ -72,7 +78,8 @@ def manual_allreduce_parallelize(model, *, zero_stage, rank, world_size, device,
             bucket, size = [], 0
             for p in [*params, None]:
                 nbytes = 0 if p is None else p.grad.numel() * p.grad.element_size()
-                if bucket and (p is None or size + nbytes > limit):
+                # a new bucket past ``bucket_mb`` or where the dtype changes (torch.cat needs one dtype)
+                if bucket and (p is None or size + nbytes > limit or p.grad.dtype != bucket[0].grad.dtype):
                     flat = torch.cat([q.grad.reshape(-1) for q in bucket])
                     self.meter.count("all_reduce", flat.numel() * flat.element_size(), None, factor=2)
                     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
@@ -152,16 +159,10 @@ def worker(args) -> None:
 # ------------------------------------------------------------------------------------------------- driver
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_row(name, stage, offload, baseline, world, args, workdir) -> dict:
     run_dir = os.path.join(workdir, f"{name}-{world}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-           "--master-port", str(_free_port()), __file__, "--worker", "--stage", str(stage), "--offload", offload,
+           "--master-port", str(free_port()), __file__, "--worker", "--stage", str(stage), "--offload", offload,
            "--run-dir", run_dir, *(["--baseline"] if baseline else []), *_shared_args(args)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
@@ -240,13 +241,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--eval-batches", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--lr", type=float, default=0.003, help=argparse.SUPPRESS)
-    p.add_argument("--width", type=int, default=512, help="ViT width (default 512: ~22M parameters at depth 7)")
-    p.add_argument("--depth", type=int, default=7)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--size", type=int, default=16, help="image side (default 16: 17 tokens of 4x4 patches)")
-    p.add_argument("--batch", type=int, default=16, help="global batch size (default 16)")
+    v = VIT_DEFAULTS
+    p.add_argument("--width", type=int, default=v["width"],
+                   help="ViT width (default 512: ~22M parameters at depth 7)")
+    p.add_argument("--depth", type=int, default=v["depth"])
+    p.add_argument("--heads", type=int, default=v["heads"])
+    p.add_argument("--size", type=int, default=v["size"],
+                   help="image side (default 16: 17 tokens of 4x4 patches)")
+    p.add_argument("--batch", type=int, default=v["batch"], help="global batch size (default 16)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per row (default 10)")
-    p.add_argument("--skip", type=int, default=2, help="first steps excluded from speed figures (default 2)")
+    p.add_argument("--skip", type=int, default=v["skip"],
+                   help="first steps excluded from speed figures (default 2)")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--rows", nargs="+", default=[r[0] for r in ROWS], choices=[r[0] for r in ROWS])
     p.add_argument("--repeat", type=int, default=3,
@@ -260,8 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     if args.quick:
-        args.width, args.depth, args.heads, args.size, args.batch, args.steps, args.skip = 32, 2, 2, 8, 8, 3, 1
-        args.repeat = 1
+        vars(args).update(VIT_QUICK, repeat=1)
     rows, pairs = [], []
     with tempfile.TemporaryDirectory() as workdir:
         if 2 in args.worlds and {"allreduce-manual", "stage0-ddp"} <= set(args.rows):

@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from netns import launch, two_nodes, unavailable  # noqa: E402
+from zero import VIT_DEFAULTS, VIT_QUICK  # noqa: E402
 
 SPEED_ROWS = {  # name -> worker flags (all at stage 3, node size 2)
     "stage3": [],
@@ -74,9 +75,8 @@ def speed(args, workdir: str) -> dict:
             if "error" in r:
                 print(f"{name}: error\n{r['error']}", flush=True)
                 continue
-            steps = r["steps_measured"] + args.skip
-            r["inter_node_bytes_per_step"] = r["traffic"]["inter_node_bytes"] / steps
-            r["bytes_per_step"] = r["traffic"]["bytes"] / steps
+            r["inter_node_bytes_per_step"] = r["traffic"]["inter_node_bytes"] / args.steps
+            r["bytes_per_step"] = r["traffic"]["bytes"] / args.steps
             print(f"{name:26s} step {r['step_s_median']:6.2f} s, {r['samples_per_s']:6.1f} samples/s, exposed comm "
                   f"{r['exposed_comm_share']:.0%}, inter-node {r['inter_node_bytes_per_step'] / 2**20:.0f} MB per "
                   "step per rank", flush=True)
@@ -115,13 +115,9 @@ def convergence(args, workdir: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, default=1.0, help="inter-node link in Gbit/s (default 1)")
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--depth", type=int, default=7)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--size", type=int, default=16)
-    p.add_argument("--batch", type=int, default=16)
+    for name, default in VIT_DEFAULTS.items():  # benchmarks/zero.py's ViT
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--skip", type=int, default=2)
     p.add_argument("--cnn-width", type=int, default=32, help="the demo CNN (default width 32, 3 blocks)")
     p.add_argument("--cnn-size", type=int, default=32)
     p.add_argument("--cnn-batch", type=int, default=128)
@@ -136,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(HERE / "results" / "zeropp.json"))
     args = p.parse_args(argv)
     if args.quick:
-        args.width, args.depth, args.heads, args.size, args.batch, args.steps, args.skip = 32, 2, 2, 8, 8, 3, 1
+        vars(args).update(VIT_QUICK)
         args.cnn_width, args.cnn_size, args.cnn_batch, args.cnn_steps, args.cnn_samples = 8, 16, 32, 6, 256
     result = {"benchmark": "zeropp",
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),

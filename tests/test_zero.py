@@ -124,7 +124,7 @@ def _accounting(rank, world):
                                             model_fn=_cnn(width), grad_clip=0.0, dtype=torch.float32)
             plan = make_plan(stage, world, micro, every)
             traffic = strategy.meter.traffic["train"]
-            sent = {k: (traffic.intra.get(k, 0) + traffic.inter.get(k, 0)) / STEPS for k in traffic.calls}
+            sent = {k: v / STEPS for k, v in traffic.per_kind_bytes().items()}
             payload = (padded if plan.fsdp else numel) * 4
             out[f"{width}-{stage}-{micro}-{every}"] = {
                 "sent": sent, "expected_sent": expected_traffic(plan, payload, payload),

@@ -29,10 +29,20 @@ def _cnn():
 
 
 def _bytes(traffic, kind, where="all"):
-    pk = traffic.to_dict()["per_kind"].get(kind, {"intra_node_bytes": 0, "inter_node_bytes": 0, "calls": 0})
     if where == "inter":
-        return pk["inter_node_bytes"]
-    return pk["intra_node_bytes"] + pk["inter_node_bytes"]
+        return traffic.inter.get(kind, 0)
+    return traffic.per_kind_bytes().get(kind, 0)
+
+
+def _residuals(strategy) -> list[float | None]:
+    """Per FSDP module: the largest magnitude in its reduce-scatter's error-feedback residual (None: none)."""
+    from dutycycle.trainer.parallel.fsdp_api import custom_reduce_scatters
+
+    out = []
+    for rs in custom_reduce_scatters(strategy.model):
+        residual = getattr(rs, "residual", None)
+        out.append(None if residual is None else float(residual.abs().max()))
+    return out
 
 
 def _four_rank_worker(rank, world):
@@ -62,6 +72,7 @@ def _four_rank_worker(rank, world):
             "ag": _bytes(t, "all_gather"), "ag_inter": _bytes(t, "all_gather", "inter"),
             "hpz": _bytes(t, "all_gather_hpz"), "hpz_inter": _bytes(t, "all_gather_hpz", "inter"),
             "hpz_calls": t.calls.get("all_gather_hpz", 0),
+            "residuals": _residuals(strategy),
         }
     return out
 
@@ -118,6 +129,20 @@ def test_one_quantized_step_is_close_to_fp32_and_hpz_is_exact(four):
                         ("grads-int8-feedback", 0.02)):
         err = _relative_update_error(r, name)
         assert 0 < err <= bound, (name, err)
+
+
+def test_error_feedback_reaches_every_quantized_reduce_scatter(four):
+    """After one step, error feedback's residual starts at zero so the update equals two hops without it (the
+    accuracy test above cannot tell them apart): instead every module's reduce-scatter must now hold what its
+    quantization lost (non-zero), and no other configuration may keep a residual."""
+    for r in four:
+        for name in CONFIGS:
+            res = r[name]["residuals"]
+            assert res, name
+            if name == "grads-int8-feedback":
+                assert all(x is not None and x > 0 for x in res), (name, res)
+            else:
+                assert all(x is None for x in res), (name, res)
 
 
 def test_int8_weight_gathers_perturb_the_forward_by_int8_error(four):

@@ -47,7 +47,6 @@ class WorkerContext:
     run_dir: str = ""
     info: dict = field(default_factory=dict)  # merged into the summary (e.g. where each worker ran)
     state: dict | None = None  # filled with {"strategy", "model", "optimizer"} at the end (in-process callers, tests)
-    node_size: int = 0  # ranks per node, when the launcher knows it (0: parallel.node_size or one node)
     on_commit: Any = None  # callable(step, uri), every rank, after a checkpoint commits (Ray Train: report it)
 
 
@@ -262,9 +261,9 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     strategy = (parallelize_fn or parallelize)(model, zero_stage=p.zero_stage, rank=rank, world_size=world, device=device,
                            micro_batches=cfg.data.micro_batches, reduce_every_micro_step=p.reduce_every_micro_step,
                            offload=p.offload != "none", precision=precision, bucket_mb=p.bucket_mb,
-                           find_unused_parameters=p.find_unused_parameters, node_size=ctx.node_size or p.node_size,
+                           find_unused_parameters=p.find_unused_parameters, node_size=p.node_size,
                            quant=make_quantization(p.quant_weights, p.quant_grads, p.quant_block, p.hierarchical,
-                                                   p.error_feedback, ctx.node_size or p.node_size, world),
+                                                   p.error_feedback, p.node_size, world),
                            hpz=p.hpz)
     optimizer = make_optimizer(strategy.module.parameters(), cfg.optim)
     autocast = autocast_for(device, precision, fsdp=strategy.plan.fsdp)
@@ -410,7 +409,7 @@ def _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info, w
         "quantization": dataclasses.asdict(strategy.quant),
         "comm_exposed_measured": strategy.meter.host_timing,
         "traffic": traffic.to_dict(),
-        "traffic_per_step": {k: v / max(1, steps) for k, v in _per_kind_bytes(traffic).items()},
+        "traffic_per_step": {k: v / max(1, steps) for k, v in traffic.per_kind_bytes().items()},
         "expected_traffic_per_step": expected_traffic(plan, n_bytes, n_bytes),
         "eval_traffic": strategy.meter.traffic["eval"].to_dict(),
     }
@@ -437,21 +436,15 @@ def _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info, w
     )
 
 
-def _per_kind_bytes(traffic) -> dict[str, int]:
-    return {k: traffic.intra.get(k, 0) + traffic.inter.get(k, 0) for k in traffic.calls}
-
-
 def _optimizer_state_tensors(optim) -> int | None:
-    """Full-size state tensors per parameter for each optimizer (the ``step`` scalars aside), for the formula."""
+    """Full-size state tensors per parameter (the ``step`` scalars aside), for the formula; None for factored
+    state (adafactor), not a multiple of the parameter count."""
     from .optim import OPTIMIZERS
 
-    if OPTIMIZERS[optim.name][0] in ("AdamW", "Adam", "Adamax", "NAdam", "RAdam"):
-        return 2
-    if optim.name in ("sgd", "rmsprop"):
-        return int(optim.momentum > 0) + (optim.name == "rmsprop")
-    if optim.name == "adagrad":
-        return 1
-    return None  # adafactor: factored state, not a multiple of the parameter count
+    spec = OPTIMIZERS[optim.name]
+    if spec.state is None:
+        return None
+    return spec.state + int(spec.momentum and optim.momentum > 0)
 
 
 def weights_digest(state: dict) -> str:

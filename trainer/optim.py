@@ -9,31 +9,40 @@ at stage >= 1 before any worker starts.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from dutycycle.engine.errors import ConfigError
 
-# name -> (torch.optim class name, elementwise)
+
+class Spec(NamedTuple):
+    cls: str  # the torch.optim class
+    elementwise: bool
+    state: int | None  # full-size state tensors per parameter (``step`` scalars aside); None: not a multiple
+    momentum: bool = False  # takes optim.momentum, and then keeps one more state tensor when it is > 0
+
+
 OPTIMIZERS = {
-    "adamw": ("AdamW", True),
-    "adam": ("Adam", True),
-    "sgd": ("SGD", True),
-    "rmsprop": ("RMSprop", True),
-    "adagrad": ("Adagrad", True),
-    "adamax": ("Adamax", True),
-    "nadam": ("NAdam", True),
-    "radam": ("RAdam", True),
-    "adafactor": ("Adafactor", False),
+    "adamw": Spec("AdamW", True, 2),
+    "adam": Spec("Adam", True, 2),
+    "sgd": Spec("SGD", True, 0, momentum=True),
+    "rmsprop": Spec("RMSprop", True, 1, momentum=True),
+    "adagrad": Spec("Adagrad", True, 1),
+    "adamax": Spec("Adamax", True, 2),
+    "nadam": Spec("NAdam", True, 2),
+    "radam": Spec("RAdam", True, 2),
+    "adafactor": Spec("Adafactor", False, None),  # factored second moment
 }
 
 
 def check_optimizer(name: str, zero_stage: int) -> None:
     if name not in OPTIMIZERS:
         raise ConfigError(f"optim.name = {name!r} is not one of {', '.join(OPTIMIZERS)}")
-    cls, elementwise = OPTIMIZERS[name]
-    if zero_stage >= 1 and not elementwise:
-        ok = ", ".join(n for n, (_, e) in OPTIMIZERS.items() if e)
+    spec = OPTIMIZERS[name]
+    if zero_stage >= 1 and not spec.elementwise:
+        ok = ", ".join(n for n, s in OPTIMIZERS.items() if s.elementwise)
         raise ConfigError(
-            f"optim.name = {name!r} ({cls}) is not elementwise: its update of one element depends on others in "
-            f"the same tensor, so it cannot update a ZeRO shard on its own (parallel.zero_stage = {zero_stage}). "
+            f"optim.name = {name!r} ({spec.cls}) is not elementwise: its update of one element depends on others "
+            f"in the same tensor, so it cannot update a ZeRO shard on its own (parallel.zero_stage = {zero_stage}). "
             f"Use parallel.zero_stage = 0, or an elementwise optimizer: {ok}"
         )
 
@@ -52,11 +61,12 @@ def make_optimizer(params, optim):
     no_decay = [p for p in params if p.dim() <= 1]
     groups = [g for g in ({"params": decay, "weight_decay": optim.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    cls = getattr(torch.optim, OPTIMIZERS[optim.name][0])
+    spec = OPTIMIZERS[optim.name]
+    cls = getattr(torch.optim, spec.cls)
     accepted = inspect.signature(cls.__init__).parameters
     kwargs = {"lr": optim.lr}
     if "betas" in accepted:
         kwargs["betas"] = (optim.beta1, optim.beta2)
-    if "momentum" in accepted and optim.name in ("sgd", "rmsprop"):
+    if spec.momentum:
         kwargs["momentum"] = optim.momentum
     return cls(groups, **kwargs)

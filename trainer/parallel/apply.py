@@ -200,7 +200,7 @@ def parallelize(model: nn.Module, *, zero_stage: int, rank: int, world_size: int
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
         else MixedPrecisionPolicy()
     # pinned host memory needs an accelerator (it raises on a CPU-only machine)
-    off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if plan.offload else OffloadPolicy()
     units, warns = shard_units(model)
     for w in warns:
         warnings.warn(w, ShardingWarning, stacklevel=2)
@@ -212,9 +212,10 @@ def parallelize(model: nn.Module, *, zero_stage: int, rank: int, world_size: int
     if quant.two_hop:
         from .qcollectives import make_hierarchy
 
-        hierarchy = make_hierarchy(topology)  # collective: every rank creates every node group, in one order
-    gather = QuantAllGather(meter, quant.weights_bits, quant.block) \
-        if quant.weights_bits < 32 or not isinstance(plan.reshard_after_forward, bool) else CountingAllGather(meter)
+        # collective: every rank creates every node group, in one order
+        hierarchy = make_hierarchy(topology, device=device)
+    gather = QuantAllGather(meter, quant.weights_bits, quant.block) if quant.weights_bits < 32 \
+        else CountingAllGather(meter)
     for m in fsdp_modules(model):  # the setters are per module, not recursive
         m.set_custom_all_gather(gather)
         m.set_custom_reduce_scatter(

@@ -93,7 +93,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class CountingAllGather(AllGather):
-    """FSDP2's all-gather, unchanged (``all_gather_single``), counted and timed."""
+    """FSDP2's all-gather, unchanged (``all_gather_single``), counted and timed. A gather over a group smaller
+    than the world is hpZ's backward gather (FSDP2 reshards to the node-sized group after forward): counted as
+    ``all_gather_hpz``, which never crosses a node."""
 
     def __init__(self, meter: CommMeter):
         self.meter = meter
@@ -102,7 +104,8 @@ class CountingAllGather(AllGather):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self.meter.count("all_gather", _nbytes(output_tensor), group)
+        secondary = len(self.meter.group_ranks(group)) < self.meter.topology.world_size
+        self.meter.count("all_gather_hpz" if secondary else "all_gather", _nbytes(output_tensor), group)
         with self.meter.blocking(enabled=not async_op):
             return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
@@ -127,8 +130,7 @@ class QuantAllGather(CountingAllGather):
     slot, its own included, so all compute with the same weights; the fp32 master shard is only read).
 
     hpZ's backward gathers (over the node-sized group FSDP2 reshards to after forward) move the secondary shard,
-    already the dequantized weights of the forward gather: they stay exact and are counted as
-    ``all_gather_hpz``, which never crosses a node."""
+    already the dequantized weights of the forward gather: they stay exact (the plain counted gather)."""
 
     def __init__(self, meter: CommMeter, bits: int, block: int):
         super().__init__(meter)
@@ -137,12 +139,7 @@ class QuantAllGather(CountingAllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         from .qcollectives import quantized_all_gather
 
-        secondary = len(self.meter.group_ranks(group)) < self.meter.topology.world_size
-        if secondary:
-            self.meter.count("all_gather_hpz", _nbytes(output_tensor), group)
-            with self.meter.blocking():
-                return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-        if self.bits >= 32:
+        if len(self.meter.group_ranks(group)) < self.meter.topology.world_size:
             return super().__call__(output_tensor, input_tensor, group, async_op)
         with self.meter.blocking():
             quantized_all_gather(output_tensor, input_tensor, group, bits=self.bits, block=self.block,

@@ -9,6 +9,8 @@
   parameters: the unsharded parameters between all-gather and reshard, the unsharded gradients it keeps while
   gradient sync is off (accumulation), and the padded flat shard behind each sharded parameter. Memory
   accounting (memory.py) reads them; nothing writes them.
+- ``custom_reduce_scatters``: the reduce-scatter object each module calls (the tests read error feedback's
+  residuals from them).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-__all__ = ["AllGather", "ReduceScatter", "FSDPModule", "fsdp_modules", "held_tensors"]
+__all__ = ["AllGather", "ReduceScatter", "FSDPModule", "custom_reduce_scatters", "fsdp_modules",
+           "held_tensors"]
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -49,3 +52,10 @@ def held_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                     yield "unsharded_grad", unsharded.grad
             if fp.unsharded_accumulated_grad is not None:
                 yield "unsharded_grad", fp.unsharded_accumulated_grad
+
+
+def custom_reduce_scatters(model: torch.nn.Module) -> list[ReduceScatter]:
+    """The reduce-scatter each FSDP module calls (``set_custom_reduce_scatter``'s, or FSDP2's default), in
+    ``fsdp_modules`` order."""
+    return [group._reduce_scatter_comm for module in fsdp_modules(model)
+            for group in module._get_fsdp_state()._fsdp_param_groups]

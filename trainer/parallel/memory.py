@@ -58,13 +58,11 @@ class MemorySampler:
 
     def __init__(self):
         self.peak = {"params": 0, "grads": 0, "optimizer": 0}
-        self.samples = 0
 
     def sample(self, model, optimizer=None) -> None:
         now = held_bytes(model, optimizer)
         for k, v in now.items():
             self.peak[k] = max(self.peak[k], v)
-        self.samples += 1
 
     def cuda_peak(self, device) -> int | None:
         if device is not None and getattr(device, "type", "") == "cuda":

@@ -2,7 +2,7 @@
 
 ZeRO (arXiv 1910.02054) partitions model state across the W data-parallel ranks: stage 1 the optimizer state,
 stage 2 also the gradients, stage 3 also the parameters. dutycycle maps the stages onto PyTorch's own
-machinery, and the README's stage table is generated from ``STAGES`` below:
+machinery:
 
 - stage 0 is ``DistributedDataParallel``: bucketed all-reduce launched during backward, ``no_sync()`` on all
   micro-batches but the last, so the step's one gradient exchange overlaps the last backward.
@@ -23,33 +23,6 @@ memory (no full gradients kept), M times the gradient traffic.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-# ------------------------------------------------------------------------------------------------- stages
-
-
-@dataclass(frozen=True)
-class Stage:
-    zero: int
-    holds: str  # what one rank holds, ZeRO's words
-    torch: str  # how it maps onto torch
-    sends: str  # per optimizer step, M micro-batches, N = bytes of the full gradients/parameters, W ranks
-
-
-STAGES = (
-    Stage(0, "everything, replicated",
-          "DistributedDataParallel, no_sync() until the last micro-batch",
-          "all-reduce of the gradients: 2N(W-1)/W"),
-    Stage(1, "optimizer state / W; parameters and gradients whole during the step",
-          "fully_shard(reshard_after_forward=False); parameters stay unsharded across micro-batches "
-          "(set_reshard_after_backward only at the last one); one reduce-scatter at the boundary",
-          "all-gather N(W-1)/W + reduce-scatter N(W-1)/W"),
-    Stage(2, "optimizer state and gradients / W; parameters whole from forward to end of backward",
-          "fully_shard(reshard_after_forward=False), resharded after every backward",
-          "M all-gathers N(W-1)/W + reduce-scatter N(W-1)/W (M of them with reduce_every_micro_step)"),
-    Stage(3, "optimizer state, gradients and parameters / W",
-          "fully_shard(reshard_after_forward=True) (an int: hpZ, reshard to a node-sized group)",
-          "2M all-gathers N(W-1)/W + reduce-scatter N(W-1)/W (M of them with reduce_every_micro_step)"),
-)
 
 
 @dataclass(frozen=True)
@@ -84,10 +57,6 @@ class Quantization:
     block: int = 256
     two_hop: bool = False  # qgZ inside the node first, then across nodes
     error_feedback: bool = False
-
-    @property
-    def active(self) -> bool:
-        return self.weights_bits < 32 or self.grads_bits < 32
 
 
 BITS = {"none": 32, "int8": 8, "int4": 4}

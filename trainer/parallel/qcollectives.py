@@ -19,7 +19,7 @@ The fp32 and bf16 forms run the very same algorithm unquantized: the fair baseli
 Every function counts the bytes it puts on the wire (packed codes and scales, nothing sent to itself) into an
 optional ``Traffic``, split intra/inter-node by the global ranks of the peers and the given ``Topology``.
 The functions are synchronous (FSDP2 accepts a ``None`` work handle) and run on any backend with
-``all_to_all_single`` and ``all_gather_into_tensor`` (gloo on CPU, NCCL on GPU).
+``all_to_all_single`` and ``all_gather_single`` (gloo on CPU, NCCL on GPU).
 
 Error bounds, per output element, with ``A`` the largest magnitude in that element's block over the ranks'
 inputs and ``e = 1/(2*qmax)`` (1/254 for int8, 1/14 for int4; see ``quant``):
@@ -40,8 +40,10 @@ telescoping holds.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -73,12 +75,16 @@ class _Meter:
             self.traffic.add(self.kind, 0, 0, calls=1)
 
 
-# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single; older torch has only the former
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> its global ranks
 
 
-def _group_ranks(group) -> list[int]:
-    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+def _group_ranks(group) -> tuple[int, ...]:
+    """The group's global ranks in group-rank order, looked up once per group (not once per FSDP module per
+    step)."""
+    group = group if group is not None else dist.group.WORLD
+    if group not in _RANKS:  # (no process group yet: get_process_group_ranks raises torch's own error)
+        _RANKS[group] = tuple(dist.get_process_group_ranks(group))
+    return _RANKS[group]
 
 
 # ----------------------------------------------------------------------------------------------- hierarchy
@@ -112,6 +118,8 @@ class Hierarchy:
     peers: tuple[tuple[int, ...], ...]
     intra: dist.ProcessGroup  # this rank's node
     inter: dist.ProcessGroup  # the ranks with this rank's local index, one per node
+    order: torch.Tensor  # hop 1's row order: the ranks of local index 0 on every node, then of index 1, ...
+    inter_index: torch.Tensor  # ``inter_ranks`` as an index (the rows hop 2's error folds into)
 
     @property
     def node_size(self) -> int:
@@ -121,23 +129,25 @@ class Hierarchy:
     def num_nodes(self) -> int:
         return len(self.node_ranks)
 
-    @property
+    @cached_property
     def intra_ranks(self) -> tuple[int, ...]:
         return next(m for m in self.node_ranks if self.rank in m)
 
-    @property
+    @cached_property
     def local_index(self) -> int:
         return self.intra_ranks.index(self.rank)
 
-    @property
+    @cached_property
     def inter_ranks(self) -> tuple[int, ...]:
         return self.peers[self.local_index]
 
 
-def make_hierarchy(topology: Topology, backend: str | None = None) -> Hierarchy:
+def make_hierarchy(topology: Topology, backend: str | None = None,
+                   device: torch.device | None = None) -> Hierarchy:
     """Create the node groups and the same-local-index groups; call it once, on every rank, after
     ``init_process_group``. Every rank creates every group (``dist.new_group`` is collective over the world),
-    in the same order: nodes first, then local indices."""
+    in the same order: nodes first, then local indices. ``device``: where the collectives' tensors live (CPU
+    if not given), so the two-hop index tensors are built there once."""
     from dutycycle.engine.errors import ConfigError
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -145,7 +155,7 @@ def make_hierarchy(topology: Topology, backend: str | None = None) -> Hierarchy:
         raise ConfigError(f"the topology covers {topology.world_size} ranks but the world has {world}; "
                           "build it with Topology.uniform(world_size, node_size)")
     node_ranks, peers = node_layout(topology)
-    intra = inter = None
+    intra = inter = inter_ranks = None
     for members in node_ranks:
         group = dist.new_group(list(members), backend=backend)
         if rank in members:
@@ -153,9 +163,11 @@ def make_hierarchy(topology: Topology, backend: str | None = None) -> Hierarchy:
     for members in peers:
         group = dist.new_group(list(members), backend=backend)
         if rank in members:
-            inter = group
+            inter, inter_ranks = group, members
     assert intra is not None and inter is not None, (rank, node_ranks, peers)
-    return Hierarchy(topology, rank, node_ranks, peers, intra, inter)
+    return Hierarchy(topology, rank, node_ranks, peers, intra, inter,
+                     order=torch.tensor([r for members in peers for r in members], device=device),
+                     inter_index=torch.tensor(inter_ranks, device=device))
 
 
 # --------------------------------------------------------------------------------------------- the exchange
@@ -243,7 +255,7 @@ def _two_hop(x: torch.Tensor, h: Hierarchy, ranks: Sequence[int], bits: int, blo
     keep = residual is not None
     # hop 1, inside the node: local peer p gets the chunks of every rank with local index p (N of them), so
     # each rank ends with its node's partial sums of the chunks of h.inter_ranks (N, n), in that order
-    order = torch.tensor([r for p in range(L) for r in h.peers[p]], device=x.device)
+    order = h.order.to(x.device)  # built once by make_hierarchy; a no-op on its device
     if L == 1:  # one rank per node: hop 1 is a no-op
         partial, err1 = x.index_select(0, order).to(torch.float32), None
     else:  # encode in rank order, then reorder the (smaller) encoded rows
@@ -262,7 +274,7 @@ def _two_hop(x: torch.Tensor, h: Hierarchy, ranks: Sequence[int], bits: int, blo
         else:
             residual.view(W, n).copy_(err1)
         if err2 is not None:  # this rank sends itself the chunks of h.inter_ranks in hop 1: fold hop 2's error in
-            residual.view(W, n).index_add_(0, torch.tensor(h.inter_ranks, device=x.device), err2)
+            residual.view(W, n).index_add_(0, h.inter_index.to(x.device), err2)
     return total
 
 
@@ -284,6 +296,6 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, 
     meter.call()
     buf = encode(input.reshape(n), bits, block)  # a fresh buffer for 8/4/16 bits; fp32 may alias the input
     gathered = torch.empty(W * buf.numel(), dtype=torch.uint8, device=buf.device)
-    _all_gather_flat(gathered, buf, group=group)  # gloo wants flat 1-D tensors
+    dist.all_gather_single(gathered, buf, group=group)  # gloo wants flat 1-D tensors
     meter.hop(buf.numel(), ranks)
     decode(gathered.view(W, -1), n, bits, block, out=output.view(W, n))

@@ -35,7 +35,7 @@ Edge cases, decided here:
 
 Wire formats (``bits``): 32 = fp32 (unquantized, the baseline), 16 = bf16 (a cast), 8 and 4 = the blockwise
 formats above, packed with their scales into one uint8 buffer per row (``encode`` / ``decode``), so one
-``all_to_all_single`` or ``all_gather_into_tensor`` moves data and scales together.
+``all_to_all_single`` or ``all_gather_single`` moves data and scales together.
 
 Everything is vectorized over blocks (torch ops, no Python loop per block) and runs on the input's device. On
 CPU the blocks go through in slabs of ``SLAB`` elements so that the fp32 temporaries stay in cache; on an
@@ -100,8 +100,7 @@ def packed_nbytes(numel: int, bits: int, block: int = DEFAULT_BLOCK) -> int:
         return 4 * numel
     if bits == 16:
         return 2 * numel
-    data = numel if bits == 8 else -(-numel // 2)
-    return data + 4 * num_blocks(numel, block)
+    return _data_nbytes(numel, bits) + 4 * num_blocks(numel, block)
 
 
 def error_bound(absmax: torch.Tensor | float, bits: int) -> torch.Tensor | float:
@@ -156,6 +155,7 @@ def _quantize_into(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, bi
 
 
 def _data_nbytes(numel: int, bits: int) -> int:
+    """Bytes of int8 or int4 codes for ``numel`` elements (two int4 codes a byte)."""
     return numel if bits == 8 else -(-numel // 2)
 
 

@@ -33,9 +33,3 @@ def to_safetensors(state: dict[str, torch.Tensor]) -> bytes:
     from safetensors.torch import save
 
     return save({k: v.detach().contiguous().clone() for k, v in state.items()})
-
-
-def from_safetensors(data: bytes) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    return load(data)

@@ -81,6 +81,10 @@ class Traffic:
         for kind in other.calls:
             self.add(kind, other.intra.get(kind, 0), other.inter.get(kind, 0), calls=other.calls[kind])
 
+    def per_kind_bytes(self) -> dict[str, int]:
+        """Bytes sent per collective kind, intra- and inter-node together."""
+        return {k: self.intra.get(k, 0) + self.inter.get(k, 0) for k in self.calls}
+
     @property
     def total(self) -> int:
         return sum(self.intra.values()) + sum(self.inter.values())

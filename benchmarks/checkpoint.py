@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,13 +38,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import free_port  # noqa: E402
+
 ROWS = ("none", "sync", "async")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(path: Path, run_dir: Path, args, mode: str) -> Path:
@@ -85,21 +81,16 @@ async_save = {"false" if mode == "sync" else "true"}
 
 def launch(config: Path, args, **kwargs) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--master-port",
-           str(_free_port()), "-m", "dutycycle.trainer.torchrun", str(config)]
+           str(free_port()), "-m", "dutycycle.trainer.torchrun", str(config)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    """The rows written so far (a line being written may be incomplete: skipped)."""
-    path = run_dir / "metrics.jsonl"
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
+    """The rows written so far (the run is still writing: a half-written last line waits for the next look)."""
+    from dutycycle.trainer.metrics import read_metrics
+
+    return read_metrics(str(run_dir), live=True)
 
 
 def run_row(mode: str, args, workdir: Path) -> dict:

@@ -145,8 +145,9 @@ def main() -> int:
         dur[async_save] = durations(timeline)
         if status != 0:
             failures.append(f"calibration child exited with status {status}")
+    after, _ = newest(args.root)
     for i in range(args.kills):
-        before, _ = newest(args.root)
+        before = after  # nothing writes between one kill's check and the next child
         first = (before or 0) + 1
         target = (rng.randrange(2), phases[i % len(phases)])
         async_save = (i // len(phases)) % 2 == 1  # every phase in both modes

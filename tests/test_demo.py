@@ -48,8 +48,9 @@ def test_demo_small_runs_end_to_end(tmp_path):
     assert (out / "diagnose" / "diagnosis.html").exists()
     page = (out / "demo.html").read_text()
     assert "Failure and recovery" in page and demo["diagnosis"]["verdict"]["kind"] in page
-    # 6 steps of a tiny CNN: no accuracy target, but the value must be a real accuracy over real val samples
+    # 16 steps of a tiny CNN: no accuracy target, but the value must be a real accuracy over real val samples
     assert summary["val_accuracy"] == demo["val_accuracy"]
+    assert demo["training"]["steps"] == 16 and demo["training"]["time_breakdown"] == summary["time_breakdown"]
     evals = [json.loads(ln) for ln in (out / "run" / "metrics.jsonl").read_text().splitlines() if "val_samples" in ln]
     assert evals and all(e["val_samples"] > 0 for e in evals)
     assert 0.0 <= demo["val_accuracy"] <= 1.0

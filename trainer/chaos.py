@@ -33,14 +33,6 @@ class KillReport:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
-def _rows(path: str) -> list[dict]:
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (OSError, json.JSONDecodeError):
-        return []  # not written yet, or caught mid-rewrite: look again
-
-
 class KillOneWorker(threading.Thread):
     def __init__(self, run_dir: str, checkpoint_dir: str, after_step: int, rank: int = 1, timeout_s: float = 600):
         super().__init__(name="dutycycle-chaos", daemon=True)
@@ -64,14 +56,18 @@ class KillOneWorker(threading.Thread):
         return False
 
     def run(self) -> None:
-        from .checkpoint import find_latest
+        from .checkpoint import manifest as mf
+        from .metrics import read_metrics
 
-        metrics = os.path.join(self.run_dir, "metrics.jsonl")
         health = os.path.join(self.run_dir, "health.json")
 
+        def newest_step() -> int:
+            return max((r["step"] for r in read_metrics(self.run_dir, live=True) if "loss" in r), default=-1)
+
         def trained_past_a_commit() -> bool:
-            steps = [r["step"] for r in _rows(metrics) if "loss" in r]
-            return bool(steps) and max(steps) >= self.after_step and find_latest(self.checkpoint_dir) is not None
+            # a manifest is the commit; verifying checksums here would only compete with training for the cores
+            return newest_step() >= self.after_step and any(
+                mf.is_committed(uri) for _, uri in mf.list_steps(self.checkpoint_dir))
 
         if not self._wait(trained_past_a_commit, f"a commit and step {self.after_step}"):
             return
@@ -82,19 +78,21 @@ class KillOneWorker(threading.Thread):
         except (OSError, KeyError, StopIteration, json.JSONDecodeError) as e:
             self.report.error = f"no PID for rank {self.rank} in {health}: {e}"
             return
-        self.report.killed_at_step = max(r["step"] for r in _rows(metrics) if "loss" in r)
+        self.report.killed_at_step = newest_step()
         print(f"[chaos] killing rank {self.rank} (pid {victim['pid']}, SIGKILL) after step "
               f"{self.report.killed_at_step}; the errors that follow are Ray Train and the surviving rank noticing, "
               "then the group restarts and resumes from the last commit", flush=True)
         self.report._t_kill = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
         self.report.killed_rank, self.report.killed_pid = self.rank, victim["pid"]
+        resume_rows: list[dict] = []
 
         def resumed() -> bool:
-            return any(r.get("event") == "resume" for r in _rows(metrics))
+            resume_rows[:] = [r for r in read_metrics(self.run_dir, live=True) if r.get("event") == "resume"]
+            return bool(resume_rows)
 
         if self._wait(resumed, "the restarted workers to resume"):
             self.report.recovery_s = time.monotonic() - self.report._t_kill
-            row = next(r for r in _rows(metrics) if r.get("event") == "resume")
+            row = resume_rows[0]
             self.report.resumed_from_step = row["step"]
             self.report.steps_lost = self.report.killed_at_step - row["step"]

@@ -125,8 +125,9 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
     chaos = None
     if cfg.parallel.num_workers > 1 and cfg.ray.max_failures > 0 and cfg.checkpoint.every and io.protocol(run_dir) == "file":
         from .chaos import KillOneWorker
+        from .checkpoint import checkpoint_root
 
-        chaos = KillOneWorker(run_dir, cfg.checkpoint.dir or io.join(run_dir, "checkpoints"), plan["kill_after_step"])
+        chaos = KillOneWorker(run_dir, checkpoint_root(cfg, run_dir), plan["kill_after_step"])
         chaos.start()
         _say(f"failure injection: rank 1 will be killed (SIGKILL) once step {plan['kill_after_step']} is logged")
     try:
@@ -166,6 +167,8 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
     _say("stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in stages.items()) + f"; total {total:.0f}s")
     result = {"val_accuracy": acc, "total_s": total, "stages": stages, "run_dir": run_dir,
               "report": summary.get("report"), "cache": res.uri, "contact_sheet": sheet, "summary": summary,
+              "training": {k: summary.get(k) for k in ("steps", "samples_per_s", "val_loss", "goodput",
+                                                        "data_wait_fraction", "comm_fraction", "time_breakdown")},
               "recovery": recovery, "diagnosis": {"verdict": diagnosis["verdict"], "files": diagnosis["files"]}}
     from .demo_report import write
 

@@ -87,10 +87,25 @@ class MetricsWriter:
             self._f = None
 
 
-def read_metrics(run_dir: str) -> list[dict]:
+def read_metrics(run_dir: str, *, live: bool = False) -> list[dict]:
+    """The rows of ``metrics.jsonl``. ``live``: the run may still be writing it, so a missing file is no rows yet
+    and a line caught half-written is left for the next look."""
     fs, path = io.filesystem(io.join(run_dir, "metrics.jsonl"))
-    with fs.open(path, "r") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    try:
+        with fs.open(path, "r") as f:
+            lines = [line for line in f if line.strip()]
+    except FileNotFoundError:
+        if live:
+            return []
+        raise
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if not live:
+                raise
+    return rows
 
 
 def summarize(*, steps: int, samples: int, first_loss: float | None, final_loss: float | None,

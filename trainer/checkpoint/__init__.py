@@ -17,7 +17,14 @@ Heavy imports (torch, DCP, Ray) stay inside the modules that need them.
 
 from __future__ import annotations
 
-__all__ = ["checkpoint_uri", "find_latest", "make_checkpointer"]
+__all__ = ["checkpoint_root", "checkpoint_uri", "find_latest", "make_checkpointer"]
+
+
+def checkpoint_root(cfg, run_dir: str) -> str:
+    """Where a run's checkpoints go: ``checkpoint.dir``, else ``RUN_DIR/checkpoints`` ("" without either)."""
+    from dutycycle.engine import io
+
+    return cfg.checkpoint.dir or (io.join(run_dir, "checkpoints") if run_dir else "")
 
 
 def make_checkpointer(cfg, ctx, *, total_steps: int, data_info=None, writer=None):

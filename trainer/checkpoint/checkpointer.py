@@ -22,10 +22,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from dutycycle.engine import io
 from dutycycle.engine.errors import SourceError
 
-from . import resume
+from . import checkpoint_root, resume
 from .saver import Commit, Saver
 from .state import TrainerState, capture_rng
 
@@ -41,7 +40,7 @@ class Checkpointer:
         c = cfg.checkpoint
         self.cfg, self.c, self.total = cfg, c, total_steps
         self.rank, self.world, self.device = ctx.rank, ctx.world_size, ctx.device
-        self.root = c.dir or (io.join(ctx.run_dir, "checkpoints") if ctx.run_dir else "")
+        self.root = checkpoint_root(cfg, ctx.run_dir)
         self.on_commit = getattr(ctx, "on_commit", None)
         self.writer = writer
         self.data = {"fingerprint": getattr(data_info, "fingerprint", ""),
@@ -155,7 +154,7 @@ class Checkpointer:
             return None
         saved = resume.read_trainer_state(selected)
         resume.check_compatible(saved, self.cfg, self.data["fingerprint"], selected.uri)
-        restored = self._load(selected, strategy, optimizer, source)
+        restored = self._load(selected, strategy, optimizer, source, saved)
         steps_lost = self.writer.resume_from(restored.step) if self.writer is not None else 0
         self.restored = {"step": restored.step, "uri": selected.uri, "restore_s": time.perf_counter() - t0,
                          "steps_lost": steps_lost, "fallbacks": selected.fallbacks}
@@ -166,8 +165,8 @@ class Checkpointer:
                   f"{self.restored['restore_s']:.2f} s", flush=True)
         return restored
 
-    def _load(self, selected, strategy, optimizer, source) -> Restored:
-        state = resume.load(selected, strategy, optimizer, source, rank=self.rank, device=self.device)
+    def _load(self, selected, strategy, optimizer, source, saved=None) -> Restored:
+        state = resume.load(selected, strategy, optimizer, source, rank=self.rank, device=self.device, state=saved)
         self.skipped = {(e, b) for e, b in state.skipped}
         epoch, index = source.position()
         if index >= len(source):  # saved after an epoch's last batch: continue with the next epoch

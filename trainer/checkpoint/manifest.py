@@ -119,15 +119,15 @@ def is_committed(step_uri: str) -> bool:
 
 
 def read_json_bounded(uri: str) -> object:
-    """Read a small JSON file, refusing one larger than ``MAX_JSON_BYTES`` before reading it."""
+    """Read a small JSON file, refusing one larger than ``MAX_JSON_BYTES`` (never fetching more than one byte
+    past it)."""
     fs, path = io.filesystem(uri)
-    fs.invalidate_cache(path)
-    size = fs.size(path)
-    if size is None or size > MAX_JSON_BYTES:
-        raise CorruptArtifactError(f"{uri} is {size} bytes, more than the {MAX_JSON_BYTES} a checkpoint's JSON "
-                                   "file may hold; the checkpoint is refused")
-    with fs.open(path, "rb") as f:
-        data = f.read(MAX_JSON_BYTES + 1)
+    fs.invalidate_cache(path)  # another rank or process may have just committed it
+    try:
+        data = io.read_capped(uri, MAX_JSON_BYTES)
+    except io.FileTooLargeError:
+        raise CorruptArtifactError(f"{uri} is more than the {MAX_JSON_BYTES} bytes a checkpoint's JSON file may "
+                                   "hold; the checkpoint is refused") from None
     try:
         return json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -42,13 +42,14 @@ def _collectives(world: int):
     return world > 1 and dist.is_available() and dist.is_initialized()
 
 
-def broadcast(obj, world: int):
+def broadcast(obj, world: int, group=None):
+    """Rank 0's ``obj`` on every rank (``group``: the default group unless given; the saver passes its own)."""
     if not _collectives(world):
         return obj
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -129,12 +130,15 @@ def check_compatible(saved: TrainerState, cfg, fingerprint: str, uri: str) -> No
                           "\"none\" to start fresh")
 
 
-def load(selected: Selected, strategy, optimizer, source, *, rank: int, device=None) -> TrainerState:
-    """Load model, optimizer, loader position and this rank's RNG from a verified checkpoint (every rank)."""
+def load(selected: Selected, strategy, optimizer, source, *, rank: int, device=None,
+         state: TrainerState | None = None) -> TrainerState:
+    """Load model, optimizer, loader position and this rank's RNG from a verified checkpoint (every rank).
+    ``state``: its trainer state when the caller has already read it."""
     from ..parallel.state import sharded_state_dict
     from .storage import read_state
 
-    state = read_trainer_state(selected)
+    if state is None:
+        state = read_trainer_state(selected)
     model_sd, optim_sd = sharded_state_dict(strategy, optimizer)
     read_state({"model": model_sd, "optim": optim_sd}, selected.uri, set(selected.manifest.files))
     from torch.distributed.checkpoint.state_dict import set_state_dict

@@ -185,13 +185,9 @@ class Saver:
     # ------------------------------------------------------------------------ collectives on the save group
 
     def _broadcast(self, obj):
-        if self.group is None or self.world == 1:
-            return obj
-        import torch.distributed as dist
+        from .resume import broadcast
 
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return broadcast(obj, self.world, self.group)
 
     def _gather(self, obj) -> list:
         if self.group is None or self.world == 1:

@@ -33,17 +33,21 @@ class Context:
     steps: int = 12  # optimizer steps of each short training run
     memory_budget_bytes: int | None = None  # per rank; None = the device's memory (GPU) or the host's share (CPU)
     results: dict = field(default_factory=dict)  # earlier experiments' results (scaling reads compute, ...)
+    cache: dict = field(default_factory=dict)  # what several experiments need, computed once (see _once)
 
 
-def variant(cfg, *overrides: str, **sections) -> Any:
+def variant(cfg, *overrides: str) -> Any:
     """A copy of ``cfg`` with ``--set``-style overrides applied and validated."""
-    from ..config import from_dict, load_config
+    from ..config import load_config
 
-    tree = cfg.to_dict()
-    for section, values in sections.items():
-        tree[section].update(values)
-    base = from_dict(tree)
-    return load_config(None, list(overrides), base=base.to_dict()) if overrides else base
+    return load_config(None, list(overrides), base=cfg.to_dict())
+
+
+def _once(ctx: Context, key: str, make):
+    """A value several experiments need (the data's shape, the source table), computed once per diagnosis."""
+    if key not in ctx.cache:
+        ctx.cache[key] = make()
+    return ctx.cache[key]
 
 
 def _short_run(ctx: Context, name: str, *overrides: str) -> dict:
@@ -83,11 +87,17 @@ def _steady_rows(run_dir: str) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ 1 compute
 
 
-def _data_info(cfg):
+def _data_info(ctx: Context):
+    """The configured data's description (shape, classes, fingerprint)."""
     from ..data import make_sources
 
-    _, _, info = make_sources(variant(cfg, "data.loader_mode=sync"), 0, 1)
-    return info
+    return _once(ctx, "data_info", lambda: make_sources(variant(ctx.cfg, "data.loader_mode=sync"), 0, 1)[2])
+
+
+def _synthetic(ctx: Context) -> list[str]:
+    """Overrides for synthetic data of the configured shape, enough for a short run: the loader out of the way."""
+    return ["data.source=synthetic", f"data.size={_data_info(ctx).size}",
+            f"data.synthetic_samples={max(ctx.cfg.data.global_batch_size * (ctx.steps + 1), 256)}"]
 
 
 def compute(ctx: Context) -> dict:
@@ -102,7 +112,7 @@ def compute(ctx: Context) -> dict:
     from ..optim import make_optimizer
 
     cfg = ctx.cfg
-    info = _data_info(cfg)
+    info = _data_info(ctx)
     workers = cfg.parallel.num_workers
     device = torch.device("cuda", 0) if torch.cuda.is_available() and cfg.parallel.use_gpu != "false" \
         else torch.device("cpu")
@@ -189,7 +199,7 @@ def loader(ctx: Context) -> dict:
         sources.append(("synthetic", variant(cfg)))
     if cfg.data.source == "cache" or cfg.data.cache:
         sources.append(("cache", variant(cfg, "data.source=cache")))
-    table = table_of(cfg)
+    table = _once(ctx, "table", lambda: table_of(cfg))
     if table:
         sources.append(("raw", variant(cfg, "data.source=raw", f"data.table={table}")))
     seconds = ctx.seconds / (len(sources) + 1)
@@ -226,7 +236,7 @@ def end_to_end(ctx: Context) -> dict:
     """Short runs of the config as it is (and from raw, when a table is known): where the step's time goes."""
     cfg = ctx.cfg
     out = {"configured": cfg.data.source, cfg.data.source: _short_run(ctx, f"e2e-{cfg.data.source}")}
-    table = table_of(cfg)
+    table = _once(ctx, "table", lambda: table_of(cfg))
     if cfg.data.source == "cache" and table:
         out["raw"] = _short_run(ctx, "e2e-raw", "data.source=raw", f"data.table={table}")
     return out
@@ -240,7 +250,7 @@ def h2d(ctx: Context) -> dict:
 
     if not torch.cuda.is_available() or ctx.cfg.parallel.use_gpu == "false":
         return {"applicable": False, "why": "a CPU run has no host-to-device copy"}
-    info = _data_info(ctx.cfg)
+    info = _data_info(ctx)
     x = torch.empty(ctx.cfg.data.global_batch_size // ctx.cfg.parallel.num_workers, info.channels, info.size,
                     info.size).pin_memory()
     dev = torch.device("cuda", 0)
@@ -268,9 +278,7 @@ def scaling(ctx: Context) -> dict:
     n = cfg.parallel.num_workers
     if n == 1:
         return {"applicable": False, "why": "parallel.num_workers = 1: nothing to scale"}
-    info = _data_info(cfg)
-    synth = ["data.source=synthetic", f"data.size={info.size}",
-             f"data.synthetic_samples={max(cfg.data.global_batch_size * (ctx.steps + 1), 256)}"]
+    synth = _synthetic(ctx)
     one = _short_run(ctx, "scale-1", *synth, "parallel.num_workers=1", "parallel.zero_stage=0",
                      "parallel.offload=none", "parallel.quant_weights=none", "parallel.quant_grads=none",
                      "parallel.hpz=false", "parallel.error_feedback=false")
@@ -295,9 +303,7 @@ def checkpoint(ctx: Context) -> dict:
     """Stall per save, synchronous and asynchronous, from short runs that save every other step (synthetic data of
     the same shape, so the loader does not blur the stall)."""
     cfg = ctx.cfg
-    info = _data_info(cfg)
-    synth = ["data.source=synthetic", f"data.size={info.size}",
-             f"data.synthetic_samples={max(cfg.data.global_batch_size * (ctx.steps + 1), 256)}"]
+    synth = _synthetic(ctx)
     out: dict[str, Any] = {"configured_every": cfg.checkpoint.every, "configured_async": cfg.checkpoint.async_save}
     for mode in ("sync", "async"):
         run = _short_run(ctx, f"ckpt-{mode}", *synth, f"checkpoint.dir={io.join(ctx.workdir, 'ckpt-' + mode)}",
@@ -321,7 +327,7 @@ def memory(ctx: Context) -> dict:
     from ..parallel.plan import expected_held, make_plan
 
     cfg = ctx.cfg
-    info = _data_info(cfg)
+    info = _data_info(ctx)
     numel = sum(p.numel() for p in build_model(cfg.model, info.channels, info.num_classes, info.size).parameters())
     w = cfg.parallel.num_workers
     gpu = torch.cuda.is_available() and cfg.parallel.use_gpu != "false"
@@ -354,15 +360,9 @@ def device_budget(gpu: bool, workers: int) -> tuple[int, str]:
 
     if gpu:
         return int(torch.cuda.get_device_properties(0).total_memory), "GPU memory"
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-            if text.isdigit():
-                total = min(total, int(text))
-        except OSError:
-            pass
+    from dutycycle.loader.budget import node_memory_limit
+
+    total = node_memory_limit() or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total // max(1, workers), "host memory (cgroup limit if lower) / workers"
 
 

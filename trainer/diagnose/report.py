@@ -11,6 +11,8 @@ import json
 
 from dutycycle.engine import io
 
+from .experiments import EXPERIMENTS
+
 
 def describe(key: str, res: dict) -> str:
     """One line a person reads per experiment (the progress line and the HTML table's summary)."""
@@ -63,6 +65,8 @@ def picture(findings: dict) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..report import COLORS  # the run report's colours: a wait looks the same in both pictures
+
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
     rates = {}
     comp, load, e2e = findings.get("compute", {}), findings.get("loader", {}), findings.get("end_to_end", {})
@@ -91,8 +95,9 @@ def picture(findings: dict) -> bytes:
             runs[f"{sc['workers']} workers, quantized"] = sc["quantized"]
     names = list(runs)
     left = [0.0] * len(names)
-    for share, color, label in (("data_wait_share", "#d62728", "data wait"), ("comm_share", "#1f77b4",
-                                "communication"), ("checkpoint_share", "#9467bd", "checkpoint")):
+    for share, color, label in (("data_wait_share", COLORS["data_wait"], "data wait"),
+                                ("comm_share", COLORS["comm"], "communication"),
+                                ("checkpoint_share", COLORS["checkpoint"], "checkpoint")):
         values = [runs[n].get(share, 0.0) for n in names]
         b.barh(names, values, left=left, color=color, label=label)
         left = [x + v for x, v in zip(left, values, strict=True)]
@@ -116,8 +121,9 @@ def picture(findings: dict) -> bytes:
 
 def page(result: dict, png: bytes) -> str:
     v = result["verdict"]
-    rows = "".join(f"<tr><td>{html.escape(title)}</td><td>{html.escape(describe(key, res))}</td></tr>"
-                   for key, title, res in result["experiments"])
+    titles = {key: title for key, title, _ in EXPERIMENTS}
+    rows = "".join(f"<tr><td>{html.escape(titles[key])}</td><td>{html.escape(describe(key, res))}</td></tr>"
+                   for key, res in result["findings"].items())
     img = base64.b64encode(png).decode()
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>dutycycle diagnose</title>"
@@ -138,5 +144,5 @@ def write(out: str, result: dict) -> dict[str, str]:
              "html": io.join(out, "diagnosis.html")}
     io.write_bytes_atomic(paths["png"], png)
     io.write_bytes_atomic(paths["html"], page(result, png).encode())
-    io.write_json_atomic(paths["json"], {k: v for k, v in result.items() if k != "experiments"})
+    io.write_json_atomic(paths["json"], result)
     return paths

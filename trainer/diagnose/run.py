@@ -35,8 +35,7 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
                   memory_budget_bytes=int(memory_budget_mb * 2**20) if memory_budget_mb else None)
     chosen = [(k, t, f) for k, t, f in EXPERIMENTS if not only or k in only]
     deadline = time.perf_counter() + budget_s
-    findings: dict[str, dict] = {}
-    listed = []
+    findings = ctx.results  # later experiments read earlier ones' results (scaling reads end_to_end)
     for i, (key, title, fn) in enumerate(chosen, 1):
         tag = f"[diagnose] {i}/{len(chosen)} {title}"
         if time.perf_counter() > deadline:
@@ -50,12 +49,10 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
                 res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
             res["seconds"] = time.perf_counter() - t0
         findings[key] = res
-        ctx.results[key] = res
-        listed.append((key, title, res))
         say(f"{tag}: {describe(key, res)}")
     verdict = decide(findings)
     result = {"config_name": config_name, "budget_s": budget_s, "findings": findings,
-              "verdict": verdict.to_dict(), "experiments": listed}
+              "verdict": verdict.to_dict()}
     result["files"] = write(out, result)
     say(f"[diagnose] verdict: {verdict.headline}")
     say(f"[diagnose] report: {result['files']['html']}")

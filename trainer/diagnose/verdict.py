@@ -117,7 +117,7 @@ def decide(findings: dict) -> Verdict:
     if kind == "data":
         return _data(share, shares, e2e, run, loaders, ceiling)
     if kind == "communication":
-        return _comm(share, shares, scaling, findings)
+        return _comm(share, shares, scaling)
     return _checkpoint(share, shares, ckpt)
 
 
@@ -140,7 +140,7 @@ def _data(share, shares, e2e, run, loaders, ceiling) -> Verdict:
     return Verdict("data-bound", share, f"{head}; {fix}", fix, shares)
 
 
-def _comm(share, shares, scaling, findings) -> Verdict:
+def _comm(share, shares, scaling) -> Verdict:
     many = scaling.get("many") or {}
     n = scaling.get("workers")
     head = f"communication-bound: {share:.0%} of each step waits on collectives"

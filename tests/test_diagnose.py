@@ -36,6 +36,12 @@ def test_verdict_names_the_largest_wait_with_its_number_and_fix():
                       "samples_per_s": 150.0}}})
     assert v.kind == "communication-bound" and v.share == pytest.approx(0.45)
     assert "speedup 1.10x" in v.headline and "parallel.quant_grads = int8" in v.fix and "1.50x" in v.fix
+    assert "2 MB sent per step" in v.headline
+    # a small model's exchange is named in KB, not rounded to "0 MB" (the demo's CNN sends about 230 KB)
+    v = decide({"end_to_end": _e2e(comm=0.3), "scaling": {
+        "workers": 2, "speedup": 0.9, "zero_stage": 2, "many": {"comm_share": 0.3, "bytes_per_step": 235_714,
+                                                                "samples_per_s": 100.0}}})
+    assert "230 KB sent per step" in v.headline, v.headline
 
     v = decide({"end_to_end": _e2e(ckpt=0.3), "checkpoint": {"sync": {"stall_s_per_save": 1.2},
                                                               "async": {"stall_s_per_save": 0.05}}})

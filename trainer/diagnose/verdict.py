@@ -145,8 +145,8 @@ def _comm(share, shares, scaling) -> Verdict:
     n = scaling.get("workers")
     head = f"communication-bound: {share:.0%} of each step waits on collectives"
     if n:
-        sent = many.get("bytes_per_step", 0) / 2**20
-        head += (f" at {n} workers (speedup {scaling['speedup']:.2f}x over 1 worker; {sent:,.0f} MB sent per step "
+        sent = _mb(many.get("bytes_per_step", 0))
+        head += (f" at {n} workers (speedup {scaling['speedup']:.2f}x over 1 worker; {sent} sent per step "
                  f"per rank at ZeRO stage {scaling['zero_stage']})")
     q = scaling.get("quantized")
     if q:

@@ -5,7 +5,7 @@ long a run takes to come back after being killed.
     python benchmarks/checkpoint.py --quick      # a tiny ViT, seconds (the smoke test)
 
 Every row is a real run through the torchrun launcher (``python -m torch.distributed.run -m
-dutycycle.trainer.torchrun``: 2 gloo ranks, the product's step loop and checkpointer), AdamW, fp32, the same
+dutycycle.trainer.launch.torchrun``: 2 gloo ranks, the product's step loop and checkpointer), AdamW, fp32, the same
 synthetic batches:
 
 - ``none``: no checkpoints (the step time without any save);
@@ -81,14 +81,14 @@ async_save = {"false" if mode == "sync" else "true"}
 
 def launch(config: Path, args, **kwargs) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--master-port",
-           str(free_port()), "-m", "dutycycle.trainer.torchrun", str(config)]
+           str(free_port()), "-m", "dutycycle.trainer.launch.torchrun", str(config)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
 
 
 def metrics(run_dir: Path) -> list[dict]:
     """The rows written so far (the run is still writing: a half-written last line waits for the next look)."""
-    from dutycycle.trainer.metrics import read_metrics
+    from dutycycle.trainer.step.metrics import read_metrics
 
     return read_metrics(str(run_dir), live=True)
 

@@ -155,7 +155,7 @@ def row_dutycycle_s3(data: Path, remote: str, min_seconds: float) -> dict[str, A
     from dutycycle.loader import CacheLoader
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.harness import moto_server
+    from tests.support.harness import moto_server
 
     with moto_server() as endpoint, tempfile.TemporaryDirectory(prefix="dc-bench-node-") as node_dir:
         os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",

@@ -37,7 +37,7 @@ def prepare(workdir: str, n: int, size: int) -> tuple[str, str]:
 
 def run_one(source: str, workers: int, table: str, cache: str, args, run_dir: str) -> dict:
     from dutycycle.trainer.config import load_config
-    from dutycycle.trainer.launch import train
+    from dutycycle.trainer.launch.train import train
 
     cfg = load_config(None, [
         f"data.source={source}", f"data.cache={cache}", f"data.table={table}", f"data.size={args.size}",

@@ -105,8 +105,8 @@ def worker(args) -> None:
     """One rank, started by torchrun: train and (rank 0) print the row's figures as one JSON line."""
     import torch.distributed as dist
     from dutycycle.trainer.config import load_config
-    from dutycycle.trainer.loop import WorkerContext, set_threads, train_worker
-    from dutycycle.trainer.metrics import read_metrics
+    from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
+    from dutycycle.trainer.step.metrics import read_metrics
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")

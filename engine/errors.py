@@ -1,4 +1,7 @@
-"""User-facing errors. Every one is a ValueError subclass whose message names the bad value and the fix."""
+"""User-facing errors, for every package: each is a ValueError subclass whose message names the bad value and the fix.
+
+They live here, at the bottom of the import graph, so that any module can raise or catch one without importing
+the module that usually raises it (the checkpointer catches TrainingDiverged without importing the step loop)."""
 
 
 class DutycycleError(ValueError):
@@ -19,3 +22,19 @@ class DestinationError(DutycycleError):
 
 class CorruptArtifactError(DutycycleError):
     """A committed artifact (table, cache shard, checkpoint) failed its integrity check."""
+
+
+class TrainingDiverged(DutycycleError):
+    """The loss (or the gradient norm) became NaN or infinite at ``step``, whose global batch was ``batch`` of
+    ``epoch``; ``sample_ids`` are this rank's samples of it (all ranks' once the checkpointer has gathered them)."""
+
+    def __init__(self, message: str, *, step: int = 0, epoch: int = 0, batch: int = -1, sample_ids=None):
+        super().__init__(message)
+        self.step, self.epoch, self.batch, self.sample_ids = step, epoch, batch, sample_ids
+
+    def __reduce__(self):  # keep the fields when Ray ships the error to the driver
+        return (_rebuild_diverged, (str(self), self.step, self.epoch, self.batch, self.sample_ids))
+
+
+def _rebuild_diverged(message, step, epoch, batch, sample_ids):
+    return TrainingDiverged(message, step=step, epoch=epoch, batch=batch, sample_ids=sample_ids)

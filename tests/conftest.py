@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from .harness import moto_server
+from .support.harness import moto_server
 
 # Tests never reach the network: keep Ray and Daft from phoning home.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

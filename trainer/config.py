@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tomllib
 import types
 import typing
@@ -302,15 +303,36 @@ def parse_overrides(items: list[str] | None) -> list[tuple[str, str]]:
     return out
 
 
+def packaged_config(name: str) -> str:
+    """The text of a config shipped with the package (``configs/NAME``), e.g. ``packaged_config("demo.toml")``."""
+    from importlib import resources
+
+    return resources.files("dutycycle.configs").joinpath(name).read_text()
+
+
+def _read_config_text(path: str) -> str:
+    """A config file from disk; ``configs/NAME.toml`` not found on disk is the copy installed with the package,
+    so the documented ``dutycycle train configs/demo.toml`` works from any directory."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        head, name = os.path.split(os.path.normpath(path))
+        if os.path.basename(head) == "configs" and name.endswith(".toml"):
+            try:
+                return packaged_config(name)
+            except FileNotFoundError:
+                pass
+        raise ConfigError(f"config file {path!r} does not exist; pass a TOML file such as configs/demo.toml "
+                          "(the configs installed with dutycycle: demo.toml, vit.toml)") from None
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None, base: dict | None = None) -> TrainConfig:
     """Load a TOML file (or start from ``base``/defaults), apply ``--set`` overrides, validate."""
     tree: dict[str, Any] = dict(base or {})
     if path:
         try:
-            with open(path, "rb") as f:
-                tree = tomllib.load(f)
-        except FileNotFoundError as e:
-            raise ConfigError(f"config file {path!r} does not exist; pass a TOML file such as configs/demo.toml") from e
+            tree = tomllib.loads(_read_config_text(path))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from e
     for k, v in parse_overrides(overrides):
@@ -387,7 +409,7 @@ def validate(cfg: TrainConfig) -> None:
         if not module or not attr:
             raise ConfigError(f"model.name = {cfg.model.name!r} must be a registered name or 'package.module:factory'")
     else:
-        from .models import MODELS
+        from dutycycle.trainer.step.models import MODELS
 
         if cfg.model.name not in MODELS:
             raise ConfigError(
@@ -402,7 +424,7 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def _validate_parallel(cfg: TrainConfig) -> None:
-    from .optim import check_optimizer
+    from dutycycle.trainer.step.optim import check_optimizer
 
     p = cfg.parallel
     if p.zero_stage not in (0, 1, 2, 3):

@@ -1,5 +1,5 @@
 """Checkpoints: snapshot in memory, write in the background, commit with a checksummed manifest, resume at any
-world size, roll back from non-finite losses, and a pre-flight health check.
+world size, and roll back from non-finite losses.
 
 Modules, in the order a save and a resume go through them:
 
@@ -9,7 +9,6 @@ Modules, in the order a save and a resume go through them:
 - ``manifest.py``: the commit record (sizes and sha256 of every file), step directories, removal;
 - ``state.py``: the trainer state saved beside the tensors (step, loader, RNG, config, lineage), JSON;
 - ``resume.py``: which checkpoint to continue from (newest that verifies, loudly falling back) and loading it;
-- ``health.py``: the pre-flight check per worker;
 - ``raytrain.py``: commits reported to Ray Train as pointer checkpoints.
 
 Heavy imports (torch, DCP, Ray) stay inside the modules that need them.
@@ -17,14 +16,9 @@ Heavy imports (torch, DCP, Ray) stay inside the modules that need them.
 
 from __future__ import annotations
 
+from .manifest import checkpoint_root
+
 __all__ = ["checkpoint_root", "checkpoint_uri", "find_latest", "make_checkpointer"]
-
-
-def checkpoint_root(cfg, run_dir: str) -> str:
-    """Where a run's checkpoints go: ``checkpoint.dir``, else ``RUN_DIR/checkpoints`` ("" without either)."""
-    from dutycycle.engine import io
-
-    return cfg.checkpoint.dir or (io.join(run_dir, "checkpoints") if run_dir else "")
 
 
 def make_checkpointer(cfg, ctx, *, total_steps: int, data_info=None, writer=None):

@@ -22,9 +22,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-from dutycycle.engine.errors import SourceError
+from dutycycle.engine.errors import SourceError, TrainingDiverged
+from dutycycle.trainer.cluster.world import all_gather, broadcast
 
-from . import checkpoint_root, resume
+from . import resume
+from .manifest import checkpoint_root
 from .saver import Commit, Saver
 from .state import TrainerState, capture_rng
 
@@ -65,7 +67,7 @@ class Checkpointer:
     def maybe_save(self, step: int, strategy, optimizer, loader_state: dict | None) -> bool:
         if not self.due(step):
             return False
-        from ..parallel.state import sharded_state_dict
+        from dutycycle.trainer.parallel.state import sharded_state_dict
 
         self._arm(strategy, optimizer)
         model_sd, optim_sd = sharded_state_dict(strategy, optimizer)
@@ -179,9 +181,8 @@ class Checkpointer:
     def recover(self, err, strategy, optimizer, source) -> Restored:
         """Handle ``TrainingDiverged`` (every rank, at the same flush): roll back or raise, per
         ``checkpoint.on_nonfinite``."""
-        from ..steplog import TrainingDiverged
 
-        ids = [i for part in resume.all_gather(list(err.sample_ids or []), self.world) for i in part]
+        ids = [i for part in all_gather(list(err.sample_ids or []), self.world) for i in part]
         shown = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
         what = f"{err} [global batch {err.batch} of epoch {err.epoch}: {len(ids)} samples, ids {shown}]"
         policy = self.c.on_nonfinite
@@ -202,7 +203,7 @@ class Checkpointer:
             for step, uri in mf.list_steps(self.root):
                 if step >= err.step:
                     mf.remove(uri)
-        resume.broadcast(None, self.world)  # every rank waits for the removal before looking for a commit
+        broadcast(None, self.world)  # every rank waits for the removal before looking for a commit
         if policy == "stop":
             raise stop("stopping (checkpoint.on_nonfinite = \"stop\")") from None
         if retry:

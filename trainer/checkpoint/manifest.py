@@ -216,3 +216,8 @@ def retention(root: str, keep: int, newest: int) -> list[int]:
         remove(uri)
         deleted.append(step)
     return deleted
+
+
+def checkpoint_root(cfg, run_dir: str) -> str:
+    """Where a run's checkpoints go: ``checkpoint.dir``, else ``RUN_DIR/checkpoints`` ("" without either)."""
+    return cfg.checkpoint.dir or (io.join(run_dir, "checkpoints") if run_dir else "")

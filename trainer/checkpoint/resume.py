@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from dutycycle.engine import io
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
+from dutycycle.trainer.cluster.world import all_gather, broadcast
 
 from . import manifest as mf
 from .state import TrainerState, restore_rng
@@ -34,33 +35,6 @@ class Selected:
     uri: str
     manifest: mf.Manifest
     fallbacks: list[str]  # why newer commits were passed over
-
-
-def _collectives(world: int):
-    import torch.distributed as dist
-
-    return world > 1 and dist.is_available() and dist.is_initialized()
-
-
-def broadcast(obj, world: int, group=None):
-    """Rank 0's ``obj`` on every rank (``group``: the default group unless given; the saver passes its own)."""
-    if not _collectives(world):
-        return obj
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def all_gather(obj, world: int) -> list:
-    if not _collectives(world):
-        return [obj]
-    import torch.distributed as dist
-
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def verify(uri: str, rank: int, world: int) -> tuple[mf.Manifest | None, list[str]]:
@@ -134,7 +108,8 @@ def load(selected: Selected, strategy, optimizer, source, *, rank: int, device=N
          state: TrainerState | None = None) -> TrainerState:
     """Load model, optimizer, loader position and this rank's RNG from a verified checkpoint (every rank).
     ``state``: its trainer state when the caller has already read it."""
-    from ..parallel.state import sharded_state_dict
+    from dutycycle.trainer.parallel.state import sharded_state_dict
+
     from .storage import read_state
 
     if state is None:

@@ -185,7 +185,7 @@ class Saver:
     # ------------------------------------------------------------------------ collectives on the save group
 
     def _broadcast(self, obj):
-        from .resume import broadcast
+        from dutycycle.trainer.cluster.world import broadcast
 
         return broadcast(obj, self.world, self.group)
 

@@ -38,7 +38,7 @@ class Context:
 
 def variant(cfg, *overrides: str) -> Any:
     """A copy of ``cfg`` with ``--set``-style overrides applied and validated."""
-    from ..config import load_config
+    from dutycycle.trainer.config import load_config
 
     return load_config(None, list(overrides), base=cfg.to_dict())
 
@@ -52,7 +52,7 @@ def _once(ctx: Context, key: str, make):
 
 def _short_run(ctx: Context, name: str, *overrides: str) -> dict:
     """A short training run of the config (its launcher: Ray Train, or this process for one worker)."""
-    from ..launch import train
+    from dutycycle.trainer.launch.train import train
 
     run_dir = io.join(ctx.workdir, name)
     cfg = variant(ctx.cfg, f"run.dir={run_dir}", f"run.max_steps={ctx.steps}", "run.eval_every=0",
@@ -78,7 +78,7 @@ def _short_run(ctx: Context, name: str, *overrides: str) -> dict:
 
 def _steady_rows(run_dir: str) -> list[dict]:
     """Per-step rows without the first two (lazy initialization, the memory-sampling step)."""
-    from ..metrics import read_metrics
+    from dutycycle.trainer.step.metrics import read_metrics
 
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
     return rows[2:] if len(rows) > 4 else rows
@@ -89,7 +89,7 @@ def _steady_rows(run_dir: str) -> list[dict]:
 
 def _data_info(ctx: Context):
     """The configured data's description (shape, classes, fingerprint)."""
-    from ..data import make_sources
+    from dutycycle.trainer.step.data import make_sources
 
     return _once(ctx, "data_info", lambda: make_sources(variant(ctx.cfg, "data.loader_mode=sync"), 0, 1)[2])
 
@@ -105,11 +105,10 @@ def compute(ctx: Context) -> dict:
     cores: samples/s per worker, times the workers for the ideal aggregate (no communication)."""
     import torch
     import torch.nn.functional as F
-
-    from ..loop import flops_per_sample, resolve_precision
-    from ..metrics import peak_flops
-    from ..models import build_model
-    from ..optim import make_optimizer
+    from dutycycle.trainer.step.loop import flops_per_sample, resolve_precision
+    from dutycycle.trainer.step.metrics import peak_flops
+    from dutycycle.trainer.step.models import build_model
+    from dutycycle.trainer.step.optim import make_optimizer
 
     cfg = ctx.cfg
     info = _data_info(ctx)
@@ -189,7 +188,7 @@ def table_of(cfg) -> str | None:
 
 def loader(ctx: Context) -> dict:
     """Global batches per second from each source alone, in this process, with training's augmentation."""
-    from ..data import make_sources
+    from dutycycle.trainer.step.data import make_sources
 
     cfg = ctx.cfg
     gbs = cfg.data.global_batch_size
@@ -321,10 +320,9 @@ def memory(ctx: Context) -> dict:
     """Model-state bytes per rank (parameters, gradients, optimizer state) for every ZeRO stage, with and without
     offload, from the model's parameter count and the formulas the tests check; and the budget they must fit."""
     import torch
-
-    from ..loop import _optimizer_state_tensors
-    from ..models import build_model
-    from ..parallel.plan import expected_held, make_plan
+    from dutycycle.trainer.parallel.plan import expected_held, make_plan
+    from dutycycle.trainer.step.loop import _optimizer_state_tensors
+    from dutycycle.trainer.step.models import build_model
 
     cfg = ctx.cfg
     info = _data_info(ctx)

@@ -64,8 +64,9 @@ def picture(findings: dict) -> bytes:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from ..report import COLORS  # the run report's colours: a wait looks the same in both pictures
+    from dutycycle.trainer.step.report import (
+        COLORS,  # the run report's colours: a wait looks the same in both pictures
+    )
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
     rates = {}

@@ -1,0 +1,207 @@
+"""Curation on a real table: filters, stats, dedupe, sampling, splitting, thumbnails, saving with lineage."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+from daft import col
+from dutycycle.engine import imageinfo
+from dutycycle.engine.errors import ConfigError, DestinationError
+from dutycycle.engine.synth import synthesize
+from dutycycle.engine.table import format as tf
+from dutycycle.engine.table.catalog import ingest
+from dutycycle.engine.table.curate import allocate, choose_unique, split_rows
+from dutycycle.engine.table.table import Table, open_table, read_arrow
+from dutycycle.trainer.app.cli import main
+from PIL import Image
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """40 shapes + 3 exact copies + 2 re-encoded near copies + broken files."""
+    root = tmp_path_factory.mktemp("curate")
+    src = root / "src"
+    synthesize(str(src), 40, seed=21, broken_fraction=0.1)
+    jpgs = sorted(p for p in (src / "star").iterdir() if p.suffix.lower() == ".jpg")
+    good = [p for p in jpgs if _readable(p)]
+    exact = [shutil.copy(p, p.with_name("copy_" + p.name)) for p in good[:3]]
+    near = []
+    for p in sorted(p for p in (src / "circle").iterdir() if _readable(p))[:2]:
+        q = p.with_name("reencoded_" + p.stem + ".png")
+        Image.open(p).convert("RGB").save(q, "PNG")
+        near.append(q)
+    table = str(root / "table")
+    ingest(str(src), table, progress_every=0)
+    return {"src": src, "table": table, "exact": exact, "near": near, "root": root}
+
+
+def _readable(p) -> bool:
+    try:
+        with Image.open(p) as im:
+            im.load()
+        return True
+    except Exception:
+        return False
+
+
+def test_stats_counts_classes_sizes_and_errors(dataset):
+    t = open_table(dataset["table"])
+    s = t.stats()
+    rows = read_arrow(dataset["table"]).to_pylist()
+    readable = [r for r in rows if r["error"] is None]
+    assert s["rows"] == len(rows) == 45 and s["readable"] == len(readable)
+    assert sum(s["classes"].values()) == len(readable) == sum(s["size_histogram"].values())
+    assert s["classes"]["star"] == sum(1 for r in readable if r["label"] == "star")
+    assert sum(s["errors"].values()) == 4 and set(s["formats"]) <= {"JPEG", "PNG", "WEBP"}
+    assert t.classes == ["circle", "square", "star", "triangle"]
+
+
+def test_where_sql_and_expression_agree(dataset):
+    t = open_table(dataset["table"])
+    a = t.where("label = 'star' AND width > 100")
+    b = t.where((col("label") == "star") & (col("width") > 100))
+    ua = sorted(a.to_arrow().column("uri").to_pylist())
+    assert ua == sorted(b.to_arrow().column("uri").to_pylist()) and ua
+    expected = sorted(
+        r["uri"]
+        for r in read_arrow(dataset["table"]).to_pylist()
+        if r["label"] == "star" and (r["width"] or 0) > 100
+    )
+    assert ua == expected and a.operations == ("where label = 'star' AND width > 100",)
+
+
+def test_dedupe_exact_and_near(dataset):
+    t = open_table(dataset["table"])
+    all_uris = set(t.to_arrow().column("uri").to_pylist())
+    exact_only = set(t.dedupe(exact=True, near=False).to_arrow().column("uri").to_pylist())
+    copies = {str(p) for p in dataset["exact"]}
+    originals = {str(p.with_name(p.name[len("copy_") :])) for p in dataset["exact"]}
+    for c, o in zip(sorted(copies), sorted(originals), strict=True):
+        assert len({c, o} & exact_only) == 1  # exactly one of each identical pair stays
+    ids = t.to_arrow().column("sample_id").to_pylist()
+    assert len(exact_only) == len(set(ids)) <= len(all_uris) - 3  # one row per content hash
+    assert {str(p) for p in dataset["near"]} <= exact_only  # re-encoded files are not byte-identical
+    both = set(t.dedupe(exact=True, near=True, max_distance=4).to_arrow().column("uri").to_pylist())
+    assert not {str(p) for p in dataset["near"]} & both
+    assert len(both) < len(exact_only) < len(all_uris)
+    with pytest.raises(ConfigError, match="max_distance"):
+        t.dedupe(max_distance=40)
+
+
+def test_choose_unique_matches_brute_force():
+    rng = random.Random(0)
+    base = [rng.getrandbits(64) for _ in range(60)]
+    hashes = base + [h ^ (1 << rng.randrange(64)) ^ (1 << rng.randrange(64)) for h in base[:20]]
+    rows = [
+        {
+            "uri": f"u{i:03d}",
+            "sample_id": f"s{i}",
+            "phash": h - (1 << 64) if h >= 1 << 63 else h,
+            "error": None,
+        }
+        for i, h in enumerate(hashes)
+    ]
+    for d in (0, 2, 6):
+        kept = choose_unique(rows, exact=False, near=True, max_distance=d)
+        expected = []
+        for r in rows:  # greedy in URI order against kept rows, by brute force
+            if all(imageinfo.hamming(r["phash"], k["phash"]) > d for k in expected):
+                expected.append(r)
+        assert [r["uri"] for r in kept] == [r["uri"] for r in expected]
+    assert len(choose_unique(rows, exact=False, near=True, max_distance=2)) == 60
+
+
+def test_sample_is_stratified_and_deterministic(dataset):
+    t = open_table(dataset["table"]).where("error IS NULL")
+    s1 = t.sample(n=20, seed=1)
+    s2 = t.sample(n=20, seed=1)
+    s3 = t.sample(n=20, seed=2)
+    u1 = sorted(s1.to_arrow().column("uri").to_pylist())
+    assert len(u1) == 20 and u1 == sorted(s2.to_arrow().column("uri").to_pylist())
+    assert u1 != sorted(s3.to_arrow().column("uri").to_pylist())
+    full, sub = t.stats()["classes"], s1.stats()["classes"]
+    for label, n in full.items():
+        assert abs(sub[label] - 20 * n / sum(full.values())) < 1
+    assert t.sample(fraction=0.5).count() == round(0.5 * t.count())
+    with pytest.raises(ConfigError, match="exactly one"):
+        t.sample()
+    assert allocate({"a": 10, "b": 5, "c": 1}, 8) == {"a": 5, "b": 3, "c": 0}
+    assert sum(allocate({"a": 3, "b": 3, "c": 3}, 100).values()) == 9
+
+
+def test_resplit_divides_each_class_and_keeps_duplicates_together(dataset):
+    t = open_table(dataset["table"]).where("error IS NULL")
+    r = t.resplit("0.5,0.25,0.25", seed=3)
+    rows = r.to_arrow().to_pylist()
+    assert len(rows) == t.count() and r.df.column_names == tf.SCHEMA.names
+    for label in t.classes:
+        mine = [x["split"] for x in rows if x["label"] == label]
+        assert abs(mine.count("train") - len(mine) / 2) <= 1
+    by_id = {}
+    for x in rows:
+        by_id.setdefault(x["sample_id"], set()).add(x["split"])
+    assert all(len(v) == 1 for v in by_id.values())
+    dup = [{"uri": f"u{i}", "sample_id": "same", "label": "a"} for i in range(3)]
+    assert len(set(split_rows(dup, "0.34,0.33,0.33", 0, "label").values())) == 1
+
+
+def test_thumbnails_inline_html(dataset):
+    t = open_table(dataset["table"])
+    grid = t.where("label = 'square'").show_thumbnails(n=5, size=48)
+    html = grid._repr_html_()
+    assert len(grid) == 5 and html.count("<img ") == sum(1 for th in grid.thumbs if th.jpeg_b64) >= 3
+    for th in grid.thumbs:
+        if th.jpeg_b64:
+            import base64
+
+            im = Image.open(io.BytesIO(base64.b64decode(th.jpeg_b64)))
+            assert im.format == "JPEG" and max(im.size) <= 48
+
+
+def test_save_subset_records_lineage(dataset, tmp_path):
+    t = open_table(dataset["table"])
+    view = t.where("label = 'star'").dedupe()
+    saved = view.save(str(tmp_path / "stars"))
+    m = tf.read_manifest(str(tmp_path / "stars"))
+    assert m.lineage["parent"] == dataset["table"] and m.lineage["filter"] == "(label = 'star')"
+    assert m.lineage["operations"] == list(view.operations) and m.classes == t.classes
+    plain = pq.read_table([os.path.join(tmp_path / "stars", f) for f in m.files])
+    assert plain.sort_by("uri").equals(view.to_arrow().sort_by("uri")) and m.num_rows == plain.num_rows
+    assert isinstance(saved, Table) and saved.count() == plain.num_rows
+    with pytest.raises(DestinationError, match="already exists"):
+        view.save(str(tmp_path / "stars"))
+    again = t.where("label = 'circle'").save(str(tmp_path / "stars"), overwrite=True)
+    assert again.manifest.version == 2 and set(again.to_arrow().column("label").to_pylist()) == {"circle"}
+
+
+def test_to_pandas(dataset):
+    df = open_table(dataset["table"]).where("label = 'triangle'").to_pandas()
+    assert list(df.columns) == tf.SCHEMA.names and set(df["label"]) == {"triangle"}
+
+
+def test_save_and_open_on_s3(dataset, s3):
+    sub = open_table(dataset["table"]).where("error IS NULL").sample(n=8, seed=0)
+    sub.save(f"{s3}/subset")
+    back = open_table(f"{s3}/subset")
+    assert back.count() == 8 and back.manifest.lineage["parent"] == dataset["table"]
+    assert sorted(back.to_arrow().column("uri").to_pylist()) == sorted(
+        sub.to_arrow().column("uri").to_pylist()
+    )
+
+
+def test_cli_inspect_writes_contact_sheet(dataset, tmp_path, capsys):
+    out = tmp_path / "sheet.html"
+    rc = main(["inspect", dataset["table"], "--where", "label = 'star'", "--limit", "6", "--html", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "classes: star" in text and "contact sheet" in text
+    html = out.read_text()
+    assert html.startswith("<!doctype html>") and 3 <= html.count("data:image/jpeg;base64,") <= 6
+    assert "label = &#x27;star&#x27;" in html or "label = 'star'" in html
+    assert main(["inspect", dataset["table"], "--where", "nosuchcolumn > 1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nosuchcolumn" in err

@@ -1,0 +1,202 @@
+"""Transform specs and decode_and_transform: validation, parity with an independent PIL pipeline, colour modes,
+hostile input."""
+
+from __future__ import annotations
+
+import io as _io
+
+import numpy as np
+import pytest
+from dutycycle.engine.errors import ConfigError
+from dutycycle.engine.transform import DecodeError, TransformSpec, decode_and_transform
+from PIL import Image, ImageOps
+
+from ..support.tablemaker import jpeg_bytes, photo_image, png_bytes, shape_image
+
+FILTERS = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "lanczos": Image.LANCZOS, "nearest": Image.NEAREST}
+
+
+def reference(data: bytes, size: int, resample: str) -> np.ndarray:
+    """The plain PIL pipeline the issue names: exif_transpose, RGB, shorter side to size, centre crop (HWC)."""
+    img = ImageOps.exif_transpose(Image.open(_io.BytesIO(data))).convert("RGB")
+    w, h = img.size
+    if w < h:
+        nw, nh = size, int(round(h * size / w))
+    else:
+        nw, nh = int(round(w * size / h)), size
+    img = img.resize((nw, nh), FILTERS[resample])
+    left, top = (nw - size) // 2, (nh - size) // 2
+    return np.asarray(img.crop((left, top, left + size, top + size)))
+
+
+def close_fraction(a: np.ndarray, b: np.ndarray, levels: int = 2) -> float:
+    assert a.shape == b.shape and a.dtype == b.dtype == np.uint8
+    return float(np.mean(np.abs(a.astype(np.int16) - b.astype(np.int16)) <= levels))
+
+
+# ------------------------------------------------------------------------------------------------- spec
+
+
+def test_spec_is_frozen_hashable_and_round_trips():
+    s = TransformSpec(size=32, resize="pad", resample="bicubic", layout="CHW", background="white")
+    assert TransformSpec.from_json(s.to_json()) == s
+    assert hash(s) == hash(TransformSpec.from_json(s.to_json()))
+    assert s.shape == (3, 32, 32) and TransformSpec(size=8).shape == (8, 8, 3)
+    assert s.to_json() != TransformSpec(size=33, resize="pad", resample="bicubic", layout="CHW").to_json()
+    with pytest.raises(AttributeError):
+        s.size = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"size": 0}, "size"),
+        ({"size": "64"}, "size"),
+        ({"resize": "crop"}, "resize"),
+        ({"resample": "cubic"}, "resample"),
+        ({"layout": "NHWC"}, "layout"),
+        ({"dtype": "float32"}, "dtype"),
+        ({"mode": "L"}, "mode"),
+        ({"exif": "yes"}, "exif"),
+        ({"background": "grey"}, "background"),
+    ],
+)
+def test_spec_validation_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=rf"TransformSpec\.{field}="):
+        TransformSpec(**kwargs)
+
+
+def test_spec_from_json_rejects_unknown_fields_and_bad_json():
+    with pytest.raises(ConfigError, match="no field 'colour'"):
+        TransformSpec.from_json('{"colour": "red"}')
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        TransformSpec.from_json("{size: 3")
+
+
+# ------------------------------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("resample", ["bilinear", "bicubic", "lanczos"])
+def test_parity_with_plain_pil_on_shapes_and_photos(resample):
+    rng = np.random.default_rng(1)
+    spec = TransformSpec(size=64, resample=resample)
+    outs, refs = [], []
+    for i in range(24):
+        w, h = (int(v) for v in rng.integers(128, 257, 2))
+        img = shape_image(rng, w, h, ["circle", "square", "triangle"][i % 3]) if i % 2 else photo_image(rng, w, h)
+        data = jpeg_bytes(img, orientation=[1, 3, 6, 8, 2, 5][i % 6])
+        outs.append(decode_and_transform(data, spec))
+        refs.append(reference(data, 64, resample))
+    photos = np.stack(outs[0::2]), np.stack(refs[0::2])
+    shapes = np.stack(outs[1::2]), np.stack(refs[1::2])
+    assert close_fraction(*photos) >= 0.99
+    assert close_fraction(*shapes) >= 0.99
+    # The photos are not flat: the check compares real detail, not constant colour.
+    assert photos[1].std() > 30
+
+
+def test_exif_orientation_is_applied():
+    # A wide image tagged "rotate 90" must come out tall-content: compare against the pre-rotated pixels.
+    rng = np.random.default_rng(2)
+    img = photo_image(rng, 160, 96)
+    upright = decode_and_transform(png_bytes(img.transpose(Image.Transpose.ROTATE_270)), TransformSpec(size=48))
+    tagged = decode_and_transform(jpeg_bytes(img, orientation=6, quality=98), TransformSpec(size=48))
+    ignored = decode_and_transform(jpeg_bytes(img, orientation=6, quality=98), TransformSpec(size=48, exif=False))
+    assert close_fraction(tagged, upright, 6) > 0.95
+    assert close_fraction(ignored, upright, 6) < 0.5
+
+
+def test_layouts_and_policies():
+    rng = np.random.default_rng(3)
+    data = png_bytes(photo_image(rng, 120, 60))
+    hwc = decode_and_transform(data, TransformSpec(size=40))
+    chw = decode_and_transform(data, TransformSpec(size=40, layout="CHW"))
+    assert hwc.dtype == np.uint8 and hwc.shape == (40, 40, 3) and chw.flags.c_contiguous
+    assert np.array_equal(chw, hwc.transpose(2, 0, 1))
+    # pad: a 2:1 image leaves background bands above and below (black by default, white on request)
+    pad = decode_and_transform(data, TransformSpec(size=40, resize="pad"))
+    assert pad.shape == (40, 40, 3) and (pad[:9] == 0).all() and (pad[-9:] == 0).all() and pad[15:25].std() > 5
+    white = decode_and_transform(data, TransformSpec(size=40, resize="pad", background="white"))
+    assert (white[:9] == 255).all()
+    stretch = decode_and_transform(data, TransformSpec(size=40, resize="stretch"))
+    ref = np.asarray(Image.open(_io.BytesIO(data)).convert("RGB").resize((40, 40), Image.BILINEAR))
+    assert np.array_equal(stretch, ref)
+
+
+# ------------------------------------------------------------------------------------------------- colour modes
+
+
+def _one(img: Image.Image, **kw) -> np.ndarray:
+    """Transform a uniform image to 4x4 and return its (single) colour."""
+    out = decode_and_transform(png_bytes(img, **kw), TransformSpec(size=4, resample="nearest"))
+    assert out.shape == (4, 4, 3)
+    assert (out == out[0, 0]).all()
+    return out[0, 0].astype(int)
+
+
+def test_sixteen_bit_grey_is_scaled_not_clipped():
+    for value, expected in [(65535, 255), (32896, 128), (257, 1), (0, 0)]:
+        img = Image.fromarray(np.full((8, 8), value, np.uint16))
+        assert img.mode.startswith("I;16")
+        assert _one(img).tolist() == [expected] * 3
+    # a 16-bit gradient keeps its ordering (PIL's convert("L") would clip it all to 255)
+    grad = Image.fromarray(np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000)
+    out = decode_and_transform(png_bytes(grad), TransformSpec(size=8, resample="nearest"))
+    assert out[..., 0].ravel().tolist() == sorted(out[..., 0].ravel().tolist()) and out.max() == 245  # 63000 * 255 / 65535
+
+
+def test_palette_transparency_cmyk_alpha_grey_and_bilevel():
+    # palette with a transparent entry: that entry composites to the background (black)
+    p = Image.new("P", (8, 8), 1)
+    p.putpalette([10, 20, 30, 200, 100, 50] + [0] * 762)
+    assert _one(p).tolist() == [200, 100, 50]
+    assert _one(p, transparency=1).tolist() == [0, 0, 0]
+    # CMYK: pure cyan -> (0, 255, 255); no ink -> white
+    assert _one_jpeg(Image.new("CMYK", (8, 8), (255, 0, 0, 0))) == pytest.approx([0, 255, 255], abs=3)
+    assert _one_jpeg(Image.new("CMYK", (8, 8), (0, 0, 0, 0))) == pytest.approx([255, 255, 255], abs=3)
+    # RGBA half transparent over black: colour * alpha / 255
+    assert _one(Image.new("RGBA", (8, 8), (200, 100, 50, 128))) == pytest.approx([100, 50, 25], abs=1)
+    assert _one(Image.new("RGBA", (8, 8), (200, 100, 50, 0))).tolist() == [0, 0, 0]
+    # LA, L and 1
+    assert _one(Image.new("LA", (8, 8), (180, 255))).tolist() == [180] * 3
+    assert _one(Image.new("L", (8, 8), 77)).tolist() == [77] * 3
+    assert _one(Image.new("1", (8, 8), 1)).tolist() == [255] * 3
+    # white background on request
+    white = decode_and_transform(png_bytes(Image.new("RGBA", (8, 8), (0, 0, 0, 0))),
+                                 TransformSpec(size=4, background="white"))
+    assert (white == 255).all()
+
+
+def _one_jpeg(img: Image.Image) -> list[int]:
+    buf = _io.BytesIO()
+    img.save(buf, "JPEG", quality=95)
+    assert Image.open(_io.BytesIO(buf.getvalue())).mode == "CMYK"
+    out = decode_and_transform(buf.getvalue(), TransformSpec(size=4))
+    return out[0, 0].astype(int).tolist()
+
+
+# ------------------------------------------------------------------------------------------------- hostile input
+
+
+def test_decompression_bomb_is_refused_from_the_header():
+    data = png_bytes(Image.new("L", (300, 300), 9))
+    assert decode_and_transform(data, TransformSpec(size=8)).shape == (8, 8, 3)
+    with pytest.raises(DecodeError, match="300x300") as e:
+        decode_and_transform(data, TransformSpec(size=8), max_pixels=300 * 300 - 1)
+    assert e.value.reason == "too_many_pixels"
+    # A truncated file whose header promises a huge image: refused before any pixel is decoded
+    # (a decode attempt would report "undecodable" instead).
+    big = png_bytes(Image.new("L", (4000, 4000), 0), compress_level=9)[:2000]
+    with pytest.raises(DecodeError) as e:
+        decode_and_transform(big, TransformSpec(size=8), max_pixels=1_000_000)
+    assert e.value.reason == "too_many_pixels"
+
+
+def test_corrupt_and_truncated_files_raise_decode_error():
+    with pytest.raises(DecodeError) as e:
+        decode_and_transform(b"hello, not an image", TransformSpec())
+    assert e.value.reason == "unidentified"
+    data = jpeg_bytes(photo_image(np.random.default_rng(4), 200, 150))
+    with pytest.raises(DecodeError) as e:
+        decode_and_transform(data[: len(data) // 3], TransformSpec())
+    assert e.value.reason == "undecodable"

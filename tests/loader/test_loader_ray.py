@@ -1,0 +1,137 @@
+"""CacheLoader on Ray: read tasks, retries after a worker dies, the object-store memory mode, Ray Train and
+Ray Data export. Uses the session's local 2-CPU cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from dutycycle.engine.errors import CorruptArtifactError
+from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig, to_ray_dataset
+from dutycycle.loader.ray_exec import KILL_MARKER_ENV, KILL_STEP_ENV
+
+from ..support.cachemaker import make_cache
+from .test_loader import CountingLoader, _corrupt, as_arrays, assert_bounded_prefetch, assert_same
+
+pytestmark = pytest.mark.ray
+
+AUG = AugmentConfig(crop_padding=2, flip=True, normalize=True)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    uri = str(tmp_path_factory.mktemp("ray") / "cache")
+    make_cache(uri, 150, shape=(8, 8, 3), shards=3, splits={"train": 0.8, "val": 0.2})
+    return uri
+
+
+def cfg(**kw):
+    kw.setdefault("global_batch_size", 16)
+    kw.setdefault("augment", AUG)
+    kw.setdefault("prefetch", 2)
+    return LoaderConfig(**kw)
+
+
+@pytest.mark.parametrize("mode", ["ray", "memory"])
+def test_ray_modes_match_sync(ray_cluster, cache, mode):
+    for rank in range(2):
+        expected = as_arrays(CacheLoader(cache, "train", rank, 2, cfg(mode="sync")))
+        got = as_arrays(CacheLoader(cache, "train", rank, 2, cfg(mode=mode)))
+        assert len(got) == len(expected) > 0
+        assert_same(expected, got)
+
+
+def test_ray_mode_keeps_a_bounded_number_of_tasks_in_flight(ray_cluster, tmp_path):
+    uri = str(tmp_path / "c")
+    make_cache(uri, 200, shards=2)
+    loader = CountingLoader(uri, "train", config=cfg(mode="ray", global_batch_size=8, prefetch=2))
+    assert_bounded_prefetch(loader, 2)
+
+
+def test_memory_mode_shares_one_object_store_copy(ray_cluster, cache):
+    a = CacheLoader(cache, "train", 0, 2, cfg(mode="memory"))
+    b = CacheLoader(cache, "train", 1, 2, cfg(mode="memory"))
+    assert a._memory_keepalive[1] == b._memory_keepalive[1]  # the same object, mapped twice
+    assert not a._memory.images.flags.writeable  # a view of shared memory, not a private copy
+
+
+def test_killed_read_task_is_retried_without_loss_or_duplicates(ray_cluster, cache, tmp_path, monkeypatch):
+    marker = tmp_path / "killed"
+    monkeypatch.setenv(KILL_MARKER_ENV, str(marker))
+    monkeypatch.setenv(KILL_STEP_ENV, "2")  # the worker reading step 2 dies mid-epoch, once
+    config = cfg(mode="ray", drop_last=False, prefetch=3)
+    got = as_arrays(CacheLoader(cache, "train", config=config))
+    assert marker.exists()  # the crash really happened
+    pid = int(marker.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # and that worker process is gone
+    monkeypatch.delenv(KILL_MARKER_ENV)
+    expected = as_arrays(CacheLoader(cache, "train", config=cfg(mode="sync", drop_last=False)))
+    assert_same(expected, got)
+    ids = [s for _, _, batch_ids in got for s in batch_ids]
+    assert len(ids) == len(set(ids)) == CacheLoader(cache, "train", config=config).num_samples
+
+
+@pytest.mark.parametrize("mode", ["ray", "memory"])
+def test_corrupt_shard_surfaces_as_itself(ray_cluster, tmp_path, mode):
+    uri = _corrupt(tmp_path, "flipped")
+    with pytest.raises(CorruptArtifactError, match=r"shard-00001\.arrow.*fails its checksum") as info:
+        for _ in CacheLoader(uri, "train", config=cfg(mode=mode, global_batch_size=8, drop_last=False)):
+            pass
+    assert type(info.value) is CorruptArtifactError  # not a RayTaskError wrapper
+
+
+def test_to_ray_dataset_gives_every_sample_once(ray_cluster, cache):
+    loader = CacheLoader(cache, "val", config=cfg(mode="sync"))
+    ds = to_ray_dataset(cache, "val")
+    rows = ds.take_all()
+    ids = [r["sample_id"] for r in rows]
+    assert len(ids) == len(set(ids)) == loader.num_samples
+    assert rows[0]["image"].shape == (8, 8, 3) and rows[0]["image"].dtype == np.uint8
+    # in planned order: the loader's global batches, concatenated
+    config = cfg(mode="sync", global_batch_size=8, drop_last=False, augment=AugmentConfig(normalize=False))
+    planned = to_ray_dataset(cache, "val", config=config, epoch=1)
+    batches = list(planned.iter_batches(batch_size=None, batch_format="numpy"))
+    got_ids = [str(s) for b in batches for s in b["sample_id"]]
+    loader = CacheLoader(cache, "val", config=config)
+    loader.set_epoch(1)
+    want = [(b["image"].permute(0, 2, 3, 1).numpy(), s) for b in loader for s in [b["sample_id"]]]
+    assert got_ids == [s for _, ids in want for s in ids]
+    images = np.concatenate([b["image"] for b in batches])
+    assert np.array_equal(images, np.concatenate([w[0] for w in want]))
+    # the image and label columns go straight to torch
+    tb = next(iter(planned.select_columns(["image", "label"]).iter_torch_batches(batch_size=8)))
+    assert tuple(tb["image"].shape) == (8, 8, 8, 3) and str(tb["label"].dtype) == "torch.int64"
+
+
+def _train_worker(config):
+    import ray.train
+
+    loader = CacheLoader.for_ray_train(config["cache"], "train", LoaderConfig(global_batch_size=8, mode="thread"))
+    ctx = ray.train.get_context()
+    seen = [batch["sample_id"] for batch in loader][:3]
+    out = os.path.join(config["out"], f"rank{ctx.get_world_rank()}.json")
+    with open(out, "w") as f:
+        json.dump({"world_size": ctx.get_world_size(), "seen": seen}, f)
+
+
+def test_for_ray_train_gives_each_worker_its_plan_slice(ray_cluster, cache, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(
+        _train_worker,
+        train_loop_config={"cache": cache, "out": str(tmp_path)},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=str(tmp_path / "ray_results"), name="loader"),
+    )
+    trainer.fit()
+    single = CacheLoader(cache, "train", config=LoaderConfig(global_batch_size=8, mode="sync"))
+    for rank in range(2):
+        rec = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert rec["world_size"] == 2
+        reference = CacheLoader(cache, "train", rank, 2, LoaderConfig(global_batch_size=8, mode="sync"))
+        assert rec["seen"] == [b["sample_id"] for b in reference][:3]
+    assert len(single) > 3

@@ -1,0 +1,97 @@
+"""The raw path: the same plan over the metadata table, decoded per step, equals the cache loader batch for batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from dutycycle.engine.cache.materialize import materialize
+from dutycycle.engine.transform import DecodeError, TransformSpec
+from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig, RawLoader
+
+from ..support.tablemaker import add_file, make_shapes_table, write_table
+from .test_loader import as_arrays, assert_same
+
+SPEC = TransformSpec(size=16)
+AUG = AugmentConfig(crop_padding=2, flip=True)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("raw"))
+    table, rows = make_shapes_table(root, n=40, n_errors=2, size=(20, 40))
+    result = materialize(table, root + "/cache", SPEC, runner="native", rows_per_shard=16)
+    return table, result.uri, rows
+
+
+def cfg(**kw):
+    kw.setdefault("global_batch_size", 8)
+    kw.setdefault("augment", AUG)
+    kw.setdefault("raw_threads", 2)
+    return LoaderConfig(**kw)
+
+
+def test_raw_equals_cache_batch_for_batch(data):
+    table, cache, _ = data
+    raw = RawLoader(table, SPEC, "train", config=cfg(mode="sync"))
+    cached = CacheLoader(cache, "train", config=cfg(mode="sync"))
+    assert raw.fingerprint == cached.fingerprint and len(raw) == len(cached) > 1
+    assert (raw.shape, raw.layout, raw.classes) == (cached.shape, cached.layout, cached.classes)
+    raw.set_epoch(1)
+    cached.set_epoch(1)
+    assert_same(as_arrays(cached), as_arrays(raw))
+
+
+def test_raw_thread_mode_at_two_ranks_matches_single_rank(data):
+    table, _, _ = data
+    single = as_arrays(RawLoader(table, SPEC, "train", config=cfg(mode="sync")))
+    halves = [as_arrays(RawLoader(table, SPEC, "train", r, 2, cfg(mode="thread"))) for r in range(2)]
+    for s, (img, lab, ids) in enumerate(single):
+        assert np.array_equal(img, np.concatenate([halves[0][s][0], halves[1][s][0]]))
+        assert ids == halves[0][s][2] + halves[1][s][2]
+        assert np.array_equal(lab, np.concatenate([halves[0][s][1], halves[1][s][1]]))
+
+
+@pytest.mark.ray
+def test_raw_ray_mode_matches_sync(ray_cluster, data):
+    table, _, _ = data
+    expected = as_arrays(RawLoader(table, SPEC, "val", config=cfg(mode="sync", drop_last=False)))
+    got = as_arrays(RawLoader(table, SPEC, "val", config=cfg(mode="ray", drop_last=False)))
+    assert_same(expected, got)
+
+
+def test_raw_undecodable_file_names_it(tmp_path, data):
+    _, _, rows = data
+    bad = add_file(str(tmp_path / "images"), "bad.jpg", b"\xff\xd8\xff" + b"\x00" * 64, "circle", error="x")
+    bad.update(split="train", error=None)  # a row the table thought readable, whose bytes are not an image
+    table = write_table(str(tmp_path / "table"), [r for r in rows if r["error"] is None] + [bad])
+    loader = RawLoader(table, SPEC, "train", config=cfg(mode="thread", drop_last=False))
+    with pytest.raises(DecodeError, match=r"bad\.jpg"):
+        for _ in loader:
+            pass
+
+
+def test_raw_rejects_memory_mode_and_unknown_split(data):
+    table, _, _ = data
+    from dutycycle.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="mode='memory'"):
+        RawLoader(table, SPEC, "train", config=cfg(mode="memory"))
+    with pytest.raises(ConfigError, match="split 'test'"):
+        RawLoader(table, SPEC, "test", config=cfg(mode="sync"))
+
+
+def test_raw_reads_respect_the_per_file_byte_cap(tmp_path, monkeypatch):
+    """The raw path reads untrusted files with the same cap as ingest and materialize: no whole read past it."""
+    from dutycycle.engine.io import FileTooLargeError, read_capped
+    from dutycycle.loader import raw
+
+    path = tmp_path / "big.jpg"
+    path.write_bytes(b"\xff\xd8\xff" + b"\x00" * 5000)
+    assert len(read_capped(str(path), max_bytes=10_000)) == 5003
+    with pytest.raises(FileTooLargeError, match="per-file limit of 1000 bytes"):
+        read_capped(str(path), max_bytes=1000)
+    # and the raw path's decode reads through that cap: a file over it is a "too large" DecodeError, unread
+    monkeypatch.setattr(raw, "DEFAULT_MAX_FILE_BYTES", 1000)
+    with pytest.raises(DecodeError, match="per-file limit of 1000 bytes") as err:
+        raw.decode_one(str(path), SPEC)
+    assert err.value.reason == "too large"

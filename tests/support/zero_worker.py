@@ -1,0 +1,110 @@
+"""Worker code for the ZeRO tests (spawned gloo ranks import it): a model with every awkward feature, global
+batches, and a driver that trains the same steps through ``parallelize`` under any stage."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+STEPS = 4
+GLOBAL_BATCH = 16
+CLASSES = 4
+
+
+class TiedMix(nn.Module):
+    """A block whose channel-mixing weight is also used by the root (tied weights)."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.lin = nn.Linear(c, c, bias=False)
+
+    def forward(self, h):
+        return torch.tanh(torch.einsum("bchw,dc->bdhw", h, self.lin.weight))
+
+
+class Quirky(nn.Module):
+    """Parameter first dimensions of 5 and 7 (not divisible by 2 or 4), a frozen layer, a layer used only on some
+    steps (no gradient on the others), a weight tied between a block and the root, and ``blocks`` to shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 5, 3, padding=1)
+        self.blocks = nn.Sequential(nn.Sequential(nn.Conv2d(5, 7, 3, padding=1), nn.Tanh(),
+                                                  nn.Conv2d(7, 5, 1)), TiedMix(5))
+        self.proj = self.blocks[1].lin  # tied: one parameter, two owners
+        self.frozen = nn.Linear(5, 5)
+        self.frozen.requires_grad_(False)
+        self.sometimes = nn.Linear(5, 5)
+        self.head = nn.Linear(5, CLASSES)
+        self.use_sometimes = True
+
+    def forward(self, x):
+        h = self.blocks(torch.tanh(self.stem(x))).mean(dim=(2, 3))
+        h = torch.tanh(self.proj(h)) + self.frozen(h)
+        if self.use_sometimes:
+            h = h + self.sometimes(h)
+        return self.head(h)
+
+
+def make_batches(dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(GLOBAL_BATCH, 3, 8, 8, generator=g, dtype=dtype),
+             torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=g)) for _ in range(STEPS)]
+
+
+def full_params(strategy) -> dict[str, torch.Tensor]:
+    from dutycycle.trainer.parallel.state import full_state_dict
+
+    sd = full_state_dict(strategy)
+    return {k: v.clone() for k, v in sd.items()}
+
+
+@contextlib.contextmanager
+def _quiet():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload: bool = False,
+          reduce_every: bool = False, find_unused: bool = False, dtype=torch.float64, grad_clip: float = 0.05,
+          model_fn=Quirky, strategy_cls=None, optim_name: str = "adamw", optim_kwargs: dict | None = None,
+          steps: int = STEPS, **parallel_kwargs):
+    """Train STEPS AdamW steps on rank ``rank``'s slice of each global batch; returns the strategy and optimizer.
+    ``world == 1`` with no process group is the single-process reference on the full batch."""
+    from dutycycle.trainer.config import OptimSection
+    from dutycycle.trainer.parallel.apply import parallelize
+    from dutycycle.trainer.parallel.memory import MemorySampler
+    from dutycycle.trainer.step.loop import optimizer_step
+    from dutycycle.trainer.step.optim import make_optimizer
+    from dutycycle.trainer.step.timing import StepTimer
+
+    torch.manual_seed(0)
+    model = model_fn().to(dtype)
+    with _quiet():
+        strategy = parallelize(model, zero_stage=stage, rank=rank, world_size=world, device=torch.device("cpu"),
+                               micro_batches=micro_batches, reduce_every_micro_step=reduce_every, offload=offload,
+                               precision="fp64" if dtype == torch.float64 else "fp32",
+                               find_unused_parameters=find_unused, **parallel_kwargs)
+    if strategy_cls is not None:
+        strategy.__class__ = strategy_cls
+    optimizer = make_optimizer(strategy.module.parameters(),
+                               OptimSection(**{"name": optim_name, "lr": 0.02, "weight_decay": 0.1, "momentum": 0.9,
+                                               **(optim_kwargs or {})}))
+    sampler = MemorySampler()
+    per = GLOBAL_BATCH // world
+    norms = []
+    for step, (x, y) in enumerate(make_batches(dtype)[:steps]):
+        if isinstance(strategy.module, Quirky):
+            strategy.module.use_sometimes = step % 2 == 0
+        xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        _, norm = optimizer_step(strategy, optimizer, xs, ys, micro_batches=micro_batches, timer=StepTimer(),
+                                 autocast=contextlib.nullcontext, grad_clip=grad_clip,
+                                 lr=optimizer.param_groups[0]["lr"],
+                                 sampler=sampler if step == 0 else None)
+        norms.append(float(norm) if norm is not None else None)
+    return strategy, optimizer, sampler, norms

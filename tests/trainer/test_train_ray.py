@@ -1,0 +1,121 @@
+"""Training on a real local Ray cluster with Ray Train's TorchTrainer (gloo), and what the time accounting
+shows when the loader is slow versus reading the cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from dutycycle.trainer.config import load_config
+from dutycycle.trainer.launch.train import train
+from dutycycle.trainer.step.data import write_synthetic_cache
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    uri = str(tmp_path_factory.mktemp("cache") / "shapes")
+    return write_synthetic_cache(uri, n_train=384, n_val=64, size=24, seed=3)
+
+
+def cfg_for(cache, run_dir, *extra):
+    return load_config(None, [f"data.cache={cache}", "data.global_batch_size=32", "data.eval_batch_size=64",
+                              "model.width=8", "optim.lr=0.003", "optim.warmup_steps=4", "run.log_every=0",
+                              "run.eval_every=6", f"run.dir={run_dir}", "run.report=false", *extra])
+
+
+def test_two_workers_on_ray_train_at_stage3_match_the_local_launch(ray_cluster, cache, tmp_path):
+    """ZeRO-3 (FSDP2) under Ray Train's TorchTrainer, unchanged, reaches the same loss and weights as one local
+    process over the same global batches (float64: differences are reordered sums, ~1e-16)."""
+    from safetensors.torch import load_file
+
+    common = ["run.max_steps=24", "run.precision=fp64", "optim.grad_clip=0.5"]
+    summary = train(cfg_for(cache, tmp_path / "run", "parallel.num_workers=2", "parallel.zero_stage=3", *common),
+                    quiet=True)
+    local = train(cfg_for(cache, tmp_path / "local", *common), local=True, quiet=True)
+    assert summary["world_size"] == 2 and summary["launcher"] == "ray"
+    assert summary["steps"] == 24 and summary["samples"] == 24 * 32
+    assert summary["parallel"]["strategy"] == "fsdp2" and summary["parallel"]["zero_stage"] == 3
+    assert summary["final_loss"] == pytest.approx(local["final_loss"], rel=1e-10)
+    assert summary["val_loss"] == pytest.approx(local["val_loss"], rel=1e-10)
+    a, b = load_file(tmp_path / "run" / "model.safetensors"), load_file(tmp_path / "local" / "model.safetensors")
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-10
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 24
+    assert sum(losses[-4:]) < 0.93 * sum(losses[:4])  # the loss falls (means of 4 steps: batches are noisy)
+    traffic = summary["parallel"]["traffic"]["per_kind"]
+    assert traffic["all_gather"]["calls"] > 0 and traffic["reduce_scatter"]["calls"] > 0
+    assert summary["comm_fraction"] > 0  # two ranks do exchange parameters and gradients
+    assert sorted(w["rank"] for w in summary["workers"]) == [0, 1]
+    assert all(r["data_wait_max"] >= r["data_wait"] for r in rows if "loss" in r)
+    # Ray Train kept its own run record under the run directory (storage_path)
+    assert (tmp_path / "run" / "ray").is_dir()
+
+
+def test_local_mode_equals_one_worker_ray_run_bit_for_bit(ray_cluster, cache, tmp_path):
+    local = train(cfg_for(cache, tmp_path / "local", "run.max_steps=8"), local=True, quiet=True)
+    ray_run = train(cfg_for(cache, tmp_path / "ray", "run.max_steps=8"), quiet=True)
+    assert ray_run["launcher"] == "ray" and ray_run["world_size"] == local["world_size"] == 1
+    assert ray_run["weights_sha256"] == local["weights_sha256"]
+    assert ray_run["final_loss"] == local["final_loss"]
+    assert ray_run["val_accuracy"] == local["val_accuracy"]
+
+
+def test_data_wait_is_large_from_a_slow_loader_and_small_from_the_cache(cache, tmp_path):
+    """A loader slowed by 250 ms per batch dominates the step time of a tiny model; reading the cache with the
+    loader's prefetching does not. (Ratios of two runs of the same model, not absolute times.)"""
+    short = ["run.max_steps=8", "run.eval_every=0", "run.eval_max_batches=1"]
+    fast = train(cfg_for(cache, tmp_path / "fast", *short), local=True, quiet=True)
+    slow = train(cfg_for(cache, tmp_path / "slow", *short, "data.slow_ms=250"), local=True, quiet=True)
+    assert slow["time_breakdown"]["seconds"]["data_wait"] >= 8 * 0.25
+    assert slow["data_wait_fraction"] > 0.5
+    assert fast["data_wait_fraction"] < slow["data_wait_fraction"] / 3
+    assert slow["goodput"] < fast["goodput"]
+
+
+def test_torchrun_entry_trains_two_ranks(cache, tmp_path):
+    """The torchrun-compatible entry: two gloo ranks started by torch.distributed.run."""
+    import os
+    import subprocess
+    import sys
+
+    from ..support.harness import free_port
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[data]\ncache = "{cache}"\nglobal_batch_size = 32\n[model]\nwidth = 8\n'
+                   f'[run]\ndir = "{tmp_path / "run"}"\nmax_steps = 4\neval_every = 0\nlog_every = 0\n'
+                   "report = false\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "dutycycle.trainer.launch.torchrun", str(cfg)],
+        capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["launcher"] == "torchrun" and summary["steps"] == 4
+    assert summary["parallel"]["strategy"] == "ddp"
+    assert summary["parallel"]["traffic"]["per_kind"]["all_reduce"]["calls"] >= 4
+
+
+def test_results_reach_the_driver_through_ray_train_storage(ray_cluster, cache, tmp_path):
+    """The workers write their run directory where the driver cannot see it (``memory://`` is private to each
+    process, like a local disk on another node): the summary and result files still reach the driver, through
+    Ray Train's result checkpoint in ``ray.storage_path``."""
+    import uuid
+
+    import fsspec
+
+    run_dir = f"memory://dc-{uuid.uuid4().hex[:8]}/run"
+    cfg = cfg_for(cache, run_dir, "parallel.num_workers=2", "run.max_steps=4", "run.eval_every=0",
+                  "run.report=true", f"ray.storage_path={tmp_path / 'ray'}")
+    summary = train(cfg, quiet=True)
+    assert summary["steps"] == 4 and summary["world_size"] == 2
+    fs = fsspec.filesystem("memory")  # this (driver) process's memory: filled from Ray's storage
+    base = run_dir.removeprefix("memory://")
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)}
+    assert {"summary.json", "metrics.jsonl", "report.png"} <= names, names
+    rows = [json.loads(x) for x in fs.cat(base + "/metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert fs.cat(base + "/report.png")[:4] == b"\x89PNG"
+    assert summary["ray_storage"].startswith(str(tmp_path / "ray"))

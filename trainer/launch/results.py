@@ -1,0 +1,110 @@
+"""How a run's results reach the driver on a real cluster, and how Ray's log stays readable.
+
+**Results.** On a multi-node cluster the driver cannot read files rank 0 wrote to its own node's disk. So at the
+end of training rank 0 draws ``report.png`` where it ran, then reports the run's small result files
+(``summary.json``, ``config.json``, ``metrics.jsonl``, ``report.png``, ``health.json``) to Ray Train as the run's
+last checkpoint; Ray Train copies it into ``RunConfig.storage_path`` (``ray.storage_path``: a shared folder or
+``s3://``), and the driver reads it from ``Result.checkpoint``, filling in its own view of ``run.dir`` when that
+is a different disk. The checkpoint also holds the pointer to the last committed training checkpoint
+(checkpoint/raytrain.py), so ``checkpoint_uri(result.checkpoint)`` keeps working. ``model.safetensors`` stays in
+``run.dir`` (it can be large); the summary names it.
+
+**Logs.** Ray Train V2 wraps ``print`` in its workers and also lets the original through, so every line of rank 0
+came out twice (``RAY_TRAIN_ENABLE_PRINT_PATCH=0`` keeps the plain print). Its placement-group cleaner asks Ray's
+state API once a second whether the controller lives; the state API is served by the dashboard, which dutycycle's
+local clusters do not start, so each query logged "Failed to query Ray Train Controller actor state" (46 lines in
+one demo). Those warnings are silenced in every worker (``quiet_ray_logs``, Ray's ``worker_process_setup_hook``);
+what the cleaner would have done, freeing the run's placement group if its controller died, happens anyway when
+the driver's Ray session ends. Ray Train sets the root logger of each worker to INFO with a console handler, so
+the span records Daft's Rust engine emits through Python logging (logger ``tracing.span``: one line per operator,
+"ScanTaskSource::get_data;", 46 of them each time the raw loader plans its rows) would print too; that logger is
+held at WARNING in every worker. Ray Train's own INFO lines (resources requested, each rank's "Reporting training
+result N" at every report, each checkpoint persisted) are filtered by ``ray.log_level`` (default WARNING, through
+``RunConfig(logging_config=...)``); set it to INFO to see them again. They stay in Ray's session log files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+
+from dutycycle.engine import io
+
+RESULT_FILES = ("summary.json", "config.json", "metrics.jsonl", "report.png", "health.json")
+SUMMARY_KEY = "dutycycle_results"  # in the metrics of the final report: marks the results checkpoint
+RAY_WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+
+
+def quiet_ray_logs() -> None:
+    """Runs in every Ray worker process at start (``worker_process_setup_hook``). Ray Train reconfigures its
+    ``ray.train`` loggers after this hook (``ray.log_level`` filters those); these three it does not touch: the
+    placement-group cleaner's, and the one that prints every rank's "Reporting training result N" line, which is
+    named after its file rather than under ``ray.train``; and Daft's Rust span records (``tracing``), which
+    Ray Train's INFO root logger would print to the console."""
+    import importlib.util
+
+    logging.getLogger("tracing").setLevel(logging.WARNING)
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+    spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")
+    if spec is not None and spec.origin:
+        logging.getLogger(spec.origin).setLevel(logging.WARNING)
+
+
+def runtime_env(extra_env: dict[str, str]) -> dict:
+    return {"env_vars": {**RAY_WORKER_ENV, **extra_env},
+            "worker_process_setup_hook": "dutycycle.trainer.launch.results.quiet_ray_logs"}
+
+
+def report_results(cfg, run_dir: str, summary: dict, rank: int, last_commit: dict | None) -> None:
+    """Every worker calls this once after training (Ray Train V2 reports are a barrier); rank 0's carries the
+    result files as a checkpoint."""
+    import ray.train
+
+    if rank != 0:
+        ray.train.report({}, checkpoint=None)
+        return
+    if cfg.run.report:
+        from dutycycle.trainer.step.report import write_report
+
+        summary["report"] = write_report(run_dir)
+        io.write_json_atomic(io.join(run_dir, "summary.json"), summary)
+    with tempfile.TemporaryDirectory(prefix="dutycycle-results-") as d:
+        for name in RESULT_FILES:
+            uri = io.join(run_dir, name)
+            if io.exists(uri):
+                fs, path = io.filesystem(uri)
+                with fs.open(path, "rb") as src, open(os.path.join(d, name), "wb") as dst:
+                    dst.write(src.read())
+        if last_commit:
+            from dutycycle.trainer.checkpoint.raytrain import POINTER
+
+            with open(os.path.join(d, POINTER), "w") as f:
+                json.dump(last_commit, f)
+        metrics = {SUMMARY_KEY: True, "steps": summary["steps"], "final_loss": summary["final_loss"],
+                   "val_accuracy": summary["val_accuracy"]}
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+
+def results_from(cfg, result) -> dict:
+    """The summary from Ray Train's result; the result files copied into ``run.dir`` where the driver sees it
+    without them (rank 0 wrote them on another node's disk)."""
+    from dutycycle.engine.errors import DutycycleError
+    from dutycycle.trainer.checkpoint.raytrain import checkpoint_uri
+
+    ckpt = result.checkpoint
+    if ckpt is None or not (result.metrics or {}).get(SUMMARY_KEY):
+        raise DutycycleError(f"Ray Train returned no results checkpoint for run {cfg.run.name!r} (storage "
+                             f"{result.path!r}); the workers ended without reporting one")
+    with ckpt.as_directory() as d:
+        with open(os.path.join(d, "summary.json")) as f:
+            summary = json.load(f)
+        if not io.exists(io.join(cfg.run.dir, "summary.json")):
+            for name in RESULT_FILES:
+                if os.path.exists(os.path.join(d, name)):
+                    with open(os.path.join(d, name), "rb") as f:
+                        io.write_bytes_atomic(io.join(cfg.run.dir, name), f.read())
+    summary["ray_result_checkpoint"] = checkpoint_uri(ckpt)
+    summary["ray_storage"] = result.path
+    return summary

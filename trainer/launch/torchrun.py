@@ -1,0 +1,65 @@
+"""torchrun-compatible entry: ``torchrun --nproc-per-node 2 -m dutycycle.trainer.launch.torchrun CONFIG [--set k=v]``.
+
+Reads RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE (and MASTER_ADDR / MASTER_PORT) from the environment as
+torchrun sets them, initializes the process group (nccl on GPU, gloo on CPU) and runs the same step loop.
+Rank 0 saves the config, writes metrics and the summary, and draws the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    import torch.distributed as dist
+    from dutycycle.engine.errors import DutycycleError
+    from dutycycle.trainer.config import load_config, use_gpu
+    from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
+
+    from .train import finish_run, prepare_run
+
+    parser = argparse.ArgumentParser(prog="python -m dutycycle.trainer.launch.torchrun")
+    parser.add_argument("config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    try:
+        cfg = load_config(args.config, args.overrides + [f"parallel.num_workers={world}"])
+        gpu = use_gpu(cfg, torch.cuda.device_count())
+        if rank == 0:
+            prepare_run(cfg)
+        else:
+            from .train import resolve_run_dir
+
+            resolve_run_dir(cfg)
+        device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
+        if gpu:
+            torch.cuda.set_device(device)
+        if world > 1:
+            dist.init_process_group("nccl" if gpu else "gloo")
+        set_threads(cfg, local_world)
+        train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, run_dir=cfg.run.dir,
+                                        info={"launcher": "torchrun"}))
+        if world > 1:
+            # only after success (torchtitan does the same): a rank that failed may leave peers inside a
+            # collective, where a barrier would hang. Every rank reaches the barrier before any tears its groups
+            # down, so none exits while a peer still has collectives in flight (SIGABRT in gloo at exit).
+            dist.barrier()
+            dist.destroy_process_group()
+        if rank == 0:
+            summary = finish_run(cfg)
+            print(f"val accuracy {summary['val_accuracy']}, report {summary.get('report')}")
+    except DutycycleError as e:
+        print(f"dutycycle torchrun: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Launching a run: locally in this process, on Ray Train (TorchTrainer, the V2 API), or under torchrun.
+
+All three call the same ``loop.train_worker``. The driver validates the config, prints it and saves it in the
+run directory before any worker starts; after the run it reads ``summary.json`` and draws ``report.png``.
+
+Placement on Ray: workers are gang-scheduled in one placement group. ``PACK`` (the default) puts them on as
+few nodes as possible; ``STRICT_PACK`` insists on one node. ``ray.label_selector`` (e.g. ``{zone = "a"}``)
+restricts every worker's bundle to nodes carrying those labels, so a run never straddles slow links between
+zones. Nodes get labels with ``ray start --labels`` (or ``Cluster.add_node(labels=...)``).
+
+CPU budget inside a worker: each Ray Train worker reserves ``parallel.cpus_per_worker`` CPUs (default 1). On a
+2-core machine two workers hold both CPUs, so the loader runs in process inside the worker (``auto``: the split
+held in RAM, in the node's object store when it fits, with a prefetch thread for augmentation; no Ray read
+tasks that would wait for CPUs that are all reserved), and torch uses cores/workers
+intra-op threads so two workers do not oversubscribe the cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dutycycle.engine import io
+from dutycycle.trainer.config import TrainConfig, describe, from_dict, use_gpu
+from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
+
+from .results import report_results, results_from, runtime_env
+
+
+def resolve_run_dir(cfg: TrainConfig) -> str:
+    """Local run and checkpoint locations become absolute (Ray workers run elsewhere, and Ray Train storage needs
+    absolute paths)."""
+    if io.protocol(cfg.run.dir) == "file":
+        cfg.run.dir = os.path.abspath(cfg.run.dir)
+    c = cfg.checkpoint
+    if c.dir and io.protocol(c.dir) == "file":
+        c.dir = os.path.abspath(c.dir)
+    if c.resume not in ("auto", "none") and io.protocol(c.resume) == "file":
+        c.resume = os.path.abspath(c.resume)
+    return cfg.run.dir
+
+
+def prepare_run(cfg: TrainConfig, quiet: bool = False) -> str:
+    run_dir = resolve_run_dir(cfg)
+    if not quiet:
+        print(f"resolved config (saved to {io.join(run_dir, 'config.json')}):\n{describe(cfg)}", flush=True)
+    io.write_bytes_atomic(io.join(run_dir, "config.json"), cfg.to_json().encode())
+    return run_dir
+
+
+def finish_run(cfg: TrainConfig) -> dict:
+    summary = io.read_json(io.join(cfg.run.dir, "summary.json"))
+    if cfg.run.report:
+        from dutycycle.trainer.step.report import write_report
+
+        summary["report"] = write_report(cfg.run.dir)
+    return summary
+
+
+def train(cfg: TrainConfig, local: bool = False, quiet: bool = False) -> dict:
+    """Run training as configured and return the summary. ``local=True`` runs in this process with no Ray
+    (one worker)."""
+    prepare_run(cfg, quiet=quiet)
+    if local:
+        return train_local(cfg)
+    return train_ray(cfg)
+
+
+# --------------------------------------------------------------------------------------------------- local
+
+
+def train_local(cfg: TrainConfig) -> dict:
+    """One worker, this process, no Ray and no process group."""
+    import torch
+
+    if cfg.parallel.num_workers != 1:
+        from dutycycle.engine.errors import ConfigError
+
+        raise ConfigError(
+            f"parallel.num_workers = {cfg.parallel.num_workers} with --local; local mode runs one worker "
+            "(drop --local to run on Ray, or use torchrun)"
+        )
+    gpu = use_gpu(cfg, torch.cuda.device_count())
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    set_threads(cfg, 1)
+    train_worker(cfg, WorkerContext(rank=0, world_size=1, device=device, run_dir=cfg.run.dir))
+    return finish_run(cfg)
+
+
+# ----------------------------------------------------------------------------------------------- Ray Train
+
+
+def _ray_train_fn(payload: dict) -> None:
+    """Runs in every Ray Train worker. Ray Train has already set up the process group (gloo or nccl)."""
+    import ray
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    cfg = from_dict(payload["config"])
+    set_threads(cfg, ctx.get_local_world_size())
+    device = ray.train.torch.get_device() if payload["use_gpu"] else torch.device("cpu")
+    rt = ray.get_runtime_context()
+    me = {"rank": rank, "node_id": rt.get_node_id(), "labels": dict(rt.get_node_labels() or {})}
+    where = [None] * world
+    if world > 1:
+        dist.all_gather_object(where, me)
+    else:
+        where = [me]
+    # Ray's own labels (ray.io/...) are noise in a summary; keep the user's
+    for w in where:
+        w["labels"] = {k: v for k, v in w["labels"].items() if not k.startswith("ray.io/")}
+    from dutycycle.trainer.checkpoint.raytrain import latest_reported, report_commit
+
+    # a restarted group resumes from the newest verified commit by itself (checkpoint.resume = "auto"); Ray
+    # Train's own record of the last reported one is kept for the summary
+    info = {"workers": where, "launcher": "ray", "ray_checkpoint": latest_reported()}
+    last_commit: dict = {}
+
+    def on_commit(step: int, uri: str) -> None:
+        last_commit.update(step=step, uri=uri)
+        report_commit(step, uri)
+
+    summary = train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, report=ray.train.report,
+                                              run_dir=payload["run_dir"], info=info, on_commit=on_commit))
+    report_results(cfg, payload["run_dir"], summary, rank, last_commit or None)
+
+
+def init_ray(cfg: TrainConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "DAFT_ANALYTICS_ENABLED": "0"}
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    runtime = runtime_env({k: os.environ[k] for k in env})  # one print per line, no state-API warnings
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, log_to_driver=True, configure_logging=False, runtime_env=runtime)
+    else:
+        ray.init(include_dashboard=False, configure_logging=False, runtime_env=runtime)
+
+
+def scaling_config(cfg: TrainConfig, gpu: bool):
+    from ray.train import ScalingConfig
+
+    resources = {"CPU": cfg.parallel.cpus_per_worker}
+    if gpu:
+        resources["GPU"] = 1
+    return ScalingConfig(
+        num_workers=cfg.parallel.num_workers,
+        use_gpu=gpu,
+        resources_per_worker=resources,
+        placement_strategy=cfg.ray.placement_strategy,
+        label_selector=dict(cfg.ray.label_selector) or None,
+        accelerator_type=cfg.ray.accelerator_type or None,
+    )
+
+
+def train_ray(cfg: TrainConfig) -> dict:
+    """Run on Ray Train's TorchTrainer with ``parallel.num_workers`` workers."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    init_ray(cfg)
+    gpu = use_gpu(cfg, ray.cluster_resources().get("GPU", 0))
+    storage = cfg.ray.storage_path or io.join(cfg.run.dir, "ray")
+    if io.protocol(storage) == "file":
+        storage = os.path.abspath(storage)
+    trainer = TorchTrainer(
+        _ray_train_fn,
+        train_loop_config={"config": cfg.to_dict(), "run_dir": cfg.run.dir, "use_gpu": gpu},
+        torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
+        scaling_config=scaling_config(cfg, gpu),
+        # a dead worker restarts the whole group up to ray.max_failures times; the new workers resume from the
+        # last commit. Ray Train keeps pointers to dutycycle's commits (checkpoint/raytrain.py), as many as we keep.
+        run_config=RunConfig(name=cfg.run.name, storage_path=storage, logging_config=LoggingConfig(cfg.ray.log_level),
+                             failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
+    )
+    try:
+        result = trainer.fit()
+    except Exception as e:
+        user = _user_error(e)
+        if user is not None:  # a bad config or a diverged loss inside a worker: say it plainly
+            raise user from None
+        raise
+    if result.error is not None:
+        raise result.error
+    # through Ray Train's result and storage, not the driver's disk (rank 0 may have run on another node)
+    return results_from(cfg, result)
+
+
+def _user_error(err: BaseException):
+    """The first dutycycle user error (e.g. TrainingDiverged) raised by any worker, unwrapped from Ray's
+    WorkerGroupError / RayTaskError layers; None when the failure is something else."""
+    from dutycycle.engine.errors import DutycycleError
+
+    candidates = [err, *getattr(err, "worker_failures", {}).values()]
+    for exc in candidates:
+        seen = 0
+        while exc is not None and seen < 10:
+            if isinstance(exc, DutycycleError):
+                return exc
+            exc = getattr(exc, "cause", None) or exc.__cause__
+            seen += 1
+    return None

@@ -1,0 +1,469 @@
+"""The step loop, the same code in every launch mode (local, Ray Train worker, torchrun).
+
+One optimizer step on one rank:
+
+    batch = next(loader)                      data_wait
+    x, y = batch -> device                    h2d
+    for each micro-batch i:                   forward_backward
+        with strategy.micro_step(i):          (DDP no_sync / FSDP2 sync and reshard switches: parallel/apply.py)
+            loss = model(x_i, y_i) * |i| / |batch|; backward
+                                              comm: collectives that blocked forward/backward (exposed
+                                              communication), moved out of forward_backward
+    clip (exact across shards), optimizer.step, lr schedule   optimizer
+    checkpointer.maybe_save(...)              checkpoint (trainer/checkpoint/: snapshot now, write in background)
+
+Gradients are exchanged at the accumulation boundary (or every micro-batch if asked). Each rank's loss is the
+mean over its slice of the global batch; with equal slices the averaged gradient is the gradient of the global
+mean loss, so 1 and N workers take the same steps. Per-step losses and phase times stay on the device and are
+gathered once per logging interval (steplog.py).
+
+Around the steps: a pre-flight health check of every worker, a resume from the newest verified checkpoint
+(``checkpoint.resume``), and, when a flush finds a non-finite loss, the checkpointer's recovery (roll back to the
+last commit, and leave the offending global batch out), after which the steps continue from the restored one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dutycycle.engine.errors import DutycycleError
+
+from .steplog import StepLog, TrainingDiverged
+from .timing import ALL_PHASES
+
+
+@dataclass
+class WorkerContext:
+    rank: int = 0
+    world_size: int = 1
+    device: Any = None  # torch.device; None = cpu
+    report: Any = None  # callable(metrics: dict) -> None, e.g. ray.train.report; called by every rank
+    run_dir: str = ""
+    info: dict = field(default_factory=dict)  # merged into the summary (e.g. where each worker ran)
+    state: dict | None = None  # filled with {"strategy", "model", "optimizer"} at the end (in-process callers, tests)
+    on_commit: Any = None  # callable(step, uri), every rank, after a checkpoint commits (Ray Train: report it)
+
+
+class NoCheckpoint:
+    """The checkpointer interface (``checkpoint.checkpointer.Checkpointer`` is the real one), keeping nothing:
+    ``restore`` before the first step (a resumed step and epoch, or None), ``account`` and ``maybe_save`` after
+    each optimizer step (``due`` says whether a save comes; its blocking time is the "checkpoint" phase),
+    ``recover`` on a non-finite loss (roll back, or raise), ``finalize`` at the end, ``close`` on any exit."""
+
+    skipped: frozenset = frozenset()  # (epoch, global batch) pairs the data loop leaves out
+
+    def restore(self, strategy, optimizer, source):
+        return None
+
+    def due(self, step: int) -> bool:
+        return False
+
+    def maybe_save(self, step: int, strategy, optimizer, loader_state: dict | None) -> bool:
+        return False
+
+    def account(self, timer) -> None:
+        return None
+
+    def recover(self, err, strategy, optimizer, source):
+        raise err
+
+    def finalize(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def summary(self) -> dict:
+        return {}
+
+
+def lr_at(step: int, total: int, optim) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` (or constant)."""
+    if optim.warmup_steps and step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return optim.lr
+    progress = (step - optim.warmup_steps) / max(1, total - optim.warmup_steps)
+    progress = min(max(progress, 0.0), 1.0)
+    return optim.lr * (optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def resolve_precision(device, precision: str) -> str:
+    """``auto`` is bf16 on GPU and fp32 on CPU; anything else is what was asked for."""
+    if precision == "auto":
+        return "bf16" if getattr(device, "type", "cpu") == "cuda" else "fp32"
+    return precision
+
+
+def autocast_for(device, precision: str, fsdp: bool = False):
+    """bf16 autocast for a resolved precision of bf16, except under FSDP2, whose mixed-precision policy already
+    runs forward in bf16 with fp32 master weights and reductions."""
+    import torch
+
+    if precision == "bf16" and not fsdp:
+        dev_type = getattr(device, "type", "cpu") if device is not None else "cpu"
+        return lambda: torch.autocast(dev_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def _loss_input(logits):
+    """Cross-entropy in at least fp32 (bf16 logits are upcast; float64 stays float64)."""
+    import torch
+
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def forward_backward(strategy, x, y, micro_batches: int, autocast, sampler=None):
+    """Forward and backward over ``micro_batches`` chunks of the rank batch. Returns the rank batch's mean loss
+    as a 0-d tensor on the device (no host synchronization). ``sampler`` (first step only) records the model
+    state held after each forward and each backward."""
+    import torch
+    import torch.nn.functional as F
+
+    n = y.shape[0]
+    losses = []
+    for i, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True)):
+        with strategy.micro_step(i):
+            with autocast():
+                logits = strategy.model(xs)
+            loss = F.cross_entropy(_loss_input(logits), ys) * (ys.shape[0] / n)
+            if sampler is not None:
+                sampler.sample(strategy.module)
+            loss.backward()
+        if sampler is not None:
+            sampler.sample(strategy.module)
+        losses.append(loss.detach())
+    return torch.stack(losses).sum()
+
+
+def optimizer_step(strategy, optimizer, x, y, *, micro_batches: int, timer, autocast, grad_clip: float,
+                   lr: float, sampler=None):
+    """One full optimizer step on this rank's batch. Returns ``(loss, grad_norm)``: the rank's mean loss and the
+    global gradient norm before clipping (device tensors; the norm is None without clipping)."""
+    norm = None
+    with timer.phase("forward_backward"):
+        loss = forward_backward(strategy, x, y, micro_batches, autocast, sampler)
+    timer.move("forward_backward", "comm", strategy.meter.take_blocked())
+    with timer.phase("optimizer"):
+        if grad_clip > 0:
+            norm = strategy.clip_grad_norm_(grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        if sampler is not None:
+            sampler.sample(strategy.module, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    return loss, norm
+
+
+def evaluate(strategy, source, device, autocast, max_batches: int = 0, index: int = 0) -> tuple[float, float, int]:
+    """Accuracy and mean loss over the validation source, summed over all ranks: ``(acc, loss, count)``.
+
+    Each evaluation is a fresh pass (``set_epoch(index)``, a new index each time) so a pass capped at
+    ``max_batches`` starts from the first batch again rather than where the last one stopped; the
+    validation plan is unshuffled and unaugmented, so every pass sees the same batches. Collectives issued by
+    the forward passes (FSDP2 gathers) are counted as evaluation traffic, not training traffic."""
+    import torch
+    import torch.nn.functional as F
+
+    from .timing import gather_stats
+
+    source.set_epoch(index)
+    model = strategy.module  # DDP's inner module: no gradient hooks needed; FSDP2's root itself
+    model.eval()
+    correct = loss_sum = count = 0.0
+    with torch.no_grad(), strategy.meter.phase("eval"):
+        for i, batch in enumerate(source):
+            if max_batches and i >= max_batches:
+                break
+            x = batch["image"].to(device, dtype=strategy.compute_dtype, non_blocking=True)
+            y = batch["label"].to(device, non_blocking=True)
+            with autocast():
+                logits = _loss_input(model(x))
+            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += float((logits.argmax(1) == y).sum())
+            count += y.shape[0]
+        strategy.after_eval()
+    strategy.meter.take_blocked()  # evaluation's collectives are not a training step's exposed communication
+    model.train()
+    tot = gather_stats([correct, loss_sum, count]).sum(0).tolist()
+    if tot[2] == 0:
+        return float("nan"), float("nan"), 0
+    return tot[0] / tot[2], tot[1] / tot[2], int(tot[2])
+
+
+def flops_per_sample(model, channels: int, size: int, device) -> float | None:
+    """Forward+backward FLOPs per sample (3x the forward), counted by torch's FLOP counter."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        x = torch.zeros(1, channels, size, size, device=device)
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            model(x)
+        return 3.0 * counter.get_total_flops()
+    except Exception:  # a plug-in model with ops the counter does not know: MFU is simply not reported
+        return None
+
+
+def set_threads(cfg, world_size_on_node: int) -> int:
+    """Intra-op threads per worker: explicit, or this node's cores shared evenly among its workers (two
+    workers with two threads each on two cores would thrash)."""
+    import torch
+
+    n = cfg.parallel.threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, world_size_on_node))
+    torch.set_num_threads(n)
+    return n
+
+
+def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None) -> dict:
+    """Train on this rank until ``max_steps`` / ``epochs``; rank 0 writes metrics and returns the summary.
+
+    ``parallelize_fn`` (same signature as ``parallel.apply.parallelize``) replaces how the model is wrapped:
+    benchmarks use it to run a baseline strategy through the same loop."""
+    import torch
+    from dutycycle.trainer.parallel.apply import parallelize
+    from dutycycle.trainer.parallel.memory import MemorySampler
+    from dutycycle.trainer.parallel.plan import make_quantization
+
+    from . import metrics as M
+    from .data import make_sources, take
+    from .models import build_model, count_parameters
+    from .optim import make_optimizer
+    from .timing import StepTimer
+
+    rank, world = ctx.rank, ctx.world_size
+    device = ctx.device or torch.device("cpu")
+    precision = resolve_precision(device, cfg.run.precision)
+    health = None
+    if cfg.run.health_check:
+        from dutycycle.trainer.cluster.health import preflight
+
+        health = preflight(rank, world, device, cfg.run.health_timeout_s, ctx.run_dir)
+    torch.manual_seed(cfg.run.seed)
+    train_src, val_src, info = make_sources(cfg, rank, world)
+    model = build_model(cfg.model, info.channels, info.num_classes, info.size).to(device)
+    if precision == "fp64":
+        model = model.double()
+    num_params = count_parameters(model)
+    is_cuda = device.type == "cuda"
+    fps = flops_per_sample(model, info.channels, info.size, device) if is_cuda else None
+    peak = M.peak_flops(torch.cuda.get_device_name(device)) if is_cuda else None
+    _broadcast_parameters(model, world)
+    p = cfg.parallel
+    strategy = (parallelize_fn or parallelize)(model, zero_stage=p.zero_stage, rank=rank, world_size=world, device=device,
+                           micro_batches=cfg.data.micro_batches, reduce_every_micro_step=p.reduce_every_micro_step,
+                           offload=p.offload != "none", precision=precision, bucket_mb=p.bucket_mb,
+                           find_unused_parameters=p.find_unused_parameters, node_size=p.node_size,
+                           quant=make_quantization(p.quant_weights, p.quant_grads, p.quant_block, p.hierarchical,
+                                                   p.error_feedback, p.node_size, world),
+                           hpz=p.hpz)
+    optimizer = make_optimizer(strategy.module.parameters(), cfg.optim)
+    autocast = autocast_for(device, precision, fsdp=strategy.plan.fsdp)
+    steps_per_epoch = len(train_src)
+    if steps_per_epoch == 0:
+        raise DutycycleError(
+            f"the training split has fewer samples ({info.train_samples}) than one global batch "
+            f"(data.global_batch_size = {cfg.data.global_batch_size}); lower it or add data"
+        )
+    total = cfg.run.max_steps or max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
+
+    writer = M.MetricsWriter(ctx.run_dir, enabled=(rank == 0 and bool(ctx.run_dir)))
+    if checkpointer is None:
+        from dutycycle.trainer.checkpoint import make_checkpointer
+
+        checkpointer = make_checkpointer(cfg, ctx, total_steps=total, data_info=info, writer=writer)
+    timer = StepTimer(device)
+    log = StepLog(timer, writer, log_every=cfg.run.log_every, total_steps=total,
+                  verbose=rank == 0 and cfg.run.log_every > 0, base_lr=cfg.optim.lr)
+    sampler = MemorySampler()
+    eval_totals = 0.0
+    n_evals = 0
+    t_start = time.perf_counter()
+    restored = checkpointer.restore(strategy, optimizer, train_src)
+    step, epoch = (restored.step, restored.epoch) if restored else (0, 0)
+    first_step = step
+    val_acc = val_loss = None
+
+    def run_eval() -> None:
+        nonlocal val_acc, val_loss, eval_totals, n_evals
+        log.flush()
+        t0 = time.perf_counter()
+        val_acc, val_loss, n_val = evaluate(strategy, val_src, device, autocast, cfg.run.eval_max_batches, n_evals)
+        n_evals += 1
+        dt = time.perf_counter() - t0
+        eval_totals += dt
+        writer.log({"step": step, "epoch": epoch, "val_accuracy": val_acc, "val_loss": val_loss,
+                    "val_samples": n_val, "eval_s": dt})
+        writer.flush()
+        if rank == 0 and cfg.run.log_every > 0:
+            print(f"[rank 0] step {step}/{total}: val accuracy {val_acc:.3f}, val loss {val_loss:.4f}", flush=True)
+        if ctx.report is not None:
+            ctx.report({"step": step, "val_accuracy": val_acc, "val_loss": val_loss, "loss": log.last_loss})
+
+    def run_steps() -> None:
+        nonlocal step, epoch
+        while step < total:
+            train_src.set_epoch(epoch)
+            it = iter(train_src)
+            while step < total:
+                timer.start_step()
+                with timer.phase("data_wait", host=True):
+                    batch, index = take(it, train_src, checkpointer.skipped)
+                if batch is None:
+                    break
+                with timer.phase("h2d"):
+                    x = batch["image"].to(device, dtype=strategy.compute_dtype, non_blocking=True)
+                    y = batch["label"].to(device, non_blocking=True)
+                lr = lr_at(step, total, cfg.optim)
+                loss, grad_norm = optimizer_step(strategy, optimizer, x, y, micro_batches=cfg.data.micro_batches,
+                                                 timer=timer, autocast=autocast, grad_clip=cfg.optim.grad_clip,
+                                                 lr=lr, sampler=sampler if step == first_step else None)
+                checkpointer.account(timer)
+                if checkpointer.due(step + 1):
+                    log.flush()  # every loss before a commit is checked before the commit can hold its update
+                with timer.phase("checkpoint"):
+                    saved = checkpointer.maybe_save(step + 1, strategy, optimizer, train_src.state_dict())
+                step += 1
+                log.add(step, epoch, lr, loss, int(y.shape[0]), timer.end_step(), grad_norm, batch=index,
+                        sample_ids=batch.get("sample_id"))
+                if saved:  # the saved step's own row, written before its commit can land
+                    log.flush()
+                    writer.log({"step": step, "checkpoint_saved": True})
+                if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total:
+                    run_eval()
+            epoch += 1
+        log.flush()
+
+    strategy.module.train()
+    try:
+        while True:
+            try:
+                run_steps()
+                break
+            except TrainingDiverged as err:  # roll back to the last commit (or raise, per checkpoint.on_nonfinite)
+                restored = checkpointer.recover(err, strategy, optimizer, train_src)
+                step, epoch = restored.step, restored.epoch
+        run_eval()
+        checkpointer.finalize()
+    finally:
+        checkpointer.close()
+    wall = time.perf_counter() - t_start
+
+    summary = _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, info=info, wall=wall,
+                         eval_s=eval_totals, steps=step, epochs=epoch, steps_per_epoch=steps_per_epoch,
+                         num_params=num_params, precision=precision, fps=fps, peak=peak, val=(val_acc, val_loss))
+    summary["checkpoint"] = checkpointer.summary()
+    summary["health"] = health
+    writer.close()
+    if rank == 0 and ctx.run_dir:
+        from dutycycle.engine import io
+
+        if cfg.run.save_model:
+            summary["model"] = io.join(ctx.run_dir, "model.safetensors")
+        io.write_json_atomic(io.join(ctx.run_dir, "summary.json"), summary)
+    ctx.state = {"strategy": strategy, "model": strategy.module, "optimizer": optimizer}
+    return summary
+
+
+def _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info, wall, eval_s, steps, epochs,
+               steps_per_epoch, num_params, precision, fps, peak, val) -> dict:
+    """Gather per-rank totals and memory, write the consolidated model, build the summary (every rank calls
+    this: it holds collectives)."""
+    import torch
+    from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, zero_formula
+    from dutycycle.trainer.parallel.state import full_state_dict, to_safetensors
+
+    from .timing import gather_stats
+
+    world = ctx.world_size
+    totals = dict(timer.totals)
+    totals["eval"] = totals.get("eval", 0.0) + eval_s
+    per_rank = gather_stats([totals[k] for k in ALL_PHASES])
+    per_rank_totals = [dict(zip(ALL_PHASES, row.tolist(), strict=True)) for row in per_rank]
+    held = gather_stats([sampler.peak["params"], sampler.peak["grads"], sampler.peak["optimizer"]])
+    full = full_state_dict(strategy)  # a collective; rank 0 gets the tensors
+    if ctx.rank == 0 and ctx.run_dir and cfg.run.save_model:
+        from dutycycle.engine import io
+
+        io.write_bytes_atomic(io.join(ctx.run_dir, "model.safetensors"), to_safetensors(full))
+
+    plan = strategy.plan
+    master = torch.finfo(strategy.compute_dtype).bits // 8
+    compute = 2 if precision == "bf16" and plan.fsdp else master
+    state_per_param = _optimizer_state_tensors(cfg.optim)
+    optim_bytes = None if state_per_param is None else state_per_param * master
+    n_bytes = num_params * master
+    traffic = strategy.meter.traffic["train"]
+    parallel = {
+        "zero_stage": plan.zero_stage, "strategy": strategy.name, "offload": cfg.parallel.offload,
+        "micro_batches": plan.micro_batches, "reduce_every_micro_step": plan.reduce_every_micro_step,
+        "reshard_after_forward": plan.reshard_after_forward, "units": strategy.units, "precision": precision,
+        "quantization": dataclasses.asdict(strategy.quant),
+        "comm_exposed_measured": strategy.meter.host_timing,
+        "traffic": traffic.to_dict(),
+        "traffic_per_step": {k: v / max(1, steps) for k, v in traffic.per_kind_bytes().items()},
+        "expected_traffic_per_step": expected_traffic(plan, n_bytes, n_bytes),
+        "eval_traffic": strategy.meter.traffic["eval"].to_dict(),
+    }
+    memory = {
+        "held_per_rank": [dict(zip(("params", "grads", "optimizer"), r.tolist(), strict=True)) for r in held],
+        "expected": expected_held(plan, num_params, master, compute, master, optim_bytes or 0),
+        "zero_formula": zero_formula(plan.zero_stage, num_params, world, compute, master, optim_bytes or 0),
+        "optimizer_formula_known": optim_bytes is not None,
+        "cuda_peak_bytes": sampler.cuda_peak(ctx.device),
+    }
+    return M.summarize(
+        steps=steps, samples=log.samples, first_loss=log.first_loss, final_loss=log.last_loss, val_accuracy=val[0],
+        val_loss=val[1], wall_s=wall, per_rank_totals=per_rank_totals, world_size=world,
+        device=str((ctx.device or torch.device("cpu")).type), num_params=num_params, flops_per_sample=fps,
+        peak_flops_per_device=peak,
+        extra={
+            "epochs": epochs, "steps_per_epoch": steps_per_epoch, "global_batch_size": cfg.data.global_batch_size,
+            "micro_batches": cfg.data.micro_batches, "data_source": cfg.data.source,
+            "data_fingerprint": info.fingerprint, "parallel": parallel, "memory": memory,
+            "threads_per_worker": torch.get_num_threads(),
+            "weights_sha256": weights_digest(full) if ctx.rank == 0 else None,
+            **ctx.info,
+        },
+    )
+
+
+def _optimizer_state_tensors(optim) -> int | None:
+    """Full-size state tensors per parameter (the ``step`` scalars aside), for the formula; None for factored
+    state (adafactor), not a multiple of the parameter count."""
+    from .optim import OPTIMIZERS
+
+    spec = OPTIMIZERS[optim.name]
+    if spec.state is None:
+        return None
+    return spec.state + int(spec.momentum and optim.momentum > 0)
+
+
+def weights_digest(state: dict) -> str:
+    """sha256 over a consolidated state dict's tensors: equal digests mean bit-identical weights."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, p in sorted(state.items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _broadcast_parameters(model, world_size: int) -> None:
+    """Start every rank from rank 0's weights (they are seeded alike; this makes it a guarantee)."""
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)

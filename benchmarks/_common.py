@@ -1,15 +1,18 @@
-"""Shared measurement helpers for benchmarks/*.py: throughput, time to first batch, peak RSS, one row per process.
+"""Shared measurement helpers for benchmarks/*.py: throughput, time to first batch, peak RSS, one row per process,
+a local Ray cluster and a local S3-compatible server.
 
 Every benchmark row runs in its own Python process (``run_row``), so its peak memory is its own: the row
 measures the resident set of its whole process tree (itself, DataLoader workers, a local Ray cluster's
 daemons and workers) by sampling, and the kernel's high-water mark for the row process itself.
+
+Only the standard library is imported at module level: the peers' rows (``loader_peers.py``) import this module
+in a virtual environment without dutycycle.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -197,23 +200,49 @@ def measure(
 def local_ray() -> Iterator[float]:
     """A local Ray with 2 CPUs for this row's process; yields its start-up seconds (0 when already running)."""
     import ray
+    from dutycycle.trainer.cluster.local import start_local_ray
 
-    if ray.is_initialized():  # a caller already holds one for several rows
+    t0 = time.perf_counter()
+    if not start_local_ray(num_cpus=2, object_store_bytes=512 * 1024**2):  # a caller holds one for several rows
         yield 0.0
         return
-    t0 = time.perf_counter()
-    ray.init(
-        address="local",  # always a fresh cluster of our own, never one another process left running here
-        num_cpus=2,
-        object_store_memory=512 * 1024**2,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
     try:
         yield time.perf_counter() - t0
     finally:
         ray.shutdown()
+
+
+@contextmanager
+def moto_server() -> Iterator[str]:
+    """Run a moto S3 server on 127.0.0.1 (a free port) and yield its endpoint URL; stopped on exit."""
+    import urllib.request
+
+    from dutycycle.trainer.cluster.local import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                urllib.request.urlopen(endpoint + "/", timeout=1).read()
+                break
+            except Exception:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("moto server did not start") from None
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def quiet_ray_data() -> None:
@@ -256,13 +285,6 @@ def run_row(argv: list[str], timeout: float, python: str | None = None) -> tuple
             return json.loads(line[len(RESULT_PREFIX) :]), wall
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
     return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}, wall
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for a rendezvous: torchrun's, or MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def machine() -> dict[str, Any]:

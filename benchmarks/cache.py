@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -30,60 +29,51 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dutycycle.engine.synth import CLASSES as SHAPES
+from dutycycle.engine.synth import draw_shapes
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRSS, emit, machine, measure, run_row, write_result  # noqa: E402
+if __name__ == "__main__":  # run as `python benchmarks/cache.py`: the siblings import as `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import PeakRSS, emit, machine, measure, run_row, write_result  # noqa: E402
 
 BATCH = 256
 SIZE = 64
 SEED = 0
-CLASSES = ["circle", "square", "star", "triangle"]
+CLASSES = sorted(SHAPES)  # the table's classes, sorted as ingest sorts them
 TARGETS = {"cache_vs_ram": 0.8, "cache_vs_torch_jpeg": 10.0}
 
 
 # ------------------------------------------------------------------------------------------------ data
 
 
-def _jpeg(i: int) -> bytes:
+def _jpeg(i: int) -> tuple[bytes, str]:
+    """Image ``i`` of the engine's synthetic shapes, 128-256 px a side, as a JPEG, and its class name."""
     import io
 
-    from PIL import Image, ImageDraw
+    from PIL import Image
 
-    rng = np.random.default_rng([SEED, i])
-    w, h = (int(v) for v in rng.integers(128, 257, 2))
-    img = Image.new("RGB", (w, h), tuple(int(v) for v in rng.integers(0, 90, 3)))
-    d = ImageDraw.Draw(img)
-    r, cx, cy = min(w, h) * rng.uniform(0.2, 0.4), w / 2, h / 2
-    fg = tuple(int(v) for v in rng.integers(150, 256, 3))
-    kind = CLASSES[i % 4]
-    if kind == "circle":
-        d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fg)
-    elif kind == "square":
-        d.rectangle((cx - r, cy - r, cx + r, cy + r), fill=fg)
-    else:
-        k = 5 if kind == "star" else 3
-        d.polygon([(cx + r * np.cos(2 * np.pi * j / k), cy + r * np.sin(2 * np.pi * j / k)) for j in range(k)], fill=fg)
-    arr = np.clip(np.asarray(img, np.int16) + rng.normal(0, 8, (h, w, 3)), 0, 255).astype(np.uint8)
+    w, h = (int(v) for v in np.random.default_rng([SEED, i]).integers(128, 257, 2))
+    pixels, labels = draw_shapes(1, (h, w), SEED, start=i)
     buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, "JPEG", quality=90)
-    return buf.getvalue()
+    Image.fromarray(pixels[0]).save(buf, "JPEG", quality=90)
+    return buf.getvalue(), SHAPES[labels[0]]
 
 
 def prepare(root: Path, n: int) -> dict[str, Any]:
-    """Write ``n`` JPEGs and a committed metadata table over them (through the table format, no ingest)."""
+    """Write ``n`` JPEGs and a committed metadata table over them (through the table writer, no ingest)."""
     import hashlib
 
     import pyarrow as pa
-    import pyarrow.parquet as pq
     from dutycycle.engine.table import format as tf
+    from dutycycle.engine.table.commit import write_version
 
     info_path = root / "data.json"
     if info_path.exists() and json.loads(info_path.read_text())["n"] == n:
         return json.loads(info_path.read_text())
     rows, total = [], 0
     for i in range(n):
-        data = _jpeg(i)
-        label = CLASSES[i % 4]
+        data, label = _jpeg(i)
         path = root / "images" / label / f"{i:06d}.jpg"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
@@ -91,10 +81,7 @@ def prepare(root: Path, n: int) -> dict[str, Any]:
         rows.append({"sample_id": hashlib.sha256(data).hexdigest()[:32], "uri": str(path), "size_bytes": len(data),
                      "format": "JPEG", "label": label, "split": "train", "orientation": 1, "error": None})
     cols = {f: pa.array([r.get(f) for r in rows], tf.SCHEMA.field(f).type) for f in tf.SCHEMA.names}
-    (root / "table" / "v00001").mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table(cols, tf.SCHEMA), root / "table" / "v00001" / "part-00000.parquet")
-    tf.commit(str(root / "table"), tf.TableManifest(version=1, files=["v00001/part-00000.parquet"], num_rows=n,
-                                                    classes=CLASSES, source="benchmarks/cache.py"))
+    write_version(str(root / "table"), pa.table(cols, tf.SCHEMA), classes=CLASSES, source="benchmarks/cache.py")
     info = {"n": n, "image_bytes": total, "sides_px": [128, 256], "format": "JPEG q90"}
     info_path.write_text(json.dumps(info))
     return info
@@ -142,14 +129,15 @@ def open_cache_loader(root: Path):
     """(b) ``CacheLoader`` itself, in ``mode="auto"`` (memory-mapped shards, read in place), uint8 out
     (``normalize=False``: ``loader_rows.loader_config``)."""
     from dutycycle.loader import CacheLoader
-    from loader_rows import loader_config
+
+    from benchmarks.loader_rows import loader_config
 
     return CacheLoader(str(root / "cache"), "train", 0, 1, loader_config("auto"))
 
 
 def open_ram_state(root: Path):
     """(c) the upper bound: the split in one array in RAM, the loader's plan, the loader's ``np.take`` gather."""
-    from loader_rows import RamBound
+    from benchmarks.loader_rows import RamBound
 
     return RamBound(str(root / "cache"))
 
@@ -160,7 +148,9 @@ def ram_epoch(bound, e: int):
 
 def row_cache(root: Path, min_seconds: float) -> dict[str, Any]:
     import torch  # noqa: F401 - imported before timing, so the first batch measures reading only
-    from loader_rows import _set_epoch  # the loader benchmark's epoch step: set_epoch(e), then iterate it
+
+    # the loader benchmark's epoch step: set_epoch(e), then iterate it
+    from benchmarks.loader_rows import _set_epoch
 
     with PeakRSS() as mem:
         r = measure(lambda: open_cache_loader(root), _set_epoch, min_seconds=min_seconds)
@@ -177,7 +167,7 @@ def row_ram(root: Path, min_seconds: float) -> dict[str, Any]:
 
 def row_interleaved(root: Path, min_seconds: float) -> dict[str, Any]:
     """(b) and (c) in one process, alternating epochs, so both see the same machine load (the ratio's source)."""
-    from loader_rows import interleave
+    from benchmarks.loader_rows import interleave
 
     r = interleave(str(root / "cache"), min_seconds, "cache", "ram")
     return {name: {"samples_per_s": v} for name, v in r["samples_per_s"].items()} | {"execution": r["execution"]}
@@ -187,10 +177,9 @@ class JpegFiles:
     """Map-style dataset: read a file, decode + transform it with the same spec as the cache."""
 
     def __init__(self, table: str):
-        import pyarrow.parquet as pq
-        from dutycycle.engine.table import format as tf
+        from dutycycle.engine.table.table import read_arrow
 
-        t = pq.read_table(tf.file_uris(table)[0], columns=["uri", "label"])
+        t = read_arrow(table, columns=["uri", "label"])
         self.uris = t.column("uri").to_pylist()
         self.labels = [CLASSES.index(v) for v in t.column("label").to_pylist()]
 
@@ -222,8 +211,8 @@ def row_torch_jpeg(root: Path, min_seconds: float) -> dict[str, Any]:
 
 
 def row_formats(root: Path, min_seconds: float) -> dict[str, Any]:
-    from cache_formats import compare
-    from loader_data import cache_arrays
+    from benchmarks.cache_formats import compare
+    from benchmarks.loader_data import cache_arrays
 
     images, labels, ids = cache_arrays(str(root / "cache"))
     with tempfile.TemporaryDirectory(prefix="dc-formats-", dir=root) as d:

@@ -38,8 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import free_port  # noqa: E402
+from dutycycle.trainer.cluster.local import free_port
 
 ROWS = ("none", "sync", "async")
 

@@ -39,7 +39,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # netns.py, _common.py beside this file
+if __name__ == "__main__":  # run as `python benchmarks/collectives.py`: the siblings import as `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import markdown_table  # noqa: E402
+from benchmarks.netns import launch, two_nodes, unavailable  # noqa: E402
 
 M = 1 << 20
 WIRE = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4}
@@ -162,8 +166,6 @@ def worker(spec_path: str) -> None:
 
 def run_world(world: int, sizes: list[int], repeats: int, net=None, probe_bytes: int = 0,
               timeout: float = 3600) -> dict:
-    from netns import launch
-
     with tempfile.TemporaryDirectory() as tmp:
         spec = {"sizes": sizes, "repeats": repeats, "node_size": max(1, world // 2), "probe_bytes": probe_bytes,
                 "out": os.path.join(tmp, "result.json")}
@@ -277,8 +279,6 @@ def crossover(rates: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    from _common import markdown_table
-
     return markdown_table(
         ["case", "elements", "ms", "vs fp32", "vs gloo rs", "bytes/rank", "inter-node", "bytes vs fp32"],
         [[r["case"], f"{r['numel'] // M}M" if r["numel"] >= M else r["numel"], r["wall_ms"], r["time_vs_fp32"],
@@ -301,8 +301,6 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker)
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from netns import two_nodes, unavailable
-
     if args.quick:
         sizes, net_sizes, rates, repeats = [1 << 16], [1 << 16], [1.0, 0.0], 1
         codec_sizes, probe = [1 << 18], 1 << 20

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -45,8 +44,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRSS, emit, local_ray, machine, markdown_table, run_row  # noqa: E402
+if __name__ == "__main__":  # run as `python benchmarks/loader.py`: the siblings import as `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import PeakRSS, emit, local_ray, machine, markdown_table, run_row  # noqa: E402
 
 PRIMARY = "dutycycle-auto"
 HERE = Path(__file__).resolve().parent
@@ -97,8 +98,9 @@ def run_group(names: list[str], data: Path, min_seconds: float) -> dict[str, Any
 
 
 def run_one(name: str, data: Path, min_seconds: float) -> dict[str, Any]:
-    import loader_rows as rows
     import torch  # noqa: F401  (every row feeds torch; its import time is no loader's first-batch time)
+
+    from benchmarks import loader_rows as rows
 
     if name.startswith("dutycycle-s3-"):
         fn = lambda: rows.row_dutycycle_s3(data, name.rsplit("-", 1)[1], min_seconds)  # noqa: E731
@@ -113,7 +115,7 @@ def run_one(name: str, data: Path, min_seconds: float) -> dict[str, Any]:
 
 
 def peers_python(venv: Path) -> str:
-    from loader_peers import ensure_venv
+    from benchmarks.loader_peers import ensure_venv
 
     t0 = time.perf_counter()
     python = ensure_venv(venv)
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        from loader_data import prepare
+        from benchmarks.loader_data import prepare
 
         info = prepare(root, n, direct=args.quick)
         print(f"data ready in {root} ({n} images): {info}", file=sys.stderr)

@@ -24,7 +24,8 @@ def prepare(root: Path, n: int, direct: bool = False) -> dict[str, Any]:
     """Write the images, the dutycycle cache and its copies under ``root`` once (reused when ``n`` matches).
 
     The cache is made the way users make it (``ingest`` + ``materialize``) unless ``direct`` (``--quick``):
-    then the engine's transform writes it straight through ``engine.cache.format``, the same pixels in less time.
+    then the engine's transform decodes every file and the engine's cache writer (``write_cache``) writes it, the
+    same pixels in less time.
     """
     info_path = root / "data.json"
     if info_path.exists():
@@ -44,7 +45,7 @@ def prepare(root: Path, n: int, direct: bool = False) -> dict[str, Any]:
         except Exception as e:  # the direct writer keeps the benchmark usable while the engine changes
             print(f"materialize failed ({type(e).__name__}: {e}); writing the cache directly", file=sys.stderr)
     if cache is None:
-        cache, writer = direct_cache(root / "cache-direct", list_files(root / "images")), "cache_format (direct)"
+        cache, writer = direct_cache(root / "cache-direct", list_files(root / "images")), "write_cache (direct)"
     t_cache = time.perf_counter() - t0
     write_parquet_copy(cache, root / "parquet")
     arrays = cache_arrays(cache)  # read once for both copies
@@ -86,34 +87,15 @@ def list_files(images: Path) -> list[tuple[str, int]]:
 
 def direct_cache(cache: Path, files: list[tuple[str, int]]) -> str:
     """Decode + transform every file once with the engine's transform and write a committed cache directly."""
-    from dutycycle.engine.cache import format as cf
+    from dutycycle.engine.cache.write import write_cache
     from dutycycle.engine.transform import TransformSpec, decode_and_transform
 
     spec = TransformSpec(size=SIZE)
     images_dir = cache.parent / "images"
-    shards = []
-    for s, start in enumerate(range(0, len(files), SHARD_ROWS)):
-        chunk = files[start : start + SHARD_ROWS]
-        pixels = np.stack([decode_and_transform((images_dir / rel).read_bytes(), spec) for rel, _ in chunk])
-        shards.append(
-            cf.write_shard(
-                str(cache), s, [rel for rel, _ in chunk], [lab for _, lab in chunk], ["train"] * len(chunk), pixels
-            )
-        )
-    classes = sorted({rel.split("/")[0] for rel, _ in files})
-    manifest = cf.CacheManifest(
-        fingerprint=f"bench-{len(files)}-{SEED}",
-        shape=list(spec.shape),
-        layout=spec.layout,
-        dtype="uint8",
-        num_samples=len(files),
-        shards=shards,
-        classes=classes,
-        split_counts={"train": len(files)},
-        spec=spec.to_dict(),
-        source=str(images_dir),
-    )
-    cf.commit(str(cache), manifest)
+    pixels = np.stack([decode_and_transform((images_dir / rel).read_bytes(), spec) for rel, _ in files])
+    write_cache(str(cache), [rel for rel, _ in files], [lab for _, lab in files], ["train"] * len(files), pixels,
+                classes=sorted({rel.split("/")[0] for rel, _ in files}), rows_per_shard=SHARD_ROWS,
+                layout=spec.layout, spec=spec.to_dict(), source=str(images_dir), fingerprint=f"bench-{len(files)}-{SEED}")
     return str(cache)
 
 

@@ -25,9 +25,11 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRSS, emit, measure  # noqa: E402
-from loader_rows import check_batch  # noqa: E402  (numpy-only imports at module level, as here)
+if __name__ == "__main__":  # run as `python benchmarks/loader_peers.py`: the siblings import as `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import PeakRSS, emit, measure  # noqa: E402
+from benchmarks.loader_rows import check_batch  # noqa: E402  (numpy-only imports at module level, as here)
 
 BATCH = 256
 SEED = 0

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import local_ray, measure, quiet_ray_data  # noqa: E402
-from loader_data import SEED, SIZE, cache_arrays, list_files  # noqa: E402
+from benchmarks._common import local_ray, measure, moto_server, quiet_ray_data
+from benchmarks.loader_data import SEED, SIZE, cache_arrays, list_files
 
 BATCH = 256
 SLOW_BATCHES = 12  # the decoding rows are timed over this many batches after the warm-up one, not an epoch
@@ -154,9 +152,6 @@ def row_dutycycle_s3(data: Path, remote: str, min_seconds: float) -> dict[str, A
     from dutycycle.engine.cache.shards import ReadConfig
     from dutycycle.loader import CacheLoader
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.support.harness import moto_server
-
     with moto_server() as endpoint, tempfile.TemporaryDirectory(prefix="dc-bench-node-") as node_dir:
         os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                           AWS_DEFAULT_REGION="us-east-1")
@@ -172,7 +167,7 @@ def row_dutycycle_s3(data: Path, remote: str, min_seconds: float) -> dict[str, A
             return built[-1]
 
         result = measure(open_loader, _set_epoch, min_seconds=min_seconds, max_batches=S3_BATCHES, check=check_batch)
-        stats = built[0].reader.stats
+        stats = built[0].stats  # the loader's counters, its reader's fetches among them
         total = sum(s.bytes for s in built[0].reader.manifest.shards)
     return {**result, "execution": built[0].execution, "bytes_fetched": stats.bytes_fetched,
             "requests": stats.requests, "cache_bytes": total}

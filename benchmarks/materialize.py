@@ -42,9 +42,11 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRSS, emit, local_ray, machine, run_row, tree_cpu_seconds, write_result  # noqa: E402
-from cache import prepare  # noqa: E402
+if __name__ == "__main__":  # run as `python benchmarks/materialize.py`: the siblings import as `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import PeakRSS, emit, local_ray, machine, run_row, tree_cpu_seconds, write_result  # noqa: E402
+from benchmarks.cache import prepare  # noqa: E402
 
 SIZE = 64
 ROWS_PER_SHARD = 2048
@@ -74,11 +76,11 @@ def row_materialize(root: Path, out: Path, runner: str) -> dict[str, Any]:
 
 
 def _rows(root: Path) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
     from dutycycle.engine.table import format as tf
+    from dutycycle.engine.table.table import read_arrow
 
     table = str(root / "table")
-    t = pq.read_table(tf.file_uris(table)[0], columns=["sample_id", "uri", "label", "split"])
+    t = read_arrow(table, columns=["sample_id", "uri", "label", "split"])
     classes = tf.read_manifest(table).classes
     rows = sorted(t.to_pylist(), key=lambda r: r["sample_id"])
     for r in rows:
@@ -131,8 +133,8 @@ def prepare_plan_table(root: Path, n: int) -> str:
     import hashlib
 
     import pyarrow as pa
-    import pyarrow.parquet as pq
     from dutycycle.engine.table import format as tf
+    from dutycycle.engine.table.commit import write_version
 
     table = root / f"plan-table-{n}"
     if (table / tf.MANIFEST).exists():
@@ -147,10 +149,7 @@ def prepare_plan_table(root: Path, n: int) -> str:
         "error": [("corrupt: x" if i % 100 == 7 else None) for i in range(n)],
     }
     t = pa.table({f: pa.array(cols.get(f, [None] * n), tf.SCHEMA.field(f).type) for f in tf.SCHEMA.names}, tf.SCHEMA)
-    (table / "v00001").mkdir(parents=True, exist_ok=True)
-    pq.write_table(t, table / "v00001" / "part-00000.parquet")
-    tf.commit(str(table), tf.TableManifest(version=1, files=["v00001/part-00000.parquet"], num_rows=n,
-                                           classes=["circle", "square", "star", "triangle"], source="benchmark"))
+    write_version(str(table), t, classes=["circle", "square", "star", "triangle"], source="benchmark")
     return str(table)
 
 

@@ -1,6 +1,6 @@
 """Two "nodes" on one machine: network namespaces joined by a rate-limited veth pair, for distributed benchmarks.
 
-    from netns import launch, two_nodes
+    from benchmarks.netns import launch, two_nodes
     with two_nodes(rate_gbit=1.0) as net:
         ranks = launch(net, [sys.executable, "my_entry.py", ...], world_size=4, timeout=600)
 
@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from _common import free_port  # beside this file, which is on sys.path wherever `import netns` works
+from dutycycle.trainer.cluster.local import free_port
 
 SUBNET = "10.231.7"  # private addresses; they exist only inside the two namespaces
 

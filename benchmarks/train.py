@@ -79,13 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
 
     import ray
+    from dutycycle.trainer.cluster.local import start_local_ray
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or tmp
         t0 = time.perf_counter()
         table, cache = prepare(workdir, args.n, args.size)
         prep_s = time.perf_counter() - t0
-        ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
+        start_local_ray()  # every CPU of this machine, in a cluster of its own
         rows = []
         try:
             for source in ("cache", "raw"):

@@ -30,8 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import free_port  # noqa: E402
+from dutycycle.trainer.cluster.local import free_port
 
 # the ViT every row trains (~22M parameters) and the tiny one of --quick (with its steps); zeropp.py uses both
 VIT_DEFAULTS = {"width": 512, "depth": 7, "heads": 8, "size": 16, "batch": 16, "skip": 2}
@@ -50,10 +49,10 @@ ROWS = [  # (name, zero_stage, offload, baseline)
 # ------------------------------------------------------------------------------------------ the baseline
 
 
-def manual_allreduce_parallelize(model, *, zero_stage, rank, world_size, device, micro_batches=1,
-                                 bucket_mb=25.0, **_):
+def manual_allreduce_parallelize(model, parallel, world, *, device, micro_batches=1, **_):
     """The trainer's gradient sync before DDP/FSDP2 (the old ``AllReduceSync``), as a Strategy: written as it
-    was, bucketed, one all-reduce per bucket after the last micro-batch's backward, nothing overlapped."""
+    was, bucketed (``parallel.bucket_mb``), one all-reduce per bucket after the last micro-batch's backward,
+    nothing overlapped."""
     import torch
     import torch.distributed as dist
     from dutycycle.trainer.parallel.apply import Strategy
@@ -74,7 +73,7 @@ def manual_allreduce_parallelize(model, *, zero_stage, rank, world_size, device,
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            limit = max(1, int(bucket_mb * 1024 * 1024))
+            limit = max(1, int(parallel.bucket_mb * 1024 * 1024))
             bucket, size = [], 0
             for p in [*params, None]:
                 nbytes = 0 if p is None else p.grad.numel() * p.grad.element_size()
@@ -83,7 +82,7 @@ def manual_allreduce_parallelize(model, *, zero_stage, rank, world_size, device,
                     flat = torch.cat([q.grad.reshape(-1) for q in bucket])
                     self.meter.count("all_reduce", flat.numel() * flat.element_size(), None, factor=2)
                     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                    flat.div_(world_size)
+                    flat.div_(world.size)
                     offset = 0
                     for q in bucket:
                         q.grad.copy_(flat[offset:offset + q.grad.numel()].view_as(q.grad))
@@ -93,8 +92,8 @@ def manual_allreduce_parallelize(model, *, zero_stage, rank, world_size, device,
                     bucket.append(p)
                     size += nbytes
 
-    meter = CommMeter(rank, Topology.uniform(world_size, world_size), host_timing=device.type == "cpu")
-    return ManualAllReduce(model=model, module=model, plan=make_plan(0, world_size, micro_batches), meter=meter,
+    meter = CommMeter(world.rank, Topology.uniform(world.size, world.size), host_timing=device.type == "cpu")
+    return ManualAllReduce(model=model, module=model, plan=make_plan(0, world.size, micro_batches), meter=meter,
                            name="allreduce-manual")
 
 

@@ -15,6 +15,8 @@ _LAZY = {
     "CacheReader": ".cache.format",
     "ReadConfig": ".cache.shards",
     "synthesize": ".synth",
+    "draw_shapes": ".synth",
+    "write_cache": ".cache.write",
     "ingest": ".table.catalog",
     "open_table": ".table.table",
     "Table": ".table.table",

@@ -1,4 +1,4 @@
-"""CLI subcommands of the engine room: ``synth``, ``ingest``, ``inspect``, ``vacuum``. Heavy imports happen inside
+"""CLI subcommands of the engine: ``synth``, ``ingest``, ``inspect``, ``vacuum``. Heavy imports happen inside
 them."""
 
 from __future__ import annotations

@@ -16,6 +16,18 @@ class SourceError(DutycycleError):
     """A missing, empty or unreadable input location."""
 
 
+class DecodeError(SourceError):
+    """An image file that cannot become a sample or a table row's facts. ``reason`` is the short key that
+    summaries and skip counts use (one vocabulary, defined in ``imageinfo``); the message says the rest."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):  # keep the reason when a worker process ships the error back
+        return (DecodeError, (self.reason, str(self)))
+
+
 class DestinationError(DutycycleError):
     """An output location that cannot be written."""
 

@@ -6,6 +6,10 @@ the perceptual hash and thumbnails decode a reduced image (JPEG draft mode picks
 decoder; other formats are decoded only up to ``limits.REDUCED_DECODE_MAX_PIXELS``). A file never raises out
 of :func:`probe`: a problem becomes an ``error`` string whose prefix (before the first ``:``) is the reason
 counted in summaries.
+
+:func:`open_checked` is the one way untrusted bytes are opened (the table's probe and thumbnails, the cache's
+decode, the raw loader), so a refused file has the same reason in a table row, a cache's skip counts and a
+``DecodeError``.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from .errors import DecodeError
 from .limits import ALLOWED_FORMATS, DEFAULT_MAX_PIXELS, REDUCED_DECODE_MAX_PIXELS
 
 ORIENTATION_TAG = 0x0112
 HASH_HEX_CHARS = 32
 
-# Reasons (the prefix of an error string); summaries count rows per reason.
+# Reasons (the prefix of an error string, ``DecodeError.reason``): table summaries count rows per reason and
+# a cache's manifest counts skipped samples per reason.
 EMPTY = "empty file"
 NOT_IMAGE = "not an image"
 BOMB = "decompression bomb"
@@ -115,37 +121,53 @@ def _sniff(data: bytes) -> str:
     return ""
 
 
-def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
-    """Open an image lazily and refuse it before decoding when its header claims more than ``max_pixels``.
+def _refuse(reason: str, detail: str) -> DecodeError:
+    return DecodeError(reason, f"{reason}: {detail}")
 
-    Raises ``ValueError`` with a reason-prefixed message; callers that decode (thumbnails, the cache) use this
-    so no code path allocates a bomb.
+
+def decode_failure(e: BaseException, context: str = "") -> DecodeError:
+    """The error for pixel data that fails to decode once the header parsed: truncated or corrupt."""
+    reason = TRUNCATED if "truncat" in str(e).lower() else CORRUPT
+    return _refuse(reason, f"{context}{e}")
+
+
+def _cut_or(data: bytes, fmt: str, otherwise: DecodeError) -> DecodeError:
+    """``truncated`` when the stream visibly ends early, else ``otherwise``."""
+    cut = _tail_check(fmt, data)
+    return DecodeError(TRUNCATED, cut) if cut else otherwise
+
+
+def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Open an image lazily with the allowed decoders only, and refuse it before decoding when its header
+    claims more than ``max_pixels``.
+
+    Raises ``DecodeError`` (a ``ValueError``) whose ``reason`` is one of this module's reasons and whose
+    message starts with it; every caller that decodes uses this, so no code path allocates a bomb.
     """
     if not data:
-        raise ValueError(f"{EMPTY}: 0 bytes")
+        raise _refuse(EMPTY, "0 bytes")
     try:
         with warnings.catch_warnings():
             # PIL warns between 1x and 2x its own limit; we apply our own limit just below.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             im = Image.open(_io.BytesIO(data), formats=ALLOWED_FORMATS)
     except Image.DecompressionBombError as e:
-        raise ValueError(f"{BOMB}: {e}") from None
+        raise _refuse(BOMB, str(e)) from None
     except UnidentifiedImageError:
         reason = refusal(data)
         if reason:
-            raise ValueError(f"{UNSUPPORTED}: {reason}") from None
+            raise _refuse(UNSUPPORTED, reason) from None
         if data.startswith(b"RIFF") and data[8:12] == b"WEBP":  # PIL's WebP plugin fails open() on a cut file
-            raise ValueError(
-                _tail_check("WEBP", data) or f"{CORRUPT}: WebP stream cannot be parsed"
-            ) from None
+            raise _cut_or(data, "WEBP", _refuse(CORRUPT, "WebP stream cannot be parsed")) from None
         head = data[:16].decode("latin-1").encode("unicode_escape").decode()
-        raise ValueError(f"{NOT_IMAGE}: no known image signature (starts with {head!r})") from None
-    except OSError as e:  # header parsing hit the end of the data or garbage inside it
-        fallback = f"{TRUNCATED if 'truncat' in str(e).lower() else CORRUPT}: {e}"
-        raise ValueError(_tail_check(_sniff(data), data) or fallback) from None
+        raise _refuse(NOT_IMAGE, f"no known image signature (starts with {head!r})") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:  # the header hit the end of the data or garbage
+        raise _cut_or(data, _sniff(data), decode_failure(e)) from None
     w, h = im.size
+    if w <= 0 or h <= 0:
+        raise _refuse(CORRUPT, f"header claims {w}x{h} pixels")
     if w * h > max_pixels:
-        raise ValueError(f"{BOMB}: header claims {w}x{h} = {w * h} pixels, over the limit of {max_pixels}")
+        raise _refuse(BOMB, f"header claims {w}x{h} = {w * h} pixels, over the limit of {max_pixels}")
     return im
 
 
@@ -235,7 +257,7 @@ def probe(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS, with_phash: bool
 def _probe(data: bytes, max_pixels: int, with_phash: bool) -> ImageFacts:
     try:
         im = open_checked(data, max_pixels)
-    except ValueError as e:
+    except DecodeError as e:
         return ImageFacts(error=str(e))
     fmt = im.format
     w, h = im.size
@@ -257,9 +279,7 @@ def _probe(data: bytes, max_pixels: int, with_phash: bool) -> ImageFacts:
         try:
             facts.phash = phash_of(im, orientation)
         except OSError as e:
-            msg = str(e)
-            reason = TRUNCATED if "truncated" in msg else CORRUPT
-            bad = f"{reason}: {msg}"
+            bad = str(decode_failure(e))
         except Exception as e:
             bad = f"{CORRUPT}: {type(e).__name__}: {e}"
     if bad is not None:
@@ -269,14 +289,15 @@ def _probe(data: bytes, max_pixels: int, with_phash: bool) -> ImageFacts:
 
 
 def thumbnail_jpeg(data: bytes, size: int = 128, max_pixels: int = DEFAULT_MAX_PIXELS) -> bytes:
-    """A small RGB JPEG of an image, upright, decoded at reduced scale; raises ValueError on a bad file."""
+    """A small RGB JPEG of an image, upright, decoded at reduced scale; raises ValueError (``DecodeError`` for a
+    bad file, a ``too large`` one past the reduced-decode budget)."""
     im = open_checked(data, max_pixels)
     orientation = orientation_of(im)
     try:
         im = reduced_decode(im, "RGB", size)
         im.thumbnail((size, size))
     except OSError as e:
-        raise ValueError(f"{CORRUPT}: {e}") from None
+        raise decode_failure(e) from None
     im = upright(im, orientation)
     if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
         arr = np.asarray(im, dtype=np.float64)

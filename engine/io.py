@@ -1,4 +1,4 @@
-"""fsspec plumbing shared by every room: one place that turns a URI into a filesystem, and atomic writes.
+"""fsspec plumbing shared by every package: one place that turns a URI into a filesystem, and atomic writes.
 
 Object-store credentials and endpoints come from the standard AWS environment variables
 (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``), so the

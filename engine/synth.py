@@ -1,21 +1,28 @@
-"""The embedded default dataset: procedurally drawn shapes, one folder per class, written to any fsspec URI.
+"""The embedded default dataset: procedurally drawn shapes, the one generator every synthetic sample comes from.
 
-Each image is a pure function of ``(seed, index)``: the same seed gives the same bytes on any machine and
-with any number of worker processes. Shapes contrast strongly with their background (a light shape of
-random hue on a dark background of random hue) and cover 45-85% of the image side, so a small CNN learns
-the classes in a few epochs at 32x32. A ``broken_fraction`` of files is replaced by deliberately broken
+``draw_shapes`` draws images as arrays (the trainer's synthetic source, test tables, benchmarks);
+``synthesize`` encodes them as files, one folder per class, on any fsspec URI; ``synthesize_cache`` writes
+them as a committed cache without files or Daft. Each image is a pure function of ``(seed, index, size)``:
+the same seed gives the same pixels on any machine and with any number of worker processes, and image
+``index`` has class ``CLASSES[index % len(CLASSES)]``. Shapes contrast strongly with their background (a light
+shape of random hue on a dark background of random hue) and cover 45-85% of the shorter side, so a small CNN
+learns the classes in a few epochs at 32x32. A ``broken_fraction`` of files is replaced by deliberately broken
 content so the error path shows.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io as _io
 import math
 import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import io
+from .cache.write import write_cache
 from .errors import ConfigError, DestinationError
 
 CLASSES = ("circle", "square", "triangle", "star")
@@ -25,6 +32,10 @@ MIN_SIDE, MAX_SIDE = 48, 256
 UPPER_EXT_FRACTION = 0.1
 BROKEN_KINDS = ("truncated", "random-bytes", "text", "empty")
 PARALLEL_THRESHOLD = 400  # below this, process start-up costs more than it saves
+# Shapes are tilted by at most this many radians, not turned freely: at 16x16 a 3-layer CNN reached a validation
+# loss of 0.2-0.3 after 100 steps on freely turned shapes and 0.04-0.07 with this tilt (measured here).
+MAX_TILT = 0.4
+DRAW_STREAM = 0xD2A7  # the pixels' random stream, apart from a file's (its side, format, quality)
 
 
 @dataclass(frozen=True)
@@ -35,10 +46,8 @@ class SynthConfig:
     workers: int | None = None  # None: one per CPU
 
 
-def _rng(seed: int, index: int):
-    import numpy as np
-
-    return np.random.default_rng([seed, index, 0x5EED])
+def _rng(seed: int, index: int, stream: int = 0x5EED) -> np.random.Generator:
+    return np.random.default_rng([seed, index, stream])
 
 
 def _polygon(kind: str, cx: float, cy: float, r: float, angle: float) -> list[tuple[float, float]]:
@@ -62,28 +71,45 @@ def _colours(rng) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     return dark, light
 
 
-def render(seed: int, index: int) -> tuple[str, str, bytes]:
-    """Draw image ``index``: returns ``(label, relative_path, encoded_bytes)``."""
-    import numpy as np
+def _draw(rng: np.random.Generator, label: str, height: int, width: int) -> np.ndarray:
+    """One shape of class ``label`` on its background with sensor-like noise: uint8 [height, width, 3]."""
     from PIL import Image, ImageDraw
 
-    rng = _rng(seed, index)
-    label = CLASSES[index % len(CLASSES)]
-    side = int(rng.integers(MIN_SIDE, MAX_SIDE + 1))
     bg, fg = _colours(rng)
-    im = Image.new("RGB", (side, side), bg)
+    im = Image.new("RGB", (width, height), bg)
     draw = ImageDraw.Draw(im)
-    extent = float(rng.uniform(0.45, 0.85)) * side  # the shape's size as a fraction of the side
-    r = extent / 2
-    cx = float(rng.uniform(r, side - r))
-    cy = float(rng.uniform(r, side - r))
-    angle = float(rng.uniform(0, 2 * math.pi))
+    r = float(rng.uniform(0.45, 0.85)) * min(width, height) / 2  # the shape's size as a fraction of the side
+    cx = float(rng.uniform(r, width - r))
+    cy = float(rng.uniform(r, height - r))
+    angle = float(rng.uniform(-MAX_TILT, MAX_TILT))
     if label == "circle":
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fg)
     else:
         draw.polygon(_polygon(label, cx, cy, r, angle), fill=fg)
-    noisy = np.asarray(im, dtype=np.int16) + rng.normal(0, 6, (side, side, 3)).astype(np.int16)
-    im = Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+    noisy = np.asarray(im, dtype=np.int16) + rng.normal(0, 6, (height, width, 3)).astype(np.int16)
+    return np.clip(noisy, 0, 255).astype(np.uint8)
+
+
+def draw_shapes(n: int, size: int | tuple[int, int], seed: int = 0, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Images ``start .. start + n - 1`` of the dataset ``seed``: uint8 [n, H, W, 3] (``size``: the side, or
+    ``(height, width)``) and their labels, indices into ``CLASSES``, int64 [n]."""
+    height, width = (size, size) if isinstance(size, int) else size
+    labels = np.arange(start, start + n, dtype=np.int64) % len(CLASSES)
+    images = np.empty((n, height, width, 3), np.uint8)
+    for k in range(n):
+        images[k] = _draw(_rng(seed, start + k, DRAW_STREAM), CLASSES[labels[k]], height, width)
+    return images, labels
+
+
+def render(seed: int, index: int) -> tuple[str, str, bytes]:
+    """Draw image ``index`` as a file: returns ``(label, relative_path, encoded_bytes)``."""
+    from PIL import Image
+
+    rng = _rng(seed, index)
+    side = int(rng.integers(MIN_SIDE, MAX_SIDE + 1))
+    pixels, labels = draw_shapes(1, side, seed, start=index)
+    label = CLASSES[labels[0]]
+    im = Image.fromarray(pixels[0])
 
     weights = np.array([w for _, _, w in FORMATS])
     fmt, ext, _ = FORMATS[int(rng.choice(len(FORMATS), p=weights / weights.sum()))]
@@ -122,8 +148,6 @@ def _make(args: tuple[int, int, bool]) -> tuple[str, str, bytes, str | None]:
 
 
 def _broken_indices(n: int, seed: int, fraction: float) -> set[int]:
-    import numpy as np
-
     k = int(round(n * fraction))
     if k == 0:
         return set()
@@ -193,3 +217,15 @@ def synthesize(
         "bytes": total_bytes,
         "seconds": round(time.time() - t0, 3),
     }
+
+
+def synthesize_cache(cache_uri: str, n_train: int, n_val: int, size: int = 32, seed: int = 0,
+                     rows_per_shard: int = 256) -> str:
+    """Write a committed cache (HWC uint8) of ``n_train + n_val`` shape images drawn in memory, no image files or
+    Daft involved: for tests and benchmarks that need a cache quickly. Returns the cache URI."""
+    images, labels = draw_shapes(n_train + n_val, size, seed)
+    ids = [hashlib.sha256(f"{seed}-{i}".encode()).hexdigest()[:16] for i in range(len(labels))]
+    write_cache(cache_uri, ids, labels, ["train"] * n_train + ["val"] * n_val, images, classes=list(CLASSES),
+                spec={"size": size, "synthetic": True}, source="synthetic", rows_per_shard=rows_per_shard,
+                fingerprint=hashlib.sha256(f"synthetic-{n_train}-{n_val}-{size}-{seed}".encode()).hexdigest()[:16])
+    return cache_uri

@@ -16,13 +16,12 @@ Colour handling, so that every source becomes a correct RGB sample:
 
 from __future__ import annotations
 
-import io as _io
 import json
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError, SourceError
-from .limits import ALLOWED_FORMATS, DEFAULT_MAX_PIXELS
+from .errors import ConfigError, DecodeError
+from .limits import DEFAULT_MAX_PIXELS
 
 if TYPE_CHECKING:  # numpy and PIL load inside the functions: `dutycycle --help` reads only the choices here
     import numpy as np
@@ -36,14 +35,6 @@ BACKGROUNDS = {"black": (0, 0, 0), "white": (255, 255, 255)}
 
 # Decompression-bomb bound: refuse an image whose header announces more pixels than this, before decoding.
 MAX_PIXELS = DEFAULT_MAX_PIXELS  # one limit for ingest and materialize (see limits.py)
-
-
-class DecodeError(SourceError):
-    """An image file that cannot become a sample. ``reason`` is a short key used for skip counts."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -151,32 +142,6 @@ def to_rgb(img, background: str = "black"):
     return img.convert("RGB")
 
 
-def open_image(data: bytes, max_pixels: int = MAX_PIXELS):
-    """Open ``data`` with PIL's allowed decoders only, refusing decompression bombs from the header alone
-    (before pixels decode)."""
-    from PIL import Image, UnidentifiedImageError
-
-    from .imageinfo import refusal
-
-    try:
-        img = Image.open(_io.BytesIO(data), formats=ALLOWED_FORMATS)
-    except UnidentifiedImageError as e:
-        reason = refusal(data)
-        if reason:
-            raise DecodeError("unsupported_format", reason) from e
-        raise DecodeError("unidentified", f"not a recognised image ({len(data)} bytes)") from e
-    except Image.DecompressionBombError as e:
-        raise DecodeError("too_many_pixels", str(e)) from e
-    except (OSError, SyntaxError, ValueError) as e:
-        raise DecodeError("undecodable", f"cannot open image: {e}") from e
-    w, h = img.size
-    if w * h > max_pixels or w <= 0 or h <= 0:
-        raise DecodeError(
-            "too_many_pixels", f"image header says {w}x{h} pixels, above the {max_pixels} limit"
-        )
-    return img
-
-
 def transform_image(img, spec: TransformSpec) -> np.ndarray:
     """Apply ``spec`` to a decoded PIL image; returns uint8 in the spec's layout."""
     import numpy as np
@@ -209,15 +174,19 @@ def transform_image(img, spec: TransformSpec) -> np.ndarray:
 
 
 def decode_and_transform(data: bytes, spec: TransformSpec, max_pixels: int = MAX_PIXELS) -> np.ndarray:
-    """File bytes -> uint8 sample in ``spec``'s layout. Raises ``DecodeError`` (with ``.reason``) on bad input."""
-    img = open_image(data, max_pixels)
+    """File bytes -> uint8 sample in ``spec``'s layout. Raises ``DecodeError`` (with ``.reason``, one of
+    ``imageinfo``'s reasons) on bad input."""
+    # imageinfo loads PIL and numpy at import; this module stays light for the CLI's argument parsing
+    from .imageinfo import BOMB, decode_failure, open_checked
+
+    img = open_checked(data, max_pixels)
     try:
         img.load()
         return transform_image(img, spec)
     except DecodeError:
         raise
     except MemoryError as e:
-        raise DecodeError("too_many_pixels", f"out of memory decoding a {img.size} image") from e
+        raise DecodeError(BOMB, f"{BOMB}: out of memory decoding a {img.size} image") from e
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         # Truncated or corrupt data surfaces only when pixels are decoded.
-        raise DecodeError("undecodable", f"cannot decode {img.format or 'image'}: {e}") from e
+        raise decode_failure(e, f"cannot decode {img.format or 'image'}: ") from e

@@ -14,15 +14,20 @@ Importing this package is cheap: torch and ray load only when a loader is built 
         # the loader is now at the start of the next epoch
     saved = loader.state_dict()          # counts batches handed out, never those prefetched
     loader.stats.total_wait_s, loader.stats.count, loader.stats.last_wait_s   # the consumer's data wait
+    loader.stats.bytes_fetched, loader.stats.requests   # what the reader fetched from remote storage
 
 Evaluation: ``CacheLoader(cache_uri, "val", rank, world_size, LoaderConfig.for_eval(global_batch_size))``
 (cache order, no random augmentation, ``drop_last=False``): every sample exactly once across ranks; the last
 short global batch is split as evenly as possible (the first ``len % world_size`` ranks get one more sample,
 and a rank may get an empty batch when it is shorter than the world size).
 
+Arrays already in memory (synthetic data, tests): ``ArrayLoader(images, labels, rank, world_size, cfg)``, the
+same plan, augmentation and state.
+
 Modules: ``plan`` (pure sample plan), ``augment`` (batch augmentation), ``source`` (one gather per batch over
-memory-mapped shards, the split index), ``base`` (execution modes, state, stats), ``cache_loader``, ``budget``
-(the node's in-RAM budget for ``memory`` mode), ``raw`` (decode per step), ``ray_exec`` (Ray tasks, object-store
+memory-mapped shards, the split index), ``base`` (execution modes, state, stats), ``cache_loader``, ``arrays``
+(a split given as arrays), ``budget`` (the node's in-RAM budget for ``memory`` mode), ``decode`` and ``raw``
+(decode per step), ``inflight`` (waiting on Ray tasks in plan order), ``ray_exec`` (the Ray tasks, object-store
 memory mode), ``ray_data`` (Ray Data export), ``device`` (pinning, CUDA copies), ``cli``.
 """
 
@@ -32,9 +37,10 @@ from dutycycle.engine._lazy import lazy_exports
 
 # public name -> module that defines it (relative to this package)
 _LAZY = {
-    "AugmentConfig": ".augment",
+    "AugmentConfig": ".config",
     "LoaderConfig": ".config",
     "CacheLoader": ".cache_loader",
+    "ArrayLoader": ".arrays",
     "LoaderStats": ".base",
     "RawLoader": ".raw",
     "plan_epoch": ".plan",

@@ -11,43 +11,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 from dutycycle.engine.errors import ConfigError
 
+# defined with the other configs, which import without numpy; still importable from here
+from .config import AugmentConfig
+
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
-
-
-@dataclass(frozen=True)
-class AugmentConfig:
-    """What happens to a uint8 batch before the trainer sees it. ``AugmentConfig.eval()`` for validation."""
-
-    crop_padding: int = 0  # pad each side by this many zero pixels, then crop back at a random offset
-    flip: bool = False  # horizontal flip with probability 1/2
-    normalize: bool = True  # uint8 -> float32 (x / 255 - mean) / std; off keeps uint8
-    mean: Sequence[float] = (0.5,)  # per channel, or one value for all
-    std: Sequence[float] = (0.5,)
-
-    def __post_init__(self):
-        if isinstance(self.crop_padding, bool) or not isinstance(self.crop_padding, int) or self.crop_padding < 0:
-            raise ConfigError(f"AugmentConfig.crop_padding={self.crop_padding!r} is invalid; use an integer >= 0")
-        if not self.mean or not self.std or len(self.mean) != len(self.std):
-            raise ConfigError(
-                f"AugmentConfig mean={tuple(self.mean)} and std={tuple(self.std)} must be non-empty and of equal length"
-            )
-        if any(s <= 0 for s in self.std):
-            raise ConfigError(f"AugmentConfig std={tuple(self.std)} has a value <= 0; use positive values")
-
-    @classmethod
-    def eval(cls, normalize: bool = True, mean: Sequence[float] = (0.5,), std: Sequence[float] = (0.5,)):
-        """No random transforms: what validation uses."""
-        return cls(crop_padding=0, flip=False, normalize=normalize, mean=tuple(mean), std=tuple(std))
-
-    @property
-    def random(self) -> bool:
-        return self.crop_padding > 0 or self.flip
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:

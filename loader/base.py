@@ -11,16 +11,17 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
+from dutycycle.engine.cache.shards import ReadStats
 from dutycycle.engine.errors import ConfigError
 
 from .augment import apply_augment
 from .config import LoaderConfig
+from .inflight import RemoteBatch, in_order
 from .plan import num_steps, plan_epoch, rank_slice
 from .source import RawBatch
 
@@ -28,8 +29,10 @@ STATE_VERSION = 1
 
 
 @dataclass
-class LoaderStats:
-    """How long the consumer blocked in ``__next__`` (the trainer's data wait). Reset with ``reset()``."""
+class LoaderStats(ReadStats):
+    """One loader's counters: what its cache reader fetched and hashed in this process (``ReadStats``: a
+    ``CacheLoader`` and its ``reader`` share this object) and how long the consumer blocked in ``__next__``
+    (the trainer's data wait). ``reset()`` zeroes them all."""
 
     total_wait_s: float = 0.0
     count: int = 0
@@ -43,15 +46,18 @@ class LoaderStats:
         self.max_wait_s = max(self.max_wait_s, seconds)
 
     def reset(self) -> None:
-        self.total_wait_s, self.count, self.last_wait_s, self.max_wait_s = 0.0, 0, 0.0, 0.0
+        for f in fields(self):
+            setattr(self, f.name, f.default)
 
 
 class PlannedLoader:
-    """Per-rank batches of a deterministic plan. Subclasses implement ``_read_local`` and ``_submit_remote``."""
+    """Per-rank batches of a deterministic plan. Subclasses implement ``_read_local`` and, for ``mode="ray"``,
+    ``_submit_remote``."""
 
     layout = "HWC"
 
-    def __init__(self, num_samples: int, fingerprint: str, rank: int, world_size: int, config: LoaderConfig):
+    def __init__(self, num_samples: int, fingerprint: str, rank: int, world_size: int, config: LoaderConfig,
+                 stats: LoaderStats | None = None):
         if not isinstance(config, LoaderConfig):
             raise ConfigError(f"config={config!r} is invalid; pass a dutycycle.loader.LoaderConfig")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -74,7 +80,7 @@ class PlannedLoader:
         self.num_samples, self.fingerprint = num_samples, fingerprint
         self.seed = config.seed
         self.epoch, self.step = 0, 0
-        self.stats = LoaderStats()
+        self.stats = stats if stats is not None else LoaderStats()
         self._plan_cache: tuple[int, int, list[np.ndarray]] | None = None
         self._mover = None
         # Where rows come from and whether a prefetch thread collates them; "auto" decides here, once.
@@ -191,8 +197,9 @@ class PlannedLoader:
             produced.close()
 
     def _produce(self, epoch: int, steps: range) -> Iterator[dict[str, Any]]:
-        if self.config.mode == "ray":
-            raws = self._read_all_ray(epoch, steps)
+        if self.config.mode == "ray":  # Ray tasks, ``prefetch`` in flight, collected in plan order
+            raws = in_order(lambda step: self._submit_remote(self.rank_indices(step, epoch), step), steps,
+                            self.config.prefetch)
         else:  # sync, thread, memory, auto
             raws = self._read_all_local(epoch, steps)
         batches = self._finished(epoch, raws)
@@ -202,31 +209,6 @@ class PlannedLoader:
         batches = self.global_batches(epoch)  # what rank_indices does per step, looked up once
         for step in steps:
             yield self._read_local(rank_slice(batches[step], self.rank, self.world_size))
-
-    def _read_all_ray(self, epoch: int, steps: range) -> Iterator[RawBatch]:
-        """Keep ``prefetch`` Ray read tasks in flight; collect them in plan order (bounded, so memory is too)."""
-        from .ray_exec import get_raw
-
-        pending: deque = deque()
-        todo = iter(steps)
-
-        def submit_next() -> None:
-            step = next(todo, None)
-            if step is not None:
-                pending.append(self._submit_remote(self.rank_indices(step, epoch), step))
-
-        try:
-            for _ in range(self.config.prefetch):
-                submit_next()
-            while pending:
-                ref = pending.popleft()
-                submit_next()
-                yield get_raw(ref)
-        finally:
-            if pending:
-                from .ray_exec import cancel
-
-                cancel(pending)
 
     def _finished(self, epoch: int, raws: Iterator[RawBatch]) -> Iterator[dict[str, Any]]:
         try:
@@ -275,7 +257,8 @@ class PlannedLoader:
     def _read_local(self, indices: np.ndarray) -> RawBatch:
         raise NotImplementedError
 
-    def _submit_remote(self, indices: np.ndarray, step: int):
+    def _submit_remote(self, indices: np.ndarray, step: int) -> RemoteBatch:
+        """Start a Ray task reading these split indices (``ray_exec.submit_read`` / ``submit_decode``)."""
         raise NotImplementedError
 
 

@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 from dutycycle.engine.cache.format import CacheReader
 
-from .base import PlannedLoader
+from .base import LoaderStats, PlannedLoader
 from .config import LoaderConfig
+from .inflight import RemoteBatch
 from .source import MemorySplit, RawBatch, ShardGatherer, split_rows
 
 
@@ -34,7 +35,9 @@ class CacheLoader(PlannedLoader):
         config: LoaderConfig | None = None,
     ):
         config = config or LoaderConfig()
-        self.reader = CacheReader(cache_uri, read=config.read if isinstance(config, LoaderConfig) else None)
+        stats = LoaderStats()  # the reader counts its fetches where the loader counts its waits
+        self.reader = CacheReader(cache_uri, read=config.read if isinstance(config, LoaderConfig) else None,
+                                  stats=stats)
         self.cache_uri, self.split = self.reader.uri, split  # a cache root resolves to its committed folder
         manifest = self.reader.manifest
         self.layout = manifest.layout
@@ -43,7 +46,7 @@ class CacheLoader(PlannedLoader):
         self.rows = split_rows(self.reader, split)  # split index -> global cache row (node-shared, mapped)
         self._memory: MemorySplit | None = None
         self._memory_keepalive: Any = None
-        super().__init__(len(self.rows), manifest.fingerprint, rank, world_size, config)
+        super().__init__(len(self.rows), manifest.fingerprint, rank, world_size, config, stats)
         self._gatherer = ShardGatherer(self.reader)
         if self.in_memory:
             self._load_memory()
@@ -95,7 +98,7 @@ class CacheLoader(PlannedLoader):
 
     def _load_memory(self) -> None:
         if _ray_running():
-            from .ray_exec import shared_memory_split
+            from .ray_exec import shared_memory_split  # imports ray
 
             self._memory, self._memory_keepalive = shared_memory_split(
                 self.cache_uri, self.fingerprint, self.split, self.config.read
@@ -108,8 +111,8 @@ class CacheLoader(PlannedLoader):
             return self._memory.read(indices)
         return self._gatherer.read(self.rows[indices])
 
-    def _submit_remote(self, indices: np.ndarray, step: int):
-        from .ray_exec import submit_read
+    def _submit_remote(self, indices: np.ndarray, step: int) -> RemoteBatch:
+        from .ray_exec import submit_read  # imports ray
 
         return submit_read(self.cache_uri, self.rows[indices], step, self.config.ray_max_retries, self.config.read)
 

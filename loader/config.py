@@ -1,17 +1,49 @@
-"""Loader configuration: one dataclass, validated on construction."""
+"""Loader configuration: dataclasses validated on construction. Nothing here imports numpy, so a command line
+or a training config that names these (``dutycycle --help`` reads them) stays light."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError
 
-from .augment import AugmentConfig
-from .plan import DEFAULT_BLOCK_SIZE, DEFAULT_WINDOW
-
 MODES = ("auto", "sync", "thread", "ray", "memory")
+DEFAULT_BLOCK_SIZE = 64  # the plan's shuffle blocks (see plan.py)
+DEFAULT_WINDOW = 2048  # the plan's shuffle window (see plan.py)
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    """What happens to a uint8 batch before the trainer sees it (applied by ``augment``).
+    ``AugmentConfig.eval()`` for validation."""
+
+    crop_padding: int = 0  # pad each side by this many zero pixels, then crop back at a random offset
+    flip: bool = False  # horizontal flip with probability 1/2
+    normalize: bool = True  # uint8 -> float32 (x / 255 - mean) / std; off keeps uint8
+    mean: Sequence[float] = (0.5,)  # per channel, or one value for all
+    std: Sequence[float] = (0.5,)
+
+    def __post_init__(self):
+        if isinstance(self.crop_padding, bool) or not isinstance(self.crop_padding, int) or self.crop_padding < 0:
+            raise ConfigError(f"AugmentConfig.crop_padding={self.crop_padding!r} is invalid; use an integer >= 0")
+        if not self.mean or not self.std or len(self.mean) != len(self.std):
+            raise ConfigError(
+                f"AugmentConfig mean={tuple(self.mean)} and std={tuple(self.std)} must be non-empty and of equal length"
+            )
+        if any(s <= 0 for s in self.std):
+            raise ConfigError(f"AugmentConfig std={tuple(self.std)} has a value <= 0; use positive values")
+
+    @classmethod
+    def eval(cls, normalize: bool = True, mean: Sequence[float] = (0.5,), std: Sequence[float] = (0.5,)):
+        """No random transforms: what validation uses."""
+        return cls(crop_padding=0, flip=False, normalize=normalize, mean=tuple(mean), std=tuple(std))
+
+    @property
+    def random(self) -> bool:
+        return self.crop_padding > 0 or self.flip
 
 
 @dataclass(frozen=True)

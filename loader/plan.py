@@ -30,9 +30,9 @@ import hashlib
 import numpy as np
 from dutycycle.engine.errors import ConfigError
 
+from .config import DEFAULT_BLOCK_SIZE, DEFAULT_WINDOW
+
 PLAN_VERSION = 1
-DEFAULT_BLOCK_SIZE = 64
-DEFAULT_WINDOW = 2048
 
 
 def plan_key(seed: int, epoch: int, fingerprint: str) -> int:

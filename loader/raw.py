@@ -17,32 +17,14 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from dutycycle.engine import io
 from dutycycle.engine.errors import ConfigError
-from dutycycle.engine.limits import DEFAULT_MAX_FILE_BYTES
-from dutycycle.engine.transform import DecodeError, TransformSpec, decode_and_transform
+from dutycycle.engine.transform import TransformSpec
 
 from .base import PlannedLoader
 from .config import LoaderConfig
+from .decode import decode_batch
+from .inflight import RemoteBatch
 from .source import RawBatch
-
-
-def decode_one(uri: str, spec: TransformSpec) -> np.ndarray:
-    try:
-        # the file's bytes, refused past the per-file cap before they are all read (as ingest and materialize do)
-        return decode_and_transform(io.read_capped(uri, DEFAULT_MAX_FILE_BYTES), spec)
-    except DecodeError as e:
-        raise DecodeError(e.reason, f"{uri!r}: {e}; the cache skips this sample, the raw path cannot") from e
-    except io.FileTooLargeError as e:
-        raise DecodeError("too large", f"{e}; the cache skips this sample, the raw path cannot") from e
-
-
-def decode_batch(uris: list[str], spec: TransformSpec, pool: ThreadPoolExecutor | None = None) -> np.ndarray:
-    out = np.empty((len(uris), *spec.shape), dtype=np.uint8)
-    arrays = pool.map(lambda u: decode_one(u, spec), uris) if pool is not None else (decode_one(u, spec) for u in uris)
-    for i, a in enumerate(arrays):
-        out[i] = a
-    return out
 
 
 class RawLoader(PlannedLoader):
@@ -93,21 +75,15 @@ class RawLoader(PlannedLoader):
         images = decode_batch([self.uris[i] for i in indices], self.spec, self._pool)
         return RawBatch(images, self.labels[indices], self.sample_ids[indices].tolist())
 
-    def _submit_remote(self, indices: np.ndarray, step: int):
-        from .ray_exec import submit_decode
+    def _submit_remote(self, indices: np.ndarray, step: int) -> RemoteBatch:
+        from .ray_exec import submit_decode  # imports ray
 
         uris = [self.uris[i] for i in indices]
-        ref = submit_decode(uris, self.spec.to_json(), self.config.ray_max_retries)
-        return _Pending(ref, self.labels[indices], self.sample_ids[indices].tolist())
+        return submit_decode(uris, self.spec.to_json(), self.config.ray_max_retries, self.labels[indices],
+                             self.sample_ids[indices].tolist())
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
 
-
-class _Pending:
-    """A Ray decode task plus the labels and ids the driver already knows (only pixels travel back)."""
-
-    def __init__(self, ref, labels: np.ndarray, sample_ids: list[str]):
-        self.ref, self.labels, self.sample_ids = ref, labels, sample_ids

@@ -17,8 +17,11 @@ import ray
 from dutycycle.engine.cache.format import CacheReader
 from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError
+from dutycycle.engine.transform import TransformSpec
 
-from .source import MemorySplit, RawBatch, ShardGatherer
+from .decode import decode_batch
+from .inflight import RemoteBatch, get
+from .source import MemorySplit, ShardGatherer
 
 # Fault injection for tests: when this names a path that does not exist yet, the read task for step
 # DUTYCYCLE_TEST_KILL_STEP creates it and kills its own worker process, once. Read in the driver only.
@@ -63,53 +66,21 @@ def kill_marker_for(step: int) -> str | None:
     return None
 
 
-def submit_read(cache_uri: str, rows: np.ndarray, step: int, max_retries: int, read: ReadConfig | None = None):
-    return read_rows_task.options(max_retries=max_retries).remote(cache_uri, rows, kill_marker_for(step), read)
+def submit_read(cache_uri: str, rows: np.ndarray, step: int, max_retries: int, read: ReadConfig | None = None
+                ) -> RemoteBatch:
+    task = read_rows_task.options(max_retries=max_retries)
+    return RemoteBatch(task.remote(cache_uri, rows, kill_marker_for(step), read))
 
 
 @ray.remote(num_cpus=1)
 def decode_task(uris: list[str], spec_json: str):
-    from dutycycle.engine.transform import TransformSpec
-
-    from .raw import decode_batch
-
     return decode_batch(uris, TransformSpec.from_json(spec_json))
 
 
-def submit_decode(uris: list[str], spec_json: str, max_retries: int):
-    return decode_task.options(max_retries=max_retries).remote(uris, spec_json)
-
-
-def get_raw(pending) -> RawBatch:
-    """Wait for a read task; its error surfaces as the original exception (e.g. ``CorruptArtifactError``)."""
-    if hasattr(pending, "ref"):  # a raw-path decode task: pixels from Ray, labels and ids from the driver
-        return RawBatch(get(pending.ref), pending.labels, pending.sample_ids)
-    return RawBatch(*get(pending))
-
-
-def get(ref):
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as e:
-        cause = getattr(e, "cause", None)
-        if isinstance(cause, Exception):
-            raise cause from None
-        raise
-
-
-def cancel(refs) -> None:
-    """Cancel tasks the consumer no longer needs, and collect their outcome so Ray does not log it as unhandled."""
-    refs = [getattr(r, "ref", r) for r in refs]
-    for ref in refs:
-        try:
-            ray.cancel(ref)
-        except Exception:  # already finished or gone: nothing to cancel
-            pass
-    for ref in refs:
-        try:
-            ray.get(ref, timeout=5)
-        except Exception:  # cancelled, failed or slow: either way nobody needs the result
-            pass
+def submit_decode(uris: list[str], spec_json: str, max_retries: int, labels: np.ndarray, sample_ids: list[str]
+                  ) -> RemoteBatch:
+    """A raw path batch decoded by a Ray task: pixels from Ray, labels and ids from the driver."""
+    return RemoteBatch(decode_task.options(max_retries=max_retries).remote(uris, spec_json), labels, sample_ids)
 
 
 # ------------------------------------------------------------------------------------------- memory mode

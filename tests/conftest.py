@@ -6,6 +6,7 @@ import os
 import tempfile
 
 import pytest
+from dutycycle.trainer.cluster.local import start_local_ray
 
 from .support.harness import moto_server
 
@@ -26,17 +27,7 @@ def ray_cluster():
     """A real local Ray cluster with 2 CPUs and a small object store, shut down after the session."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            # always a fresh local instance: without this, ray.init joins any cluster another process on the
-            # machine started with `ray start` (found via /tmp/ray/ray_current_cluster) and rejects num_cpus
-            address="local",
-            num_cpus=2,
-            object_store_memory=256 * 1024**2,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+    start_local_ray(num_cpus=2, object_store_bytes=256 * 1024**2)  # a cluster of its own, never one found here
     yield ray
     ray.shutdown()
 

@@ -1,11 +1,15 @@
 """Training configuration: a tree of dataclasses, loaded from TOML, overridden with ``--set a.b=value``.
 
 Everything is validated here, in the driver, before any worker starts: an unknown key or a bad value raises
-``ConfigError`` naming the dotted key. The resolved tree is printed and saved as ``RUN_DIR/config.json``.
+``ConfigError`` naming the dotted key. Each section checks its own values (``check``); ``validate`` adds the few
+checks that need two sections. The data section holds the loader's own config objects (``[data.augment]`` is the
+loader's ``AugmentConfig``, ``[data.read]`` the cache reader's ``ReadConfig``) and derives its ``LoaderConfig``s
+in one method. The resolved tree is printed and saved as ``RUN_DIR/config.json``.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import json
 import os
@@ -15,14 +19,48 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError
+from dutycycle.loader.config import MODES, AugmentConfig, LoaderConfig
+
+# ------------------------------------------------------------------------------------------ value checks
 
 
-@dataclass
-class AugmentSection:
-    crop_padding: int = 0  # random crop after zero padding by this many pixels (0 = off)
-    flip: bool = False  # random horizontal flip
-    normalize: bool = True  # uint8 -> float in [0, 1]
+def _one_of(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _positive(where: str, section: Any, *names: str) -> None:
+    for name in names:
+        v = getattr(section, name)
+        if v <= 0:
+            raise ConfigError(f"{where}.{name} = {v} must be positive")
+
+
+def _not_negative(where: str, section: Any, *names: str) -> None:
+    for name in names:
+        v = getattr(section, name)
+        if v < 0:
+            raise ConfigError(f"{where}.{name} = {v} must not be negative")
+
+
+def _renamed(err: ConfigError, cls: type, where: str) -> ConfigError:
+    """The loader's and the cache reader's config objects name a bad field ``Class.field``; in this tree the
+    same field is the dotted key ``where.field``, which is what a user can set."""
+    text = str(err).replace(f"{cls.__name__}.", f"{where}.").replace(f"{cls.__name__} ", f"{where} ")
+    return ConfigError(text if where in text else f"{where}: {text}")
+
+
+# -------------------------------------------------------------------------------------------- sections
+
+# LoaderConfig fields that no config key sets, and why. Every other field comes from the data section (or
+# run.seed); a test checks that each one is reachable from a key, so a new loader option cannot be forgotten.
+LOADER_SET_BY_TRAINER = {
+    "shuffle": "training batches are shuffled; validation reads every sample once in cache order (for_eval)",
+    "pin_memory": "batches stay on the host: the step loop copies them to its device and times the copy (h2d)",
+    "device": "batches stay on the host: the step loop copies them to its device and times the copy (h2d)",
+}
 
 
 @dataclass
@@ -41,7 +79,42 @@ class DataSection:
     drop_last: bool = True
     synthetic_samples: int = 512  # source = "synthetic": training samples (val gets a quarter)
     slow_ms: float = 0.0  # add this much sleep per batch (to show what a slow loader costs)
-    augment: AugmentSection = field(default_factory=AugmentSection)
+    # The loader's own options, with the loader's defaults (dutycycle.loader.config.LoaderConfig): augmentation
+    # ([data.augment]: crop_padding, flip, normalize, mean, std), how shards are reached ([data.read]), the
+    # shuffle's block and window, Ray task retries, raw-path decode threads, the in-RAM share of "memory" mode.
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    read: ReadConfig = field(default_factory=ReadConfig)
+    block_size: int = LoaderConfig.block_size
+    window: int = LoaderConfig.window
+    ray_max_retries: int = LoaderConfig.ray_max_retries
+    raw_threads: int = LoaderConfig.raw_threads
+    memory_fraction: float = LoaderConfig.memory_fraction
+
+    def loader_configs(self, seed: int, world_size: int) -> tuple[LoaderConfig, LoaderConfig]:
+        """The loader configs for training and for validation (every sample once across ``world_size`` ranks,
+        in cache order, no random augmentation, the same normalization)."""
+        shared = dict(seed=seed, mode=self.loader_mode, prefetch=self.prefetch, read=self.read,
+                      block_size=self.block_size, window=self.window, ray_max_retries=self.ray_max_retries,
+                      raw_threads=self.raw_threads, memory_fraction=self.memory_fraction)
+        a = self.augment
+        train = LoaderConfig(global_batch_size=self.global_batch_size, drop_last=self.drop_last, augment=a, **shared)
+        val = LoaderConfig.for_eval(global_batch_size=self.eval_batch_size * world_size,
+                                    augment=AugmentConfig.eval(a.normalize, a.mean, a.std), **shared)
+        return train, val
+
+    def check(self, where: str) -> None:
+        _one_of(f"{where}.source", self.source, ("cache", "raw", "synthetic"))
+        _one_of(f"{where}.loader_mode", self.loader_mode, MODES)
+        _positive(where, self, "global_batch_size", "micro_batches", "eval_batch_size", "size")
+        _not_negative(where, self, "slow_ms")
+        if self.source == "cache" and not self.cache:
+            raise ConfigError(f"{where}.cache is empty; set it to a materialized cache URI (dutycycle materialize ...)")
+        if self.source == "raw" and not self.table:
+            raise ConfigError(f"{where}.table is empty; set it to a metadata table URI for {where}.source = 'raw'")
+        try:  # the loader's own checks (prefetch, block_size, memory_fraction, ...), named by their keys here
+            self.loader_configs(seed=0, world_size=1)
+        except ConfigError as e:
+            raise _renamed(e, LoaderConfig, where) from None
 
 
 @dataclass
@@ -53,6 +126,23 @@ class ModelSection:
     heads: int = 4  # vit only
     patch: int = 4  # vit only
     groups: int = 8  # GroupNorm groups (world-size-invariant normalization)
+
+    def check(self, where: str) -> None:
+        _positive(where, self, "width", "depth")
+        if ":" in self.name:
+            module, _, attr = self.name.partition(":")
+            if not module or not attr:
+                raise ConfigError(f"{where}.name = {self.name!r} must be a registered name or 'package.module:factory'")
+        else:
+            from dutycycle.trainer.step.models import MODELS
+
+            if self.name not in MODELS:
+                raise ConfigError(f"{where}.name = {self.name!r} is not registered ({', '.join(sorted(MODELS))}); "
+                                  "or give a plug-in 'package.module:factory'")
+        if self.name == "vit" and self.width % self.heads:
+            raise ConfigError(f"{where}.width = {self.width} must be divisible by {where}.heads = {self.heads}")
+        if self.name == "cnn" and self.width % self.groups:
+            raise ConfigError(f"{where}.width = {self.width} must be divisible by {where}.groups = {self.groups}")
 
 
 @dataclass
@@ -67,6 +157,13 @@ class OptimSection:
     schedule: str = "cosine"  # "cosine" or "constant" after warmup
     min_lr_ratio: float = 0.05  # cosine floor as a fraction of lr
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
+
+    def check(self, where: str) -> None:
+        from dutycycle.trainer.step.optim import OPTIMIZERS
+
+        _one_of(f"{where}.name", self.name, tuple(OPTIMIZERS))
+        _one_of(f"{where}.schedule", self.schedule, ("cosine", "constant"))
+        _not_negative(where, self, "lr", "weight_decay", "grad_clip", "warmup_steps")
 
 
 @dataclass
@@ -94,6 +191,43 @@ class ParallelSection:
     cpus_per_worker: float = 1.0  # Ray CPU reservation per training worker
     threads_per_worker: int = 0  # torch intra-op threads; 0 = cores / workers on this node
 
+    def check(self, where: str) -> None:
+        _one_of(f"{where}.use_gpu", self.use_gpu, ("auto", "true", "false"))
+        _one_of(f"{where}.offload", self.offload, ("none", "optimizer"))
+        _one_of(f"{where}.quant_weights", self.quant_weights, ("none", "int8"))
+        _one_of(f"{where}.quant_grads", self.quant_grads, ("none", "int8", "int4"))
+        _positive(where, self, "num_workers")
+        _not_negative(where, self, "cpus_per_worker")
+        _one_of(f"{where}.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        if self.offload != "none" and self.zero_stage == 0:
+            raise ConfigError(f"{where}.offload = {self.offload!r} needs sharded optimizer state; "
+                              f"set {where}.zero_stage = 1, 2 or 3")
+        if self.reduce_every_micro_step and self.zero_stage == 1:
+            raise ConfigError(f"{where}.reduce_every_micro_step = true contradicts {where}.zero_stage = 1, which holds "
+                              "full gradients across the accumulation window; use zero_stage = 2 or 3 for that")
+        if self.node_size < 0 or (self.node_size and self.num_workers % self.node_size):
+            raise ConfigError(f"{where}.node_size = {self.node_size} must divide {where}.num_workers = "
+                              f"{self.num_workers} (or be 0: all workers on one node)")
+        _positive(where, self, "bucket_mb")
+        for key, value in (("quant_weights", self.quant_weights), ("quant_grads", self.quant_grads)):
+            if value != "none" and self.zero_stage == 0:
+                raise ConfigError(f"{where}.{key} = {value!r} quantizes FSDP2's collectives; set {where}.zero_stage "
+                                  "= 1, 2 or 3 (stage 0 is DDP's all-reduce)")
+        if self.error_feedback and self.quant_grads == "none":
+            raise ConfigError(f"{where}.error_feedback = true needs quantized gradients: set {where}.quant_grads = "
+                              "'int8' or 'int4'")
+        if self.quant_block < 2 or self.quant_block % 2:
+            raise ConfigError(f"{where}.quant_block = {self.quant_block} must be an even number >= 2 (int4 packs two "
+                              "values per byte); 256 is the default")
+        if self.hpz:
+            if self.zero_stage != 3:
+                raise ConfigError(f"{where}.hpz = true needs {where}.zero_stage = 3 (got {self.zero_stage}): only "
+                                  "stage 3 gathers parameters again in backward")
+            if not 1 < self.node_size < self.num_workers:
+                raise ConfigError(f"{where}.hpz = true needs {where}.node_size between 2 and {where}.num_workers - 1 "
+                                  f"(got node_size = {self.node_size}, num_workers = {self.num_workers}): the "
+                                  "secondary shard lives on the ranks of one node")
+
 
 @dataclass
 class RaySection:
@@ -106,6 +240,12 @@ class RaySection:
     # Ray Train restarts the whole worker group this many times after a worker dies; the restarted workers resume
     # from the last committed checkpoint (checkpoint.resume = "auto"). 0 = a failed worker fails the run.
     max_failures: int = 0
+
+    def check(self, where: str) -> None:
+        _one_of(f"{where}.placement_strategy", self.placement_strategy,
+                ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"))
+        _one_of(f"{where}.log_level", self.log_level, ("DEBUG", "INFO", "WARNING", "ERROR"))
+        _not_negative(where, self, "max_failures")
 
 
 @dataclass
@@ -129,6 +269,16 @@ class CheckpointSection:
     on_nonfinite: str = "skip"
     max_rollbacks: int = 3  # rollbacks in one run before a non-finite loss stops it
 
+    def check(self, where: str) -> None:
+        _one_of(f"{where}.on_nonfinite", self.on_nonfinite, ("skip", "rollback", "stop"))
+        _not_negative(where, self, "every", "max_rollbacks")
+        if self.keep < 2:
+            raise ConfigError(f"{where}.keep = {self.keep} must be at least 2: a save replaces the oldest commit "
+                              "only after it has committed itself, and a rollback may need the commit before the "
+                              "newest")
+        if self.resume == "":
+            raise ConfigError(f'{where}.resume is empty; use "auto", "none" or the URI of a checkpoint step directory')
+
 
 @dataclass
 class RunSection:
@@ -149,6 +299,14 @@ class RunSection:
     health_check: bool = True
     health_timeout_s: float = 30.0
 
+    def check(self, where: str) -> None:
+        _one_of(f"{where}.precision", self.precision, ("auto", "fp32", "bf16", "fp64"))
+        _not_negative(where, self, "epochs", "max_steps", "eval_every")
+        if self.epochs == 0 and self.max_steps == 0:
+            raise ConfigError(f"{where}.epochs and {where}.max_steps are both 0; set one of them, "
+                              f"e.g. --set {where}.epochs=3")
+        _positive(where, self, "health_timeout_s")
+
 
 @dataclass
 class TrainConfig:
@@ -167,22 +325,6 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-CHOICES = {
-    "data.source": ("cache", "raw", "synthetic"),
-    "data.loader_mode": ("auto", "sync", "thread", "ray", "memory"),
-    "optim.name": ("adamw", "adam", "sgd", "rmsprop", "adagrad", "adamax", "nadam", "radam", "adafactor"),
-    "optim.schedule": ("cosine", "constant"),
-    "parallel.use_gpu": ("auto", "true", "false"),
-    "parallel.offload": ("none", "optimizer"),
-    "parallel.quant_weights": ("none", "int8"),
-    "parallel.quant_grads": ("none", "int8", "int4"),
-    "ray.placement_strategy": ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
-    "ray.log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
-    "run.precision": ("auto", "fp32", "bf16", "fp64"),
-    "checkpoint.on_nonfinite": ("skip", "rollback", "stop"),
-}
-
-
 # Keys that cannot be field names: ``async`` is a Python keyword.
 ALIASES = {"checkpoint.async": "checkpoint.async_save"}
 
@@ -195,15 +337,23 @@ def _hints(cls) -> dict[str, Any]:
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Convert ``value`` (from TOML or a ``--set`` string) to the field type ``tp`` or raise ConfigError."""
-    origin = typing.get_origin(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        raise AssertionError(f"unsupported union type for {key}")
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1 or len(args) != 2:
+            raise AssertionError(f"unsupported union type for {key}")
+        # TOML has no null: a key left out keeps None (the default); a JSON round trip brings None back
+        return None if value is None else _coerce(key, value, inner[0])
     if origin is dict:
         if isinstance(value, str):
-            value = _parse_mapping(key, value)
+            value = _parse_value(key, value, "a TOML inline table", f'{key}={{zone="a"}}')
         if not isinstance(value, dict):
             raise ConfigError(f"{key} = {value!r} must be a table of strings, e.g. {key}={{zone=\"a\"}}")
         return {str(k): str(v) for k, v in value.items()}
+    if origin is collections.abc.Sequence:  # e.g. data.augment.mean: a list, or one value for all channels
+        if isinstance(value, str):
+            value = _parse_value(key, value, "a TOML array or number", f"{key}=[0.5, 0.5, 0.5]")
+        return tuple(_coerce(key, v, args[0]) for v in (value if isinstance(value, (list, tuple)) else [value]))
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -241,11 +391,12 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     raise AssertionError(f"unsupported field type {tp} for {key}")
 
 
-def _parse_mapping(key: str, text: str) -> dict:
+def _parse_value(key: str, text: str, kind: str, example: str) -> Any:
+    """A ``--set`` value written in TOML (an inline table, an array)."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{key} = {text!r} is not a TOML inline table; write e.g. {key}={{zone=\"a\"}}") from e
+        raise ConfigError(f"{key} = {text!r} is not {kind}; write e.g. {example}") from e
 
 
 def _build(cls, data: dict[str, Any], prefix: str):
@@ -266,7 +417,10 @@ def _build(cls, data: dict[str, Any], prefix: str):
             kwargs[name] = _build(tp, value, key)
         else:
             kwargs[name] = _coerce(key, value, tp)
-    return cls(**kwargs)
+    try:  # the loader's config objects check their values when built
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise _renamed(e, cls, prefix) from None
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
@@ -291,6 +445,13 @@ def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
             if not last:
                 raise ConfigError(f"unknown config key {dotted!r}: {key} is not a section")
             node[part] = _coerce(dotted, raw, tp)
+
+
+def add_overrides(parser, what: str = "a config key") -> None:
+    """The ``--set KEY=VALUE`` option (repeatable) on an argparse parser, collected in ``args.overrides``: what
+    ``load_config`` takes as ``overrides``."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override {what}, e.g. --set optim.lr=0.01 (repeatable)")
 
 
 def parse_overrides(items: list[str] | None) -> list[tuple[str, str]]:
@@ -349,42 +510,12 @@ def from_dict(tree: dict[str, Any]) -> TrainConfig:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Value checks that need more than a type; every message names the dotted key."""
-    tree = cfg.to_dict()
-    for key, allowed in CHOICES.items():
-        section, name = key.split(".")
-        if tree[section][name] not in allowed:
-            raise ConfigError(f"{key} = {tree[section][name]!r} is not one of {', '.join(allowed)}")
-    positive = {
-        "data.global_batch_size": cfg.data.global_batch_size,
-        "data.micro_batches": cfg.data.micro_batches,
-        "data.eval_batch_size": cfg.data.eval_batch_size,
-        "data.size": cfg.data.size,
-        "parallel.num_workers": cfg.parallel.num_workers,
-        "model.width": cfg.model.width,
-        "model.depth": cfg.model.depth,
-    }
-    for key, v in positive.items():
-        if v <= 0:
-            raise ConfigError(f"{key} = {v} must be positive")
-    for key, v in {
-        "optim.lr": cfg.optim.lr,
-        "optim.weight_decay": cfg.optim.weight_decay,
-        "optim.grad_clip": cfg.optim.grad_clip,
-        "optim.warmup_steps": cfg.optim.warmup_steps,
-        "run.epochs": cfg.run.epochs,
-        "run.max_steps": cfg.run.max_steps,
-        "run.eval_every": cfg.run.eval_every,
-        "data.slow_ms": cfg.data.slow_ms,
-        "parallel.cpus_per_worker": cfg.parallel.cpus_per_worker,
-        "ray.max_failures": cfg.ray.max_failures,
-        "checkpoint.every": cfg.checkpoint.every,
-        "checkpoint.max_rollbacks": cfg.checkpoint.max_rollbacks,
-    }.items():
-        if v < 0:
-            raise ConfigError(f"{key} = {v} must not be negative")
-    if cfg.run.epochs == 0 and cfg.run.max_steps == 0:
-        raise ConfigError("run.epochs and run.max_steps are both 0; set one of them, e.g. --set run.epochs=3")
+    """Value checks that need more than a type; every message names the dotted key. Each section checks its
+    own values (its ``check``); what follows needs two sections at once."""
+    from dutycycle.trainer.step.optim import check_optimizer
+
+    for f in dataclasses.fields(cfg):
+        getattr(cfg, f.name).check(f.name)
     per_step = cfg.parallel.num_workers * cfg.data.micro_batches
     if cfg.data.global_batch_size % per_step:
         raise ConfigError(
@@ -398,84 +529,14 @@ def validate(cfg: TrainConfig) -> None:
             f"data.drop_last = false needs parallel.num_workers x data.micro_batches = 1 (got {per_step}); "
             "keep data.drop_last = true for distributed or accumulated training"
         )
-    _validate_parallel(cfg)
-    _validate_checkpoint(cfg)
-    if cfg.data.source == "cache" and not cfg.data.cache:
-        raise ConfigError("data.cache is empty; set it to a materialized cache URI (dutycycle materialize ...)")
-    if cfg.data.source == "raw" and not cfg.data.table:
-        raise ConfigError("data.table is empty; set it to a metadata table URI for data.source = 'raw'")
-    if ":" in cfg.model.name:
-        module, _, attr = cfg.model.name.partition(":")
-        if not module or not attr:
-            raise ConfigError(f"model.name = {cfg.model.name!r} must be a registered name or 'package.module:factory'")
-    else:
-        from dutycycle.trainer.step.models import MODELS
-
-        if cfg.model.name not in MODELS:
-            raise ConfigError(
-                f"model.name = {cfg.model.name!r} is not registered ({', '.join(sorted(MODELS))}); "
-                "or give a plug-in 'package.module:factory'"
-            )
-    if cfg.model.name == "vit":
-        if cfg.model.width % cfg.model.heads:
-            raise ConfigError(f"model.width = {cfg.model.width} must be divisible by model.heads = {cfg.model.heads}")
-    if cfg.model.name == "cnn" and cfg.model.width % cfg.model.groups:
-        raise ConfigError(f"model.width = {cfg.model.width} must be divisible by model.groups = {cfg.model.groups}")
-
-
-def _validate_parallel(cfg: TrainConfig) -> None:
-    from dutycycle.trainer.step.optim import check_optimizer
-
-    p = cfg.parallel
-    if p.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero_stage = {p.zero_stage} is not one of 0, 1, 2, 3")
-    if p.offload != "none" and p.zero_stage == 0:
-        raise ConfigError(f"parallel.offload = {p.offload!r} needs sharded optimizer state; "
-                          "set parallel.zero_stage = 1, 2 or 3")
-    if p.reduce_every_micro_step and p.zero_stage == 1:
-        raise ConfigError("parallel.reduce_every_micro_step = true contradicts parallel.zero_stage = 1, which holds "
-                          "full gradients across the accumulation window; use zero_stage = 2 or 3 for that")
-    if p.node_size < 0 or (p.node_size and p.num_workers % p.node_size):
-        raise ConfigError(f"parallel.node_size = {p.node_size} must divide parallel.num_workers = "
-                          f"{p.num_workers} (or be 0: all workers on one node)")
-    if p.bucket_mb <= 0:
-        raise ConfigError(f"parallel.bucket_mb = {p.bucket_mb} must be positive")
-    for key, value in (("quant_weights", p.quant_weights), ("quant_grads", p.quant_grads)):
-        if value != "none" and p.zero_stage == 0:
-            raise ConfigError(f"parallel.{key} = {value!r} quantizes FSDP2's collectives; set parallel.zero_stage "
-                              "= 1, 2 or 3 (stage 0 is DDP's all-reduce)")
-    if p.error_feedback and p.quant_grads == "none":
-        raise ConfigError("parallel.error_feedback = true needs quantized gradients: set parallel.quant_grads = "
-                          "'int8' or 'int4'")
-    if p.quant_block < 2 or p.quant_block % 2:
-        raise ConfigError(f"parallel.quant_block = {p.quant_block} must be an even number >= 2 (int4 packs two "
-                          "values per byte); 256 is the default")
-    if p.hpz:
-        if p.zero_stage != 3:
-            raise ConfigError(f"parallel.hpz = true needs parallel.zero_stage = 3 (got {p.zero_stage}): only stage "
-                              "3 gathers parameters again in backward")
-        if not 1 < p.node_size < p.num_workers:
-            raise ConfigError(f"parallel.hpz = true needs parallel.node_size between 2 and parallel.num_workers - 1 "
-                              f"(got node_size = {p.node_size}, num_workers = {p.num_workers}): the secondary "
-                              "shard lives on the ranks of one node")
-    check_optimizer(cfg.optim.name, p.zero_stage)
-
-
-def _validate_checkpoint(cfg: TrainConfig) -> None:
+    check_optimizer(cfg.optim.name, cfg.parallel.zero_stage)
     c = cfg.checkpoint
-    if c.keep < 2:
-        raise ConfigError(f"checkpoint.keep = {c.keep} must be at least 2: a save replaces the oldest commit only "
-                          "after it has committed itself, and a rollback may need the commit before the newest")
-    if c.resume == "":
-        raise ConfigError('checkpoint.resume is empty; use "auto", "none" or the URI of a checkpoint step directory')
     where = c.dir or cfg.run.dir
     if c.every and where.startswith("memory://") and cfg.parallel.num_workers > 1:
         # each worker process has its own memory:// store: ranks would not see each other's files
         key = "checkpoint.dir" if c.dir else "run.dir"
         raise ConfigError(f"{key} = {where!r} keeps checkpoints in one process's memory, which the other "
                           f"{cfg.parallel.num_workers - 1} worker(s) cannot see; use a local path or s3://")
-    if cfg.run.health_timeout_s <= 0:
-        raise ConfigError(f"run.health_timeout_s = {cfg.run.health_timeout_s} must be positive")
 
 
 def use_gpu(cfg: TrainConfig, gpus_available: float) -> bool:

@@ -33,7 +33,7 @@ def register(subparsers) -> None:
     p.add_argument("--where", default=None, help="SQL filter over table columns, e.g. \"split = 'train'\"")
     p.add_argument("--rows-per-shard", type=int, default=2048, help="samples per shard (default 2048)")
     p.add_argument(
-        "--max-file-bytes", type=int, default=None, help="skip larger files as too_large without reading them"
+        "--max-file-bytes", type=int, default=None, help="skip larger files as 'too large' without reading them"
     )
     p.add_argument("--runner", default=None, help="Daft runner: native (default) or ray; also DAFT_RUNNER")
     p.add_argument("--ray-address", default=None, help="address of a running Ray cluster (with --runner ray)")

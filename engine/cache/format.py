@@ -222,14 +222,14 @@ class CacheReader:
     memory-mapped in place, remote ones read by range or from a node-local copy; a shard's sha256 is checked
     once per node, not on every open (``read.verify``). At most ``read.max_open_shards`` views stay open."""
 
-    def __init__(self, uri: str, verify: bool = True, read: ReadConfig | None = None):
+    def __init__(self, uri: str, verify: bool = True, read: ReadConfig | None = None, stats: ReadStats | None = None):
         self.uri = resolve(uri)  # a committed cache folder, or a cache root holding one
         self.manifest = read_manifest(self.uri)
         read = read or ReadConfig()
         if not verify:
             read = replace(read, verify="never")
         self.read_config, self.verify = read, read.verify != "never"
-        self.stats = ReadStats()
+        self.stats = stats if stats is not None else ReadStats()  # a loader passes its own, to count in one place
         self._views: OrderedDict[int, ShardView] = OrderedDict()
         self._lock = threading.RLock()
         self.offsets = np.concatenate([[0], np.cumsum([s.rows for s in self.manifest.shards])]).astype(

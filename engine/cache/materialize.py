@@ -17,9 +17,9 @@ The work, top to bottom:
 
 The driver holds O(number of shards) Python objects (records, block digests) plus, on the native runner, the
 rows of about one shard being assembled: never a list over all rows.
-Rows that fail to download or decode are skipped and counted by reason in ``manifest.skipped``; error rows of
-the table are counted as ``table_error``, a second row with an already selected sample id (the same content
-twice) as ``duplicate``. A label's index is its position in the table manifest's ``classes`` (-1 if unlabeled).
+Rows that fail to download or decode are skipped and counted by reason in ``manifest.skipped`` (the reasons an
+ingest records for such files, ``imageinfo``'s vocabulary); error rows of the table are counted as
+``table_error``, a second row with an already selected sample id (the same content twice) as ``duplicate``. A label's index is its position in the table manifest's ``classes`` (-1 if unlabeled).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class MaterializeConfig:
     runner: str | None = None  # "native" | "ray" | None (DAFT_RUNNER, else native, else the one already fixed)
     ray_address: str | None = None  # a running Ray cluster for the ray runner; None starts a local one
     batch_size: int = 64  # files fetched and decoded at a time inside a shard (bounds the bytes held)
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # larger files are skipped as "too_large", never read whole
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # larger files are skipped as "too large", never read whole
     max_pixels: int = DEFAULT_MAX_PIXELS  # images whose header claims more are skipped before decoding
 
     def __post_init__(self):

@@ -22,11 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ..errors import ConfigError, CorruptArtifactError
 
-if TYPE_CHECKING:  # pyarrow loads with the first shard opened, so LoaderConfig and ReadConfig import light
+if TYPE_CHECKING:  # numpy and pyarrow load with the first shard opened, so the configs that name ReadConfig
+    import numpy as np  # (LoaderConfig, the trainer's) import light: `dutycycle --help` reads them
     import pyarrow as pa
 
 VERIFY = ("once", "always", "never")
@@ -97,6 +96,8 @@ class ShardView:
 
 def fixed_width_bytes(ids: pa.Array) -> np.ndarray | None:
     """A zero-copy uint8 [n, L] view of a string array whose values all have L > 0 bytes, else None."""
+    import numpy as np
+
     n = len(ids)
     if n == 0 or ids.null_count:
         return None
@@ -119,6 +120,8 @@ def single_chunk(col: pa.ChunkedArray | pa.Array) -> pa.Array:
 
 def pixel_view(image: pa.Array, shape: tuple[int, ...]) -> np.ndarray:
     """A fixed-size-binary image column as a read-only uint8 array [rows, *shape], zero-copy."""
+    import numpy as np
+
     per = int(np.prod(shape))
     data = np.frombuffer(image.buffers()[1], dtype=np.uint8)
     start = image.offset * per
@@ -127,6 +130,7 @@ def pixel_view(image: pa.Array, shape: tuple[int, ...]) -> np.ndarray:
 
 def view_of_table(index: int, table: pa.Table | pa.RecordBatch, shape: tuple[int, ...], shard_uri: str) -> ShardView:
     """A ``ShardView`` over a whole shard already in (mapped) memory."""
+    import numpy as np
     import pyarrow as pa
 
     names = table.schema.names

@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 
 from .. import io
-from ..transform import DecodeError, TransformSpec, decode_and_transform
+from ..errors import DecodeError
+from ..imageinfo import TOO_LARGE, UNREADABLE
+from ..transform import TransformSpec, decode_and_transform
 from . import format as cf
 from . import node
 from .plan import label_index
@@ -66,15 +68,16 @@ def completed(cache_uri: str, index: int, digest: str) -> dict[str, Any] | None:
 
 
 def fetch(uris: list[str], max_bytes: int) -> list[bytes | str]:
-    """Each file's bytes, or the skip reason: ``download_failed`` (missing, unreadable) or ``too_large``."""
+    """Each file's bytes, or the skip reason (the reasons ingest records for the same files): ``unreadable``
+    (missing, cannot be read) or ``too large`` (over the per-file byte cap, not read)."""
 
     def one(uri: str) -> bytes | str:
         try:
             return io.read_capped(uri, max_bytes)
         except io.FileTooLargeError:
-            return "too_large"
+            return TOO_LARGE
         except (OSError, ValueError):
-            return "download_failed"
+            return UNREADABLE
 
     if not uris or io.protocol(uris[0]) in ("file", "memory"):
         return [one(u) for u in uris]
@@ -90,8 +93,8 @@ def transform(data: bytes | str, spec: TransformSpec, max_pixels: int) -> np.nda
         return decode_and_transform(data, spec, max_pixels)
     except DecodeError as e:
         return e.reason
-    except Exception as e:  # noqa: BLE001
-        return f"decode_error:{type(e).__name__}"
+    except Exception:  # noqa: BLE001 - anything else a decoder raises is a counted skip, as ingest records it
+        return UNREADABLE
 
 
 def decode_chunk(uris: list[str], spec: TransformSpec, max_bytes: int, max_pixels: int) -> list[bytes | str]:

@@ -22,21 +22,19 @@ import json
 import posixpath
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from .. import io
+from .. import runner as runner_mod
 from ..errors import ConfigError, DestinationError, SourceError
 from ..imageinfo import DEFAULT_MAX_PIXELS, error_reason
 from ..limits import DEFAULT_MAX_FILE_BYTES
 from . import format as tf
 from . import probe, scan
-from .probe import SPLIT_NAMES, assign_split  # noqa: F401 - public here: the split is part of what ingest defines
-
-DEFAULT_SPLIT = (0.8, 0.1, 0.1)
-ROWS_PER_FILE = 200_000
-MAX_COMMIT_ATTEMPTS = 8  # commits lost to concurrent writers before an ingest (or a save) gives up
+from .commit import MAX_COMMIT_ATTEMPTS, check_destination, try_commit, write_rows
+from .split import DEFAULT_SPLIT, SPLIT_NAMES, assign_split, parse_split  # noqa: F401 - the split is ingest's too
+from .table import read_arrow
 
 
 @dataclass
@@ -54,23 +52,7 @@ class IngestConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# plain functions: argument parsing, labels, splits
-
-
-def parse_split(text: str | tuple | list) -> tuple[float, float, float]:
-    """``"0.8,0.1,0.1"`` -> ``(0.8, 0.1, 0.1)``; fractions for train, val, test that sum to 1."""
-    parts = text.split(",") if isinstance(text, str) else list(text)
-    try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        raise ConfigError(
-            f"--split {text!r} is not three numbers; use train,val,test fractions like 0.8,0.1,0.1"
-        ) from None
-    if len(values) != 3 or any(v < 0 for v in values) or abs(sum(values) - 1.0) > 1e-6:
-        raise ConfigError(
-            f"--split {text!r} must be three non-negative fractions (train,val,test) that sum to 1, e.g. 0.8,0.1,0.1"
-        )
-    return values[0], values[1], values[2]
+# plain functions: labels
 
 
 def load_labels(uri: str) -> dict[str, str]:
@@ -119,19 +101,7 @@ def label_for(rel: str, mapping: dict[str, str] | None) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# checks and listing
-
-
-def _check_destination(table: str) -> None:
-    fs, path = io.filesystem(table)
-    if fs.exists(path) and not fs.isdir(path) and io.protocol(table) == "file":
-        raise DestinationError(f"table {table!r} is an existing file; choose a folder path for the table")
-    probe = io.join(table, f".write-probe-{uuid.uuid4().hex}")
-    io.write_bytes_atomic(probe, b"")  # raises DestinationError naming the table location
-    try:
-        fs.rm(io.filesystem(probe)[1])
-    except (FileNotFoundError, OSError):
-        pass
+# listing
 
 
 def _table_prefix(table: str) -> str:
@@ -146,46 +116,6 @@ def _table_prefix(table: str) -> str:
 
 def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def write_rows(table_uri: str, folder: str, tables) -> list[str]:
-    """Write Arrow tables of rows as Parquet files under ``folder`` (relative to the table), each made durable
-    (fsync) before this returns; returns their paths relative to the table."""
-    import pyarrow.parquet as pq
-
-    files = []
-    for rows in tables:
-        for start in range(0, max(rows.num_rows, 1), ROWS_PER_FILE):
-            rel = f"{folder}/part-{len(files):05d}.parquet"
-            part = rows.slice(start, ROWS_PER_FILE).cast(tf.SCHEMA)
-            try:
-                io.write_fsynced(io.join(table_uri, rel), lambda f, t=part: pq.write_table(t, f, compression="zstd"))
-            except OSError as e:
-                raise DestinationError(
-                    f"cannot write table {table_uri!r}: {e}; choose a writable location"
-                ) from e
-            files.append(rel)
-    return files
-
-
-def _discard(table_uri: str, folder: str) -> None:
-    """Remove this writer's own uncommitted folder after it lost a commit race (nobody else references it)."""
-    fs, path = io.filesystem(io.join(table_uri, folder))
-    try:
-        fs.rm(path, recursive=True)
-    except (FileNotFoundError, OSError):
-        pass  # vacuum removes it later
-
-
-def _try_commit(table_uri: str, folder: str, manifest: tf.TableManifest) -> bool:
-    """Commit ``manifest``, whose data files this writer wrote under ``folder``. False when another writer took
-    that version first: the folder is discarded and the caller retries against the newer version."""
-    try:
-        tf.commit(table_uri, manifest)  # the commit point: the data files are invisible until it succeeds
-    except tf.CommitConflict:
-        _discard(table_uri, folder)
-        return False
-    return True
 
 
 def _rewrite(file_uri: str, drop):
@@ -246,8 +176,6 @@ def ingest(
     """
     import pyarrow.compute as pc
 
-    from .. import runner as runner_mod
-
     t0 = time.time()
     cfg = IngestConfig(
         source=source,
@@ -268,7 +196,7 @@ def ingest(
         raise ConfigError(f"--max-file-bytes {cfg.max_file_bytes} must be positive, e.g. {DEFAULT_MAX_FILE_BYTES}")
     mapping = load_labels(cfg.labels) if cfg.labels else None
     scan.check_source(cfg.source)
-    _check_destination(cfg.table)
+    check_destination(cfg.table)
     runner_mod.configure(runner_name, ray_address)
 
     probed = tf.SCHEMA.empty_table()  # every row probed so far, kept across commit attempts
@@ -304,7 +232,7 @@ def ingest(
         kept = [f for k, f in enumerate(previous.files if previous else []) if k not in affected]
         num_rows = (previous.num_rows if previous else 0) - len(changes.drop) + new_rows.num_rows
         manifest = _manifest(cfg, previous, version, kept + files, num_rows, new_rows)
-        if not _try_commit(cfg.table, folder, manifest):
+        if not try_commit(cfg.table, folder, manifest):
             continue
         summary = {"version": version, "committed": True, "new_rows": new_rows.num_rows, **counts}
         return _finish(cfg, manifest, summary, t0, runner_name)
@@ -369,8 +297,6 @@ def _manifest(
 def _finish(
     cfg: IngestConfig, manifest: tf.TableManifest, summary: dict, t0: float, runner_name: str
 ) -> dict:
-    from .table import read_arrow
-
     counts = table_summary(read_arrow(cfg.table, manifest, columns=["label", "error", "split"]))
     return {
         "table": cfg.table,

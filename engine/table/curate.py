@@ -2,7 +2,8 @@
 and saving a subset with its lineage.
 
 Choosing which rows to keep is done by plain functions over small Python lists (metadata only, no pixels);
-the choice is applied back to the Daft DataFrame as a filter or a join, so a view stays lazy.
+the choice is applied back to the Daft DataFrame as a filter or a join, so a view stays lazy. The functions
+take and return DataFrames (and ``save`` a committed manifest): ``table.Table`` wraps them as views.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 from ..errors import ConfigError, DestinationError
 from ..imageinfo import error_reason
 from . import format as tf
+from .commit import check_destination, write_version
+from .split import SPLIT_NAMES, parse_split
 
 SIZE_BINS = (0, 64, 128, 256, 512, 1024, 4096)
 MAX_NEAR_DISTANCE = 16
@@ -36,11 +39,10 @@ def _counts(df, key: str) -> dict[str, int]:
     return dict(sorted((str(k), int(n)) for k, n in zip(out[key], out["n"], strict=True)))
 
 
-def stats(table) -> dict[str, Any]:
+def stats(df) -> dict[str, Any]:
     """Class balance and splits (readable rows), formats, a histogram of the longer side, errors per reason."""
     from daft import col
 
-    df = table.df
     readable = df.where(col("error").is_null())
     rows = df.select("width", "height", "error").to_pydict()
     sizes: dict[str, int] = {}
@@ -120,18 +122,17 @@ def choose_unique(
     return kept
 
 
-def _keep_uris(table, uris: list[str], operation: str):
+def _keep_uris(df, uris: list[str]):
     from daft import col
 
-    return table._derive(table.df.where(col("uri").is_in(uris)), operation)
+    return df.where(col("uri").is_in(uris))
 
 
-def dedupe(table, exact: bool = True, near: bool = True, max_distance: int = 4):
-    rows = table.df.select("uri", "sample_id", "phash", "error").to_pylist()
+def dedupe(df, exact: bool = True, near: bool = True, max_distance: int = 4):
+    """``df`` without exact duplicates (same content hash) and near duplicates (perceptual-hash distance)."""
+    rows = df.select("uri", "sample_id", "phash", "error").to_pylist()
     kept = choose_unique(rows, exact=exact, near=near, max_distance=max_distance)
-    return _keep_uris(
-        table, [r["uri"] for r in kept], f"dedupe(exact={exact}, near={near}, max_distance={max_distance})"
-    )
+    return _keep_uris(df, [r["uri"] for r in kept])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -164,12 +165,13 @@ def allocate(counts: dict[Any, int], n: int) -> dict[Any, int]:
 
 
 def sample(
-    table,
+    df,
     n: int | None = None,
     fraction: float | None = None,
     stratify_by: str | None = "label",
     seed: int = 0,
 ):
+    """A deterministic sample of ``df``: ``n`` rows or a ``fraction``, kept in proportion per ``stratify_by``."""
     if (n is None) == (fraction is None):
         raise ConfigError(f"sample needs exactly one of n or fraction (got n={n!r}, fraction={fraction!r})")
     if n is not None and n < 0:
@@ -177,9 +179,9 @@ def sample(
     if fraction is not None and not 0.0 <= fraction <= 1.0:
         raise ConfigError(f"sample fraction={fraction} must be between 0 and 1")
     cols = ["uri"] + ([stratify_by] if stratify_by else [])
-    if stratify_by and stratify_by not in table.df.column_names:
-        raise ConfigError(f"stratify_by={stratify_by!r} is not a column; use one of {table.df.column_names}")
-    groups = _strata(table.df.select(*cols).to_pylist(), stratify_by)
+    if stratify_by and stratify_by not in df.column_names:
+        raise ConfigError(f"stratify_by={stratify_by!r} is not a column; use one of {df.column_names}")
+    groups = _strata(df.select(*cols).to_pylist(), stratify_by)
     counts = {k: len(v) for k, v in groups.items()}
     if n is not None:
         want = allocate(counts, n)
@@ -189,14 +191,11 @@ def sample(
     for k, members in groups.items():
         members.sort(key=lambda r: _key(seed, r["uri"]))
         keep.extend(r["uri"] for r in members[: want[k]])
-    what = f"n={n}" if n is not None else f"fraction={fraction}"
-    return _keep_uris(table, keep, f"sample({what}, stratify_by={stratify_by!r}, seed={seed})")
+    return _keep_uris(df, keep)
 
 
 def split_rows(rows: list[dict], fractions, seed: int, stratify_by: str | None) -> dict[str, str]:
     """uri -> split, so each stratum is divided in the given fractions; duplicates (same id) stay together."""
-    from .catalog import SPLIT_NAMES, parse_split
-
     fr = parse_split(fractions)
     out = {}
     for members in _strata(rows, stratify_by).values():
@@ -215,55 +214,43 @@ def split_rows(rows: list[dict], fractions, seed: int, stratify_by: str | None) 
     return out
 
 
-def resplit(table, fractions="0.8,0.1,0.1", seed: int = 0, stratify_by: str | None = "label"):
+def resplit(df, fractions="0.8,0.1,0.1", seed: int = 0, stratify_by: str | None = "label"):
+    """``df`` with train/val/test reassigned so each stratum is split in the given fractions."""
     import daft
     from daft import col
 
     cols = ["uri", "sample_id"] + ([stratify_by] if stratify_by and stratify_by != "sample_id" else [])
-    mapping = split_rows(table.df.select(*cols).to_pylist(), fractions, seed, stratify_by)
+    mapping = split_rows(df.select(*cols).to_pylist(), fractions, seed, stratify_by)
     new = daft.from_pydict({"_uri": list(mapping), "_split": list(mapping.values())})
-    df = table.df.join(new, left_on=col("uri"), right_on=col("_uri"), how="inner")
-    df = df.select(*[col("_split").alias("split") if c == "split" else col(c) for c in tf.SCHEMA.names])
-    return table._derive(df, f"resplit({fractions!r}, seed={seed}, stratify_by={stratify_by!r})")
+    df = df.join(new, left_on=col("uri"), right_on=col("_uri"), how="inner")
+    return df.select(*[col("_split").alias("split") if c == "split" else col(c) for c in tf.SCHEMA.names])
 
 
 # ---------------------------------------------------------------------------------------------------------
 # save
 
 
-def save(table, uri: str, overwrite: bool = False):
-    """Commit ``table`` (a view) as a new table at ``uri`` with lineage; returns the opened new table."""
-    from .catalog import MAX_COMMIT_ATTEMPTS, _check_destination, _try_commit, write_rows
-    from .table import Table
-
+def save(view, uri: str, overwrite: bool = False) -> tf.TableManifest:
+    """Commit ``view`` (a ``Table``: its rows, ``uri``, ``manifest`` and ``operations``) as a new table at ``uri``
+    with lineage; returns the committed manifest."""
     if tf.committed_versions(uri) and not overwrite:
         raise DestinationError(
             f"a table already exists at {uri!r}; choose a new location or pass overwrite=True"
         )
-    _check_destination(uri)
-    rows = table.to_arrow().sort_by("uri")
-    filters = [op[len("where ") :] for op in table.operations if op.startswith("where ")]
-    # Another writer may commit to `uri` meanwhile: take the next version, files kept.
-    for _ in range(MAX_COMMIT_ATTEMPTS):
-        versions = tf.committed_versions(uri)
-        version = (versions[-1] if versions else 0) + 1
-        folder = tf.data_dir(version)
-        files = write_rows(uri, folder, [rows])
-        manifest = tf.TableManifest(
-            version=version,
-            files=files,
-            num_rows=rows.num_rows,
-            # the parent's classes, so a label keeps its index in the subset
-            classes=list(table.manifest.classes),
-            source=table.uri,
-            lineage={
-                "parent": table.uri,
-                "parent_version": table.manifest.version,
-                "filter": " AND ".join(f"({f})" for f in filters),
-                "operations": list(table.operations),
-            },
-            options=dict(table.manifest.options),
-        )
-        if _try_commit(uri, folder, manifest):
-            return Table(uri, manifest)
-    raise DestinationError(f"table {uri!r} kept changing while saving; save again")
+    check_destination(uri)
+    rows = view.to_arrow().sort_by("uri")
+    filters = [op[len("where ") :] for op in view.operations if op.startswith("where ")]
+    return write_version(
+        uri,
+        rows,
+        # the parent's classes, so a label keeps its index in the subset
+        classes=list(view.manifest.classes),
+        source=view.uri,
+        lineage={
+            "parent": view.uri,
+            "parent_version": view.manifest.version,
+            "filter": " AND ".join(f"({f})" for f in filters),
+            "operations": list(view.operations),
+        },
+        options=dict(view.manifest.options),
+    )

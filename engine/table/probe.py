@@ -15,20 +15,9 @@ import pyarrow as pa
 
 from .. import io
 from . import format as tf
+from .split import assign_split
 
 PROCESS_THRESHOLD = 2000  # files below which the UDF runs in threads (worker processes cost seconds to start)
-SPLIT_NAMES = ("train", "val", "test")
-
-
-def assign_split(sample_id: str, fractions: tuple[float, ...]) -> str:
-    """Deterministic split from the content hash: identical files always land in the same split."""
-    u = int(hashlib.sha256(("split:" + sample_id).encode()).hexdigest()[:15], 16) / float(1 << 60)
-    edge = 0.0
-    for name, frac in zip(SPLIT_NAMES, fractions, strict=True):
-        edge += frac
-        if u < edge:
-            return name
-    return SPLIT_NAMES[-1]
 
 
 def _unread_row(uri: str, error: str, fractions: tuple[float, ...]) -> dict:

@@ -10,6 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from .. import io
+from .. import runner as runner_mod
+from ..inspect import thumbnail_grid
+from . import curate
 from . import format as tf
 
 
@@ -61,9 +64,8 @@ class Table:
 
     def dedupe(self, exact: bool = True, near: bool = True, max_distance: int = 4) -> Table:
         """Drop exact duplicates (same content hash) and near duplicates (perceptual-hash Hamming distance)."""
-        from .curate import dedupe
-
-        return dedupe(self, exact=exact, near=near, max_distance=max_distance)
+        df = curate.dedupe(self.df, exact=exact, near=near, max_distance=max_distance)
+        return self._derive(df, f"dedupe(exact={exact}, near={near}, max_distance={max_distance})")
 
     def sample(
         self,
@@ -73,15 +75,14 @@ class Table:
         seed: int = 0,
     ) -> Table:
         """A deterministic sample of ``n`` rows or a ``fraction``, kept in proportion per ``stratify_by``."""
-        from .curate import sample
-
-        return sample(self, n=n, fraction=fraction, stratify_by=stratify_by, seed=seed)
+        df = curate.sample(self.df, n=n, fraction=fraction, stratify_by=stratify_by, seed=seed)
+        what = f"n={n}" if n is not None else f"fraction={fraction}"
+        return self._derive(df, f"sample({what}, stratify_by={stratify_by!r}, seed={seed})")
 
     def resplit(self, fractions="0.8,0.1,0.1", seed: int = 0, stratify_by: str | None = "label") -> Table:
         """Reassign train/val/test so each stratum is split in the given fractions."""
-        from .curate import resplit
-
-        return resplit(self, fractions=fractions, seed=seed, stratify_by=stratify_by)
+        df = curate.resplit(self.df, fractions=fractions, seed=seed, stratify_by=stratify_by)
+        return self._derive(df, f"resplit({fractions!r}, seed={seed}, stratify_by={stratify_by!r})")
 
     # -- results -------------------------------------------------------------------------------------
     @property
@@ -90,9 +91,7 @@ class Table:
 
     def stats(self) -> dict[str, Any]:
         """Rows, class balance, splits, formats, a size histogram and errors per reason."""
-        from .curate import stats
-
-        return stats(self)
+        return curate.stats(self.df)
 
     def count(self) -> int:
         return self.df.count_rows()
@@ -112,15 +111,11 @@ class Table:
 
     def show_thumbnails(self, n: int = 16, size: int = 96):
         """An inline grid of the first ``n`` rows' thumbnails for Jupyter (decoded at reduced scale)."""
-        from ..inspect import thumbnail_grid
-
         return thumbnail_grid(self, limit=n, size=size)
 
     def save(self, uri: str, overwrite: bool = False) -> Table:
         """Commit this view as a new table at ``uri``; its manifest records the parent and the operations."""
-        from .curate import save
-
-        return save(self, uri, overwrite=overwrite)
+        return Table(uri, curate.save(self, uri, overwrite=overwrite))
 
     def __repr__(self) -> str:
         ops = "; ".join(self.operations) or "all rows"
@@ -130,7 +125,5 @@ class Table:
 def open_table(uri: str, runner: str | None = None, ray_address: str | None = None) -> Table:
     """Open the committed table at ``uri``. ``runner``: "native" or "ray" (default: DAFT_RUNNER or native)."""
     if runner or ray_address:
-        from .. import runner as runner_mod
-
         runner_mod.configure(runner, ray_address)
     return Table(uri, tf.read_manifest(uri))

@@ -13,17 +13,17 @@ import importlib
 import os
 import pkgutil
 
-ROOMS = ("dutycycle.engine", "dutycycle.loader", "dutycycle.trainer")
-ORDER = {room: i for i, room in enumerate(ROOMS)}  # a room may import only rooms before it
+PACKAGES = ("dutycycle.engine", "dutycycle.loader", "dutycycle.trainer")
+ORDER = {p: i for i, p in enumerate(PACKAGES)}  # a package may import only the packages before it
 
 
 def _modules() -> dict[str, tuple[str, bool]]:
     """Every module of the installed package: name -> (file, is_package)."""
     out = {}
-    for room in ROOMS:
-        pkg = importlib.import_module(room)
-        out[room] = (pkg.__file__, True)
-        for info in pkgutil.walk_packages(pkg.__path__, room + "."):
+    for top in PACKAGES:
+        pkg = importlib.import_module(top)
+        out[top] = (pkg.__file__, True)
+        for info in pkgutil.walk_packages(pkg.__path__, top + "."):
             spec = importlib.util.find_spec(info.name)
             out[info.name] = (spec.origin, info.ispkg)
     return out
@@ -115,8 +115,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _unit(module: str, modules: dict) -> str:
-    """A module's subpackage below its room (``dutycycle.trainer.step.loop`` -> ``dutycycle.trainer.step``);
-    a module at a room's root is its own unit."""
+    """A module's subpackage (``dutycycle.trainer.step.loop`` -> ``dutycycle.trainer.step``); a module at the
+    root of engine, loader or trainer is its own unit."""
     parts = module.split(".")
     if len(parts) <= 3:
         return module
@@ -146,7 +146,7 @@ def test_no_import_circles_between_subpackages():
     assert _cycles(units) == []
 
 
-def test_dependencies_point_one_way_between_rooms():
+def test_dependencies_point_one_way_between_packages():
     graph, _ = _graph()
     against = sorted((m, t) for m, targets in graph.items() for t in targets
                      if ORDER[".".join(t.split(".")[:2])] > ORDER[".".join(m.split(".")[:2])])

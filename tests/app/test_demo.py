@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import tomllib
 
 import pytest
 
@@ -65,17 +64,33 @@ def test_demo_small_runs_end_to_end_from_the_built_wheel(tmp_path):
     assert (out / "run" / "config.json").exists() and (out / "run" / "metrics.jsonl").exists()
 
 
-def test_demo_toml_matches_the_demo_settings():
-    """configs/demo.toml is what `dutycycle train` users copy: it must stay the demo's settings."""
-    from dutycycle.trainer.app.demo import DEMO
-    from dutycycle.trainer.config import load_config
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and k != "label_selector":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_the_demo_trains_with_demo_toml_plus_its_documented_overrides(small):
+    """configs/demo.toml is what `dutycycle train` users copy and what the demo trains with: the demo's resolved
+    config differs from the file only in its cache, run directory and worker count (and --small's settings)."""
+    from dutycycle.trainer.app.demo import SMALL, training_config
+    from dutycycle.trainer.config import load_config, packaged_config
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "configs", "demo.toml")
-    with open(path, "rb") as f:
-        toml = tomllib.load(f)
-    for section, values in DEMO["train"].items():
-        for key, value in values.items():
-            assert toml[section][key] == value, f"configs/demo.toml [{section}] {key}"
-    load_config(path)  # and it validates
-    load_config(os.path.join(root, "configs", "vit.toml"))
+    with open(path, encoding="utf-8") as f:
+        assert f.read() == packaged_config("demo.toml")  # the demo reads the installed copy of this file
+    from_file = _flat(load_config(path).to_dict())
+    demo = _flat(training_config(4, "/demo/run", "/demo/cache/abc", small, ["optim.lr=0.01"]).to_dict())
+    documented = {"data.cache": "/demo/cache/abc", "run.dir": "/demo/run", "parallel.num_workers": 4,
+                  **(SMALL["train"] if small else {}), "optim.lr": 0.01}  # the user's --set comes last
+    assert demo.keys() == from_file.keys()
+    differ = {k: v for k, v in demo.items() if v != from_file[k]}
+    assert differ == {k: v for k, v in documented.items() if v != from_file[k]}
+    assert {"data.cache", "run.dir", "parallel.num_workers", "optim.lr"} <= differ.keys()
+    load_config(os.path.join(root, "configs", "vit.toml"))  # and the other shipped config validates

@@ -34,6 +34,23 @@ def _read_all(reader: cf.CacheReader):
     return ids, labels, splits, np.concatenate(images)
 
 
+def test_write_cache_sorts_by_sample_id_and_commits_a_readable_cache(tmp_path):
+    from dutycycle.engine.cache.write import write_cache
+
+    images = np.arange(5 * 2 * 2 * 3, dtype=np.uint8).reshape(5, 2, 2, 3)
+    ids, labels, splits = ["e", "b", "d", "a", "c"], [0, 1, 2, 3, 0], ["train", "val", "train", "train", "val"]
+    m = write_cache(str(tmp_path / "c"), ids, labels, splits, images, classes=list("wxyz"), rows_per_shard=2)
+    assert [s.rows for s in m.shards] == [2, 2, 1] and m.split_counts == {"train": 3, "val": 2}
+    order = [ids.index(i) for i in sorted(ids)]
+    got_ids, got_labels, got_splits, got_images = _read_all(open_cache(str(tmp_path / "c")))
+    assert got_ids == sorted(ids) and got_labels == [labels[k] for k in order]
+    assert got_splits == [splits[k] for k in order] and np.array_equal(got_images, images[order])
+    again = write_cache(str(tmp_path / "d"), ids, labels, splits, images, classes=list("wxyz"), rows_per_shard=2)
+    assert again.fingerprint == m.fingerprint  # derived from the content when none is given
+    with pytest.raises(ConfigError, match="one id, label, split and image per sample"):
+        write_cache(str(tmp_path / "e"), ids, labels[:4], splits, images, classes=list("wxyz"))
+
+
 def _file_bytes(uri: str) -> bytes:
     fs, path = io.filesystem(uri)
     with fs.open(path, "rb") as f:
@@ -109,7 +126,7 @@ def test_reuse_does_no_work_and_changes_make_new_caches(tmp_path):
     assert sub.manifest.num_samples == sum(r["label"] == "circle" for r in rows)
     extra = add_file(str(tmp_path / "data" / "images"), "square/new.jpg",
                      jpeg_bytes(photo_image(np.random.default_rng(9), 64, 80)), "square")
-    write_table(table, [*rows, extra], version=2)
+    write_table(table, [*rows, extra])
     grown = materialize(table, str(root), SPEC)
     assert not grown.reused and grown.manifest.num_samples == 13
     assert len({first.uri, chw.uri, sub.uri, grown.uri}) == 4
@@ -135,7 +152,7 @@ def test_fingerprint_blocks_ignore_shard_size_and_match_the_raw_plan(tmp_path, m
     assert a.manifest.fingerprint == b.manifest.fingerprint == plan_rows(table, SPEC).fingerprint != default_fp
     assert [s.rows for s in a.manifest.shards] == [4, 4, 2] and [s.rows for s in b.manifest.shards] == [7, 3]
     moved = [dict(r, split="val" if r["split"] == "train" else "train") if i == 5 else r for i, r in enumerate(rows)]
-    write_table(table, moved, version=2)  # one row's split changes: its block's digest, so the fingerprint
+    write_table(table, moved)  # one row's split changes: its block's digest, so the fingerprint
     assert plan_rows(table, SPEC).fingerprint != a.manifest.fingerprint
 
 
@@ -157,10 +174,10 @@ def test_decode_failures_are_counted_not_fatal(tmp_path):
     bomb = add_file(images, "square/bomb.png", png, "square", error="set below")
     bomb["error"] = None
     copy = add_file(images, "circle/copy.jpg", _file_bytes(rows[0]["uri"]), rows[0]["label"])  # same content
-    write_table(table, [*rows, truncated, vanished, bomb, copy], version=2)
+    write_table(table, [*rows, truncated, vanished, bomb, copy])
     res = materialize(table, str(tmp_path / "cache"), SPEC, rows_per_shard=4)
     assert res.manifest.skipped == {
-        "table_error": 1, "undecodable": 1, "download_failed": 1, "too_many_pixels": 1, "duplicate": 1
+        "table_error": 1, "truncated": 1, "unreadable": 1, "decompression bomb": 1, "duplicate": 1
     }
     assert res.manifest.num_samples == 9
     _check_exact(open_cache(res.uri), rows)
@@ -170,7 +187,7 @@ def test_files_over_the_byte_cap_are_skipped_unread(tmp_path):
     table, rows = make_shapes_table(str(tmp_path / "data"), n=6)
     cap = sorted(r["size_bytes"] for r in rows)[2]  # three files fit, three are over
     res = materialize(table, str(tmp_path / "cache"), SPEC, max_file_bytes=cap)
-    assert res.manifest.skipped == {"too_large": 3} and res.manifest.num_samples == 3
+    assert res.manifest.skipped == {"too large": 3} and res.manifest.num_samples == 3
     _check_exact(open_cache(res.uri), [r for r in rows if r["size_bytes"] <= cap])
 
 

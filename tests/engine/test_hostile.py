@@ -179,7 +179,7 @@ def test_bomb_under_pils_limit_is_refused_from_its_header_without_allocating():
         "    decode_and_transform(data, TransformSpec(size=8))\n"
         "    sample = 'made'\n"
         "except DecodeError as e:\n"
-        "    sample = f'{e.reason}: {e}'\n"
+        "    sample = str(e)\n"
         "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "print(facts.error); print(thumb); print(sample); print((after - before) // 1024)\n"
     )
@@ -191,8 +191,7 @@ def test_bomb_under_pils_limit_is_refused_from_its_header_without_allocating():
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     ).stdout.splitlines()
     ours = f"header claims {w}x{h} = {w * h} pixels, over the limit of {DEFAULT_MAX_PIXELS}"
-    assert out[0] == out[1] == f"decompression bomb: {ours}"
-    assert out[2] == f"too_many_pixels: image header says {w}x{h} pixels, above the {DEFAULT_MAX_PIXELS} limit"
+    assert out[0] == out[1] == out[2] == f"decompression bomb: {ours}"  # one open, one reason, one message
     assert int(out[3]) < 64  # MiB: decoding would need 80 MB (L) to 320 MB (RGBA)
 
 
@@ -203,7 +202,7 @@ def test_eps_is_refused_unparsed_everywhere():
     assert (facts.format, facts.width, facts.height) == (None, None, None)
     with pytest.raises(DecodeError) as info:
         decode_and_transform(EPS, TransformSpec(size=8))
-    assert info.value.reason == "unsupported_format"
+    assert info.value.reason == imageinfo.UNSUPPORTED == facts.error.split(":")[0]
     with pytest.raises(ValueError, match="unsupported format"):
         imageinfo.thumbnail_jpeg(EPS)
 

@@ -9,7 +9,15 @@ import os
 import numpy as np
 import pytest
 from dutycycle.engine.errors import ConfigError
-from dutycycle.engine.synth import CLASSES, MAX_SIDE, MIN_SIDE, PARALLEL_THRESHOLD, synthesize
+from dutycycle.engine.synth import (
+    CLASSES,
+    MAX_SIDE,
+    MIN_SIDE,
+    PARALLEL_THRESHOLD,
+    draw_shapes,
+    render,
+    synthesize,
+)
 from dutycycle.trainer.app.cli import main
 from PIL import Image
 
@@ -37,6 +45,25 @@ def test_worker_processes_do_not_change_the_output(tmp_path):
     synthesize(str(tmp_path / "serial"), n, seed=3, workers=1)
     synthesize(str(tmp_path / "parallel"), n, seed=3, workers=2)
     assert _digest(tmp_path / "serial") == _digest(tmp_path / "parallel")
+
+
+def test_draw_shapes_is_a_pure_function_of_seed_and_index():
+    images, labels = draw_shapes(8, 16, seed=4)
+    assert images.shape == (8, 16, 16, 3) and images.dtype == np.uint8
+    assert labels.tolist() == [i % len(CLASSES) for i in range(8)]
+    tail, tail_labels = draw_shapes(3, 16, seed=4, start=5)  # any slice of the dataset, drawn on its own
+    assert np.array_equal(tail, images[5:]) and np.array_equal(tail_labels, labels[5:])
+    assert not np.array_equal(draw_shapes(8, 16, seed=5)[0], images)
+    assert draw_shapes(2, (12, 20), seed=4)[0].shape == (2, 12, 20, 3)  # (height, width)
+
+
+def test_files_hold_the_drawn_shapes():
+    """The file writer encodes the array generator's pixels: a PNG holds them exactly."""
+    index = next(i for i in range(100) if render(9, i)[1].lower().endswith(".png"))
+    label, _, data = render(9, index)
+    pixels = np.asarray(Image.open(io.BytesIO(data)))
+    expected, labels = draw_shapes(1, pixels.shape[0], seed=9, start=index)
+    assert np.array_equal(pixels, expected[0]) and label == CLASSES[labels[0]]
 
 
 def test_classes_formats_and_sizes(tmp_path):

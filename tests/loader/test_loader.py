@@ -20,13 +20,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TRAIN_AUG = AugmentConfig(crop_padding=2, flip=True, normalize=True, mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3))
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    uri = str(tmp_path_factory.mktemp("loader") / "cache")
-    make_cache(uri, 203, shape=(8, 8, 3), shards=4, splits={"train": 0.8, "val": 0.2})
-    return uri
-
-
 def cfg(**kw):
     kw.setdefault("global_batch_size", 16)
     kw.setdefault("mode", "sync")

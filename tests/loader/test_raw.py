@@ -83,7 +83,7 @@ def test_raw_rejects_memory_mode_and_unknown_split(data):
 def test_raw_reads_respect_the_per_file_byte_cap(tmp_path, monkeypatch):
     """The raw path reads untrusted files with the same cap as ingest and materialize: no whole read past it."""
     from dutycycle.engine.io import FileTooLargeError, read_capped
-    from dutycycle.loader import raw
+    from dutycycle.loader import decode
 
     path = tmp_path / "big.jpg"
     path.write_bytes(b"\xff\xd8\xff" + b"\x00" * 5000)
@@ -91,7 +91,7 @@ def test_raw_reads_respect_the_per_file_byte_cap(tmp_path, monkeypatch):
     with pytest.raises(FileTooLargeError, match="per-file limit of 1000 bytes"):
         read_capped(str(path), max_bytes=1000)
     # and the raw path's decode reads through that cap: a file over it is a "too large" DecodeError, unread
-    monkeypatch.setattr(raw, "DEFAULT_MAX_FILE_BYTES", 1000)
+    monkeypatch.setattr(decode, "DEFAULT_MAX_FILE_BYTES", 1000)
     with pytest.raises(DecodeError, match="per-file limit of 1000 bytes") as err:
-        raw.decode_one(str(path), SPEC)
+        decode.decode_one(str(path), SPEC)
     assert err.value.reason == "too large"

@@ -1,4 +1,5 @@
-"""Build small committed caches directly with the cache format (no materialize), for loader tests.
+"""Build small committed caches of known content with the engine's cache writer (no materialize), for loader
+tests.
 
 Every sample's pixels encode its global index, so a test can tell from a batch exactly which samples it got:
 ``pixel_index(image)`` recovers it from the first pixels (see ``sample_pixels``).
@@ -9,6 +10,7 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+from dutycycle.engine.cache.write import write_cache
 
 
 def sample_pixels(index: int, shape) -> np.ndarray:
@@ -45,8 +47,6 @@ def make_cache(
     ``sample_pixels(i, shape)`` and label ``i % num_classes``. ``splits`` maps split name to fraction
     (default all ``train``); splits are interleaved deterministically so every shard holds several splits.
     """
-    from dutycycle.engine.cache import format as cf
-
     ids = sorted(sample_id(i) for i in range(n))
     images = np.stack([sample_pixels(i, shape) for i in range(n)]) if n else np.zeros((0, *shape), np.uint8)
     labels = np.arange(n) % num_classes
@@ -56,22 +56,8 @@ def make_cache(
     # a low-discrepancy assignment: sample i goes to the split whose cumulative fraction covers frac(i * phi)
     u = (np.arange(n) * 0.6180339887498949) % 1.0
     split_of = [names[int(np.searchsorted(cum, x, side="right"))] if x < cum[-1] else names[-1] for x in u]
-    bounds = np.linspace(0, n, shards + 1).astype(int)
-    infos = []
-    for k in range(shards):
-        a, b = bounds[k], bounds[k + 1]
-        infos.append(cf.write_shard(uri, k, ids[a:b], labels[a:b], split_of[a:b], images[a:b]))
-    counts = {name: split_of.count(name) for name in names}
-    manifest = cf.CacheManifest(
+    return write_cache(
+        uri, ids, labels, split_of, images, classes=[f"class{c}" for c in range(num_classes)],
+        rows_per_shard=max(1, -(-n // shards)), layout=layout,
         fingerprint=fingerprint or hashlib.sha256(f"test-cache-{n}-{shape}-{shards}".encode()).hexdigest()[:16],
-        shape=list(shape),
-        layout=layout,
-        dtype="uint8",
-        num_samples=n,
-        shards=infos,
-        classes=[f"class{c}" for c in range(num_classes)],
-        split_counts=counts,
-        spec={},
     )
-    cf.commit(uri, manifest)
-    return manifest

@@ -112,7 +112,8 @@ def _fresh(rank: int, world: int, stage: int):
     untrained, with an AdamW optimizer."""
     import warnings
 
-    from dutycycle.trainer.config import OptimSection
+    from dutycycle.trainer.cluster.world import World
+    from dutycycle.trainer.config import OptimSection, ParallelSection
     from dutycycle.trainer.parallel.apply import parallelize
     from dutycycle.trainer.step.optim import make_optimizer
 
@@ -121,8 +122,8 @@ def _fresh(rank: int, world: int, stage: int):
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        strategy = parallelize(Quirky().double(), zero_stage=stage, rank=rank, world_size=world,
-                               device=torch.device("cpu"), precision="fp64", find_unused_parameters=stage == 0)
+        strategy = parallelize(Quirky().double(), ParallelSection(zero_stage=stage, find_unused_parameters=stage == 0),
+                               World(rank, world), device=torch.device("cpu"), precision="fp64")
     optimizer = make_optimizer(strategy.module.parameters(), OptimSection(lr=0.02, weight_decay=0.1))
     return strategy, optimizer
 

@@ -1,50 +1,17 @@
-"""Test harness: free ports, a local S3-compatible server, and a multi-process torch.distributed runner."""
+"""Test harness: a multi-process torch.distributed runner; free ports and the local S3-compatible server come from
+the package and the benchmarks (re-exported here for the tests)."""
 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import time
 import traceback
-import urllib.request
-from contextlib import contextmanager
 
+from dutycycle.trainer.cluster.local import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks._common import moto_server
 
-
-@contextmanager
-def moto_server():
-    """Run a moto S3 server on 127.0.0.1 and yield its endpoint URL; stopped on exit."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/", timeout=1).read()
-                break
-            except Exception:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("moto server did not start") from None
-                time.sleep(0.2)
-        yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+__all__ = ["free_port", "moto_server", "run_distributed"]
 
 
 # ---------------------------------------------------------------------------------------------------------

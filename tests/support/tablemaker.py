@@ -1,5 +1,6 @@
 """Generated images and metadata tables for cache tests, written through the table format contract directly
-(so cache tests do not depend on ingest). Everything is generated in code: no downloaded data."""
+(so cache tests do not depend on ingest). Everything is generated in code: no downloaded data; shapes come from
+the engine's one generator (``dutycycle.engine.synth.draw_shapes``)."""
 
 from __future__ import annotations
 
@@ -8,29 +9,20 @@ import io as _io
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
-from dutycycle.engine import io
+from dutycycle.engine import imageinfo, io
+from dutycycle.engine.synth import CLASSES as SHAPE_CLASSES
+from dutycycle.engine.synth import draw_shapes
 from dutycycle.engine.table import format as tf
-from PIL import Image, ImageDraw, ImageFilter
+from dutycycle.engine.table.commit import write_version
+from PIL import Image, ImageFilter
 
-CLASSES = ["circle", "square", "triangle"]
+CLASSES = list(SHAPE_CLASSES)
 
 
-def shape_image(rng: np.random.Generator, w: int, h: int, kind: str) -> Image.Image:
-    """A flat-coloured shape on a contrasting background (the project's default synthetic data)."""
-    bg = tuple(int(v) for v in rng.integers(0, 90, 3))
-    fg = tuple(int(v) for v in rng.integers(150, 256, 3))
-    img = Image.new("RGB", (w, h), bg)
-    d = ImageDraw.Draw(img)
-    r = min(w, h) // 3
-    cx, cy = w // 2 + int(rng.integers(-r // 3, r // 3 + 1)), h // 2 + int(rng.integers(-r // 3, r // 3 + 1))
-    if kind == "circle":
-        d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fg)
-    elif kind == "square":
-        d.rectangle((cx - r, cy - r, cx + r, cy + r), fill=fg)
-    else:
-        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fg)
-    return img
+def shape_image(index: int, w: int, h: int, seed: int = 0) -> tuple[Image.Image, str]:
+    """Shape image ``index`` of the default synthetic data at ``w`` x ``h``, and its class name."""
+    pixels, labels = draw_shapes(1, (h, w), seed, start=index)
+    return Image.fromarray(pixels[0]), CLASSES[labels[0]]
 
 
 def photo_image(rng: np.random.Generator, w: int, h: int) -> Image.Image:
@@ -78,17 +70,11 @@ def split_of(sid: str) -> str:
     return "train" if v < 8 else "val"
 
 
-def write_table(table_uri: str, rows: list[dict], classes: list[str] = CLASSES, version: int = 1) -> str:
-    """Write ``rows`` (dicts of table columns; missing ones null) as one Parquet file and commit the manifest."""
+def write_table(table_uri: str, rows: list[dict], classes: list[str] = CLASSES) -> str:
+    """Commit ``rows`` (dicts of table columns; missing ones null) as the next version of the table."""
     cols = {name: [r.get(name) for r in rows] for name in tf.SCHEMA.names}
     t = pa.table({name: pa.array(cols[name], tf.SCHEMA.field(name).type) for name in tf.SCHEMA.names}, tf.SCHEMA)
-    rel = f"{tf.version_dir(version)}/part-00000.parquet"
-    fs, path = io.filesystem(io.join(table_uri, rel))
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(path, "wb") as f:
-        pq.write_table(t, f)
-    tf.commit(table_uri, tf.TableManifest(version=version, files=[rel], num_rows=len(rows), classes=classes,
-                                          source="tests"))
+    write_version(table_uri, t, classes=classes, source="tests")
     return table_uri
 
 
@@ -113,11 +99,12 @@ def make_shapes_table(root_uri: str, n: int = 40, seed: int = 0, n_errors: int =
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(n):
-        kind = CLASSES[i % len(CLASSES)]
         w, h = (int(v) for v in rng.integers(size[0], size[1] + 1, 2))
-        data = jpeg_bytes(shape_image(rng, w, h, kind), orientation=int(rng.choice([1, 1, 3, 6, 8])))
+        img, kind = shape_image(i, w, h, seed)
+        data = jpeg_bytes(img, orientation=int(rng.choice([1, 1, 3, 6, 8])))
         rows.append(add_file(io.join(root_uri, "images"), f"{kind}/{i:04d}.jpg", data, kind))
     for i in range(n_errors):
         data = b"not an image %d" % i
-        rows.append(add_file(io.join(root_uri, "images"), f"broken/{i:04d}.jpg", data, "circle", error="unidentified"))
+        error = f"{imageinfo.NOT_IMAGE}: no known image signature"
+        rows.append(add_file(io.join(root_uri, "images"), f"broken/{i:04d}.jpg", data, "circle", error=error))
     return write_table(io.join(root_uri, "table"), rows), rows

@@ -75,8 +75,10 @@ def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload:
           model_fn=Quirky, strategy_cls=None, optim_name: str = "adamw", optim_kwargs: dict | None = None,
           steps: int = STEPS, **parallel_kwargs):
     """Train STEPS AdamW steps on rank ``rank``'s slice of each global batch; returns the strategy and optimizer.
-    ``world == 1`` with no process group is the single-process reference on the full batch."""
-    from dutycycle.trainer.config import OptimSection
+    ``world == 1`` with no process group is the single-process reference on the full batch. ``parallel_kwargs``
+    are further parallel config keys (``node_size``, ``hpz``, ``quant_grads``, ...)."""
+    from dutycycle.trainer.cluster.world import World
+    from dutycycle.trainer.config import OptimSection, ParallelSection
     from dutycycle.trainer.parallel.apply import parallelize
     from dutycycle.trainer.parallel.memory import MemorySampler
     from dutycycle.trainer.step.loop import optimizer_step
@@ -85,11 +87,12 @@ def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload:
 
     torch.manual_seed(0)
     model = model_fn().to(dtype)
+    parallel = ParallelSection(zero_stage=stage, reduce_every_micro_step=reduce_every,
+                               offload="optimizer" if offload else "none", find_unused_parameters=find_unused,
+                               **parallel_kwargs)
     with _quiet():
-        strategy = parallelize(model, zero_stage=stage, rank=rank, world_size=world, device=torch.device("cpu"),
-                               micro_batches=micro_batches, reduce_every_micro_step=reduce_every, offload=offload,
-                               precision="fp64" if dtype == torch.float64 else "fp32",
-                               find_unused_parameters=find_unused, **parallel_kwargs)
+        strategy = parallelize(model, parallel, World(rank, world, parallel.node_size), device=torch.device("cpu"),
+                               precision="fp64" if dtype == torch.float64 else "fp32", micro_batches=micro_batches)
     if strategy_cls is not None:
         strategy.__class__ = strategy_cls
     optimizer = make_optimizer(strategy.module.parameters(),

@@ -97,12 +97,13 @@ def test_resharding_round_trips_load_exactly(resharded, stage):
 def _skip_reference(tmp_path, cfg):
     """The run a skip should equal: the same steps with global batch 5 of epoch 0 left out from the start."""
     from dutycycle.trainer.checkpoint.checkpointer import Checkpointer
+    from dutycycle.trainer.cluster.world import World
     from dutycycle.trainer.step.data import make_sources
     from dutycycle.trainer.step.loop import WorkerContext, train_worker
 
     cfg.checkpoint.every = 0
     ctx = WorkerContext(run_dir=str(tmp_path / "ref"))
-    ck = Checkpointer(cfg, ctx, total_steps=cfg.run.max_steps, data_info=make_sources(cfg, 0, 1)[2])
+    ck = Checkpointer(cfg, ctx, total_steps=cfg.run.max_steps, data_info=make_sources(cfg, World())[2])
     ck.skipped = {(0, 5)}
     torch.set_num_threads(1)
     return train_worker(cfg, ctx, checkpointer=ck)
@@ -112,10 +113,11 @@ def test_nonfinite_loss_rolls_back_and_skips_the_batch(tmp_path):
     """A bad sample in global batch 5 (step 6) makes the loss NaN: the run uncommits the checkpoint of step 6,
     rolls back to step 4, leaves the batch out and ends bit-identical to a run that never had it; the event names
     the batch's sample ids, which are the plan's."""
+    from dutycycle.trainer.cluster.world import World
     from dutycycle.trainer.step.data import make_sources
 
     cfg = cw.small_cfg(tmp_path / "run", "checkpoint.every=2", "run.max_steps=7", "data.synthetic_samples=256")
-    train_src = make_sources(cfg, 0, 1)[0]
+    train_src = make_sources(cfg, World())[0]
     it = iter(train_src)
     batches = [next(it) for _ in range(6)]
     cm.FAULTS["poison"] = batches[5]["image"][3]  # one sample of global batch 5, first seen at step 6
@@ -146,11 +148,12 @@ def test_transient_nonfinite_loss_rolls_back_and_trains_the_same_batches(tmp_pat
 
 
 def test_nonfinite_loss_stops_when_asked_naming_the_samples(tmp_path):
+    from dutycycle.trainer.cluster.world import World
     from dutycycle.trainer.step.data import make_sources
     from dutycycle.trainer.step.loop import TrainingDiverged
 
     cfg = cw.small_cfg(tmp_path / "run", "checkpoint.every=2", "checkpoint.on_nonfinite=stop")
-    batches = [b for _, b in zip(range(4), make_sources(cfg, 0, 1)[0], strict=False)]
+    batches = [b for _, b in zip(range(4), make_sources(cfg, World())[0], strict=False)]
     cm.FAULTS["poison"] = batches[3]["image"][0]
     with pytest.raises(TrainingDiverged, match=r"loss became nan at step 4 .*global batch 3 of epoch 0") as err:
         cw.train(cfg)

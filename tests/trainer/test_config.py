@@ -80,3 +80,55 @@ def test_plugin_model_factory_is_validated(tmp_path):
     assert cfg.model.name == "torch.nn:Identity"
     with pytest.raises(ConfigError, match="model.name"):
         load_config(write(tmp_path, '[data]\nsource = "synthetic"\n[model]\nname = ":nothing"\n'))
+
+
+def test_every_loader_option_is_reachable_from_a_config_key():
+    """Each field of the loader's config (and of its augmentation and read options) is set from a config key, or
+    listed in LOADER_SET_BY_TRAINER with the reason: a loader option added later fails here until it is."""
+    import dataclasses
+
+    from dutycycle.loader import AugmentConfig, LoaderConfig
+    from dutycycle.trainer.config import LOADER_SET_BY_TRAINER
+
+    keys = {  # a value other than the loader's default for every key that reaches it
+        "run.seed": 7, "data.global_batch_size": 64, "data.drop_last": "false", "data.loader_mode": "thread",
+        "data.prefetch": 3, "data.block_size": 16, "data.window": 512, "data.ray_max_retries": 5,
+        "data.raw_threads": 2, "data.memory_fraction": 0.25,
+        "data.augment.crop_padding": 4, "data.augment.flip": "true", "data.augment.normalize": "false",
+        "data.augment.mean": "[0.4, 0.5, 0.6]", "data.augment.std": "[0.2, 0.3, 0.4]",
+        "data.read.verify": "always", "data.read.remote": "range", "data.read.node_dir": "/tmp/node",
+        "data.read.disk_cache_bytes": 1000, "data.read.range_chunk_bytes": 4096, "data.read.range_cache_bytes": 8192,
+        "data.read.max_open_shards": 8,
+    }
+    cfg = load_config(None, ["data.source=synthetic", *(f"{k}={v}" for k, v in keys.items())])
+    train, val = cfg.data.loader_configs(cfg.run.seed, world_size=2)
+    default = LoaderConfig()
+    assert LOADER_SET_BY_TRAINER.keys() <= {f.name for f in dataclasses.fields(LoaderConfig)}
+    for f in dataclasses.fields(LoaderConfig):
+        if f.name in LOADER_SET_BY_TRAINER:
+            continue
+        got, untouched = getattr(train, f.name), getattr(default, f.name)
+        if dataclasses.is_dataclass(got):
+            for g in dataclasses.fields(got):
+                assert getattr(got, g.name) != getattr(untouched, g.name), f"LoaderConfig.{f.name}.{g.name}"
+        else:
+            assert got != untouched, f"LoaderConfig.{f.name} is set by no config key"
+    assert train.augment == cfg.data.augment and train.read == cfg.data.read and train.shuffle
+    # validation: every sample once in cache order, no random augmentation, the same normalization
+    assert val.global_batch_size == 2 * cfg.data.eval_batch_size and not val.shuffle and not val.drop_last
+    assert val.augment == AugmentConfig.eval(False, (0.4, 0.5, 0.6), (0.2, 0.3, 0.4))
+    assert val.read == train.read and val.prefetch == 3 and val.mode == "thread"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("data.augment.crop_padding=-1", "data.augment.crop_padding"),
+    ("data.augment.std=[1, 1]", "data.augment"),
+    ("data.read.verify=sometimes", "data.read.verify"),
+    ("data.prefetch=0", "data.prefetch"),
+    ("data.memory_fraction=2", "data.memory_fraction"),
+    ("run.health_timeout_s=0", "run.health_timeout_s"),
+    ("checkpoint.keep=1", "checkpoint.keep"),
+])
+def test_the_loaders_own_checks_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, ["data.source=synthetic", override])

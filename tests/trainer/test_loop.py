@@ -10,7 +10,8 @@ import os
 
 import pytest
 import torch
-from dutycycle.trainer.config import load_config
+from dutycycle.trainer.cluster.world import World
+from dutycycle.trainer.config import ParallelSection, load_config
 from dutycycle.trainer.parallel.apply import parallelize
 from dutycycle.trainer.step.data import draw_shapes
 from dutycycle.trainer.step.loop import TrainingDiverged, lr_at, optimizer_step
@@ -33,8 +34,8 @@ def batch(n=32, size=16, seed=0):
 def one_step(cfg, x, y, micro_batches, steps=1):
     torch.manual_seed(0)
     model = build_model(cfg.model, 3, 4, 16).double()
-    strategy = parallelize(model, zero_stage=0, rank=0, world_size=1, device=torch.device("cpu"),
-                           micro_batches=micro_batches, precision="fp64")
+    strategy = parallelize(model, ParallelSection(), World(), device=torch.device("cpu"), precision="fp64",
+                           micro_batches=micro_batches)
     opt = make_optimizer(model.parameters(), cfg.optim)
     for _ in range(steps):
         optimizer_step(strategy, opt, x, y, micro_batches=micro_batches, timer=StepTimer(),

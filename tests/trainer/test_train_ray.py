@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from dutycycle.engine.synth import synthesize_cache
 from dutycycle.trainer.config import load_config
 from dutycycle.trainer.launch.train import train
-from dutycycle.trainer.step.data import write_synthetic_cache
 
 pytestmark = pytest.mark.ray
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     uri = str(tmp_path_factory.mktemp("cache") / "shapes")
-    return write_synthetic_cache(uri, n_train=384, n_val=64, size=24, seed=3)
+    return synthesize_cache(uri, n_train=384, n_val=64, size=24, seed=3)
 
 
 def cfg_for(cache, run_dir, *extra):

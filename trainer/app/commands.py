@@ -1,8 +1,10 @@
-"""CLI subcommands of the trainer room: ``dutycycle train``, ``dutycycle diagnose`` and ``dutycycle demo``."""
+"""CLI subcommands of the trainer: ``dutycycle train``, ``dutycycle diagnose`` and ``dutycycle demo``."""
 
 from __future__ import annotations
 
 import argparse
+
+from dutycycle.trainer.config import add_overrides
 
 
 def register(subparsers) -> None:
@@ -13,8 +15,7 @@ def register(subparsers) -> None:
         "outputs: config.json, metrics.jsonl, summary.json, report.png.",
     )
     p.add_argument("config", help="a TOML config file, e.g. configs/demo.toml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set optim.lr=0.01 (repeatable)")
+    add_overrides(p)
     p.add_argument("--local", action="store_true",
                    help="run one worker in this process, without Ray (sets parallel.num_workers=1)")
     p.set_defaults(func=cmd_train)
@@ -28,8 +29,7 @@ def register(subparsers) -> None:
         "diagnosis.png and diagnosis.html under --out.",
     )
     g.add_argument("config", help="a TOML config file, e.g. configs/demo.toml")
-    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable)")
+    add_overrides(g)
     g.add_argument("--budget-s", type=float, default=300.0, help="time for all experiments (default 300)")
     g.add_argument("--out", default="", help="where the report goes (default: RUN_DIR/diagnose)")
     g.add_argument("--memory-budget-mb", type=float, default=None,
@@ -46,8 +46,7 @@ def register(subparsers) -> None:
     d.add_argument("--out", default="dutycycle-demo", help="output folder (default: ./dutycycle-demo)")
     d.add_argument("--workers", type=int, default=2, help="training workers on the local Ray cluster (default 2)")
     d.add_argument("--small", action="store_true", help="a quick run: a few hundred images, a few steps")
-    d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a training config key (repeatable)")
+    add_overrides(d, "a training config key")
     d.set_defaults(func=cmd_demo)
 
 

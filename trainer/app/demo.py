@@ -15,39 +15,49 @@ from __future__ import annotations
 
 import os
 import time
+import tomllib
 
-# The demo's training config. configs/demo.toml is the same settings for `dutycycle train` (a test keeps
-# them in step). Tuned on a 2-core machine: 32x32 samples, a 3-block GroupNorm CNN; see the README.
+# The demo trains with configs/demo.toml (shipped in the package as dutycycle.configs), the file that
+# `dutycycle train configs/demo.toml` reads, so the two cannot drift apart. On top of it the demo sets only where
+# its cache and run directory are and how many workers train (training_overrides); --small also applies
+# SMALL["train"]; the user's --set comes last. What stays here is the demo's own: how many images to generate,
+# their side, when a worker is killed, the diagnosis budget. Tuned on a 2-core machine; see the README.
 DEMO = {
     "images": 8000,
     "size": 32,
-    "train": {
-        "data": {"global_batch_size": 128, "eval_batch_size": 256, "augment": {"flip": True}},
-        "model": {"name": "cnn", "width": 32, "depth": 3},
-        "optim": {"lr": 0.005, "warmup_steps": 30, "weight_decay": 0.05},
-        "parallel": {"zero_stage": 2, "quant_grads": "int8"},
-        "checkpoint": {"every": 50, "async_save": True, "keep": 2},
-        "ray": {"max_failures": 1},
-        "run": {"epochs": 6, "eval_every": 100, "log_every": 10},
-    },
     "kill_after_step": 70,  # one worker is killed once this step is logged (after the step-50 commit)
     "diagnose": {"budget_s": 150, "only": None},
 }
 SMALL = {
     "images": 300,
     "size": 32,
+    # a quick run: smaller batches, a narrower CNN, 16 steps (run.max_steps wins over the file's epochs),
+    # commits every 4 steps so the killed worker still has one to resume from, and no random flips
     "train": {
-        "data": {"global_batch_size": 32, "eval_batch_size": 64},
-        "model": {"name": "cnn", "width": 8, "depth": 3},
-        "optim": {"lr": 0.003, "warmup_steps": 2},
-        "parallel": {"zero_stage": 2, "quant_grads": "int8"},
-        "checkpoint": {"every": 4, "async_save": True, "keep": 2},
-        "ray": {"max_failures": 1},
-        "run": {"max_steps": 16, "eval_every": 8, "log_every": 2},
+        "data.global_batch_size": 32, "data.eval_batch_size": 64, "data.augment.flip": False,
+        "model.width": 8, "optim.lr": 0.003, "optim.warmup_steps": 2, "checkpoint.every": 4,
+        "run.max_steps": 16, "run.eval_every": 8, "run.log_every": 2,
     },
     "kill_after_step": 6,
     "diagnose": {"budget_s": 60, "only": ["compute", "loader", "end_to_end", "memory"]},
 }
+
+
+def training_overrides(workers: int, run_dir: str, cache: str, small: bool = False) -> list[str]:
+    """What the demo sets on configs/demo.toml, as ``--set`` items: its cache, its run directory, the worker
+    count, and with ``small`` the quick run's settings."""
+    keys = {"data.cache": cache, "run.dir": run_dir, "parallel.num_workers": workers,
+            **(SMALL["train"] if small else {})}
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in keys.items()]
+
+
+def training_config(workers: int, run_dir: str, cache: str, small: bool = False,
+                    overrides: list[str] | None = None):
+    """The demo's resolved training config: configs/demo.toml, the demo's overrides, then ``overrides``."""
+    from dutycycle.trainer.config import load_config, packaged_config
+
+    base = tomllib.loads(packaged_config("demo.toml"))
+    return load_config(None, [*training_overrides(workers, run_dir, cache, small), *(overrides or [])], base=base)
 
 
 def _say(msg: str) -> None:
@@ -63,7 +73,6 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
     from dutycycle.engine.table.catalog import ingest
     from dutycycle.engine.table.table import open_table
     from dutycycle.engine.transform import TransformSpec
-    from dutycycle.trainer.config import load_config
     from dutycycle.trainer.launch.train import train
     from dutycycle.trainer.step.metrics import format_breakdown
 
@@ -73,11 +82,7 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
     images, table, curated = io.join(out, "images"), io.join(out, "table"), io.join(out, "curated")
     cache_root, run_dir = io.join(out, "cache"), io.join(out, "run")
     # Validate the training config first: a bad --set fails before minutes of data preparation.
-    base = dict(plan["train"])
-    base["data"] = {**base["data"], "source": "cache", "cache": "(set after materialize)"}
-    base["parallel"] = {**base.get("parallel", {}), "num_workers": workers}
-    base["run"] = {**base["run"], "dir": run_dir, "name": "demo"}
-    load_config(None, overrides, base=base)
+    training_config(workers, run_dir, "(set after materialize)", small, overrides)
     t_start = time.perf_counter()
     stages: dict[str, float] = {}
 
@@ -112,8 +117,7 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
     _say(f"materialize: {m.num_samples} samples of {m.shape} in {len(m.shards)} shards"
          f"{' (reused)' if res.reused else ''}, splits {m.split_counts} -> {res.uri} [{stages['materialize']:.1f}s]")
 
-    base["data"]["cache"] = res.uri
-    cfg = load_config(None, overrides, base=base)
+    cfg = training_config(workers, run_dir, res.uri, small, overrides)
     if io.exists(run_dir):  # train afresh: a previous demo's checkpoints would be resumed from
         fs, path = io.filesystem(run_dir)
         fs.rm(path, recursive=True)

@@ -89,9 +89,10 @@ def _steady_rows(run_dir: str) -> list[dict]:
 
 def _data_info(ctx: Context):
     """The configured data's description (shape, classes, fingerprint)."""
+    from dutycycle.trainer.cluster.world import World
     from dutycycle.trainer.step.data import make_sources
 
-    return _once(ctx, "data_info", lambda: make_sources(variant(ctx.cfg, "data.loader_mode=sync"), 0, 1)[2])
+    return _once(ctx, "data_info", lambda: make_sources(variant(ctx.cfg, "data.loader_mode=sync"), World())[2])
 
 
 def _synthetic(ctx: Context) -> list[str]:
@@ -188,6 +189,7 @@ def table_of(cfg) -> str | None:
 
 def loader(ctx: Context) -> dict:
     """Global batches per second from each source alone, in this process, with training's augmentation."""
+    from dutycycle.trainer.cluster.world import World
     from dutycycle.trainer.step.data import make_sources
 
     cfg = ctx.cfg
@@ -203,7 +205,7 @@ def loader(ctx: Context) -> dict:
         sources.append(("raw", variant(cfg, "data.source=raw", f"data.table={table}")))
     seconds = ctx.seconds / (len(sources) + 1)
     for name, c in sources:
-        train, _, _ = make_sources(c, 0, 1)
+        train, _, _ = make_sources(c, World())
         train.set_epoch(0)
         out[name] = _rate(iter(train), gbs, seconds)
         if name in ("cache", "synthetic") and "in_ram" not in out:

@@ -76,7 +76,7 @@ def decide(findings: dict) -> Verdict:
     if run:
         # Waiting on the loader understates it when decoding shares the cores with compute (CPU runs): decode
         # threads then slow forward/backward instead. So the loader alone is measured too, and the part of the
-        # compute ceiling it cannot feed counts as data pressure (the seed talk's first experiment).
+        # compute ceiling it cannot feed counts as data pressure.
         rate = loaders.get(e2e.get("configured"))
         shortfall = max(0.0, 1.0 - rate / ceiling) if isinstance(rate, float) and ceiling else 0.0
         shares["data"] = max(run["data_wait_share"], shortfall)

@@ -16,14 +16,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
     from dutycycle.engine.errors import DutycycleError
-    from dutycycle.trainer.config import load_config, use_gpu
+    from dutycycle.trainer.config import add_overrides, load_config, use_gpu
     from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
 
     from .train import finish_run, prepare_run
 
     parser = argparse.ArgumentParser(prog="python -m dutycycle.trainer.launch.torchrun")
     parser.add_argument("config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_overrides(parser)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))

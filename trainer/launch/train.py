@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 
 from dutycycle.engine import io
+from dutycycle.trainer.cluster.local import start_local_ray
 from dutycycle.trainer.config import TrainConfig, describe, from_dict, use_gpu
 from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
 
@@ -139,8 +140,8 @@ def init_ray(cfg: TrainConfig) -> None:
     runtime = runtime_env({k: os.environ[k] for k in env})  # one print per line, no state-API warnings
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, log_to_driver=True, configure_logging=False, runtime_env=runtime)
-    else:
-        ray.init(include_dashboard=False, configure_logging=False, runtime_env=runtime)
+    else:  # a cluster already running on this machine, or a new one
+        start_local_ray(fresh=False, log_to_driver=True, runtime_env=runtime)
 
 
 def scaling_config(cfg: TrainConfig, gpu: bool):

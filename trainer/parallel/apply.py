@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from dutycycle.trainer.cluster.world import World
 from torch import nn
 
 from .comm import (
@@ -32,7 +33,7 @@ from .comm import (
     QuantReduceScatter,
     counting_allreduce_hook,
 )
-from .plan import Quantization, ShardingPlan, make_plan
+from .plan import Quantization, ShardingPlan, make_plan, make_quantization
 from .traffic import Topology
 
 
@@ -161,22 +162,23 @@ def shard_units(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str
 # ------------------------------------------------------------------------------------------------ parallelize
 
 
-def parallelize(model: nn.Module, *, zero_stage: int, rank: int, world_size: int, device: torch.device,
-                micro_batches: int = 1, reduce_every_micro_step: bool = False, offload: bool = False,
-                precision: str = "fp32", bucket_mb: float = 25.0, find_unused_parameters: bool = False,
-                node_size: int = 0, quant: Quantization | None = None, hpz: bool = False) -> Strategy:
+def parallelize(model: nn.Module, parallel, world: World, *, device: torch.device, precision: str = "fp32",
+                micro_batches: int = 1) -> Strategy:
     """Wrap ``model`` (already on ``device``, identical on every rank) for data-parallel training.
 
+    ``parallel`` is the config's parallel section (``trainer.config.ParallelSection``): the ZeRO stage, offload,
+    the DDP bucket size and unused-parameter flag, the ZeRO++ options (quantized collectives, hpZ).
+    ``world`` is this rank, the world size and which ranks share a node; the node layout feeds the
+    intra/inter-node split of the byte counts, hpZ's secondary shard and two-hop qgZ. The rest is the run's:
     ``precision`` is the resolved compute precision: ``"fp32"``, ``"fp64"`` (the model is float64 already) or
     ``"bf16"`` (stage 0: the loop autocasts; stages 1-3: FSDP2 keeps fp32 sharded master weights, gathers bf16
-    parameters and reduces gradients in fp32). ``node_size`` (0 = all ranks on one node, consecutive ranks per
-    node) feeds the intra/inter-node split of the byte counts, hpZ's secondary shard and two-hop qgZ. ``quant``:
-    ZeRO++ wire formats for the FSDP2 collectives (plan.make_quantization)."""
-    topology = Topology.uniform(world_size, node_size or world_size)
-    meter = CommMeter(rank, topology, host_timing=device.type == "cpu")
-    plan = make_plan(zero_stage, world_size, micro_batches, reduce_every_micro_step, offload,
-                     reshard_group=node_size if hpz else 0)
-    quant = quant or Quantization()
+    parameters and reduces gradients in fp32); ``micro_batches`` per optimizer step (``data.micro_batches``)."""
+    p, world_size = parallel, world.size
+    topology = Topology.uniform(world_size, world.ranks_per_node)
+    meter = CommMeter(world.rank, topology, host_timing=device.type == "cpu")
+    plan = make_plan(p.zero_stage, world_size, micro_batches, p.reduce_every_micro_step, p.offload != "none",
+                     reshard_group=world.node_size if p.hpz else 0)
+    quant = make_quantization(p, world)
     compute_dtype = torch.float64 if precision == "fp64" else torch.float32
 
     if not plan.fsdp:
@@ -184,8 +186,8 @@ def parallelize(model: nn.Module, *, zero_stage: int, rank: int, world_size: int
             return Strategy(model=model, module=model, plan=plan, meter=meter, compute_dtype=compute_dtype)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb,
-                  gradient_as_bucket_view=True, find_unused_parameters=find_unused_parameters)
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=p.bucket_mb,
+                  gradient_as_bucket_view=True, find_unused_parameters=p.find_unused_parameters)
         ddp.register_comm_hook(None, counting_allreduce_hook(meter))
         return DDPStrategy(model=ddp, module=model, plan=plan, meter=meter, name="ddp",
                            compute_dtype=compute_dtype)
@@ -221,7 +223,7 @@ def parallelize(model: nn.Module, *, zero_stage: int, rank: int, world_size: int
         m.set_custom_reduce_scatter(
             QuantReduceScatter(meter, quant.grads_bits, quant.block, hierarchy, quant.error_feedback)
             if quant.grads_bits < 32 else CountingReduceScatter(meter))
-        if find_unused_parameters:
+        if p.find_unused_parameters:
             m.set_reduce_scatter_unused_params(True, recurse=False)
     return FSDPStrategy(model=model, module=model, plan=plan, meter=meter, name="fsdp2",
                         compute_dtype=compute_dtype, units=[n for n, _ in units], quant=quant)

@@ -14,8 +14,9 @@ machinery:
   window. Stage 1 has no exact FSDP2 equivalent: ZeRO-1 keeps parameters replicated between steps, FSDP2 does
   not; what it holds is measured and reported beside the ZeRO formula.
 
-Gradients are exchanged once per optimizer step, at the accumulation boundary, by default (the fix from the
-seed talks: a cluster was slower than one GPU until synchronization waited for the window's end). With
+Gradients are exchanged once per optimizer step, at the accumulation boundary, by default (synchronizing
+inside the accumulation window multiplies gradient traffic by the micro-batch count, enough to make a cluster
+slower than one GPU). With
 ``reduce_every_micro_step`` they are reduce-scattered after every micro-batch (DeepSpeed's ZeRO-2 style): less
 memory (no full gradients kept), M times the gradient traffic.
 """
@@ -62,14 +63,14 @@ class Quantization:
 BITS = {"none": 32, "int8": 8, "int4": 4}
 
 
-def make_quantization(quant_weights: str = "none", quant_grads: str = "none", block: int = 256,
-                      hierarchical: bool = True, error_feedback: bool = False, node_size: int = 0,
-                      world_size: int = 1) -> Quantization:
-    """Two hops only pay when there is more than one node and more than one rank per node."""
-    grads = BITS[quant_grads]
-    two_hop = hierarchical and grads < 32 and 1 < node_size < world_size
-    return Quantization(weights_bits=BITS[quant_weights], grads_bits=grads, block=block, two_hop=two_hop,
-                        error_feedback=error_feedback and grads < 32)
+def make_quantization(parallel, world) -> Quantization:
+    """The wire formats the parallel config section asks for (``quant_weights``, ``quant_grads``,
+    ``quant_block``, ``hierarchical``, ``error_feedback``) on ``world`` (a ``cluster.world.World``). Two hops
+    only pay when there is more than one node and more than one rank per node."""
+    grads = BITS[parallel.quant_grads]
+    two_hop = parallel.hierarchical and grads < 32 and 1 < world.node_size < world.size
+    return Quantization(weights_bits=BITS[parallel.quant_weights], grads_bits=grads, block=parallel.quant_block,
+                        two_hop=two_hop, error_feedback=parallel.error_feedback and grads < 32)
 
 
 def make_plan(zero_stage: int, world_size: int, micro_batches: int = 1, reduce_every_micro_step: bool = False,

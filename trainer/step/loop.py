@@ -229,9 +229,9 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     ``parallelize_fn`` (same signature as ``parallel.apply.parallelize``) replaces how the model is wrapped:
     benchmarks use it to run a baseline strategy through the same loop."""
     import torch
+    from dutycycle.trainer.cluster.world import World
     from dutycycle.trainer.parallel.apply import parallelize
     from dutycycle.trainer.parallel.memory import MemorySampler
-    from dutycycle.trainer.parallel.plan import make_quantization
 
     from . import metrics as M
     from .data import make_sources, take
@@ -239,16 +239,16 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     from .optim import make_optimizer
     from .timing import StepTimer
 
-    rank, world = ctx.rank, ctx.world_size
+    world = World(ctx.rank, ctx.world_size, cfg.parallel.node_size)
     device = ctx.device or torch.device("cpu")
     precision = resolve_precision(device, cfg.run.precision)
     health = None
     if cfg.run.health_check:
         from dutycycle.trainer.cluster.health import preflight
 
-        health = preflight(rank, world, device, cfg.run.health_timeout_s, ctx.run_dir)
+        health = preflight(world.rank, world.size, device, cfg.run.health_timeout_s, ctx.run_dir)
     torch.manual_seed(cfg.run.seed)
-    train_src, val_src, info = make_sources(cfg, rank, world)
+    train_src, val_src, info = make_sources(cfg, world)
     model = build_model(cfg.model, info.channels, info.num_classes, info.size).to(device)
     if precision == "fp64":
         model = model.double()
@@ -256,15 +256,9 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     is_cuda = device.type == "cuda"
     fps = flops_per_sample(model, info.channels, info.size, device) if is_cuda else None
     peak = M.peak_flops(torch.cuda.get_device_name(device)) if is_cuda else None
-    _broadcast_parameters(model, world)
-    p = cfg.parallel
-    strategy = (parallelize_fn or parallelize)(model, zero_stage=p.zero_stage, rank=rank, world_size=world, device=device,
-                           micro_batches=cfg.data.micro_batches, reduce_every_micro_step=p.reduce_every_micro_step,
-                           offload=p.offload != "none", precision=precision, bucket_mb=p.bucket_mb,
-                           find_unused_parameters=p.find_unused_parameters, node_size=p.node_size,
-                           quant=make_quantization(p.quant_weights, p.quant_grads, p.quant_block, p.hierarchical,
-                                                   p.error_feedback, p.node_size, world),
-                           hpz=p.hpz)
+    _broadcast_parameters(model, world.size)
+    strategy = (parallelize_fn or parallelize)(model, cfg.parallel, world, device=device, precision=precision,
+                                               micro_batches=cfg.data.micro_batches)
     optimizer = make_optimizer(strategy.module.parameters(), cfg.optim)
     autocast = autocast_for(device, precision, fsdp=strategy.plan.fsdp)
     steps_per_epoch = len(train_src)
@@ -275,14 +269,14 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
         )
     total = cfg.run.max_steps or max(1, math.ceil(cfg.run.epochs * steps_per_epoch))
 
-    writer = M.MetricsWriter(ctx.run_dir, enabled=(rank == 0 and bool(ctx.run_dir)))
+    writer = M.MetricsWriter(ctx.run_dir, enabled=(world.rank == 0 and bool(ctx.run_dir)))
     if checkpointer is None:
         from dutycycle.trainer.checkpoint import make_checkpointer
 
         checkpointer = make_checkpointer(cfg, ctx, total_steps=total, data_info=info, writer=writer)
     timer = StepTimer(device)
     log = StepLog(timer, writer, log_every=cfg.run.log_every, total_steps=total,
-                  verbose=rank == 0 and cfg.run.log_every > 0, base_lr=cfg.optim.lr)
+                  verbose=world.rank == 0 and cfg.run.log_every > 0, base_lr=cfg.optim.lr)
     sampler = MemorySampler()
     eval_totals = 0.0
     n_evals = 0
@@ -303,7 +297,7 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
         writer.log({"step": step, "epoch": epoch, "val_accuracy": val_acc, "val_loss": val_loss,
                     "val_samples": n_val, "eval_s": dt})
         writer.flush()
-        if rank == 0 and cfg.run.log_every > 0:
+        if world.rank == 0 and cfg.run.log_every > 0:
             print(f"[rank 0] step {step}/{total}: val accuracy {val_acc:.3f}, val loss {val_loss:.4f}", flush=True)
         if ctx.report is not None:
             ctx.report({"step": step, "val_accuracy": val_acc, "val_loss": val_loss, "loss": log.last_loss})
@@ -363,7 +357,7 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     summary["checkpoint"] = checkpointer.summary()
     summary["health"] = health
     writer.close()
-    if rank == 0 and ctx.run_dir:
+    if world.rank == 0 and ctx.run_dir:
         from dutycycle.engine import io
 
         if cfg.run.save_model:

@@ -1,0 +1,74 @@
+"""Write a committed cache from samples already in memory: the same shards and manifest ``materialize`` writes,
+for callers whose pixels are already decoded (synthetic data, tests, benchmark baselines).
+
+Rows are sorted by sample id, as every cache is; shards are written atomically, then the manifest, last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..transform import LAYOUTS
+from . import format as cf
+
+
+def write_cache(
+    cache_uri: str,
+    sample_ids,
+    labels,
+    splits,
+    images: np.ndarray,
+    *,
+    classes: list[str],
+    rows_per_shard: int = 2048,
+    layout: str = "HWC",
+    spec: dict[str, Any] | None = None,
+    source: str = "",
+    fingerprint: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> cf.CacheManifest:
+    """Write ``images`` (uint8 [N, *sample shape] in ``layout``) with their ids, label indices and split names as
+    a committed cache at ``cache_uri``; returns its manifest. Without ``fingerprint``, one is derived from the
+    shards' checksums and the classes, so the same content gets the same fingerprint."""
+    ids = [str(s) for s in sample_ids]
+    n = len(ids)
+    if not len(labels) == len(splits) == images.shape[0] == n:
+        raise ConfigError(f"write_cache needs one id, label, split and image per sample (got {n} ids, "
+                          f"{len(labels)} labels, {len(splits)} splits, {images.shape[0]} images)")
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout={layout!r} is invalid; use one of {', '.join(LAYOUTS)}")
+    if not isinstance(rows_per_shard, int) or rows_per_shard < 1:
+        raise ConfigError(f"rows_per_shard={rows_per_shard!r} is invalid; use a positive integer")
+    order = sorted(range(n), key=ids.__getitem__)  # a cache's rows are in sample-id order
+    labels = np.asarray(labels, np.int64)[order]
+    splits = [str(splits[i]) for i in order]
+    ids = [ids[i] for i in order]
+    shards = [
+        cf.write_shard(cache_uri, k, ids[lo : lo + rows_per_shard], labels[lo : lo + rows_per_shard],
+                       splits[lo : lo + rows_per_shard], images[order[lo : lo + rows_per_shard]])
+        for k, lo in enumerate(range(0, n, rows_per_shard))
+    ]
+    if fingerprint is None:
+        content = json.dumps([[s.sha256 for s in shards], list(classes)]).encode()
+        fingerprint = hashlib.sha256(content).hexdigest()[:16]
+    manifest = cf.CacheManifest(
+        fingerprint=fingerprint,
+        shape=list(images.shape[1:]),
+        layout=layout,
+        dtype="uint8",
+        num_samples=n,
+        shards=shards,
+        classes=list(classes),
+        split_counts=dict(Counter(splits)),
+        spec=dict(spec or {}),
+        source=source,
+        options=dict(options or {}),
+    )
+    cf.commit(cache_uri, manifest)
+    return manifest

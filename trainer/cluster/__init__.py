@@ -1,0 +1,3 @@
+"""Who is training and whether they can: the ``World`` (rank, size, node layout) and object collectives
+(``world.py``), the pre-flight health check of every worker (``health.py``), and a local Ray cluster and free
+ports for the demo, tests and benchmarks (``local.py``)."""

@@ -9,19 +9,18 @@ in one method. The resolved tree is printed and saved as ``RUN_DIR/config.json``
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
 import json
 import os
 import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError
 from dutycycle.loader.config import MODES, AugmentConfig, LoaderConfig
+
+from .configtree import build, parse_overrides, renamed, set_dotted
 
 # ------------------------------------------------------------------------------------------ value checks
 
@@ -43,13 +42,6 @@ def _not_negative(where: str, section: Any, *names: str) -> None:
         v = getattr(section, name)
         if v < 0:
             raise ConfigError(f"{where}.{name} = {v} must not be negative")
-
-
-def _renamed(err: ConfigError, cls: type, where: str) -> ConfigError:
-    """The loader's and the cache reader's config objects name a bad field ``Class.field``; in this tree the
-    same field is the dotted key ``where.field``, which is what a user can set."""
-    text = str(err).replace(f"{cls.__name__}.", f"{where}.").replace(f"{cls.__name__} ", f"{where} ")
-    return ConfigError(text if where in text else f"{where}: {text}")
 
 
 # -------------------------------------------------------------------------------------------- sections
@@ -114,7 +106,7 @@ class DataSection:
         try:  # the loader's own checks (prefetch, block_size, memory_fraction, ...), named by their keys here
             self.loader_configs(seed=0, world_size=1)
         except ConfigError as e:
-            raise _renamed(e, LoaderConfig, where) from None
+            raise renamed(e, LoaderConfig, where) from None
 
 
 @dataclass
@@ -328,142 +320,6 @@ class TrainConfig:
 # Keys that cannot be field names: ``async`` is a Python keyword.
 ALIASES = {"checkpoint.async": "checkpoint.async_save"}
 
-# ----------------------------------------------------------------------------------------------- building
-
-
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Convert ``value`` (from TOML or a ``--set`` string) to the field type ``tp`` or raise ConfigError."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) != 1 or len(args) != 2:
-            raise AssertionError(f"unsupported union type for {key}")
-        # TOML has no null: a key left out keeps None (the default); a JSON round trip brings None back
-        return None if value is None else _coerce(key, value, inner[0])
-    if origin is dict:
-        if isinstance(value, str):
-            value = _parse_value(key, value, "a TOML inline table", f'{key}={{zone="a"}}')
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} = {value!r} must be a table of strings, e.g. {key}={{zone=\"a\"}}")
-        return {str(k): str(v) for k, v in value.items()}
-    if origin is collections.abc.Sequence:  # e.g. data.augment.mean: a list, or one value for all channels
-        if isinstance(value, str):
-            value = _parse_value(key, value, "a TOML array or number", f"{key}=[0.5, 0.5, 0.5]")
-        return tuple(_coerce(key, v, args[0]) for v in (value if isinstance(value, (list, tuple)) else [value]))
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.lower() in ("true", "1", "yes", "on")
-        raise ConfigError(f"{key} = {value!r} is not a boolean; use true or false")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key} = {value!r} is not an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise ConfigError(f"{key} = {value!r} is not an integer")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key} = {value!r} is not a number")
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key} = {value!r} must be a string")
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        return str(value)
-    raise AssertionError(f"unsupported field type {tp} for {key}")
-
-
-def _parse_value(key: str, text: str, kind: str, example: str) -> Any:
-    """A ``--set`` value written in TOML (an inline table, an array)."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{key} = {text!r} is not {kind}; write e.g. {example}") from e
-
-
-def _build(cls, data: dict[str, Any], prefix: str):
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix} must be a table, got {data!r}")
-    data = {ALIASES.get(f"{prefix}.{k}", f"{prefix}.{k}").rsplit(".", 1)[-1]: v for k, v in data.items()}
-    hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(f"unknown config key {key!r}; valid keys here: {', '.join(sorted(names))}")
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else name
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value, key)
-        else:
-            kwargs[name] = _coerce(key, value, tp)
-    try:  # the loader's config objects check their values when built
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise _renamed(e, cls, prefix) from None
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
-    """Apply one ``a.b=value`` override to a nested dict, coercing the value to the field's type."""
-    dotted = ALIASES.get(dotted, dotted)
-    parts = dotted.split(".")
-    cls: Any = TrainConfig
-    node = tree
-    for i, part in enumerate(parts):
-        key = ".".join(parts[: i + 1])
-        names = {f.name for f in dataclasses.fields(cls)}
-        if part not in names:
-            raise ConfigError(f"unknown config key {key!r}; valid keys here: {', '.join(sorted(names))}")
-        tp = _hints(cls)[part]
-        last = i == len(parts) - 1
-        if dataclasses.is_dataclass(tp):
-            if last:
-                raise ConfigError(f"{key} is a section; set one of its keys, e.g. {key}.{dataclasses.fields(tp)[0].name}=...")
-            node = node.setdefault(part, {})
-            cls = tp
-        else:
-            if not last:
-                raise ConfigError(f"unknown config key {dotted!r}: {key} is not a section")
-            node[part] = _coerce(dotted, raw, tp)
-
-
-def add_overrides(parser, what: str = "a config key") -> None:
-    """The ``--set KEY=VALUE`` option (repeatable) on an argparse parser, collected in ``args.overrides``: what
-    ``load_config`` takes as ``overrides``."""
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help=f"override {what}, e.g. --set optim.lr=0.01 (repeatable)")
-
-
-def parse_overrides(items: list[str] | None) -> list[tuple[str, str]]:
-    out = []
-    for item in items or []:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r} must look like key=value, e.g. --set optim.lr=0.01")
-        k, v = item.split("=", 1)
-        out.append((k.strip(), v.strip()))
-    return out
-
-
 def packaged_config(name: str) -> str:
     """The text of a config shipped with the package (``configs/NAME``), e.g. ``packaged_config("demo.toml")``."""
     from importlib import resources
@@ -497,14 +353,14 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, bas
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from e
     for k, v in parse_overrides(overrides):
-        _set_dotted(tree, k, v)
-    cfg = _build(TrainConfig, tree, "")
+        set_dotted(TrainConfig, tree, k, v, ALIASES)
+    cfg = build(TrainConfig, tree, "", ALIASES)
     validate(cfg)
     return cfg
 
 
 def from_dict(tree: dict[str, Any]) -> TrainConfig:
-    cfg = _build(TrainConfig, tree, "")
+    cfg = build(TrainConfig, tree, "", ALIASES)
     validate(cfg)
     return cfg
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dutycycle.trainer.config import add_overrides
+from dutycycle.trainer.configtree import add_overrides
 
 
 def register(subparsers) -> None:

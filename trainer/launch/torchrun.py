@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
     from dutycycle.engine.errors import DutycycleError
-    from dutycycle.trainer.config import add_overrides, load_config, use_gpu
+    from dutycycle.trainer.config import load_config, use_gpu
+    from dutycycle.trainer.configtree import add_overrides
     from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
 
     from .train import finish_run, prepare_run

@@ -1,0 +1,159 @@
+"""A tree of config dataclasses from TOML and ``--set a.b=value`` overrides: types coerced from the field
+annotations, unknown keys named with the valid ones. Generic: it knows nothing about training; trainer/config.py
+holds the sections."""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import tomllib
+import types
+import typing
+from typing import Any
+
+from dutycycle.engine.errors import ConfigError
+
+
+def field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert ``value`` (from TOML or a ``--set`` string) to the field type ``tp`` or raise ConfigError."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1 or len(args) != 2:
+            raise AssertionError(f"unsupported union type for {key}")
+        # TOML has no null: a key left out keeps None (the default); a JSON round trip brings None back
+        return None if value is None else coerce(key, value, inner[0])
+    if origin is dict:
+        if isinstance(value, str):
+            value = parse_value(key, value, "a TOML inline table", f'{key}={{zone="a"}}')
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r} must be a table of strings, e.g. {key}={{zone=\"a\"}}")
+        return {str(k): str(v) for k, v in value.items()}
+    if origin is collections.abc.Sequence:  # e.g. data.augment.mean: a list, or one value for all channels
+        if isinstance(value, str):
+            value = parse_value(key, value, "a TOML array or number", f"{key}=[0.5, 0.5, 0.5]")
+        return tuple(coerce(key, v, args[0]) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{key} = {value!r} is not a boolean; use true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r} is not an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} = {value!r} is not an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} = {value!r} is not a number")
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key} = {value!r} must be a string")
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return str(value)
+    raise AssertionError(f"unsupported field type {tp} for {key}")
+
+
+def parse_value(key: str, text: str, kind: str, example: str) -> Any:
+    """A ``--set`` value written in TOML (an inline table, an array)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{key} = {text!r} is not {kind}; write e.g. {example}") from e
+
+
+def build(cls, data: dict[str, Any], prefix: str = "", aliases: dict[str, str] | None = None):
+    """An instance of dataclass ``cls`` from a nested dict (parsed TOML), every value coerced to its field's type;
+    an unknown key raises ConfigError naming it and the valid ones. ``aliases`` maps dotted keys that cannot be
+    field names (``checkpoint.async``) to the field's."""
+    aliases = aliases or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix} must be a table, got {data!r}")
+    data = {aliases.get(f"{prefix}.{k}", f"{prefix}.{k}").rsplit(".", 1)[-1]: v for k, v in data.items()}
+    hints = field_types(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(f"unknown config key {key!r}; valid keys here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = build(tp, value, key, aliases)
+        else:
+            kwargs[name] = coerce(key, value, tp)
+    try:  # the loader's config objects check their values when built
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise renamed(e, cls, prefix) from None
+
+
+def set_dotted(root: type, tree: dict[str, Any], dotted: str, raw: str, aliases: dict[str, str] | None = None) -> None:
+    """Apply one ``a.b=value`` override to the nested dict ``tree`` of dataclass ``root``, coercing the value to
+    the field's type."""
+    dotted = (aliases or {}).get(dotted, dotted)
+    parts = dotted.split(".")
+    cls: Any = root
+    node = tree
+    for i, part in enumerate(parts):
+        key = ".".join(parts[: i + 1])
+        names = {f.name for f in dataclasses.fields(cls)}
+        if part not in names:
+            raise ConfigError(f"unknown config key {key!r}; valid keys here: {', '.join(sorted(names))}")
+        tp = field_types(cls)[part]
+        last = i == len(parts) - 1
+        if dataclasses.is_dataclass(tp):
+            if last:
+                raise ConfigError(f"{key} is a section; set one of its keys, e.g. {key}.{dataclasses.fields(tp)[0].name}=...")
+            node = node.setdefault(part, {})
+            cls = tp
+        else:
+            if not last:
+                raise ConfigError(f"unknown config key {dotted!r}: {key} is not a section")
+            node[part] = coerce(dotted, raw, tp)
+
+
+def add_overrides(parser, what: str = "a config key") -> None:
+    """The ``--set KEY=VALUE`` option (repeatable) on an argparse parser, collected in ``args.overrides``: what
+    ``load_config`` takes as ``overrides``."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override {what}, e.g. --set optim.lr=0.01 (repeatable)")
+
+
+def parse_overrides(items: list[str] | None) -> list[tuple[str, str]]:
+    out = []
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} must look like key=value, e.g. --set optim.lr=0.01")
+        k, v = item.split("=", 1)
+        out.append((k.strip(), v.strip()))
+    return out
+
+
+def renamed(err: ConfigError, cls: type, where: str) -> ConfigError:
+    """The loader's and the cache reader's config objects name a bad field ``Class.field``; in this tree the
+    same field is the dotted key ``where.field``, which is what a user can set."""
+    text = str(err).replace(f"{cls.__name__}.", f"{where}.").replace(f"{cls.__name__} ", f"{where} ")
+    return ConfigError(text if where in text else f"{where}: {text}")

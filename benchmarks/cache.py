@@ -81,7 +81,8 @@ def prepare(root: Path, n: int) -> dict[str, Any]:
         rows.append({"sample_id": hashlib.sha256(data).hexdigest()[:32], "uri": str(path), "size_bytes": len(data),
                      "format": "JPEG", "label": label, "split": "train", "orientation": 1, "error": None})
     cols = {f: pa.array([r.get(f) for r in rows], tf.SCHEMA.field(f).type) for f in tf.SCHEMA.names}
-    write_version(str(root / "table"), pa.table(cols, tf.SCHEMA), classes=CLASSES, source="benchmarks/cache.py")
+    write_version(str(root / "table"), pa.table(cols, tf.SCHEMA), classes=CLASSES, source="benchmarks/cache.py",
+                  options={"roots": [str(root / "images")]})  # where its rows point (readers refuse rows outside)
     info = {"n": n, "image_bytes": total, "sides_px": [128, 256], "format": "JPEG q90"}
     info_path.write_text(json.dumps(info))
     return info

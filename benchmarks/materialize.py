@@ -149,7 +149,8 @@ def prepare_plan_table(root: Path, n: int) -> str:
         "error": [("corrupt: x" if i % 100 == 7 else None) for i in range(n)],
     }
     t = pa.table({f: pa.array(cols.get(f, [None] * n), tf.SCHEMA.field(f).type) for f in tf.SCHEMA.names}, tf.SCHEMA)
-    write_version(str(table), t, classes=["circle", "square", "star", "triangle"], source="benchmark")
+    write_version(str(table), t, classes=["circle", "square", "star", "triangle"], source="benchmark",
+                  options={"roots": ["/data"]})  # where its rows point (readers refuse rows outside)
     return str(table)
 
 

@@ -47,6 +47,11 @@ def register(subparsers) -> None:
         "--html", default=None, help="write the contact sheet here (default: TABLE/contact_sheet.html)"
     )
     p.add_argument("--size", type=int, default=128, help="thumbnail size in pixels")
+    p.add_argument(
+        "--allow-root", action="append", default=[], metavar="URI",
+        help="also read rows under this folder or URI (repeatable); by default only rows inside the table's "
+        "source roots are read",
+    )
     p.add_argument("--json", action="store_true", help="print the stats as JSON")
     runner.add_arguments(p)
     p.set_defaults(func=cmd_inspect)
@@ -57,7 +62,9 @@ def register(subparsers) -> None:
     p.add_argument("table", help="table folder or URI")
     p.add_argument(
         "--grace-seconds", type=float, default=3600.0,
-        help="leave files younger than this alone: an ingest still running owns them (default 3600)",
+        help="leave a file alone until this long after it left the table (so readers of older versions keep "
+        "their files), or, for a file no version named, after it was written: an ingest still running owns "
+        "it (default 3600)",
     )
     p.add_argument("--keep-versions", type=int, default=None, help="expire all but the newest K versions first")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
@@ -156,10 +163,13 @@ def cmd_inspect(args) -> int:
     s = table.stats()
     text = format_stats(s)
     out = args.html or io.join(args.table, "contact_sheet.html")
-    grid = contact_sheet(table, out, limit=args.limit, size=args.size, summary=text.splitlines())
+    grid = contact_sheet(table, out, limit=args.limit, size=args.size, summary=text.splitlines(),
+                         allowed_roots=args.allow_root)
     if args.json:
-        print(json.dumps({**s, "html": out, "thumbnails": len(grid)}, indent=2))
+        print(json.dumps({**s, "html": out, "thumbnails": len(grid), "outside_roots": grid.refused}, indent=2))
     else:
         print(text)
         print(f"contact sheet: {out} ({len(grid)} thumbnails)", file=sys.stdout)
+        if grid.refused:
+            print(grid.summary[-1], file=sys.stdout)
     return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import io as _io
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -23,7 +24,14 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from .errors import DecodeError
-from .limits import ALLOWED_FORMATS, DEFAULT_MAX_PIXELS, REDUCED_DECODE_MAX_PIXELS
+from .limits import (
+    ALLOWED_FORMATS,
+    DEFAULT_MAX_PIXELS,
+    REDUCED_DECODE_MAX_PIXELS,
+    RGB_DECODE_BYTES_PER_PIXEL,
+    decode_budget_bytes,
+    decode_bytes_per_pixel,
+)
 
 ORIENTATION_TAG = 0x0112
 HASH_HEX_CHARS = 32
@@ -125,10 +133,53 @@ def _refuse(reason: str, detail: str) -> DecodeError:
     return DecodeError(reason, f"{reason}: {detail}")
 
 
+# A file's bytes never appear in an error (a table's error column, a contact sheet, a log): errors describe the file
+# (its size, a guess at what it is) and the reason, and decoder messages lose any bytes literal they quote.
+_BYTES_LITERAL = re.compile(r"b'(?:[^'\\]|\\.)*'" + r'|b"(?:[^"\\]|\\.)*"')
+_KNOWN_KINDS = (
+    (b"PK\x03\x04", "a ZIP archive"), (b"\x1f\x8b", "gzip data"), (b"\x7fELF", "an ELF executable"),
+    (b"MZ", "a Windows executable"), (b"\xfd7zXZ", "xz data"), (b"BZh", "bzip2 data"),
+)
+
+
+def describe_error(e: BaseException) -> str:
+    """A decoder's message, without the bytes literals some of them quote from the file, at most 200 chars."""
+    return _BYTES_LITERAL.sub("<bytes>", str(e))[:200]
+
+
+def guess_kind(data: bytes) -> str:
+    """What a file that is not an image seems to be, in words, from its first bytes (never quoting them)."""
+    for magic, name in _KNOWN_KINDS:
+        if data.startswith(magic):
+            return name
+    head = data[:512]
+    text = _utf8_prefix(head)
+    if text is not None and all(c.isprintable() or c in "\t\r\n\f" for c in text):
+        stripped = text.lstrip().lower()
+        if stripped.startswith(("<!doctype html", "<html")):
+            return "HTML text"
+        if stripped.startswith("<"):
+            return "markup text (HTML or XML)"
+        if stripped.startswith(("{", "[")):
+            return "JSON-like text"
+        return "text"
+    return "binary data"
+
+
+def _utf8_prefix(head: bytes) -> str | None:
+    """``head`` as UTF-8 text, allowing its last character to be cut by the window; None when it is not UTF-8."""
+    for k in (0, 1, 2, 3):
+        try:
+            return head[: len(head) - k].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return None
+
+
 def decode_failure(e: BaseException, context: str = "") -> DecodeError:
     """The error for pixel data that fails to decode once the header parsed: truncated or corrupt."""
     reason = TRUNCATED if "truncat" in str(e).lower() else CORRUPT
-    return _refuse(reason, f"{context}{e}")
+    return _refuse(reason, f"{context}{describe_error(e)}")
 
 
 def _cut_or(data: bytes, fmt: str, otherwise: DecodeError) -> DecodeError:
@@ -159,8 +210,7 @@ def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Ima
             raise _refuse(UNSUPPORTED, reason) from None
         if data.startswith(b"RIFF") and data[8:12] == b"WEBP":  # PIL's WebP plugin fails open() on a cut file
             raise _cut_or(data, "WEBP", _refuse(CORRUPT, "WebP stream cannot be parsed")) from None
-        head = data[:16].decode("latin-1").encode("unicode_escape").decode()
-        raise _refuse(NOT_IMAGE, f"no known image signature (starts with {head!r})") from None
+        raise _refuse(NOT_IMAGE, f"no known image signature ({len(data)} bytes of {guess_kind(data)})") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:  # the header hit the end of the data or garbage
         raise _cut_or(data, _sniff(data), decode_failure(e)) from None
     w, h = im.size
@@ -168,6 +218,12 @@ def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Ima
         raise _refuse(CORRUPT, f"header claims {w}x{h} pixels")
     if w * h > max_pixels:
         raise _refuse(BOMB, f"header claims {w}x{h} = {w * h} pixels, over the limit of {max_pixels}")
+    # Wide modes hold more bytes a pixel: the budget is in bytes, so they get proportionally fewer pixels.
+    per_pixel = decode_bytes_per_pixel(im.mode, "transparency" in im.info)
+    if w * h * per_pixel > decode_budget_bytes(max_pixels):
+        raise _refuse(BOMB, f"header claims {w}x{h} {im.mode} pixels, {w * h * per_pixel} bytes to decode "
+                            f"({per_pixel} a pixel), over the budget of {decode_budget_bytes(max_pixels)} bytes "
+                            f"(the limit of {max_pixels} pixels at {RGB_DECODE_BYTES_PER_PIXEL} bytes a pixel)")
     return im
 
 
@@ -251,7 +307,7 @@ def probe(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS, with_phash: bool
     try:
         return _probe(data, max_pixels, with_phash)
     except Exception as e:  # the contract: a file gets a row with an error, ingest never crashes on a file
-        return ImageFacts(error=f"{UNREADABLE}: {type(e).__name__}: {e}")
+        return ImageFacts(error=f"{UNREADABLE}: {type(e).__name__}: {describe_error(e)}")
 
 
 def _probe(data: bytes, max_pixels: int, with_phash: bool) -> ImageFacts:
@@ -273,7 +329,7 @@ def _probe(data: bytes, max_pixels: int, with_phash: bool) -> ImageFacts:
         try:
             Image.open(_io.BytesIO(data), formats=("PNG",)).verify()
         except Exception as e:
-            bad = f"{CORRUPT}: {type(e).__name__}: {e}"
+            bad = f"{CORRUPT}: {type(e).__name__}: {describe_error(e)}"
     if bad is None and with_phash and (im.format == "JPEG" or w * h <= REDUCED_DECODE_MAX_PIXELS):
         # (a larger non-JPEG gets no perceptual hash: dedupe then finds only its exact copies)
         try:
@@ -281,7 +337,7 @@ def _probe(data: bytes, max_pixels: int, with_phash: bool) -> ImageFacts:
         except OSError as e:
             bad = str(decode_failure(e))
         except Exception as e:
-            bad = f"{CORRUPT}: {type(e).__name__}: {e}"
+            bad = f"{CORRUPT}: {type(e).__name__}: {describe_error(e)}"
     if bad is not None:
         facts.error = bad
         facts.phash = None

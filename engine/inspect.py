@@ -1,18 +1,25 @@
 """Look at a table: thumbnails with their metadata, inline in Jupyter or as a self-contained HTML contact sheet.
 
 Thumbnails are decoded at reduced scale after the header's pixel count is checked (imageinfo.open_checked),
-and embedded as base64 JPEG, so the HTML file opens in a browser without the images next to it.
+and embedded as base64 JPEG, so the HTML file opens in a browser without the images next to it. Only rows inside
+the table's source roots are read (``roots``: a crafted table's ``/etc/passwd`` row is a refused cell, counted
+and named in the summary), and no cell quotes a file's bytes.
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import re
 from dataclasses import dataclass, field
 
 from . import io
-from .imageinfo import DEFAULT_MAX_PIXELS, thumbnail_jpeg
+from .imageinfo import DEFAULT_MAX_PIXELS, describe_error, thumbnail_jpeg
 from .limits import DEFAULT_MAX_FILE_BYTES
+from .roots import OUTSIDE_ROOTS, RootCheck, describe, table_roots
+
+# Tables ingested before errors stopped quoting content hold "(starts with '...')"; the sheet never shows it.
+_QUOTED_HEAD = re.compile(r"\(starts with .*\)", re.DOTALL)
 
 META_COLUMNS = ("uri", "label", "split", "format", "width", "height", "mode", "size_bytes", "error")
 _CSS = """
@@ -41,11 +48,13 @@ class ThumbnailGrid:
     size: int = 96
     title: str = ""
     summary: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # URIs not read: outside the table's source roots
 
     def _cells(self) -> str:
         cells = []
         for t in self.thumbs:
             m = t.meta
+            m = {**m, "error": scrub_error(m.get("error"))}
             e = {k: html.escape("" if v is None else str(v)) for k, v in m.items()}  # every value is untrusted
             name = html.escape(str(m.get("uri") or "").rsplit("/", 1)[-1])
             if t.jpeg_b64:
@@ -82,28 +91,54 @@ class ThumbnailGrid:
         return len(self.thumbs)
 
 
+def scrub_error(error: str | None) -> str | None:
+    """A table's error string as the sheet shows it: any quoted file content (older tables) removed."""
+    return None if error is None else _QUOTED_HEAD.sub("(content not shown)", error)
+
+
 def make_thumb(
-    meta: dict, size: int, max_pixels: int = DEFAULT_MAX_PIXELS, max_bytes: int = DEFAULT_MAX_FILE_BYTES
+    meta: dict,
+    size: int,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    roots: RootCheck | None = None,
 ) -> Thumb:
-    """Fetch one file and make its thumbnail; any problem becomes a note on the cell, never an exception."""
+    """Fetch one file and make its thumbnail; any problem becomes a note on the cell, never an exception. With
+    ``roots``, a row outside them is not read (``OUTSIDE_ROOTS``)."""
     if meta.get("error"):
         return Thumb(meta, problem=meta["error"].split(":", 1)[0])
+    if roots is not None and roots.outside(meta.get("uri")):
+        return Thumb(meta, problem=OUTSIDE_ROOTS)
     try:
         data = io.read_capped(meta["uri"], max_bytes)
         jpeg = thumbnail_jpeg(data, size=size, max_pixels=max_pixels)
     except Exception as e:  # a file may have changed since ingest: show it, do not fail the sheet
-        return Thumb(meta, problem=f"{type(e).__name__}: {e}"[:120])
+        return Thumb(meta, problem=f"{type(e).__name__}: {describe_error(e)}"[:120])
     return Thumb(meta, jpeg_b64=base64.b64encode(jpeg).decode("ascii"))
 
 
-def thumbnail_grid(table, limit: int = 16, size: int = 96, title: str = "", summary=()) -> ThumbnailGrid:
+def thumbnail_grid(
+    table, limit: int = 16, size: int = 96, title: str = "", summary=(), allowed_roots=None
+) -> ThumbnailGrid:
+    """Thumbnails of the first ``limit`` rows of ``table`` (a ``Table``), reading only rows inside the table's
+    source roots and ``allowed_roots`` (extra roots, for a table assembled from several sources)."""
     rows = table.df.select(*META_COLUMNS).limit(limit).to_pylist()
-    return ThumbnailGrid([make_thumb(r, size) for r in rows], size=size, title=title, summary=list(summary))
+    roots = table_roots(table.manifest, allowed_roots)
+    check = RootCheck(roots)
+    thumbs = [make_thumb(r, size, roots=check) for r in rows]
+    refused = [t.meta.get("uri") for t in thumbs if t.problem == OUTSIDE_ROOTS]
+    lines = list(summary)
+    if refused:
+        lines.append(f"{len(refused)} rows {OUTSIDE_ROOTS} ({describe(roots)}) were not read, e.g. {refused[0]!r}; "
+                     "name extra roots with --allow-root (allowed_roots=[...]) if the table spans several sources")
+    return ThumbnailGrid(thumbs, size=size, title=title, summary=lines, refused=refused)
 
 
-def contact_sheet(table, out_uri: str, limit: int = 64, size: int = 128, summary=()) -> ThumbnailGrid:
+def contact_sheet(
+    table, out_uri: str, limit: int = 64, size: int = 128, summary=(), allowed_roots=None
+) -> ThumbnailGrid:
     """Write a self-contained HTML contact sheet of the first ``limit`` rows to ``out_uri``."""
     title = f"dutycycle: {table.uri}" + (f" ({'; '.join(table.operations)})" if table.operations else "")
-    grid = thumbnail_grid(table, limit=limit, size=size, title=title, summary=summary)
+    grid = thumbnail_grid(table, limit=limit, size=size, title=title, summary=summary, allowed_roots=allowed_roots)
     io.write_bytes_atomic(out_uri, grid.to_html().encode("utf-8"))
     return grid

@@ -12,6 +12,14 @@ Colour handling, so that every source becomes a correct RGB sample:
 - Anything with alpha (``RGBA``, ``LA``, ``PA``, ``P`` with a transparency entry): composited over the spec's
   ``background`` colour, **black** by default (so transparent pixels become 0, like premultiplied alpha);
   ``background="white"`` is the choice for documents and logos.
+
+Memory: a full-resolution decode is the largest thing a decode thread holds, so nothing beside it is allowed to
+grow faster than one 8-bit RGB copy. Grey sources (``1``, ``L``, 16-bit, ``I``, ``F``) stay one 8-bit channel
+through the resize and become RGB only at the output size (PIL resamples each channel alike, so the pixels are
+the ones an RGB resize gives); wide modes and alpha are brought to 8 bits in strips of rows, so their
+temporaries are a few MB whatever the image's size; the EXIF orientation is applied without a copy of an
+upright image. ``limits.decode_bytes_per_pixel`` states what each mode then costs, and ``open_checked`` refuses
+an image whose cost is over the byte budget of an RGB image at the pixel limit.
 """
 
 from __future__ import annotations
@@ -115,41 +123,100 @@ def _resample(name: str):
     return getattr(Image.Resampling, name.upper())
 
 
-def to_rgb(img, background: str = "black"):
-    """Any PIL mode -> an ``RGB`` image (see the module docstring for the rules)."""
+# Rows brought down to 8 bits at a time (wide modes, alpha): the conversion's temporaries stay a few MB.
+_STRIP_BYTES = 1 << 20
+
+
+def _lut16():
+    """0..65535 -> 0..255 with rounding, as one 64 KB table (an index, not int64 arithmetic per pixel)."""
+    import numpy as np
+
+    return ((np.arange(65536, dtype=np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+
+
+def _strips(img):
+    """``(top, bottom)`` row ranges of about ``_STRIP_BYTES`` at 4 bytes a pixel."""
+    w, h = img.size
+    rows = max(1, _STRIP_BYTES // (4 * max(1, w)))
+    return [(top, min(h, top + rows)) for top in range(0, h, rows)]
+
+
+def _wide_grey_to_l(img):
+    """``I;16*``, ``I`` or ``F`` -> ``L``, a strip at a time: the only full-size array is the 8-bit result."""
     import numpy as np
     from PIL import Image
 
+    w, h = img.size
+    out = np.empty((h, w), np.uint8)
+    lut = None if img.mode == "F" else _lut16()
+    for top, bottom in _strips(img):
+        a = np.asarray(img.crop((0, top, w, bottom)))
+        if lut is None:  # float grey: already 0..255; NaN counts as 0
+            out[top:bottom] = np.rint(np.clip(np.nan_to_num(a, nan=0.0), 0, 255))
+        else:  # 16-bit grey ("I" holds 16-bit PNGs on some Pillows): scaled to 0..255 with rounding
+            out[top:bottom] = lut[a if a.dtype.itemsize == 2 else np.clip(a, 0, 65535)]
+    return Image.fromarray(out, "L")
+
+
+def _composite(img, background: str):
+    """An image with alpha (or a transparent colour) over the background colour -> ``RGB``, a strip at a time
+    (compositing is per pixel, so strips give the pixels the whole image gives)."""
+    from PIL import Image
+
+    fill = BACKGROUNDS[background] + (255,)
+
+    def whole(part):
+        rgba = part.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, fill), rgba).convert("RGB")
+
+    strips = _strips(img)
+    if len(strips) == 1:
+        return whole(img)
+    w = img.width
+    out = Image.new("RGB", img.size)
+    for top, bottom in strips:
+        out.paste(whole(img.crop((0, top, w, bottom))), (0, top))
+    return out
+
+
+def _flatten(img, background: str = "black"):
+    """Any PIL mode -> ``L`` (grey sources) or ``RGB`` (see the module docstring for the rules)."""
     mode = img.mode
-    if mode == "RGB" and "transparency" not in img.info:
+    transparent = "transparency" in img.info
+    if mode in ("RGB", "L") and not transparent:
         return img
-    if mode.startswith("I;16") or mode == "I":
-        # 16-bit grey: scale the 0..65535 range to 0..255 with rounding; "I" holds 16-bit PNGs on some Pillows.
-        a = np.asarray(img, dtype=np.int64)
-        a = (np.clip(a, 0, 65535) * 255 + 32767) // 65535
-        return Image.fromarray(a.astype(np.uint8), "L").convert("RGB")
-    if mode == "F":
-        a = np.clip(np.asarray(img, dtype=np.float64), 0, 255)
-        return Image.fromarray(np.rint(a).astype(np.uint8), "L").convert("RGB")
+    if mode.startswith("I;16") or mode in ("I", "F"):
+        return _wide_grey_to_l(img)
+    if mode == "1":
+        return img.convert("L")
     # A tRNS chunk gives P, L and RGB images a transparent colour: treat it as alpha.
-    has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
-        mode in ("P", "L", "RGB") and "transparency" in img.info
-    )
-    if has_alpha:
-        rgba = img.convert("RGBA")
-        canvas = Image.new("RGBA", rgba.size, BACKGROUNDS[background] + (255,))
-        return Image.alpha_composite(canvas, rgba).convert("RGB")
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La") or (mode in ("P", "L", "RGB") and transparent):
+        return _composite(img, background)
     return img.convert("RGB")
+
+
+def to_rgb(img, background: str = "black"):
+    """Any PIL mode -> an ``RGB`` image (see the module docstring for the rules)."""
+    img = _flatten(img, background)
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def _upright(img):
+    """``ImageOps.exif_transpose`` without its copy of an image that is already upright."""
+    from .imageinfo import ORIENTATION_TAG, upright
+
+    img.load()
+    return upright(img, img.getexif().get(ORIENTATION_TAG, 1))
 
 
 def transform_image(img, spec: TransformSpec) -> np.ndarray:
     """Apply ``spec`` to a decoded PIL image; returns uint8 in the spec's layout."""
     import numpy as np
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     if spec.exif:
-        img = ImageOps.exif_transpose(img)
-    img = to_rgb(img, spec.background)
+        img = _upright(img)
+    img = _flatten(img, spec.background)  # L or RGB: RGB at the output size only
     size, resample = spec.size, _resample(spec.resample)
     w, h = img.size
     if spec.resize == "stretch":
@@ -164,9 +231,9 @@ def transform_image(img, spec: TransformSpec) -> np.ndarray:
         scale = size / max(w, h)
         nw, nh = min(size, max(1, round(w * scale))), min(size, max(1, round(h * scale)))
         canvas = Image.new("RGB", (size, size), BACKGROUNDS[spec.background])
-        canvas.paste(img.resize((nw, nh), resample), ((size - nw) // 2, (size - nh) // 2))
+        canvas.paste(img.resize((nw, nh), resample).convert("RGB"), ((size - nw) // 2, (size - nh) // 2))
         img = canvas
-    arr = np.asarray(img, dtype=np.uint8)
+    arr = np.asarray(img.convert("RGB") if img.mode != "RGB" else img, dtype=np.uint8)
     assert arr.shape == (size, size, 3), arr.shape
     if spec.layout == "CHW":
         arr = arr.transpose(2, 0, 1)

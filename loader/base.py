@@ -8,24 +8,30 @@ of the same format from the same plan.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import queue
 import threading
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 from dutycycle.engine.cache.shards import ReadStats
-from dutycycle.engine.errors import ConfigError
+from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 
 from .augment import apply_augment
 from .config import LoaderConfig
 from .inflight import RemoteBatch, in_order
-from .plan import num_steps, plan_epoch, rank_slice
+from .plan import PLAN_VERSION, num_steps, plan_epoch, rank_slice
 from .source import RawBatch
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 1: the plan inputs compared were the fingerprint and global batch size only
+STATE_DIGEST = "sha256"  # the state's own checksum field
+PLAN_FIELDS = ("plan_version", "split", "fingerprint", "num_samples", "seed", "global_batch_size", "drop_last",
+               "shuffle", "block_size", "window")  # what a state must match to resume (see load_state_dict)
 
 
 @dataclass
@@ -142,36 +148,100 @@ class PlannedLoader:
         if epoch != self.epoch:
             self.epoch, self.step = int(epoch), 0
 
-    def state_dict(self) -> dict[str, Any]:
-        """The position after the batches already handed out (not those prefetched), plus what defines the plan."""
+    def _split_name(self) -> str | None:
+        """The split this loader plans over, for the state (``CacheLoader`` and ``RawLoader`` set ``split``)."""
+        split = getattr(self, "split", None)
+        return split if isinstance(split, str) else None
+
+    def _plan_inputs(self) -> dict[str, Any]:
+        """Everything the sequence of global batches depends on (``plan.plan_epoch``'s arguments but the epoch,
+        and the plan's own version), as plain JSON values."""
+        c = self.config
         return {
-            "version": STATE_VERSION,
-            "epoch": self.epoch,
-            "step": self.step,  # index of the next global batch to yield in `epoch`
-            "seed": self.seed,
-            "fingerprint": self.fingerprint,
-            "global_batch_size": self.config.global_batch_size,
-            "drop_last": self.config.drop_last,
-            "shuffle": self.config.shuffle,
-            "num_samples": self.num_samples,
-            "world_size": self.world_size,  # informational: a state loads at any world size
+            "plan_version": PLAN_VERSION,
+            "split": self._split_name(),
+            "fingerprint": str(self.fingerprint),
+            "num_samples": int(self.num_samples),
+            "seed": int(self.seed),
+            "global_batch_size": int(c.global_batch_size),
+            "drop_last": bool(c.drop_last),
+            "shuffle": bool(c.shuffle),
+            "block_size": int(c.block_size),
+            "window": int(c.window),
         }
 
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the batches already handed out (not those prefetched), every input of the plan
+        (``PLAN_FIELDS``), and a sha256 of the rest (``STATE_DIGEST``), so a state edited or damaged after it was
+        made is refused rather than resumed somewhere else. Plain JSON values throughout."""
+        state = {
+            "version": STATE_VERSION,
+            "epoch": int(self.epoch),
+            "step": int(self.step),  # index of the next global batch to yield in `epoch`
+            **self._plan_inputs(),
+            "world_size": int(self.world_size),  # informational: a state loads at any world size
+        }
+        state[STATE_DIGEST] = state_digest(state)
+        return state
+
     def load_state_dict(self, state: dict[str, Any], force: bool = False) -> None:
-        """Continue from ``state``: its epoch, step and seed replace this loader's (the seed too, so a resumed run
-        keeps its order and augmentations whatever the new config says). A different cache fingerprint or global
-        batch size changes the plan, so it is refused unless ``force=True`` (then the position is kept as is and
-        clamped to this epoch's length). The world size may differ: the global batches are the same."""
-        for key, mine in (("fingerprint", self.fingerprint), ("global_batch_size", self.config.global_batch_size)):
-            theirs = state.get(key)
-            if theirs != mine and not force:
-                raise ConfigError(
-                    f"loader state has {key}={theirs!r} but this loader has {key}={mine!r}; the saved position "
-                    "refers to another plan. Use the same cache and batch size, or pass force=True"
+        """Continue from ``state``'s position (epoch and next global batch), at any world size.
+
+        Every plan input saved in the state must equal this loader's (``PLAN_FIELDS``: split, cache fingerprint,
+        sample count, seed, global batch size, drop_last, shuffle, block size, window, plan version); otherwise
+        the saved position would index another sequence of batches, and the state is refused with a
+        ``ConfigError`` naming each differing field, its saved value and this loader's. A state saved before
+        these fields were recorded (state version 1) lacks some of them and is refused the same way, naming the
+        missing fields: nothing shows that they match. ``force=True`` loads the position anyway, with a
+        warning, and continues this loader's own plan (its config, seed included) from there; the step is
+        clamped to this loader's epoch length.
+
+        A malformed state (not a mapping, a missing or invalid epoch or step, a newer state version) or one
+        whose ``sha256`` does not match its content (edited or damaged after ``state_dict()`` made it) raises
+        ``CorruptArtifactError``, with or without ``force``. A state with no ``sha256`` (made by hand) is
+        checked field by field only.
+        """
+        epoch, step = _position(state)
+        mine = self._plan_inputs()
+        problems, missing = [], False
+        for key in PLAN_FIELDS:
+            if key not in state:
+                problems.append(f"{key} is missing (this loader has {key}={mine[key]!r})")
+                missing = True
+            elif not _same(state[key], mine[key]):
+                problems.append(f"{key}={state[key]!r} but this loader has {key}={mine[key]!r}")
+        if problems:
+            older = ""
+            if missing and state["version"] < STATE_VERSION:
+                older = (f"; it was saved before the loader recorded every plan input (state version "
+                         f"{state['version']}), so nothing shows that the missing ones match")
+            elif missing:
+                older = f"; a state of version {STATE_VERSION} records them all, so this one is damaged"
+            msg = (f"loader state has {'; '.join(problems)}{older}. The saved position refers to another sequence "
+                   "of batches: resume with the same cache, split and loader config (the saved values above), or "
+                   "pass force=True to continue this loader's own plan from the saved position")
+            if not force:
+                raise ConfigError(msg)
+        if STATE_DIGEST in state:
+            try:
+                digest = state_digest(state)
+            except (TypeError, ValueError) as e:
+                raise CorruptArtifactError(f"loader state cannot be serialized to check its {STATE_DIGEST} "
+                                           f"({type(e).__name__}: {e}); the state is refused") from None
+            if digest != state[STATE_DIGEST]:
+                raise CorruptArtifactError(
+                    f"loader state fails its {STATE_DIGEST} check (its content was changed after state_dict() made "
+                    "it: corrupted, or edited by hand); the state is refused. Use an intact state; a state edited "
+                    f"on purpose must drop its {STATE_DIGEST!r} field"
                 )
-        self.seed = int(state["seed"])
-        self.epoch = int(state["epoch"])
-        self.step = min(int(state["step"]), len(self))
+        if problems:
+            warnings.warn(f"{msg}. force=True was passed: continuing this loader's plan at epoch {epoch}, step "
+                          f"{min(step, len(self))}", UserWarning, stacklevel=2)
+        elif step > len(self):
+            raise CorruptArtifactError(f"loader state has step={step} but an epoch of this plan has {len(self)} "
+                                       "steps; the state is refused")
+        self.epoch = epoch
+        self.step = min(step, len(self))
         self._plan_cache = None
 
     # ---------------------------------------------------------------- iteration
@@ -260,6 +330,40 @@ class PlannedLoader:
     def _submit_remote(self, indices: np.ndarray, step: int) -> RemoteBatch:
         """Start a Ray task reading these split indices (``ray_exec.submit_read`` / ``submit_decode``)."""
         raise NotImplementedError
+
+
+def state_digest(state: dict[str, Any]) -> str:
+    """sha256 of a loader state's canonical JSON (sorted keys, no spaces), its own ``sha256`` field left out."""
+    body = {k: v for k, v in state.items() if k != STATE_DIGEST}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal and of the same JSON type (``True`` is not ``1``, ``1.0`` is not ``1``)."""
+    return type(a) is type(b) and a == b
+
+
+def _position(state: Any) -> tuple[int, int]:
+    """``(epoch, step)`` of a loader state, or ``CorruptArtifactError`` naming what is wrong with it."""
+    if not isinstance(state, Mapping):
+        raise CorruptArtifactError(f"loader state is a {type(state).__name__}, not a mapping; pass what "
+                                   "state_dict() returned")
+    version = state.get("version")
+    if type(version) is not int or version < 1:
+        raise CorruptArtifactError(f"loader state has version={version!r}; expected an integer from 1 to "
+                                   f"{STATE_VERSION} (the state is malformed)")
+    if version > STATE_VERSION:
+        raise CorruptArtifactError(f"loader state has version={version}, newer than this dutycycle's "
+                                   f"{STATE_VERSION}; resume with the dutycycle that saved it")
+    out = []
+    for key in ("epoch", "step"):
+        v = state.get(key)
+        if type(v) is not int or v < 0:
+            raise CorruptArtifactError(f"loader state has {key}={v!r}; expected an integer >= 0 (the state is "
+                                       "malformed)")
+        out.append(v)
+    return out[0], out[1]
 
 
 _END = object()

@@ -110,6 +110,8 @@ def _ledger_paths(root: str | None) -> tuple[str, str]:
 
 
 def _load(path: str) -> dict:
+    if not node.trusted(path):  # missing, or not written by this user: start a ledger of our own over it
+        return {}
     try:
         with open(path) as f:
             ledger = json.load(f)

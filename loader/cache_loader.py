@@ -116,11 +116,6 @@ class CacheLoader(PlannedLoader):
 
         return submit_read(self.cache_uri, self.rows[indices], step, self.config.ray_max_retries, self.config.read)
 
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state["split"] = self.split
-        return state
-
 
 def memory_limit() -> int:
     """What in-RAM splits are sized against: the node's limit (``budget.node_memory_limit``), and, when Ray is

@@ -32,6 +32,8 @@ from dutycycle.engine.errors import ConfigError
 
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_WINDOW
 
+# The plan's own version: bump it whenever the same inputs would give other batches (a new shuffle, key or cut).
+# It enters the shuffle key and every loader state, so a state saved under another plan is refused, not misread.
 PLAN_VERSION = 1
 
 

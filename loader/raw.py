@@ -9,15 +9,20 @@ time it is drawn: Ray tasks (one per rank batch) in ``"ray"`` mode, a thread poo
 on your own data shows what the cache saves.
 
 A sample that ``materialize`` would have skipped (it fails to decode) raises ``DecodeError`` here, naming its
-URI: the plan cannot drop samples without changing every later batch.
+URI: the plan cannot drop samples without changing every later batch. Rows outside the table's source roots
+(``engine.roots``) are left out of the plan as ``materialize`` leaves them out of the cache: never read, counted
+in ``outside`` and named in a warning; ``allowed_roots`` names extra roots for a table built from several
+sources. A file that resolves outside the roots when a step reads it is refused (``DecodeError``).
 """
 
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from dutycycle.engine.errors import ConfigError
+from dutycycle.engine.roots import OUTSIDE_ROOTS, RootCheck, refusal
 from dutycycle.engine.transform import TransformSpec
 
 from .base import PlannedLoader
@@ -39,6 +44,7 @@ class RawLoader(PlannedLoader):
         world_size: int = 1,
         config: LoaderConfig | None = None,
         where: str | None = None,
+        allowed_roots=None,
     ):
         from dutycycle.engine.cache.materialize import plan_rows
         from dutycycle.engine.runner import configure
@@ -55,12 +61,17 @@ class RawLoader(PlannedLoader):
         # The row plan is a small Daft query: run it where Daft's default says (native unless DAFT_RUNNER), not
         # on a Ray runner Daft would infer inside a Ray Train worker, whose CPUs the workers already hold.
         configure()
-        plan = plan_rows(table_uri, spec, where)
+        plan = plan_rows(table_uri, spec, where, allowed_roots=allowed_roots)
+        self.roots, self.outside = RootCheck(plan.roots), plan.outside
+        if plan.outside:
+            warnings.warn(f"raw loader: {plan.outside} rows {OUTSIDE_ROOTS} are left out: "
+                          + refusal(plan.outside_examples[0], plan.roots), stacklevel=2)
         keep = [i for i, s in enumerate(plan.splits) if s == split]
         if not keep:
             raise ConfigError(
                 f"split {split!r} has no readable samples in table {table_uri!r}; splits there: "
                 f"{', '.join(sorted(set(plan.splits))) or 'none'}"
+                + (f" ({plan.outside} rows {OUTSIDE_ROOTS} were left out)" if plan.outside else "")
             )
         self.uris = [plan.uris[i] for i in keep]
         self.sample_ids = np.asarray([plan.sample_ids[i] for i in keep], dtype=str)
@@ -72,7 +83,7 @@ class RawLoader(PlannedLoader):
     def _read_local(self, indices: np.ndarray) -> RawBatch:
         if self._pool is None and self.config.raw_threads > 1:
             self._pool = ThreadPoolExecutor(self.config.raw_threads, thread_name_prefix="dutycycle-raw")
-        images = decode_batch([self.uris[i] for i in indices], self.spec, self._pool)
+        images = decode_batch([self.uris[i] for i in indices], self.spec, self._pool, self.roots)
         return RawBatch(images, self.labels[indices], self.sample_ids[indices].tolist())
 
     def _submit_remote(self, indices: np.ndarray, step: int) -> RemoteBatch:

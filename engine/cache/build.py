@@ -104,7 +104,7 @@ def build_native(sel, out: str, spec: TransformSpec, classes: list[str], cfg, nu
     # this process only.
     decode = udf.decode_udf(spec, cfg.batch_size, cfg.max_file_bytes, cfg.max_pixels, use_process=False)
     rows = rows.sort("row").select("shard", "sample_id", "label", "split",
-                                   decode(col("uri"), spec.to_json()).alias("out"))
+                                   decode(col("uri"), col("sample_id"), spec.to_json()).alias("out"))
     rows = rows.select("shard", "sample_id", "label", "split", col("out").get("image").alias("image"),
                        col("out").get("error").alias("error"))
     index_of = mp.label_index(classes)

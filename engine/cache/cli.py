@@ -35,6 +35,11 @@ def register(subparsers) -> None:
     p.add_argument(
         "--max-file-bytes", type=int, default=None, help="skip larger files as 'too large' without reading them"
     )
+    p.add_argument(
+        "--allow-root", action="append", default=[], metavar="URI",
+        help="also read rows under this folder or URI (repeatable), for a table built from several sources; by "
+        "default rows outside the table's source roots are skipped unread",
+    )
     p.add_argument("--runner", default=None, help="Daft runner: native (default) or ray; also DAFT_RUNNER")
     p.add_argument("--ray-address", default=None, help="address of a running Ray cluster (with --runner ray)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -65,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         ray_address=args.ray_address,
         rows_per_shard=args.rows_per_shard,
         max_file_bytes=DEFAULT_MAX_FILE_BYTES if args.max_file_bytes is None else args.max_file_bytes,
+        allowed_roots=args.allow_root,
         log=None if args.quiet else stderr_log,
     )
     s = result.summary()

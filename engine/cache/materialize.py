@@ -19,7 +19,9 @@ The driver holds O(number of shards) Python objects (records, block digests) plu
 rows of about one shard being assembled: never a list over all rows.
 Rows that fail to download or decode are skipped and counted by reason in ``manifest.skipped`` (the reasons an
 ingest records for such files, ``imageinfo``'s vocabulary); error rows of the table are counted as
-``table_error``, a second row with an already selected sample id (the same content twice) as ``duplicate``. A label's index is its position in the table manifest's ``classes`` (-1 if unlabeled).
+``table_error``, a second row with an already selected sample id (the same content twice) as ``duplicate``, a good
+row whose URI lies outside the table's source roots (``engine.roots``; extra roots: ``allowed_roots``) as
+``outside_roots``, never read. A label's index is its position in the table manifest's ``classes`` (-1 if unlabeled).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ import numpy as np
 from .. import io
 from ..errors import ConfigError, SourceError
 from ..limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
+from ..roots import OUTSIDE_ROOTS, SKIP_KEY, refusal, table_roots
 from ..runner import RUNNERS
 from ..table import format as tf
 from ..transform import TransformSpec
@@ -58,6 +61,7 @@ class MaterializeConfig:
     batch_size: int = 64  # files fetched and decoded at a time inside a shard (bounds the bytes held)
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # larger files are skipped as "too large", never read whole
     max_pixels: int = DEFAULT_MAX_PIXELS  # images whose header claims more are skipped before decoding
+    allowed_roots: tuple[str, ...] = ()  # read rows under these too, besides the table's own source roots
 
     def __post_init__(self):
         if not isinstance(self.rows_per_shard, int) or self.rows_per_shard < 1:
@@ -84,6 +88,9 @@ class Plan:
     table_errors: int
     duplicates: int  # good rows whose sample_id (content hash) was already selected: the same file twice
     fingerprint: str
+    roots: list[str] = field(default_factory=list)  # where rows may point (the table's roots + allowed ones)
+    outside: int = 0  # good rows outside ``roots``: never read, not selected
+    outside_examples: list[str] = field(default_factory=list)  # a few of their URIs
 
 
 @dataclass
@@ -113,12 +120,18 @@ class MaterializeResult:
 
 
 def plan_rows(
-    table_uri: str, spec: TransformSpec, where: str | None = None, manifest: tf.TableManifest | None = None
+    table_uri: str,
+    spec: TransformSpec,
+    where: str | None = None,
+    manifest: tf.TableManifest | None = None,
+    allowed_roots=None,
 ) -> Plan:
     """The selected rows as Python lists, for callers that need every row anyway (the raw loader): the same
-    selection, order and fingerprint as ``materialize`` (which never collects rows like this)."""
+    selection, order and fingerprint as ``materialize`` (which never collects rows like this), rows outside the
+    table's source roots and ``allowed_roots`` left out and counted."""
     tm = manifest or tf.read_manifest(table_uri)
-    df = mp.table_frame(table_uri, tm, where)
+    roots = table_roots(tm, allowed_roots)
+    df = mp.table_frame(table_uri, tm, where, roots)
     n = mp.counts(df, table_uri, where)
     t = mp.selected_frame(df).to_arrow().sort_by("row")
     ids = t.column("sample_id").to_pylist()
@@ -130,7 +143,7 @@ def plan_rows(
                            splits[lo : lo + mp.FINGERPRINT_BLOCK], strict=True))
         for lo in range(0, len(ids), mp.FINGERPRINT_BLOCK)
     ]
-    good = n["rows"] - n["errors"]
+    good = n["rows"] - n["errors"] - n["outside"]
     return Plan(
         sample_ids=ids,
         uris=t.column("uri").to_pylist(),
@@ -140,12 +153,19 @@ def plan_rows(
         table_errors=n["errors"],
         duplicates=good - len(ids),
         fingerprint=mp.fingerprint(digests, list(tm.classes), spec),
+        roots=roots,
+        outside=n["outside"],
+        outside_examples=mp.outside_examples(df) if n["outside"] else [],
     )
 
 
-def _index_key(tm: tf.TableManifest, table_uri: str, where: str | None, spec: TransformSpec) -> str:
+def _index_key(
+    tm: tf.TableManifest, table_uri: str, where: str | None, spec: TransformSpec, roots: list[str] | None = None,
+    settings: dict | None = None,
+) -> str:
     """Key for the reuse index. Table data files are immutable and the manifest (with its commit time) names
-    them, so (where the table is, its whole manifest, filter, spec) fixes the cache's content."""
+    them, so (where the table is, its whole manifest, filter, spec, the roots rows may lie in) fixes the cache's
+    content."""
     if io.protocol(table_uri) == "file":
         table_uri = os.path.abspath(table_uri)  # "data/table" from two working directories is two tables
     d = {
@@ -154,6 +174,8 @@ def _index_key(tm: tf.TableManifest, table_uri: str, where: str | None, spec: Tr
         "where": where or "",
         "spec": spec.to_dict(),
         "format": cf.FORMAT_VERSION,
+        "roots": list(roots or []),
+        "decode": settings or mp.decode_settings(),  # caps, decoder version, content check: they change the rows
     }
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -189,12 +211,15 @@ def materialize(
     batch_size: int = 64,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    allowed_roots=None,
     log: Callable[[str], None] | None = None,
 ) -> MaterializeResult:
     """Build (or reuse) the cache of ``table`` under the cache root ``cache``; returns the committed folder.
 
     Same table, filter and spec -> the existing cache, without decoding anything. Any change -> a new
-    fingerprint folder beside the old one. Safe to kill at any moment and run again.
+    fingerprint folder beside the old one. Safe to kill at any moment and run again. Rows are read only inside
+    the table's source roots and ``allowed_roots`` (extra folders or URIs, for a table built from several
+    sources); other rows are skipped as ``outside_roots``, named in the log.
     """
     t0 = time.perf_counter()
     spec = spec or TransformSpec()
@@ -206,11 +231,14 @@ def materialize(
         batch_size=batch_size,
         max_file_bytes=max_file_bytes,
         max_pixels=max_pixels,
+        allowed_roots=tuple(allowed_roots or ()),
     )
     log = log or (lambda msg: None)
     tm = tf.read_manifest(table)
+    roots = table_roots(tm, cfg.allowed_roots)
 
-    index_uri = io.join(cache, cf.INDEX_DIR, _index_key(tm, table, where, spec) + ".json")
+    settings = mp.decode_settings(cfg.max_pixels, cfg.max_file_bytes)
+    index_uri = io.join(cache, cf.INDEX_DIR, _index_key(tm, table, where, spec, roots, settings) + ".json")
     if io.exists(index_uri):
         hit = _reuse(cache, str(io.read_json(index_uri).get("fingerprint", "")), t0)
         if hit is not None:
@@ -221,19 +249,27 @@ def materialize(
     runner = configure(cfg.runner, cfg.ray_address)
     if runner == "ray" and "memory" in (io.protocol(table), io.protocol(cache)):
         raise ConfigError("memory:// lives in one process; use --runner native or a shared location")
-    df = mp.table_frame(table, tm, where)
+    df = mp.table_frame(table, tm, where, roots)
     n = mp.counts(df, table, where)
+    if n["outside"]:
+        log(f"materialize: {n['outside']} rows {OUTSIDE_ROOTS} skipped: "
+            + refusal(mp.outside_examples(df, 1)[0], roots))
     if runner == "ray" and n["memory"]:
         raise ConfigError("the table names memory:// images, which live in one process; use --runner native")
     sel = mp.selected_frame(df)
     blocks = mp.block_digests(sel, list(tm.classes))
     selected = sum(b[1] for b in blocks)
-    fp = mp.fingerprint([b[2] for b in blocks], list(tm.classes), spec)
+    fp = mp.fingerprint([b[2] for b in blocks], list(tm.classes), spec, settings)
     hit = _reuse(cache, fp, t0)
     if hit is not None:
         io.write_json_atomic(index_uri, {"fingerprint": fp})
         return hit
     if not selected:
+        if n["outside"]:
+            raise SourceError(
+                f"table {table!r}: every readable row{f' matching {where!r}' if where else ''} is "
+                f"{OUTSIDE_ROOTS} ({n['outside']} rows); " + refusal(mp.outside_examples(df, 1)[0], roots)
+            )
         raise SourceError(
             f"table {table!r} has no readable rows{f' matching {where!r}' if where else ''} "
             f"({n['errors']} error rows); check the table with `dutycycle inspect` or the filter"
@@ -251,8 +287,10 @@ def materialize(
     skipped: Counter[str] = Counter()
     if n["errors"]:
         skipped["table_error"] = n["errors"]
-    if n["rows"] - n["errors"] - selected:
-        skipped["duplicate"] = n["rows"] - n["errors"] - selected
+    if n["outside"]:
+        skipped[SKIP_KEY] = n["outside"]
+    if n["rows"] - n["errors"] - n["outside"] - selected:
+        skipped["duplicate"] = n["rows"] - n["errors"] - n["outside"] - selected
     split_counts: Counter[str] = Counter()
     for rec in records.values():
         skipped.update(rec["skipped"])
@@ -274,6 +312,7 @@ def materialize(
         options={
             "where": where or "",
             "table_version": tm.version,
+            "roots": roots,
             "rows_per_shard": cfg.rows_per_shard,
             "runner": runner,
             "seconds": round(seconds, 3),

@@ -11,6 +11,13 @@ takes a lock, does it, and leaves a record; the others find the record. Here:
 
 The folder is ``$DUTYCYCLE_NODE_DIR`` when set, else ``<tmp>/dutycycle-node-<uid>``: node-local storage, since
 a shared file system would share locks and records across nodes that do not share page caches.
+
+Trust: the default folder sits in a shared ``/tmp``, where another user could create it first and fill it with
+"verified" records, shard copies or split indexes. So the folder is created with mode 0700 and used only while
+it is a directory owned by this user with no group or other permissions (otherwise ``NodeDirError``); and each
+record in it counts only while it is a regular file owned by this user with a private mode (``trusted``): a
+record that is not is ignored and the work it records done again (a shard hashed again, a copy fetched again,
+an index rebuilt). Records are written with mode 0600.
 """
 
 from __future__ import annotations
@@ -18,27 +25,75 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import stat
 import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ..errors import DutycycleError
+
 NODE_DIR_ENV = "DUTYCYCLE_NODE_DIR"
 _HASH_CHUNK = 8 * 1024 * 1024
+_PRIVATE = 0o077  # group and other permission bits: none allowed on the folder or a record
+
+
+class NodeDirError(DutycycleError):
+    """A node folder that another user could have written: not ours, not a directory, or not private."""
 
 
 def node_dir(override: str | None = None) -> str:
-    """The node-local folder (created on first use)."""
+    """The node-local folder: created with mode 0700 on first use, refused unless this user's and private."""
     path = override or os.environ.get(NODE_DIR_ENV) or os.path.join(tempfile.gettempdir(), f"dutycycle-node-{os.getuid()}")
-    os.makedirs(path, exist_ok=True)
-    return path
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)  # whatever the umask
+    except FileExistsError:
+        pass  # checked below like any existing folder: existing is not the same as ours
+    # A symlink is judged, and used, by the folder it leads to; one that another user planted (in a shared
+    # /tmp, anyone may) is refused outright, since they could point it elsewhere at any time.
+    real = os.path.realpath(path)
+    try:
+        link, st = os.lstat(path), os.lstat(real)
+    except OSError as e:
+        raise NodeDirError(
+            f"node folder {path!r} cannot be used ({e}); set {NODE_DIR_ENV} to a private folder of yours"
+        ) from e
+    why = None
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != os.getuid():
+        why = f"is a symlink owned by uid {link.st_uid}, not by this user (uid {os.getuid()})"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "is not a directory"
+    elif st.st_uid != os.getuid():
+        why = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    elif st.st_mode & _PRIVATE:
+        why = f"has mode {stat.S_IMODE(st.st_mode):o}, open to other users (needs 700)"
+    if why:
+        raise NodeDirError(
+            f"node folder {path!r}{f' (-> {real!r})' if real != path else ''} {why}: another user could plant "
+            f"verified-shard records or shard copies in it, or read them, so it is not used; remove it, "
+            f"`chmod 700` it if it is yours, or set {NODE_DIR_ENV} to a private folder of yours"
+        )
+    return real
+
+
+def trusted(path: str) -> bool:
+    """Whether the record ``path`` in the node folder may be believed: a regular file (not a link), owned by
+    this user, with no group or other permissions, as ``write_file_atomic`` leaves it. False when missing."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & _PRIVATE
 
 
 @contextmanager
 def file_lock(path: str) -> Iterator[None]:
     """Hold an exclusive lock on ``path`` (created if missing) for the ``with`` block; blocks until free."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -63,9 +118,10 @@ def sha256_file(path: str) -> str:
 def write_file_atomic(path: str, data: bytes) -> None:
     """Replace ``path`` atomically. Not fsynced, unlike ``io.write_bytes_atomic``: these are node-local records,
     and one lost in a power cut only means the work it records is done again."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with open(tmp, "wb") as f:
+    # 0600 and O_EXCL: what ``trusted`` expects of a record, on a name nobody else can have prepared
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
         f.write(data)
     os.replace(tmp, path)
 
@@ -79,20 +135,30 @@ def _marker(root: str, key: str) -> str:
     return os.path.join(root, "verified", key[:2], key)
 
 
+def _recorded(marker: str, path: str, root: str) -> bool:
+    """Whether ``marker`` vouches for ``path``: only a trusted record does, and for a file inside the node
+    folder (a node copy of a shard) only when that file is trusted too."""
+    if not trusted(marker):
+        return False
+    inside = os.path.realpath(path).startswith(os.path.join(root, ""))
+    return not inside or trusted(path)
+
+
 def verify_once(path: str, sha256: str, size: int, root: str | None = None) -> tuple[bool, bool]:
     """``(ok, hashed)``: whether the local file ``path`` has ``size`` bytes and sha256 ``sha256``, and whether
     this call hashed it. A file is hashed at most once per node for each version (path, device, inode, size,
-    mtime); concurrent callers hash it once: the others wait on the lock and then find the record."""
+    mtime); concurrent callers hash it once: the others wait on the lock and then find the record. A record
+    that is not ``trusted`` is ignored: the file is hashed again and the record rewritten."""
     root = node_dir(root)
     st = os.stat(path)
     if st.st_size != size:
         return False, False
     key = _version_key(path, st, sha256)
     marker = _marker(root, key)
-    if os.path.exists(marker):
+    if _recorded(marker, path, root):
         return True, False
     with file_lock(lock_path(root, key)):
-        if os.path.exists(marker):
+        if _recorded(marker, path, root):
             return True, False
         ok = sha256_file(path) == sha256
         after = os.stat(path)

@@ -4,9 +4,11 @@ Nothing here holds a Python object per row in the driver; the queries run wherev
 (in-process partitions on the native runner, Ray tasks on the Ray runner), and only per-shard or per-block
 results come back:
 
-- ``table_frame``: the table's committed Parquet files (only the columns the cache needs), filtered by ``where``.
-- ``counts``: rows, error rows and rows on ``memory://`` (one aggregate row).
-- ``selected_frame``: the good rows, one per sample id (the row with the smallest URI when the same content
+- ``table_frame``: the table's committed Parquet files (only the columns the cache needs), filtered by ``where``,
+  with ``outside``: whether a row's URI lies outside the table's source roots (``engine.roots``), so that a
+  crafted table cannot make materialize or the raw loader read ``/etc/passwd`` or another user's files.
+- ``counts``: rows, error rows, good rows outside the roots and rows on ``memory://`` (one aggregate row).
+- ``selected_frame``: the good rows inside the roots, one per sample id (the row with the smallest URI when the same content
   appears twice), numbered ``row`` = 0, 1, ... in sample-id order. Shard ``i`` holds rows
   ``[i * rows_per_shard, (i + 1) * rows_per_shard)``; fingerprint block ``b`` rows ``[b * B, (b + 1) * B)``.
 - ``block_digests``: one sha256 per block of ``FINGERPRINT_BLOCK`` rows over its ``(sample id, label index,
@@ -21,6 +23,7 @@ import json
 from collections.abc import Iterable
 
 from ..errors import ConfigError
+from ..roots import RootCheck, table_roots
 from ..table import format as tf
 from ..transform import TransformSpec
 from . import format as cf
@@ -34,8 +37,23 @@ def first_line(e: BaseException) -> str:
     return lines[0][:200] if lines else type(e).__name__
 
 
-def table_frame(table_uri: str, manifest: tf.TableManifest, where: str | None):
-    """A lazy Daft DataFrame of the table's rows (``COLUMNS`` only), filtered by ``where``."""
+def _outside_udf(roots: list[str]):
+    import daft
+
+    check = RootCheck(roots)
+
+    @daft.func.batch(return_dtype=daft.DataType.bool())
+    def outside(uris):
+        import pyarrow as pa
+
+        return pa.array(check.outside_mask(uris.to_pylist()), pa.bool_())
+
+    return outside
+
+
+def table_frame(table_uri: str, manifest: tf.TableManifest, where: str | None, roots: list[str] | None = None):
+    """A lazy Daft DataFrame of the table's rows (``COLUMNS`` plus ``outside``), filtered by ``where``. ``roots``:
+    where rows may point (default: the roots the table records, ``roots.table_roots``)."""
     import daft
 
     from ..table.table import read_dataframe
@@ -49,11 +67,22 @@ def table_frame(table_uri: str, manifest: tf.TableManifest, where: str | None):
             raise ConfigError(
                 f"--where {where!r} is not a valid filter ({first_line(e)}); use SQL like \"split = 'train'\""
             ) from e
-    return df.select(*COLUMNS)
+    from daft import col
+
+    roots = table_roots(manifest) if roots is None else roots
+    return df.select(*COLUMNS).with_column("outside", _outside_udf(roots)(col("uri")))
+
+
+def outside_examples(df, k: int = 3) -> list[str]:
+    """Up to ``k`` URIs of good rows outside the roots (for the message that names them)."""
+    from daft import col
+
+    return df.where(col("error").is_null() & col("outside")).select("uri").limit(k).to_pydict()["uri"]
 
 
 def counts(df, table_uri: str, where: str | None) -> dict[str, int]:
-    """``{"rows", "errors", "memory"}`` over the filtered table, in one aggregate query."""
+    """``{"rows", "errors", "outside", "memory"}`` over the filtered table, in one aggregate query (``outside``:
+    good rows outside the roots)."""
     import daft
     from daft import col
 
@@ -61,6 +90,7 @@ def counts(df, table_uri: str, where: str | None) -> dict[str, int]:
     q = df.agg(
         col("sample_id").count("all").alias("rows"),
         col("error").not_null().cast(as_int).sum().alias("errors"),
+        (col("error").is_null() & col("outside")).cast(as_int).sum().alias("outside"),
         col("uri").startswith("memory://").cast(as_int).sum().alias("memory"),
     )
     try:
@@ -75,12 +105,13 @@ def counts(df, table_uri: str, where: str | None) -> dict[str, int]:
 
 
 def selected_frame(df):
-    """Good rows, one per sample id, with ``row``: the position in sample-id order (0-based, int64)."""
+    """Good rows inside the roots, one per sample id, with ``row``: the position in sample-id order (0-based,
+    int64)."""
     import daft
     from daft import col
     from daft.functions import row_number
 
-    good = df.where(col("error").is_null()).exclude("error")
+    good = df.where(col("error").is_null() & ~col("outside")).exclude("error", "outside")
     # The copy with the smallest URI stands for its content. A semi join against per-id minimums, not a window
     # per sample id: at 1M rows the window took 25 s and 4.5 GB here, the join 2 s and 0.4 GB (measured once
     # while writing this, not a benchmark row).
@@ -137,10 +168,38 @@ def block_digests(sel, classes: list[str]) -> list[tuple[int, int, str]]:
     return [(int(b), int(d["n"]), d["digest"]) for b, d in blocks]
 
 
-def fingerprint(digests: Iterable[str], classes: list[str], spec: TransformSpec) -> str:
-    """What the cache holds: format version, spec, classes, and the selected rows through their block digests."""
+# What materialize checks of every fetched file before decoding it (``udf.check_content``): a file that fails
+# is skipped, so the check decides which rows land in a cache, and is named in its fingerprint.
+CONTENT_CHECK = "sha256 prefix of the fetched bytes equals the row's sample_id"
+
+
+def decode_settings(max_pixels: int | None = None, max_file_bytes: int | None = None) -> dict:
+    """Every setting besides the rows, classes and spec that decides which rows land in a cache or what their
+    pixels are: the byte and pixel caps, the decode budget per mode, the decoders allowed, the decoder library
+    and its version (a new Pillow may decode or resample differently), and the content check (a file whose bytes
+    no longer match its row's content id is skipped). Defaults: the limits' defaults."""
+    import PIL
+
+    from .. import limits
+
+    return {
+        "max_pixels": limits.DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels,
+        "max_file_bytes": limits.DEFAULT_MAX_FILE_BYTES if max_file_bytes is None else max_file_bytes,
+        "decode_bytes_per_pixel": limits.decode_accounting(),
+        "formats": list(limits.ALLOWED_FORMATS),
+        "decoder": f"Pillow {PIL.__version__}",
+        "content_check": CONTENT_CHECK,
+    }
+
+
+def fingerprint(
+    digests: Iterable[str], classes: list[str], spec: TransformSpec, settings: dict | None = None
+) -> str:
+    """What the cache holds: format version, spec, classes, decode settings (``decode_settings``; the defaults'
+    when None), and the selected rows through their block digests."""
     h = hashlib.sha256()
     head = {"format_version": cf.FORMAT_VERSION, "spec": spec.to_dict(), "classes": classes,
+            "decode": decode_settings() if settings is None else settings,
             "rows": f"sha256 per {FINGERPRINT_BLOCK} rows"}
     h.update(json.dumps(head, sort_keys=True).encode())
     for d in digests:

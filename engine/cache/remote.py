@@ -13,7 +13,9 @@ concurrent ``cat_ranges`` call, into a bounded chunk cache shared by the reader'
 two caches with the same shard share it). The first process on the node that needs a shard takes its lock,
 downloads it to a temporary file while hashing it, checks the sha256, and renames it into place; the others
 wait on the lock and then map the file. Beyond ``limit_bytes`` the least recently used files are deleted
-(a process that still maps one keeps reading it: unlinking a mapped file is safe on Linux).
+(a process that still maps one keeps reading it: unlinking a mapped file is safe on Linux). A copy is used only
+while ``node.trusted`` (this user's, mode 0600, as it was written); any other file at its name is fetched
+again over it.
 """
 
 from __future__ import annotations
@@ -245,7 +247,7 @@ class DiskCache:
 
     def __init__(self, root: str, limit_bytes: int | None, stats: ReadStats):
         self.root = os.path.join(root, "shards")
-        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
         self.node_root = root
         if limit_bytes is None:  # half of what is free now: room for the cache without filling the disk
             limit_bytes = shutil.disk_usage(self.root).free // 2
@@ -255,9 +257,10 @@ class DiskCache:
         return os.path.join(self.root, f"{sha256}.arrow")
 
     def fetch(self, fs, remote_path: str, sha256: str, nbytes: int) -> str:
-        """The local path of the shard with content ``sha256`` (downloading and verifying it if needed)."""
+        """The local path of the shard with content ``sha256`` (downloading and verifying it if needed). A copy
+        that is not ``node.trusted`` (another owner, a loose mode, a link) is not used: it is fetched again."""
         local = self.path_for(sha256)
-        if os.path.exists(local):
+        if node.trusted(local):
             _touch(local)
             return local
         if nbytes > self.limit:
@@ -266,14 +269,16 @@ class DiskCache:
                 f"(disk_cache_bytes={self.limit}); raise ReadConfig.disk_cache_bytes or use remote='range'"
             )
         with node.file_lock(node.lock_path(self.node_root, sha256)):
-            if os.path.exists(local):  # another process landed it while we waited
+            if node.trusted(local):  # another process landed it while we waited
                 _touch(local)
                 return local
             self._make_room(nbytes)
             tmp = f"{local}.tmp-{uuid.uuid4().hex}"
             h = hashlib.sha256()
             try:
-                with fs.open(remote_path, "rb") as src, open(tmp, "wb") as dst:
+                # 0600, as node.trusted expects of a copy; it replaces an untrusted one at the same name
+                dst = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
+                with dst, fs.open(remote_path, "rb") as src:
                     while chunk := src.read(8 << 20):
                         h.update(chunk)
                         dst.write(chunk)

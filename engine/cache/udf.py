@@ -1,6 +1,7 @@
 """A cache shard's work, as plain functions and the Daft UDFs that run them: fetch, decode + transform, write.
 
-- ``decode_chunk``: a few files -> each sample's bytes or skip reason (byte cap, allowed decoders, bomb limit).
+- ``decode_chunk``: a few files -> each sample's bytes or skip reason (byte cap, content check, allowed decoders,
+  bomb limit).
 - ``finish_shard``: pixels of one shard -> the Arrow IPC shard written atomically, then its completion record.
 - ``build_shard``: one whole shard (resume check, decode, finish) -- the unit of a Ray task.
 - ``shard_udf`` wraps ``build_shard`` over the plan's one-row-per-shard frame (Ray runner); ``decode_udf`` wraps
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from collections import Counter
@@ -25,12 +27,19 @@ import numpy as np
 from .. import io
 from ..errors import DecodeError
 from ..imageinfo import TOO_LARGE, UNREADABLE
+from ..imageinfo import sample_id as sample_id_of
 from ..transform import TransformSpec, decode_and_transform
 from . import format as cf
 from . import node
 from .plan import label_index
 
 FETCH_THREADS = 16  # concurrent reads per shard from object stores (latency-bound, not CPU-bound)
+
+# The content check (``plan.CONTENT_CHECK``, part of the fingerprint): a fetched file's bytes must still hash to
+# its row's content id (``imageinfo.sample_id``, the sha256 prefix ingest computed), else the cache would hold new
+# pixels under the old id. A mismatch is a counted skip with this reason, and a warning that names the file.
+CHANGED = "changed since ingest"
+_log = logging.getLogger(__name__)
 
 
 def record_name(index: int) -> str:
@@ -97,9 +106,23 @@ def transform(data: bytes | str, spec: TransformSpec, max_pixels: int) -> np.nda
         return UNREADABLE
 
 
-def decode_chunk(uris: list[str], spec: TransformSpec, max_bytes: int, max_pixels: int) -> list[bytes | str]:
-    """Fetch + decode + transform a few files: each sample's bytes, or the reason it is skipped."""
-    out = [transform(data, spec, max_pixels) for data in fetch(uris, max_bytes)]
+def check_content(data: bytes | str, sample_id: str, uri: str) -> bytes | str:
+    """``data`` if it is what ingest hashed for this row (or already a skip reason), else ``CHANGED``."""
+    if isinstance(data, str) or sample_id_of(data) == sample_id:
+        return data
+    _log.warning("%s: %s no longer has the content the table recorded (sample id %s); it is skipped. Re-ingest "
+                 "the table to pick up the new content, then materialize again", CHANGED, uri, sample_id)
+    return CHANGED
+
+
+def decode_chunk(
+    uris: list[str], spec: TransformSpec, max_bytes: int, max_pixels: int, sample_ids: list[str]
+) -> list[bytes | str]:
+    """Fetch + check + decode + transform a few files (``sample_ids``: their rows' content ids): each sample's
+    bytes, or the reason it is skipped."""
+    fetched = [check_content(data, sid, uri)
+               for data, sid, uri in zip(fetch(uris, max_bytes), sample_ids, uris, strict=True)]
+    out = [transform(data, spec, max_pixels) for data in fetched]
     return [o if isinstance(o, str) else o.tobytes() for o in out]
 
 
@@ -159,7 +182,9 @@ def build_shard(
         return {**done, "status": "resumed"}
     samples: list[bytes | str] = []
     for lo in range(0, len(rows), batch_size):  # only one batch of file bytes is held at a time
-        samples += decode_chunk([r["uri"] for r in rows[lo : lo + batch_size]], spec, max_bytes, max_pixels)
+        chunk = rows[lo : lo + batch_size]
+        samples += decode_chunk([r["uri"] for r in chunk], spec, max_bytes, max_pixels,
+                                [r["sample_id"] for r in chunk])
     index_of = label_index(classes)
     labels = [index_of.get(r["label"], -1) for r in rows]
     splits = [r["split"] or "" for r in rows]
@@ -200,7 +225,8 @@ def shard_udf():
 
 
 def decode_udf(spec: TransformSpec, batch_size: int, max_bytes: int, max_pixels: int, use_process: bool):
-    """Daft batch UDF: file URIs -> struct{image: the sample's bytes, error: skip reason} (native runner)."""
+    """Daft batch UDF: file URIs and their rows' sample ids -> struct{image: the sample's bytes, error: skip
+    reason} (native runner)."""
     import daft
 
     out_type = daft.DataType.struct(
@@ -208,11 +234,11 @@ def decode_udf(spec: TransformSpec, batch_size: int, max_bytes: int, max_pixels:
     )
 
     @daft.func.batch(return_dtype=out_type, batch_size=batch_size, use_process=use_process)
-    def decode(uris: daft.Series, spec_json: str):
+    def decode(uris: daft.Series, sample_ids: daft.Series, spec_json: str):
         import pyarrow as pa
 
         s = TransformSpec.from_json(spec_json)
-        out = decode_chunk(uris.to_pylist(), s, max_bytes, max_pixels)
+        out = decode_chunk(uris.to_pylist(), s, max_bytes, max_pixels, sample_ids.to_pylist())
         return pa.StructArray.from_arrays(
             [pa.array([None if isinstance(o, str) else o for o in out], pa.binary(s.sample_bytes)),
              pa.array([o if isinstance(o, str) else None for o in out], pa.string())],

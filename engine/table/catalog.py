@@ -30,6 +30,7 @@ from .. import runner as runner_mod
 from ..errors import ConfigError, DestinationError, SourceError
 from ..imageinfo import DEFAULT_MAX_PIXELS, error_reason
 from ..limits import DEFAULT_MAX_FILE_BYTES
+from ..roots import canonical as canonical_root
 from . import format as tf
 from . import probe, scan
 from .commit import MAX_COMMIT_ATTEMPTS, check_destination, try_commit, write_rows
@@ -290,6 +291,7 @@ def _manifest(
             "labels": cfg.labels,
             "max_pixels": cfg.max_pixels,
             "max_file_bytes": cfg.max_file_bytes,
+            "roots": [canonical_root(cfg.source)],  # where rows may point (readers refuse other URIs)
         },
     )
 

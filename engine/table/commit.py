@@ -21,7 +21,8 @@ MAX_COMMIT_ATTEMPTS = 8  # commits lost to concurrent writers before an ingest (
 
 
 def check_destination(table: str) -> None:
-    """Refuse a table location that is an existing file or cannot be written, before any work is done."""
+    """Refuse a table location that is an existing file, cannot be written, or whose store does not enforce the
+    create-if-absent write the commit relies on, before any work is done."""
     fs, path = io.filesystem(table)
     if fs.exists(path) and not fs.isdir(path) and io.protocol(table) == "file":
         raise DestinationError(f"table {table!r} is an existing file; choose a folder path for the table")
@@ -31,6 +32,7 @@ def check_destination(table: str) -> None:
         fs.rm(io.filesystem(probe)[1])
     except (FileNotFoundError, OSError):
         pass
+    io.require_exclusive_create(table)  # once per process and table; the commit would probe it anyway
 
 
 def write_rows(table_uri: str, folder: str, tables) -> list[str]:

@@ -9,15 +9,23 @@ A table is a folder (any fsspec URI)::
       _manifests/v00001.json               one manifest per version, created only if absent: the commit points
       _manifests/v00002.json
       _manifest.json                       a copy of the newest manifest for plain readers (written after it)
+      _manifest.json.lock                  (local tables) the lock that keeps that copy moving forward
 
 A version's manifest names every data file of that version. It is created with create-if-absent semantics
-(``io.create_exclusive``: a hard link locally, a conditional PUT on object stores), so two writers that both
-prepared version N+1 cannot both commit it: the loser sees the conflict, rebases and commits N+2, and neither
-deletes the other's files. A reader takes the highest committed version, and lists only the files its manifest
-names, so a killed writer leaves the previous table intact and readers never see half a write. Files no manifest
-names (a killed or losing writer's) are removed by ``vacuum`` once older than a grace period. Every path in a
-manifest must resolve inside the table root, or the table is refused. Columns (plain Arrow types, readable by
-any Parquet reader):
+(``io.create_exclusive``: a hard link locally, a conditional PUT on object stores; a store that does not enforce
+it is found by a probe and refused), so two writers that both prepared version N+1 cannot both commit it: the
+loser sees the conflict (an "exists" answer, or an S3 409/412), rebases and commits N+2, and neither deletes the
+other's files. A reader takes the highest committed version, and lists only the files its manifest names, so a
+killed writer leaves the previous table intact and readers never see half a write. ``_manifest.json`` only
+moves forward: it is replaced only by a newer version's manifest (a locked or conditional read-compare-write).
+
+Each manifest records when files left the table, as Delta Lake's remove actions do: ``removed`` lists
+``{path, version, at}`` for every data file an earlier version named and this one does not (``version`` the
+version that dropped it, ``at`` that version's commit time, its ``created_at``), carried forward from version to
+version until ``vacuum`` has deleted the file. ``vacuum`` counts its grace period for such a file from ``at``,
+so a reader that opened an older version keeps its files for the whole grace; files no version ever named (a
+killed or losing writer's) count from their modification time. Every path in a manifest must resolve inside the
+table root, or the table is refused. Columns (plain Arrow types, readable by any Parquet reader):
 
     sample_id string      content hash (sha256 of the file bytes, 32 hex chars): stable across renames
     uri string            full URI of the file
@@ -49,7 +57,11 @@ import pyarrow as pa
 from .. import io
 from ..errors import CorruptArtifactError, DestinationError, SourceError
 
-FORMAT_VERSION = 2  # 2: the `modified` column, versioned manifests created exclusively, a writer id
+FORMAT_VERSION = 3  # 3: `removed` (when files left the table); 2: `modified`, exclusive manifests, a writer id
+# Version 2 manifests lack only `removed`: they are read (as having recorded no removals) and a table that has
+# them can be written on; older dutycycle refuses version 3 with its "not supported" error.
+READABLE_FORMAT_VERSIONS = (2, 3)
+LATEST_READ_ATTEMPTS = 3  # the newest manifest can be expired between listing and reading it: list again
 MANIFEST = "_manifest.json"
 MANIFEST_DIR = "_manifests"
 _VERSION_FILE = re.compile(r"^v(\d+)\.json$")
@@ -88,16 +100,36 @@ class TableManifest:
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
     writer: str = field(default_factory=lambda: uuid.uuid4().hex)  # who committed it (tells a retry its own)
+    # data files earlier versions named and this one does not: {"path", "version" (that dropped it), "at"}
+    removed: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TableManifest:
-        if d.get("format_version") != FORMAT_VERSION:
+        if not isinstance(d, dict):
+            raise CorruptArtifactError("table manifest is not a JSON object; ingest the source again")
+        if d.get("format_version") not in READABLE_FORMAT_VERSIONS:
             raise CorruptArtifactError(
-                f"table format version {d.get('format_version')!r} is not supported; ingest the source again"
+                f"table format version {d.get('format_version')!r} is not supported (this dutycycle reads "
+                f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade dutycycle or ingest the source again"
             )
         if not isinstance(d.get("files"), list) or not all(isinstance(f, str) for f in d["files"]):
             raise CorruptArtifactError("table manifest: `files` must be a list of paths; ingest the source again")
+        removed = d.get("removed", [])
+        if not isinstance(removed, list) or not all(_is_removal(e) for e in removed):
+            raise CorruptArtifactError(
+                "table manifest: `removed` must be a list of {path, version, at}; ingest the source again"
+            )
         return cls(**d)
+
+
+def _is_removal(e: Any) -> bool:
+    return (
+        isinstance(e, dict)
+        and isinstance(e.get("path"), str)
+        and isinstance(e.get("version"), int)
+        and isinstance(e.get("at"), (int, float))
+        and not isinstance(e.get("at"), bool)
+    )
 
 
 class CommitConflict(DestinationError):
@@ -130,10 +162,17 @@ def committed_versions(table_uri: str) -> list[int]:
 
 def commit(table_uri: str, manifest: TableManifest) -> None:
     """Create version ``manifest.version``'s manifest if no writer has: the commit point. Data files must be
-    durable before this call. Raises ``CommitConflict`` when another writer committed that version first."""
+    durable before this call. Raises ``CommitConflict`` when another writer committed that version first.
+
+    Fills in what only the commit knows: ``created_at`` (the commit time) and ``removed`` (the files the
+    previous version named that this one drops, stamped with that time, plus the earlier records whose files
+    vacuum has not deleted yet)."""
     _check_paths(table_uri, manifest)
+    manifest.format_version = FORMAT_VERSION
+    manifest.created_at = time.time()  # vacuum's grace for the files this version drops counts from here
+    manifest.removed = _removals(table_uri, manifest)
     data = json.dumps(asdict(manifest), indent=1, sort_keys=True).encode()
-    if not io.create_exclusive(io.join(table_uri, manifest_path(manifest.version)), data):
+    if not io.create_exclusive(io.join(table_uri, manifest_path(manifest.version)), data, store=table_uri):
         try:  # a retried request may have committed our own manifest already (e.g. a PUT retried by the client)
             if read_manifest(table_uri, manifest.version).writer == manifest.writer:
                 return
@@ -143,15 +182,93 @@ def commit(table_uri: str, manifest: TableManifest) -> None:
             f"table {table_uri!r}: version {manifest.version} was committed by another writer first"
         )
     # The copy for plain readers trails the commit; dutycycle itself reads the newest versioned manifest.
-    if max(committed_versions(table_uri), default=0) == manifest.version:
-        io.write_bytes_atomic(io.join(table_uri, MANIFEST), data)
+    publish_pointer(table_uri, manifest.version, data)
+    newest = max(committed_versions(table_uri), default=0)
+    if newest > manifest.version:
+        # A later writer publishes its own; this only helps when it died first, or when a store without a
+        # conditional replace let our older copy land over its newer one.
+        try:
+            fs, path = io.filesystem(io.join(table_uri, manifest_path(newest)))
+            publish_pointer(table_uri, newest, fs.cat_file(path))
+        except FileNotFoundError:
+            pass
+
+
+def _pointer_version(data: bytes | None) -> int:
+    """The version a ``_manifest.json`` copy holds; 0 when absent or unreadable (any manifest replaces it)."""
+    if data is None:
+        return 0
+    try:
+        version = json.loads(data).get("version")
+    except (ValueError, AttributeError):
+        return 0
+    return version if isinstance(version, int) and not isinstance(version, bool) else 0
+
+
+def publish_pointer(table_uri: str, version: int, data: bytes) -> bool:
+    """Make ``data`` (version ``version``'s manifest) the ``_manifest.json`` copy unless that copy already holds
+    this or a newer version: the copy only moves forward, even when two commits publish at once (the read and
+    the write are one locked or conditional step, ``io.replace_if``). Returns whether it wrote."""
+    return io.replace_if(io.join(table_uri, MANIFEST), data, lambda current: _pointer_version(current) < version)
+
+
+def _removals(table_uri: str, manifest: TableManifest) -> list[dict[str, Any]]:
+    """``manifest``'s ``removed`` records: the previous version's, less those whose files are gone (vacuum
+    deleted them) or that this version names again, plus one per file the previous version named and this one
+    does not."""
+    if manifest.version <= 1:
+        return []
+    try:
+        previous = read_manifest(table_uri, manifest.version - 1)
+    except SourceError as e:
+        # Only vacuum removes manifests, and never the newest one: the version this one was prepared on is no
+        # longer the newest, so another writer has committed this version.
+        raise CommitConflict(
+            f"table {table_uri!r}: version {manifest.version - 1} is gone, so version {manifest.version} was "
+            "committed by another writer first"
+        ) from e
+    names = set(manifest.files)
+    carried = [e for e in previous.removed if e["path"] not in names]
+    if carried:
+        present = _listed_files(table_uri)
+        if present is not None:
+            carried = [e for e in carried if e["path"] in present]
+    dropped = [
+        {"path": f, "version": manifest.version, "at": manifest.created_at}
+        for f in dict.fromkeys(previous.files)
+        if f not in names
+    ]
+    return carried + dropped
+
+
+def _listed_files(table_uri: str) -> set[str] | None:
+    """Every file under the table, relative to its root; None when the store cannot list it."""
+    fs, root = io.filesystem(table_uri)
+    root = root.rstrip("/")
+    fs.invalidate_cache(root)
+    try:
+        found = fs.find(root)
+    except (FileNotFoundError, OSError):
+        return None
+    return {p[len(root) + 1 :] for p in found if p.startswith(root + "/")}
 
 
 def read_manifest(table_uri: str, version: int | None = None) -> TableManifest:
     """The newest committed manifest (or ``version``'s), with every file path checked to lie inside the table."""
-    if version is None:
+    if version is not None:
+        return _read_manifest(table_uri, version)
+    for attempt in range(LATEST_READ_ATTEMPTS):
         versions = committed_versions(table_uri)
-        version = versions[-1] if versions else None
+        try:
+            return _read_manifest(table_uri, versions[-1] if versions else None)
+        except SourceError:
+            # vacuum expires a manifest only once a newer one exists: list again to find it
+            if not versions or attempt == LATEST_READ_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _read_manifest(table_uri: str, version: int | None) -> TableManifest:
     uri = io.join(table_uri, manifest_path(version)) if version is not None else io.join(table_uri, MANIFEST)
     if not io.exists(uri):
         raise SourceError(
@@ -169,6 +286,8 @@ def read_manifest(table_uri: str, version: int | None = None) -> TableManifest:
 def _check_paths(table_uri: str, manifest: TableManifest) -> None:
     for rel in manifest.files:
         io.resolve_inside(table_uri, rel, "table")
+    for record in manifest.removed:
+        io.resolve_inside(table_uri, record["path"], "table")
 
 
 def file_uris(table_uri: str, manifest: TableManifest | None = None) -> list[str]:

@@ -1,23 +1,32 @@
-"""The per-file work of ingest, as a Daft UDF: bytes -> content id, header facts, integrity, perceptual hash.
+"""The per-file work of ingest, as Daft UDFs: bytes -> content id, header facts, integrity, perceptual hash.
 
-``run_probe`` runs it over the files an ingest has to look at (new or modified): Daft downloads files from
-object stores (files over the byte cap, by their listed size, are not downloaded at all), the UDF reads the rest
-through fsspec with the cap, and ``imageinfo.probe`` parses headers with the allowed decoders only. A file
+``run_probe`` runs it over the files an ingest has to look at (new or modified). Every file is read through
+``io.read_capped`` (``fetch_udf``, a thread pool per batch): never more than the byte cap plus one byte, whatever
+the listing said about its size, and locally only a regular file, so a file that grew since it was listed is a
+``too large`` row and a FIFO or device that took a file's place is refused unopened. Entries the listing already
+refused (``scan.list_source``: FIFOs, devices, symlinks out of the source root) and files over the cap by their
+listed size are not read at all. ``imageinfo.probe`` then parses headers with the allowed decoders only. A file
 never fails the ingest: it becomes a row with an ``error``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import pyarrow as pa
 
 from .. import io
+from ..roots import RootCheck
 from . import format as tf
+from . import scan
 from .split import assign_split
 
 PROCESS_THRESHOLD = 2000  # files below which the UDF runs in threads (worker processes cost seconds to start)
+FETCH_BATCH = 32  # files read per batch: bounds the bytes held (at most this many times the cap) ...
+FETCH_THREADS = 16  # ... and reads in flight (object stores are latency-bound)
 
 
 def _unread_row(uri: str, error: str, fractions: tuple[float, ...]) -> dict:
@@ -26,10 +35,68 @@ def _unread_row(uri: str, error: str, fractions: tuple[float, ...]) -> dict:
     return {"sample_id": sid, "split": assign_split(sid, fractions), "error": error}
 
 
+def too_large_message(max_bytes: int) -> str:
+    from ..imageinfo import TOO_LARGE
+
+    return f"{TOO_LARGE}: over the per-file limit of {max_bytes} bytes; raise --max-file-bytes"
+
+
+def fetch_one(uri: str, size: int, listed_error: str | None, max_bytes: int, inside=None):
+    """``(bytes, None)`` or ``(None, error)`` for one listed file: a listing error or an oversized listing is not
+    read; otherwise a capped, regular-file-only read. ``inside`` (a ``roots.RootCheck`` over a local source)
+    checks again that the file resolves inside the source root, in case a symlink was re-pointed since the
+    listing."""
+    from ..imageinfo import UNREADABLE
+
+    if listed_error is not None:
+        return None, listed_error
+    if size > max_bytes:
+        return None, f"{too_large_message(max_bytes)} ({size} bytes)"
+    if inside is not None and inside.outside(uri):
+        return None, f"{scan.SYMLINK_OUT}: it resolves to {os.path.realpath(uri)!r} when read"
+    try:
+        return io.read_capped(uri, max_bytes), None
+    except io.FileTooLargeError:
+        return None, f"{too_large_message(max_bytes)} (listed at {size} bytes, it grew past the limit before it was read)"
+    except io.NotRegularFileError as e:
+        return None, f"{scan.NOT_REGULAR}: {e.kind}"
+    except Exception as e:  # noqa: BLE001 - a file never fails the ingest
+        return None, f"{UNREADABLE}: {type(e).__name__}: {e}"
+
+
+def fetch_udf(max_bytes: int, source: str):
+    """A Daft batch UDF: (uri, listed size, listing error) -> struct{data: the bytes or null, error: why not}."""
+    import daft
+    from daft import DataType as DT
+
+    inside = RootCheck([source]) if io.protocol(source) == "file" else None
+
+    @daft.func.batch(return_dtype=DT.struct({"data": DT.binary(), "error": DT.string()}), batch_size=FETCH_BATCH,
+                     use_process=False)
+    def fetch(uris, sizes, errors):
+        args = list(zip(uris.to_pylist(), sizes.to_pylist(), errors.to_pylist(), strict=True))
+
+        def one(a):
+            return fetch_one(a[0], int(a[1] or 0), a[2], max_bytes, inside)
+
+        if len(args) > 1 and io.protocol(source) != "memory":
+            with ThreadPoolExecutor(min(FETCH_THREADS, len(args)), thread_name_prefix="dutycycle-fetch") as pool:
+                got = list(pool.map(one, args))
+        else:
+            got = [one(a) for a in args]
+        return pa.StructArray.from_arrays(
+            [pa.array([g[0] for g in got], pa.binary()), pa.array([g[1] for g in got], pa.string())],
+            names=["data", "error"],
+        )
+
+    return fetch
+
+
 def probe_udf(
     with_phash: bool, max_pixels: int, max_bytes: int, fractions: tuple[float, ...], use_process: bool | None
 ):
-    """A Daft row UDF: (uri, size, bytes or null) -> the metadata struct. Built per call so options travel."""
+    """A Daft row UDF: (uri, bytes or null, why not read) -> the metadata struct. Built per call so options
+    travel."""
     import daft
     from daft import DataType as DT
 
@@ -47,20 +114,11 @@ def probe_udf(
     }
 
     @daft.func(return_dtype=DT.struct(fields), unnest=True, use_process=use_process)
-    def probe_file(uri: str, size: int, data: bytes | None) -> dict:
+    def probe_file(uri: str, data: bytes | None, fetch_error: str | None) -> dict:
         from dutycycle.engine import imageinfo
-        from dutycycle.engine import io as dio
 
-        too_large = f"{imageinfo.TOO_LARGE}: over the per-file limit of {max_bytes} bytes; raise --max-file-bytes"
-        if size > max_bytes or (data is not None and len(data) > max_bytes):
-            return _unread_row(uri, f"{too_large} ({max(size, len(data or b''))} bytes)", fractions)
-        if data is None:  # not fetched by Daft (fsspec-only scheme, or Daft could not): read it ourselves
-            try:
-                data = dio.read_capped(uri, max_bytes)
-            except dio.FileTooLargeError:
-                return _unread_row(uri, too_large, fractions)
-            except Exception as e:
-                return _unread_row(uri, f"{imageinfo.UNREADABLE}: {type(e).__name__}: {e}", fractions)
+        if data is None or len(data) > max_bytes:  # (never longer: the read is capped; checked all the same)
+            return _unread_row(uri, fetch_error or f"{imageinfo.UNREADABLE}: the file was not read", fractions)
         sid = imageinfo.sample_id(data)
         facts = imageinfo.probe(data, max_pixels=max_pixels, with_phash=with_phash)
         row = asdict(facts)
@@ -75,38 +133,38 @@ def run_probe(cfg, todo, labels: list[str | None], runner: str, progress) -> pa.
     """Probe the listing rows ``todo`` (an Arrow table: uri, rel, size_bytes, modified) labelled ``labels``, with
     the options of ``cfg`` (an ``IngestConfig``); returns their table rows sorted by URI."""
     import daft
-    from daft import col, lit
+    from daft import col
 
     n = todo.num_rows
+    listed_errors = todo.column("error").to_pylist() if "error" in todo.column_names else [None] * n
     df = daft.from_pydict(
         {
             "uri": todo.column("uri").to_pylist(),
             "size_bytes": todo.column("size_bytes").to_pylist(),
             "modified": todo.column("modified").to_pylist(),
             "label": labels,
+            "listed_error": listed_errors,
         }
     )
+    df = df.with_column("listed_error", col("listed_error").cast(daft.DataType.string()))
     nparts = cfg.partitions or (max(1, min(64, n // 500)) if runner == "ray" else 1)
     if nparts > 1:
         df = df.into_partitions(nparts)
     if cfg.progress_every:
         # results stream back in batches of this size, so the progress line moves during long scans
         df = df.into_batches(max(1, min(cfg.progress_every, 1000)))
-    if io.protocol(cfg.source) in io.DAFT_SCHEMES:
-        # Files over the byte cap (by their listed size) are not downloaded at all: their URI becomes null.
-        small = daft.functions.when(col("size_bytes") <= cfg.max_file_bytes, col("uri")).otherwise(None)
-        data = daft.functions.download(small, on_error="null", io_config=io.daft_io_config())
-    else:  # e.g. memory://: read inside the UDF through fsspec (same process on the native runner)
-        data = lit(None).cast(daft.DataType.binary())
+    # Every read is capped and regular-file-only (see the module docstring); Daft's own download is not used, as
+    # it reads a whole file (or a device without end) whatever its listed size.
+    fetched = fetch_udf(cfg.max_file_bytes, cfg.source)(col("uri"), col("size_bytes"), col("listed_error"))
     # Worker processes sidestep the GIL for hashing and decoding but cost seconds to start: small jobs run
     # the UDF in threads.
     use_process = cfg.use_process
     if use_process is None and n < PROCESS_THRESHOLD:
         use_process = False
     probe_file = probe_udf(cfg.phash, cfg.max_pixels, cfg.max_file_bytes, cfg.split, use_process)
-    df = df.with_column("data", data).select(
+    df = df.with_column("fetched", fetched).select(
         col("uri"), col("size_bytes"), col("modified"), col("label"),
-        probe_file(col("uri"), col("size_bytes"), col("data")),
+        probe_file(col("uri"), col("fetched").get("data"), col("fetched").get("error")),
     )
     batches, done = [], 0
     next_report = cfg.progress_every

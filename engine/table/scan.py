@@ -5,12 +5,19 @@ stores, the creation time on ``memory://``) all match the table's row. Anything 
 again (new or modified: a modified file gets a new content id and metadata), and rows whose file is gone or
 modified drop out of the next version. Plain functions over Arrow tables; the driver holds the listing and
 three columns of the previous version, never Python objects per row of the table.
+
+Local sources are listed with ``lstat`` semantics, and nothing is opened while listing: a regular file is listed;
+a symlink is followed only when its target is a regular file inside the source root (its row then carries the
+target's size and stamp); anything else (a FIFO, socket or device, a symlink out of the root, to a folder or to
+nothing) is listed with an ``error`` saying why, and becomes an error row that is never read. Opening a FIFO
+would block the ingest and reading a device would never end.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
+import stat
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -21,8 +28,16 @@ from ..errors import SourceError
 from . import format as tf
 
 LISTING_SCHEMA = pa.schema(
-    [("uri", pa.string()), ("rel", pa.string()), ("size_bytes", pa.int64()), ("modified", pa.string())]
+    [("uri", pa.string()), ("rel", pa.string()), ("size_bytes", pa.int64()), ("modified", pa.string()),
+     ("error", pa.string())]  # null, or why the entry is not read (becomes the row's error)
 )
+STATE_SCHEMA = pa.schema(
+    [("uri", pa.string()), ("size_bytes", pa.int64()), ("modified", pa.string()), ("_file", pa.int32())]
+)
+# The reasons of listing errors (the prefix of the row's ``error``, counted in summaries).
+NOT_REGULAR = "not a regular file"
+SYMLINK_OUT = "symlink out of the source root"
+BROKEN_LINK = "broken symlink"
 
 
 def check_source(source: str):
@@ -51,23 +66,59 @@ def _stamp(info: dict) -> str:
     return ""
 
 
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def local_entry(path: str, real_root: str) -> tuple[int, str, str | None] | None:
+    """``(size, stamp, error)`` of one local directory entry, from ``lstat`` and (for a symlink) its resolved
+    target; nothing is opened. None when the entry vanished."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    mode = st.st_mode
+    if stat.S_ISREG(mode):
+        return st.st_size, str(st.st_mtime_ns), None
+    if not stat.S_ISLNK(mode):
+        return st.st_size, str(st.st_mtime_ns), f"{NOT_REGULAR}: {io.file_kind(mode)}"
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    if not _under(os.path.realpath(path), real_root):
+        return st.st_size, str(st.st_mtime_ns), f"{SYMLINK_OUT}: it points to {target!r}"
+    try:
+        tst = os.stat(path)
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else type(e).__name__
+        return st.st_size, str(st.st_mtime_ns), f"{BROKEN_LINK}: it points to {target!r} ({why})"
+    if not stat.S_ISREG(tst.st_mode):
+        return st.st_size, str(st.st_mtime_ns), f"{NOT_REGULAR}: symlink to a {io.file_kind(tst.st_mode)}"
+    # the link's own time counts too: pointing it at another file of the same size and age is a change
+    return tst.st_size, str(max(tst.st_mtime_ns, st.st_mtime_ns)), None
+
+
 def list_source(source: str) -> pa.Table:
-    """All files under ``source`` as a table ``(uri, rel, size_bytes, modified)`` sorted by URI."""
+    """All files under ``source`` as a table ``(uri, rel, size_bytes, modified, error)`` sorted by URI; ``error``
+    is set for entries that are not read (see the module docstring)."""
     fs, root = check_source(source)
-    uris, rels, sizes, stamps = [], [], [], []
+    uris, rels, sizes, stamps, errors = [], [], [], [], []
     if io.protocol(source) == "file":
         base = os.path.abspath(root)
-        for folder, _, names in os.walk(base):
-            for name in names:
+        real_base = os.path.realpath(base)
+        for folder, dirs, names in os.walk(base):  # does not descend into symlinked folders
+            links = [d for d in dirs if os.path.islink(os.path.join(folder, d))]
+            for name in [*names, *links]:
                 path = os.path.join(folder, name)
-                try:
-                    st = os.stat(path)
-                except OSError:  # vanished or a dangling link: not a file any more
+                entry = local_entry(path, real_base)
+                if entry is None:  # vanished since the folder was read
                     continue
                 uris.append(path)
                 rels.append(os.path.relpath(path, base).replace(os.sep, "/"))
-                sizes.append(st.st_size)
-                stamps.append(str(st.st_mtime_ns))
+                sizes.append(entry[0])
+                stamps.append(entry[1])
+                errors.append(entry[2])
     else:
         prefix = io.to_uri(fs, root) + "/"
         fs.invalidate_cache(root)  # s3fs caches listings: a re-listing must see files changed since
@@ -79,7 +130,8 @@ def list_source(source: str) -> pa.Table:
             rels.append(uri[len(prefix) :] if uri.startswith(prefix) else posixpath.basename(uri))
             sizes.append(int(info.get("size") or 0))
             stamps.append(_stamp(info))
-    t = pa.table([uris, rels, sizes, stamps], schema=LISTING_SCHEMA)
+            errors.append(None)
+    t = pa.table([uris, rels, sizes, stamps, errors], schema=LISTING_SCHEMA)
     return t.sort_by("uri")
 
 
@@ -87,7 +139,7 @@ def read_state(table_uri: str, manifest: tf.TableManifest | None) -> pa.Table:
     """The committed rows' ``(uri, size_bytes, modified)`` plus ``_file``, the index of the file holding each."""
     import pyarrow.parquet as pq
 
-    schema = pa.schema([*LISTING_SCHEMA.remove(1), ("_file", pa.int32())])
+    schema = STATE_SCHEMA
     if manifest is None:
         return schema.empty_table()
     parts = []

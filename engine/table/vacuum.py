@@ -2,12 +2,20 @@
 
 Writers never delete: a killed ingest, or one that lost a commit race, leaves its data files behind, and a
 copy-on-write rewrite leaves the old file to the versions that still name it. ``vacuum`` removes what no
-manifest references, but only files older than a grace period, so the files of a writer that is still running
-(written, not yet committed) survive. ``keep_versions`` first expires old manifests (all but the newest K),
-which frees the files only they named; by default every version is kept.
+manifest references, but only once a grace period has passed, counted in the table's own time:
+
+- a file that a committed version named and a later one dropped counts from when it left the table (the
+  dropping version's commit time, recorded in the manifests' ``removed`` lists, as Delta Lake's remove actions
+  do), so a reader that opened an older version (a notebook, a running materialize whose lazy plan reads the
+  files again) keeps its files for the whole grace, however old the files themselves are;
+- a file no version ever named (an ingest still running, or one that was killed) counts from its modification
+  time, so a running writer's uncommitted files survive.
+
+``keep_versions`` first expires old manifests (all but the newest K), which frees the files only they named
+once their grace has passed; by default every version is kept.
 
 Only what a table writer creates is considered: ``*.parquet`` files inside version folders (``v00001-xxxx/``)
-and leftover temporary files (``*.tmp-*``); anything else in the folder (a contact sheet, notes) is left alone.
+and leftover temporary and probe files; anything else in the folder (a contact sheet, notes) is left alone.
 """
 
 from __future__ import annotations
@@ -15,14 +23,16 @@ from __future__ import annotations
 import posixpath
 import re
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from .. import io
-from ..errors import ConfigError
+from ..errors import ConfigError, SourceError
 from . import format as tf
 
 DEFAULT_GRACE_SECONDS = 3600.0
 _DATA_FOLDER = re.compile(r"^v\d+(-[0-9a-f]+)?$")
+_LEFTOVER_PREFIXES = (".write-probe-", io.PROBE_PREFIX)
 
 
 def _mtime(info: dict[str, Any]) -> float | None:
@@ -56,9 +66,39 @@ def _candidates(table_uri: str) -> dict[str, dict[str, Any]]:
         rel = path[len(root) + 1 :] if path.startswith(root + "/") else posixpath.basename(path)
         parts = rel.split("/")
         is_data = len(parts) == 2 and _DATA_FOLDER.match(parts[0]) and parts[1].endswith(".parquet")
-        if is_data or ".tmp-" in parts[-1] or parts[-1].startswith(".write-probe-"):
+        if is_data or ".tmp-" in parts[-1] or parts[-1].startswith(_LEFTOVER_PREFIXES):
             out[rel] = info
     return out
+
+
+def _read_versions(table: str, versions: Iterable[int]) -> dict[int, tf.TableManifest]:
+    out = {}
+    for v in versions:
+        try:
+            out[v] = tf.read_manifest(table, v)
+        except SourceError:
+            pass  # expired meanwhile by another vacuum
+    return out
+
+
+def _left_at(manifests: dict[int, tf.TableManifest]) -> dict[str, float]:
+    """When each file left the table: the recorded removals, and for tables written before removals were
+    recorded, the commit time of the first version after the last one (still listed) that named the file."""
+    left: dict[str, float] = {}
+
+    def note(path: str, at: float) -> None:
+        left[path] = max(at, left.get(path, at))
+
+    ordered = [manifests[v] for v in sorted(manifests)]
+    for m in ordered:
+        for record in m.removed:
+            note(record["path"], float(record["at"]))
+    for older, newer in zip(ordered, ordered[1:], strict=False):
+        names = set(newer.files)
+        for f in older.files:
+            if f not in names:
+                note(f, float(newer.created_at))
+    return left
 
 
 def vacuum(
@@ -66,8 +106,12 @@ def vacuum(
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     keep_versions: int | None = None,
     dry_run: bool = False,
+    now: float | None = None,
 ) -> dict[str, Any]:
-    """Remove unreferenced data files older than ``grace_seconds``; returns what was (or would be) removed."""
+    """Remove unreferenced data files whose grace has passed; returns what was (or would be) removed.
+
+    A file's grace counts from when it left the table, or, for a file no version named, from its last write.
+    ``now`` is the clock the grace is measured on (default: the current time)."""
     if grace_seconds < 0:
         raise ConfigError(f"--grace-seconds {grace_seconds} must be >= 0 (seconds a file is left alone)")
     if keep_versions is not None and keep_versions < 1:
@@ -76,30 +120,46 @@ def vacuum(
     if not versions:
         tf.read_manifest(table)  # raises the usual "no committed metadata table" error
     expired = versions[:-keep_versions] if keep_versions else []
+    # Every manifest is read before any expires: together they say when each file left the table.
+    manifests = _read_versions(table, versions)
     fs, _ = io.filesystem(table)
     if not dry_run:
         for v in expired:  # the newest manifest is never expired, so the table stays readable throughout
-            fs.rm(io.filesystem(io.join(table, tf.manifest_path(v)))[1])
-    # Candidates are listed before the manifests are read: a writer that commits in between is then seen
+            try:
+                fs.rm(io.filesystem(io.join(table, tf.manifest_path(v)))[1])
+            except FileNotFoundError:
+                pass  # another vacuum expired it first
+    # Candidates are listed before the manifests are read again: a writer that commits in between is then seen
     # through its manifest, and a file written after the listing is no candidate at all.
     candidates = _candidates(table)
     live = [v for v in tf.committed_versions(table) if v not in expired]
+    manifests.update(_read_versions(table, [v for v in live if v not in manifests]))
     referenced: set[str] = set()
     for v in live:
-        referenced.update(tf.read_manifest(table, v).files)
-    now = time.time()
+        if v in manifests:
+            referenced.update(manifests[v].files)
+    left_at = _left_at(manifests)
+    clock = time.time() if now is None else now
     removed, recent, freed = [], 0, 0
     for rel, info in sorted(candidates.items()):
         if rel in referenced:
             continue
         mtime = _mtime(info)
-        if mtime is None or now - mtime < grace_seconds:
-            recent += 1  # possibly an ingest still running: its files are not committed yet
+        since = left_at.get(rel)
+        if since is None:
+            since = mtime  # never committed: possibly a running writer's, whose commit has not come yet
+        elif mtime is not None:
+            since = max(since, mtime)  # a file cannot have left before it was written (clocks disagree)
+        if since is None or clock - since < grace_seconds:
+            recent += 1
             continue
         removed.append(rel)
         freed += int(info.get("size") or 0)
         if not dry_run:
-            fs.rm(io.filesystem(io.resolve_inside(table, rel, "table"))[1])
+            try:
+                fs.rm(io.filesystem(io.resolve_inside(table, rel, "table"))[1])
+            except FileNotFoundError:
+                pass  # another vacuum removed it first
     if not dry_run:
         _remove_empty_folders(table, {rel.split("/")[0] for rel in removed if "/" in rel})
     return {

@@ -160,9 +160,7 @@ def test_decode_failures_are_counted_not_fatal(tmp_path):
     table, rows = make_shapes_table(str(tmp_path / "data"), n=9, n_errors=1)
     images = str(tmp_path / "data" / "images")
     data = jpeg_bytes(photo_image(np.random.default_rng(5), 120, 90))
-    truncated = add_file(images, "circle/cut.jpg", data, "circle")
-    with open(truncated["uri"], "wb") as f:  # the table saw a good file; it was damaged since
-        f.write(data[: len(data) // 4])
+    truncated = add_file(images, "circle/cut.jpg", data[: len(data) // 4], "circle")  # cut, but the row says good
     vanished = add_file(images, "square/gone.jpg", jpeg_bytes(photo_image(np.random.default_rng(6), 90, 90)), "square")
     os.unlink(vanished["uri"])
     # a header-only PNG promising 50000 x 50000 pixels (the table row claims it is fine)
@@ -181,6 +179,56 @@ def test_decode_failures_are_counted_not_fatal(tmp_path):
     }
     assert res.manifest.num_samples == 9
     _check_exact(open_cache(res.uri), rows)
+
+
+def test_a_file_edited_after_ingest_is_skipped_and_counted(tmp_path, caplog):
+    """Its bytes no longer hash to the row's content id: caching them would put new pixels under the old id."""
+    from dutycycle.engine.cache import udf
+
+    table, rows = make_shapes_table(str(tmp_path / "data"), n=6)
+    edited = rows[2]["uri"]
+    with open(edited, "wb") as f:  # still a valid image, just not the one ingest saw
+        f.write(jpeg_bytes(photo_image(np.random.default_rng(11), 60, 50)))
+    with caplog.at_level("WARNING", logger="dutycycle.engine.cache.udf"):
+        res = materialize(table, str(tmp_path / "cache"), SPEC, rows_per_shard=4)
+    assert res.manifest.skipped == {"changed since ingest": 1} and res.manifest.num_samples == 5
+    warned = [r.getMessage() for r in caplog.records if "changed since ingest" in r.getMessage()]
+    assert len(warned) == 1 and edited in warned[0] and "Re-ingest the table" in warned[0]
+    _check_exact(open_cache(res.uri), [r for r in rows if r["uri"] != edited])
+    # the Ray runner's unit of work (a whole shard) checks the same way
+    shard_rows = [{k: r[k] for k in ("sample_id", "uri", "label", "split")} for r in rows]
+    rec = udf.build_shard(str(tmp_path / "ray-like"), 0, shard_rows, SPEC, CLASSES, batch_size=4,
+                          max_bytes=1 << 20, max_pixels=1 << 20)
+    assert rec["skipped"] == {"changed since ingest": 1} and rec["shard"]["rows"] == 5
+
+
+def test_fingerprint_covers_the_settings_that_decide_rows_and_pixels(tmp_path, monkeypatch):
+    """Caps, decoder version and content check are in the fingerprint (and the reuse index): changing one makes
+    a new cache; the same settings reuse the same one."""
+    import PIL
+    from dutycycle.engine.cache import plan
+
+    table, _ = make_shapes_table(str(tmp_path / "data"), n=4)
+    root = str(tmp_path / "cache")
+    base = materialize(table, root, SPEC)
+    fp = base.manifest.fingerprint
+    same = materialize(table, root, SPEC)
+    assert same.reused and same.manifest.fingerprint == fp
+    pixels = materialize(table, root, SPEC, max_pixels=10_000_000)
+    assert not pixels.reused and pixels.manifest.fingerprint != fp
+    capped = materialize(table, root, SPEC, max_file_bytes=100_000_000)
+    assert not capped.reused and len({fp, pixels.manifest.fingerprint, capped.manifest.fingerprint}) == 3
+    assert materialize(table, root, SPEC, max_pixels=10_000_000).manifest.fingerprint == pixels.manifest.fingerprint
+    # without the reuse index, the recomputed fingerprint agrees
+    for p in (tmp_path / "cache" / "_index").iterdir():
+        p.unlink()
+    assert materialize(table, root, SPEC).manifest.fingerprint == fp
+    digests, classes = ["d"], list(CLASSES)
+    assert plan.fingerprint(digests, classes, SPEC) == plan.fingerprint(digests, classes, SPEC, plan.decode_settings())
+    assert "content_check" in plan.decode_settings()
+    monkeypatch.setattr(PIL, "__version__", "0.0.1")  # another decoder version
+    assert plan.decode_settings()["decoder"] == "Pillow 0.0.1"
+    assert materialize(table, root, SPEC).manifest.fingerprint != fp
 
 
 def test_files_over_the_byte_cap_are_skipped_unread(tmp_path):

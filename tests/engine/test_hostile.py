@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import struct
 import subprocess
@@ -294,3 +295,129 @@ def test_contact_sheet_escapes_every_value(tmp_path):
     html = (tmp_path / "sheet.html").read_text()
     assert "<script>" not in html and "alert(1)" in html
     assert html.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 7  # label, mode, split, format, error, name, ...
+
+
+# ---------------------------------------------------------------------------------------------------------
+# No file bytes in any output; rows read only inside the table's source roots
+
+SECRET = b"SECRET_TOKEN=abc123\n"
+SECRET_PARTS = ("SECRET", "TOKEN", "abc123")
+
+
+def test_file_bytes_never_reach_the_table_the_sheet_or_the_cli(tmp_path, capsys):
+    """A text file in the source: its row says what it is (size, a guess) and why it is refused, never what it
+    holds, in every column, the contact sheet and what the CLI prints."""
+    from dutycycle.trainer.app.cli import main
+
+    src = tmp_path / "src" / "notes"
+    src.mkdir(parents=True)
+    (src / "notes.jpg").write_bytes(SECRET)
+    (src / "photo.jpg").write_bytes(_encode(_noise(20, 10), "JPEG"))
+    table, sheet = str(tmp_path / "t"), str(tmp_path / "sheet.html")
+    assert main(["ingest", str(tmp_path / "src"), table]) == 0
+    assert main(["inspect", table, "--html", sheet]) == 0
+    assert main(["materialize", table, str(tmp_path / "cache"), "--size", "8"]) == 0
+    printed = capsys.readouterr()
+    rows = read_arrow(table).to_pylist()
+    outputs = {"table": repr(rows), "sheet": open(sheet, encoding="utf-8").read(),
+               "cli": printed.out + printed.err}
+    for where, text in outputs.items():
+        for part in SECRET_PARTS:
+            assert part not in text, (where, part)
+    note = next(r for r in rows if r["uri"].endswith("notes.jpg"))
+    assert note["error"] == "not an image: no known image signature (20 bytes of text)"
+
+
+def test_contact_sheet_hides_content_that_older_tables_quote(tmp_path):
+    """Tables ingested before errors stopped quoting a file's first bytes still hold them: the sheet drops them."""
+    from dutycycle.engine.inspect import contact_sheet
+
+    from ..support.tablemaker import write_table
+
+    row = {"sample_id": "a" * 32, "uri": str(tmp_path / "notes.jpg"), "size_bytes": 20, "label": "cat",
+           "error": "not an image: no known image signature (starts with 'SECRET_TOKEN=abc')"}
+    table = write_table(str(tmp_path / "t"), [row], classes=["cat"])
+    contact_sheet(open_table(table), str(tmp_path / "sheet.html"), limit=5, size=16)
+    html = (tmp_path / "sheet.html").read_text()
+    assert "SECRET" not in html and "no known image signature (content not shown)" in html
+
+
+def test_decoder_messages_lose_the_bytes_they_quote():
+    """Some decoder errors quote bytes of the file (a PNG chunk name, a TIFF header): the error keeps the words."""
+    e = imageinfo.decode_failure(SyntaxError("broken PNG file (chunk b'SECR')"))
+    assert str(e) == "corrupt: broken PNG file (chunk <bytes>)" and e.reason == "corrupt"
+    assert imageinfo.describe_error(ValueError('header b"TOKEN\\"x" not valid')) == "header <bytes> not valid"
+
+
+def _crafted(tmp_path):
+    """A table whose recorded root is ``images/``, with rows inside it and rows pointing elsewhere: at
+    ``/etc/passwd`` and at an image in another folder; and, inside the root, a symlink planted after ingest that
+    points at that other image."""
+    from ..support.tablemaker import add_file, write_table
+
+    images, other = str(tmp_path / "images"), str(tmp_path / "other")
+    rows = [add_file(images, f"cat/{i}.png", _encode(_noise(12, 10, seed=i), "PNG"), "cat") for i in range(4)]
+    stranger = add_file(other, "stranger.png", _encode(_noise(12, 10, seed=9), "PNG"), "cat")
+    hidden = add_file(other, "hidden.png", _encode(_noise(12, 10, seed=10), "PNG"), "cat")
+    passwd = {**rows[0], "uri": "/etc/passwd", "sample_id": "e" * 32}
+    planted = {**hidden, "uri": os.path.join(images, "cat", "planted.png")}
+    os.symlink(hidden["uri"], planted["uri"])
+    for r in (stranger, passwd, planted):
+        r["split"] = "train"
+    for r in rows:
+        r["split"] = "train"
+    table = write_table(str(tmp_path / "t"), [*rows, stranger, passwd, planted], classes=["cat"], roots=[images])
+    return table, images, other, stranger["uri"]
+
+
+def test_materialize_reads_only_rows_inside_the_tables_roots(tmp_path, capsys):
+    from dutycycle.engine.cache.materialize import materialize
+    from dutycycle.engine.errors import SourceError
+
+    table, images, other, stranger = _crafted(tmp_path)
+    logged: list[str] = []
+    r = materialize(table, str(tmp_path / "cache"), TransformSpec(size=8), runner="native", log=logged.append)
+    assert r.manifest.num_samples == 4 and r.manifest.skipped == {"outside_roots": 3}
+    refusal = next(line for line in logged if "outside the table's source roots" in line)
+    assert "--allow-root" in refusal and images in refusal
+    # with the other folder allowed, its image is read, and the symlink into it too (each row records the id of
+    # the bytes it points at, so the content check passes); /etc/passwd still is not read
+    r2 = materialize(table, str(tmp_path / "cache"), TransformSpec(size=8), runner="native", allowed_roots=[other])
+    assert r2.manifest.num_samples == 6 and r2.manifest.skipped == {"outside_roots": 1}
+    assert r2.manifest.fingerprint != r.manifest.fingerprint and r2.uri != r.uri
+    # the reuse index knows the roots: without them the first cache comes back, not the one with more rows
+    assert materialize(table, str(tmp_path / "cache"), TransformSpec(size=8), runner="native").uri == r.uri
+    # a table that records no roots (hand-written, source not a location) reads nothing until roots are named
+    from ..support.tablemaker import write_table
+
+    bare = write_table(str(tmp_path / "bare"), [dict(read_arrow(table).to_pylist()[0])], classes=["cat"], roots=[])
+    with pytest.raises(SourceError, match=r"outside the table's source roots \(none recorded\)"):
+        materialize(bare, str(tmp_path / "cache2"), TransformSpec(size=8), runner="native")
+    assert materialize(bare, str(tmp_path / "cache2"), TransformSpec(size=8), runner="native",
+                       allowed_roots=[images]).manifest.num_samples == 1
+    # the CLI's --allow-root
+    from dutycycle.trainer.app.cli import main
+
+    assert main(["materialize", table, str(tmp_path / "cache3"), "--size", "8", "--json", "--quiet",
+                 "--allow-root", other]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["samples"] == 6 and summary["skipped"] == {"outside_roots": 1}
+
+
+def test_thumbnails_read_only_rows_inside_the_tables_roots(tmp_path, capsys):
+    from dutycycle.engine.inspect import contact_sheet
+    from dutycycle.trainer.app.cli import main
+
+    table, images, other, stranger = _crafted(tmp_path)
+    grid = contact_sheet(open_table(table), str(tmp_path / "sheet.html"), limit=10, size=16)
+    assert sorted(grid.refused) == sorted(["/etc/passwd", stranger, os.path.join(images, "cat", "planted.png")])
+    assert sum(1 for t in grid.thumbs if t.jpeg_b64) == 4
+    html = (tmp_path / "sheet.html").read_text()
+    assert "3 rows outside the table&#x27;s source roots" in html and "root:x:0:0" not in html
+    grid = contact_sheet(open_table(table), str(tmp_path / "sheet.html"), limit=10, size=16, allowed_roots=[other])
+    assert grid.refused == ["/etc/passwd"] and sum(1 for t in grid.thumbs if t.jpeg_b64) == 6
+    # the CLI names the refused rows and takes --allow-root
+    assert main(["inspect", table, "--html", str(tmp_path / "s2.html")]) == 0
+    assert "3 rows outside the table's source roots" in capsys.readouterr().out
+    assert main(["inspect", table, "--html", str(tmp_path / "s3.html"), "--allow-root", other, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["outside_roots"] == ["/etc/passwd"]

@@ -269,6 +269,40 @@ def test_two_ingests_started_together_both_commit_and_lose_nothing(where, tmp_pa
     for v in (1, 2, 3):
         assert all(io.exists(u) for u in tf.file_uris(uri, tf.read_manifest(uri, v)))
     assert read_arrow(uri, tf.read_manifest(uri, 2)).num_rows == 21
+    # Each process probed the store's exclusive create before committing (moto honours If-None-Match, so the
+    # probe passes there) and removed its sentinel; the plain readers' copy names the newest version.
+    fs, root = io.filesystem(uri)
+    fs.invalidate_cache(root)
+    assert not [p for p in fs.find(root) if io.PROBE_PREFIX in p]
+    assert io.read_json(io.join(uri, tf.MANIFEST))["version"] == 3
+
+
+@pytest.mark.parametrize("code, status", [("ConditionalRequestConflict", 409), ("PreconditionFailed", 412)])
+def test_conditional_write_conflict_from_s3_rebases_the_ingest(s3, monkeypatch, code, status):
+    """S3 answers a conditional PUT that raced another with 409 ConditionalRequestConflict (or 412), which
+    s3fs raises as a plain OSError: the ingest must take it as a lost commit and rebase, not crash."""
+    import s3fs
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    source, uri = f"{s3}/src", f"{s3}/table"
+    synthesize(source, 8, seed=31)
+    ingest(source, uri, progress_every=0)
+    synthesize(f"{source}/more", 3, seed=32)
+    real_commit, answered = s3fs.core.S3File.commit, []
+
+    def racing_commit(self):
+        if self.path.endswith("_manifests/" + tf.version_dir(2) + ".json") and not answered:
+            answered.append(self.path)
+            error = ClientError({"Error": {"Code": code, "Message": "a conflicting conditional operation"},
+                                 "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+            raise translate_boto_error(error)
+        return real_commit(self)
+
+    monkeypatch.setattr(s3fs.core.S3File, "commit", racing_commit)
+    out = ingest(source, uri, progress_every=0)
+    assert answered and out["committed"] and (out["version"], out["conflicts"], out["new_rows"]) == (2, 1, 3)
+    assert read_arrow(uri).num_rows == 11 and tf.committed_versions(uri) == [1, 2]
 
 
 def test_labels_from_csv_and_json(tmp_path):

@@ -203,3 +203,77 @@ def test_corrupt_and_truncated_files_raise_decode_error():
     with pytest.raises(DecodeError) as e:
         decode_and_transform(b"", TransformSpec())
     assert e.value.reason == "empty file"
+
+
+# ------------------------------------------------------------------------------------------------- decode memory
+
+
+def _tiff_bytes(img: Image.Image) -> bytes:
+    buf = _io.BytesIO()
+    img.save(buf, "TIFF")
+    return buf.getvalue()
+
+
+def test_decode_budget_counts_bytes_per_pixel_not_pixels():
+    """At the same pixel count, a mode that holds more bytes a pixel than 8-bit RGB is over the byte budget."""
+    from dutycycle.engine import imageinfo
+
+    limit = 10_000  # pixels; the budget is 40,000 bytes (4 a pixel, as PIL holds RGB)
+    fits = {
+        "RGB": png_bytes(Image.new("RGB", (100, 100))),
+        "L": png_bytes(Image.new("L", (100, 100))),
+        "I;16": png_bytes(Image.fromarray(np.zeros((100, 100), np.uint16))),
+        "RGBA half": png_bytes(Image.new("RGBA", (100, 50))),  # 8 bytes a pixel, half the pixels
+        "F two thirds": _tiff_bytes(Image.fromarray(np.zeros((66, 100), np.float32))),
+    }
+    for name, data in fits.items():
+        assert decode_and_transform(data, TransformSpec(size=8), max_pixels=limit).shape == (8, 8, 3), name
+    over = {
+        "RGBA": png_bytes(Image.new("RGBA", (100, 100))),
+        "LA": png_bytes(Image.new("LA", (100, 100))),
+        "F": _tiff_bytes(Image.fromarray(np.zeros((100, 100), np.float32))),
+        "P with a transparent colour": png_bytes(Image.new("P", (100, 100)), transparency=0),
+    }
+    for name, data in over.items():
+        with pytest.raises(DecodeError, match=r"bytes to decode .* over the budget of 40000 bytes") as e:
+            decode_and_transform(data, TransformSpec(size=8), max_pixels=limit)
+        assert e.value.reason == "decompression bomb", name
+        # one limit: ingest records the same refusal for the row
+        assert imageinfo.probe(data, max_pixels=limit).error == str(e.value), name
+
+
+@pytest.mark.parametrize("resize", ["shorter_crop", "pad", "stretch"])
+def test_wide_grey_and_alpha_in_strips_give_the_whole_image_pixels(monkeypatch, resize):
+    """16-bit, 32-bit and float grey and alpha are brought to 8 bits a strip of rows at a time; the pixels are
+    those of the whole-image conversion (written out here with PIL and int64 numpy), grey resized as RGB."""
+    from dutycycle.engine import transform
+
+    rng = np.random.default_rng(5)
+    h, w = 150, 97
+    g16 = rng.integers(0, 65536, (h, w), dtype=np.uint16)
+    i32 = rng.integers(-5000, 90000, (h, w), dtype=np.int32)
+    f32 = rng.uniform(-20, 280, (h, w)).astype(np.float32)
+    rgba = rng.integers(0, 256, (h, w, 4), dtype=np.uint8)
+
+    def grey(a):
+        return Image.fromarray(a.astype(np.uint8), "L").convert("RGB")
+
+    def scaled16(a):
+        return grey((np.clip(a.astype(np.int64), 0, 65535) * 255 + 32767) // 65535)
+
+    def composite(img):
+        canvas = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        return Image.alpha_composite(canvas, img.convert("RGBA")).convert("RGB")
+
+    cases = {
+        "I;16": (png_bytes(Image.fromarray(g16)), scaled16(g16)),
+        "I": (_tiff_bytes(Image.fromarray(i32)), scaled16(i32)),
+        "F": (_tiff_bytes(Image.fromarray(f32)), grey(np.rint(np.clip(f32.astype(np.float64), 0, 255)))),
+        "RGBA": (png_bytes(Image.fromarray(rgba)), composite(Image.fromarray(rgba))),
+    }
+    spec = TransformSpec(size=24, resize=resize, background="white")
+    monkeypatch.setattr(transform, "_STRIP_BYTES", 4 * w * 7)  # 7 rows a strip: 22 strips, the last one short
+    for mode, (data, whole) in cases.items():
+        assert Image.open(_io.BytesIO(data)).mode == mode
+        expected = transform.transform_image(whole, spec)  # an RGB image: no conversion left to do
+        assert np.array_equal(decode_and_transform(data, spec), expected), mode

@@ -240,7 +240,8 @@ def test_state_mismatch_errors_and_force(cache, tmp_path):
     other = CacheLoader(cache, "train", config=cfg(global_batch_size=32))
     with pytest.raises(ConfigError, match="global_batch_size=16 but this loader has global_batch_size=32"):
         other.load_state_dict(state)
-    other.load_state_dict(state, force=True)
+    with pytest.warns(UserWarning, match="force=True was passed"):
+        other.load_state_dict(state, force=True)
     assert other.state_dict()["step"] == 2
     bad = dict(state, fingerprint="feedface")
     with pytest.raises(ConfigError, match="fingerprint='feedface' but this loader has fingerprint="):
@@ -255,12 +256,16 @@ def test_state_mismatch_errors_and_force(cache, tmp_path):
     assert np.array_equal(expected[0], np.concatenate([halves[0][0], halves[1][0]]))
 
 
-def test_seed_comes_from_the_state(cache):
+def test_the_seed_is_part_of_the_plan(cache):
+    """A state saved with another seed is refused like any other plan input (test_state.py covers each one); with
+    the same seed the batches and their augmentations continue exactly."""
     saved = CacheLoader(cache, "train", config=cfg(seed=5))
     take(saved, 1)
     state = saved.state_dict()
     expected = as_arrays(take(saved, 1))
-    resumed = CacheLoader(cache, "train", config=cfg(seed=0))
+    with pytest.raises(ConfigError, match="seed=5 but this loader has seed=0"):
+        CacheLoader(cache, "train", config=cfg(seed=0)).load_state_dict(state)
+    resumed = CacheLoader(cache, "train", config=cfg(seed=5))
     resumed.load_state_dict(state)
     assert_same(expected, as_arrays(take(resumed, 1)))
 

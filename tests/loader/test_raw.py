@@ -8,7 +8,7 @@ from dutycycle.engine.cache.materialize import materialize
 from dutycycle.engine.transform import DecodeError, TransformSpec
 from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig, RawLoader
 
-from ..support.tablemaker import add_file, make_shapes_table, write_table
+from ..support.tablemaker import add_file, jpeg_bytes, make_shapes_table, shape_image, write_table
 from .test_loader import as_arrays, assert_same
 
 SPEC = TransformSpec(size=16)
@@ -95,3 +95,42 @@ def test_raw_reads_respect_the_per_file_byte_cap(tmp_path, monkeypatch):
     with pytest.raises(DecodeError, match="per-file limit of 1000 bytes") as err:
         decode.decode_one(str(path), SPEC)
     assert err.value.reason == "too large"
+
+
+def test_raw_reads_only_rows_inside_the_tables_roots(tmp_path, data):
+    """A crafted table's rows outside its source roots (``/etc/passwd``, another folder's image) are left out of
+    the plan, counted and named, as materialize leaves them out of the cache; allowed roots bring them back; a
+    symlink that points out of the roots when a step reads it is refused."""
+    import os
+
+    from dutycycle.engine.transform import decode_and_transform
+
+    _, _, rows = data
+    good = [dict(r, split="train") for r in rows if r["error"] is None]
+    root = os.path.dirname(os.path.dirname(good[0]["uri"]))  # the images folder: class folders below it
+    other = str(tmp_path / "other")
+    img, kind = shape_image(1000, 24, 24)
+    stranger = add_file(other, "stranger.jpg", jpeg_bytes(img), kind)
+    stranger["split"] = "train"
+    passwd = dict(good[1], uri="/etc/passwd", sample_id="1" * 32)
+    table = write_table(str(tmp_path / "table"), [*good, stranger, passwd], roots=[root])
+    with pytest.warns(UserWarning, match="2 rows outside the table's source roots are left out"):
+        raw = RawLoader(table, SPEC, "train", config=cfg(mode="sync", drop_last=False))
+    assert raw.outside == 2 and len(raw.uris) == len(good)
+    assert "/etc/passwd" not in raw.uris and stranger["uri"] not in raw.uris
+    with pytest.warns(UserWarning, match="'/etc/passwd'"):
+        allowed = RawLoader(table, SPEC, "train", config=cfg(mode="sync", drop_last=False), allowed_roots=[other])
+    assert allowed.outside == 1 and stranger["uri"] in allowed.uris and "/etc/passwd" not in allowed.uris
+    # checked again when a step reads: a file swapped for a symlink out of the roots after the plan is refused
+    victim = raw.uris[0]
+    os.rename(victim, victim + ".moved")
+    os.symlink(stranger["uri"], victim)
+    try:
+        with pytest.raises(DecodeError, match="outside the table's source roots") as err:
+            for _ in raw:
+                pass
+        assert err.value.reason == "outside the table's source roots"
+    finally:
+        os.unlink(victim)
+        os.rename(victim + ".moved", victim)
+    assert decode_and_transform(open(victim, "rb").read(), SPEC).shape == (16, 16, 3)

@@ -70,11 +70,28 @@ def split_of(sid: str) -> str:
     return "train" if v < 8 else "val"
 
 
-def write_table(table_uri: str, rows: list[dict], classes: list[str] = CLASSES) -> str:
-    """Commit ``rows`` (dicts of table columns; missing ones null) as the next version of the table."""
+def common_folder(uris: list[str]) -> str:
+    """The deepest folder holding every one of ``uris`` (compared by '/'-separated parts, scheme kept)."""
+    parts = [u.split("/")[:-1] for u in uris]
+    common = parts[0] if parts else []
+    for p in parts[1:]:
+        k = 0
+        while k < min(len(common), len(p)) and common[k] == p[k]:
+            k += 1
+        common = common[:k]
+    return "/".join(common)
+
+
+def write_table(table_uri: str, rows: list[dict], classes: list[str] = CLASSES, roots: list[str] | None = None) -> str:
+    """Commit ``rows`` (dicts of table columns; missing ones null) as the next version of the table. ``roots``:
+    the source roots it records (rows outside them are refused by readers); default: the folder holding every
+    row's file, as an ingest of that folder would record."""
     cols = {name: [r.get(name) for r in rows] for name in tf.SCHEMA.names}
     t = pa.table({name: pa.array(cols[name], tf.SCHEMA.field(name).type) for name in tf.SCHEMA.names}, tf.SCHEMA)
-    write_version(table_uri, t, classes=classes, source="tests")
+    if roots is None:
+        folder = common_folder([r["uri"] for r in rows if r.get("uri")])
+        roots = [folder] if folder else []
+    write_version(table_uri, t, classes=classes, source="tests", options={"roots": list(roots)})
     return table_uri
 
 

@@ -33,6 +33,7 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 METADATA_JSON = "metadata.json"
 MAX_JSON_BYTES = 64 * 1024**2  # manifests, trainer state and metadata are small; a larger file is refused unread
+DIGEST = "manifest_sha256"  # the manifest's checksum of its own content (every other field), see Manifest.to_json
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
 _CHUNK = 8 * 1024**2
@@ -54,8 +55,11 @@ class Manifest:
     info: dict = field(default_factory=dict)  # what was saved, for people: strategy, stage, bytes, timings
 
     def to_json(self) -> dict:
+        """Plain JSON, with ``manifest_sha256``: the sha256 of the rest, so a manifest changed after its commit
+        (a flipped digit in a size, a step, a timing) is refused rather than trusted."""
         d = asdict(self)
         d["files"] = {k: asdict(v) for k, v in sorted(self.files.items())}
+        d[DIGEST] = manifest_digest(d)
         return d
 
     @classmethod
@@ -63,6 +67,9 @@ class Manifest:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise CorruptArtifactError(f"{where} is not a {FORMAT} manifest (format {d.get('format')!r})"
                                        if isinstance(d, dict) else f"{where} is not a JSON object")
+        if DIGEST in d and manifest_digest(d) != d[DIGEST]:  # manifests written before the field have none
+            raise CorruptArtifactError(f"{where} fails its own checksum ({DIGEST}): it was changed after the "
+                                       "commit; the checkpoint is refused")
         try:
             files = {}
             for name, rec in d["files"].items():
@@ -72,6 +79,12 @@ class Manifest:
                        created=float(d.get("created", 0.0)), info=dict(d.get("info", {})))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptArtifactError(f"{where} is malformed ({type(e).__name__}: {e})") from None
+
+
+def manifest_digest(d: dict) -> str:
+    """sha256 of a manifest's canonical JSON (sorted keys, no spaces) without its own ``manifest_sha256``."""
+    body = {k: v for k, v in d.items() if k != DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def check_name(name: str, where: str) -> str:
@@ -135,13 +148,19 @@ def read_json_bounded(uri: str) -> object:
 
 
 def read_manifest(step_uri: str) -> Manifest | None:
-    """The step's manifest, or None when it has none (not committed)."""
+    """The step's manifest, or None when it has none (not committed). A manifest whose step is not its
+    directory's is refused."""
     uri = io.join(step_uri, MANIFEST)
     try:
         data = read_json_bounded(uri)
     except FileNotFoundError:
         return None
-    return Manifest.from_json(data, uri)
+    manifest = Manifest.from_json(data, uri)
+    step = parse_step(step_uri)
+    if step is not None and manifest.step != step:
+        raise CorruptArtifactError(f"{uri} says step {manifest.step} but lies in the directory of step {step}; "
+                                   "the checkpoint is refused")
+    return manifest
 
 
 def write_manifest(step_uri: str, manifest: Manifest) -> None:
@@ -174,14 +193,14 @@ def verify_files(step_uri: str, manifest: Manifest, names: list[str]) -> list[st
         try:
             size = fs.size(f"{root.rstrip('/')}/{name}")
         except FileNotFoundError:
-            problems.append(f"{name} is missing")
+            problems.append(f"{name} is missing (listed in {MANIFEST})")
             continue
         if size != want.size:
-            problems.append(f"{name} is {size} bytes but the manifest says {want.size} (truncated or overwritten)")
+            problems.append(f"{name} is {size} bytes but {MANIFEST} says {want.size} (truncated or overwritten)")
             continue
         got = file_digest(uri)
         if got.sha256 != want.sha256:
-            problems.append(f"{name} has sha256 {got.sha256[:16]}... but the manifest says {want.sha256[:16]}... "
+            problems.append(f"{name} has sha256 {got.sha256[:16]}... but {MANIFEST} says {want.sha256[:16]}... "
                             "(corrupted)")
     return problems
 

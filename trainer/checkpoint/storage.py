@@ -181,8 +181,10 @@ def read_state(state: dict, uri: str, allowed: set[str], process_group=None) -> 
         dcp.load(state, storage_reader=_Reader(uri, allowed), planner=_SafeLoadPlanner(),
                  process_group=process_group)
     except CheckpointException as e:
-        reasons = "; ".join(f"rank {rank}: {exc}" for rank, (exc, _) in sorted(e.failures.items()))
-        raise CorruptArtifactError(f"checkpoint {uri} could not be loaded ({reasons})") from None
+        reasons = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}"
+                            for rank, (exc, _) in sorted(e.failures.items()))
+        raise CorruptArtifactError(f"checkpoint {uri} could not be loaded as its {METADATA_JSON} describes it "
+                                   f"({reasons})") from None
 
 
 # ------------------------------------------------------------------------------------------ the JSON index
@@ -237,6 +239,10 @@ def metadata_from_json(d, where: str) -> Metadata:
             storage[key] = _StorageInfo(str(s["file"]), int(s["start"]), int(s["length"]),
                                         [str(t) for t in s["transforms"]] or None)
         planner = {str(k): tuple(v) for k, v in d["planner"].items()}
+        for key in storage:  # DCP would fail deep in its planner on an entry it cannot place
+            if key.fqn not in entries:
+                raise CorruptArtifactError(f"{where} says where {key.fqn!r} is stored but does not index it; the "
+                                           "checkpoint is refused")
         return Metadata(state_dict_metadata=entries, planner_data=planner, storage_data=storage,
                         version=d["version"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -1,0 +1,95 @@
+"""Decode memory is bounded by bytes, not pixels: a wide mode (16-bit grey, 32-bit int or float grey, alpha) costs
+no more than its accounted bytes a pixel, and a 16-bit image no more than an 8-bit RGB one of the same size.
+
+Peaks are measured in fresh processes, from the kernel's peak RSS of that process (``VmHWM``). ``ru_maxrss`` is
+not used: Linux carries it across fork and exec, so a child of this (large) test process would report the
+parent's peak. Each child imports the decoder, reads the file, then decodes: the decode's cost is the peak after
+minus the peak before, so the interpreter, the modules and the file's bytes cancel out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from dutycycle.engine.limits import decode_bytes_per_pixel
+from PIL import Image
+
+SIDE = 4000  # 16 Mpx: the decode (tens of MB) dominates the measurement noise (a few MB)
+MB = 1024 * 1024
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="peak RSS read from /proc")
+
+_CHILD = r"""
+import json, sys
+from dutycycle.engine import imageinfo  # noqa: F401 - numpy and PIL load before the first peak, not in the decode
+from dutycycle.engine.transform import TransformSpec, decode_and_transform
+
+def peak():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+with open(sys.argv[1], "rb") as f:
+    data = f.read()
+before = peak()
+out = decode_and_transform(data, TransformSpec(size=64))
+print(json.dumps({"before": before, "after": peak(), "shape": list(out.shape)}))
+"""
+
+
+def decode_cost(path) -> dict:
+    """``{"before", "after", "cost"}`` in bytes: a fresh process's peak RSS before and after decoding ``path``."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True, check=True,
+                         cwd=root, timeout=120)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["shape"] == [64, 64, 3]
+    return {**got, "cost": got["after"] - got["before"]}
+
+
+def _ramp(dtype, top: int) -> np.ndarray:
+    """Smooth content with some texture, so the PNGs compress like images do, not like noise."""
+    x, y = np.arange(SIDE, dtype=np.int32)[None, :], np.arange(SIDE, dtype=np.int32)[:, None]
+    return ((x * 7 + y * 13 + (x * y) % 97) % top).astype(dtype)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("wide")
+    ramp8 = _ramp(np.uint8, 256)
+    made = {
+        "RGB": (Image.fromarray(np.stack([ramp8, ramp8[::-1], ramp8[:, ::-1]], -1)), "png"),
+        "I;16": (Image.fromarray(_ramp(np.uint16, 65536)), "png"),
+        "I": (Image.fromarray(_ramp(np.int32, 70000) - 1000), "tif"),
+        "F": (Image.fromarray(_ramp(np.float32, 300) - 20), "tif"),
+        "RGBA": (Image.fromarray(np.stack([ramp8, ramp8[::-1], ramp8[:, ::-1], ramp8.T], -1)), "png"),
+    }
+    paths = {}
+    for mode, (img, ext) in made.items():
+        path = str(d / f"{mode.replace(';', '')}.{ext}")
+        img.save(path, compress_level=1) if ext == "png" else img.save(path)
+        assert Image.open(path).mode == mode
+        paths[mode] = path
+    return paths
+
+
+def test_sixteen_bit_grey_costs_no_more_than_eight_bit_rgb_of_the_same_size(images):
+    rgb, grey16 = decode_cost(images["RGB"]), decode_cost(images["I;16"])
+    print(f"decode peak over the process before it, {SIDE}x{SIDE}: RGB 8-bit {rgb['cost'] / MB:.0f} MB, "
+          f"grey 16-bit {grey16['cost'] / MB:.0f} MB; whole process: {rgb['after'] / MB:.0f} MB, "
+          f"{grey16['after'] / MB:.0f} MB")
+    assert rgb["cost"] > 0.9 * SIDE * SIDE * 4  # the decode dominates: PIL holds RGB as 4 bytes a pixel
+    assert grey16["cost"] <= 1.1 * rgb["cost"]
+
+
+@pytest.mark.parametrize("mode", ["RGB", "I;16", "I", "F", "RGBA"])
+def test_each_mode_costs_what_the_pixel_budget_accounts_for(images, mode):
+    """The byte budget charges ``decode_bytes_per_pixel``: a mode that cost more would slip past it."""
+    got = decode_cost(images[mode])
+    accounted = SIDE * SIDE * decode_bytes_per_pixel(mode)
+    print(f"{mode}: {got['cost'] / MB:.0f} MB measured, {accounted / MB:.0f} MB accounted")
+    assert got["cost"] <= 1.1 * accounted + 4 * MB  # a few MB of strips and decoder buffers beside the image

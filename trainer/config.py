@@ -260,6 +260,10 @@ class CheckpointSection:
     # fault; the same step failing twice stops); "stop" = stop with the step and the batch's sample ids
     on_nonfinite: str = "skip"
     max_rollbacks: int = 3  # rollbacks in one run before a non-finite loss stops it
+    # A resumed loader position is refused when the saved plan inputs (split, seed, window, block size, cache
+    # fingerprint, ...) differ from this run's: the position would index another sequence of batches. true
+    # loads the position anyway and continues this run's own plan from there (a different sample order).
+    force_loader_state: bool = False
 
     def check(self, where: str) -> None:
         _one_of(f"{where}.on_nonfinite", self.on_nonfinite, ("skip", "rollback", "stop"))

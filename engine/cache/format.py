@@ -24,13 +24,17 @@ Each shard has plain Arrow columns that any Arrow reader understands without dut
 
 ``image`` holds uint8 pixels in the manifest's ``layout`` (HWC or CHW) and ``shape``. A cache without
 ``manifest.json`` is uncommitted and never read; a shard whose sha256 differs from the manifest is refused
-with an error naming it. How shards are read (memory-mapped, by range, node-local copies, checked once per
+with an error naming it. ``manifest.json`` carries ``manifest_sha256``, the sha256 of its other fields' canonical
+JSON, so a manifest changed after its commit (a digit of the fingerprint, a count) is refused rather than read as
+another cache; manifests written before the field have none, and are read after their counts are checked. How
+shards are read (memory-mapped, by range, node-local copies, checked once per
 node) is ``shards.py``, ``remote.py`` and ``node.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 from collections import OrderedDict
@@ -51,6 +55,8 @@ MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
 LATEST = "latest"
 INDEX_DIR = "_index"
+DIGEST = "manifest_sha256"  # the manifest's checksum of its own content (every other field), see to_json
+_FIX = "delete the cache folder and materialize it again"
 
 
 def shard_name(index: int) -> str:
@@ -93,24 +99,81 @@ class CacheManifest:
     options: dict[str, Any] = field(default_factory=dict)  # how it was made: filter, table version, timings
 
     def to_json(self) -> dict[str, Any]:
+        """Plain JSON, with ``manifest_sha256``: the sha256 of the rest (see ``content_digest``)."""
         d = asdict(self)
         d["shards"] = [asdict(s) for s in self.shards]
-        return d
+        return seal(d)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> CacheManifest:
-        d = dict(d)
+    def from_json(cls, d: Any, where: str = "cache manifest") -> CacheManifest:
+        """The manifest in ``d`` (parsed JSON) read from ``where`` (its URI, named in every error)."""
+        if not isinstance(d, dict):
+            raise CorruptArtifactError(f"{where} is not a JSON object; {_FIX}")
         if d.get("format_version") != FORMAT_VERSION:
             raise CorruptArtifactError(
-                f"cache format version {d.get('format_version')!r} is not supported (this dutycycle reads "
+                f"{where}: cache format version {d.get('format_version')!r} is not supported (this dutycycle reads "
                 f"{FORMAT_VERSION}); materialize the cache again"
             )
-        d["shards"] = [ShardInfo(**s) for s in d["shards"]]
-        return cls(**d)
+        if DIGEST in d and d[DIGEST] != content_digest(d, DIGEST):  # manifests written before it have none
+            raise CorruptArtifactError(f"{where} fails its own checksum ({DIGEST}): it was changed after its "
+                                       f"commit and is refused; {_FIX}")
+        d = {k: v for k, v in d.items() if k != DIGEST}
+        problem = _manifest_problem(d)
+        if problem:
+            raise CorruptArtifactError(f"{where} is malformed: {problem}; {_FIX}")
+        try:
+            d["shards"] = [ShardInfo(**s) for s in d["shards"]]
+            return cls(**d)
+        except TypeError as e:  # a field missing, or one this format does not have (a damaged key)
+            raise CorruptArtifactError(f"{where} is malformed ({e}); {_FIX}") from None
 
     @property
     def sample_bytes(self) -> int:
         return int(np.prod(self.shape))
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _manifest_problem(d: dict[str, Any]) -> str | None:
+    """What is wrong with a manifest's fields (the types readers rely on, and ``num_samples`` against the shards'
+    rows), or None."""
+    shards = d.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+        return "`shards` must be a list of {path, rows, bytes, sha256}"
+    for s in shards:
+        if not (isinstance(s.get("path"), str) and _is_count(s.get("rows")) and _is_count(s.get("bytes"))
+                and isinstance(s.get("sha256"), str)):
+            return f"shard entry {s!r:.200} must hold a path, rows, bytes and a sha256"
+    if not _is_count(d.get("num_samples")):
+        return f"`num_samples` is {d.get('num_samples')!r}, not a count"
+    if d["num_samples"] != sum(s["rows"] for s in shards):
+        return f"`num_samples` is {d['num_samples']}, but its shards hold {sum(s['rows'] for s in shards)} rows"
+    shape = d.get("shape")
+    if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+        return f"`shape` is {shape!r:.100}, not a list of sizes"
+    for name, types in (("fingerprint", str), ("layout", str), ("dtype", str), ("classes", list),
+                        ("split_counts", dict), ("spec", dict), ("skipped", dict), ("options", dict)):
+        if name in d and not isinstance(d[name], types):
+            return f"`{name}` is {type(d[name]).__name__}, not {types.__name__}"
+    if not all(isinstance(c, str) for c in d.get("classes", [])):
+        return "`classes` must be a list of names"
+    return None
+
+
+def content_digest(d: dict[str, Any], key: str) -> str:
+    """sha256 of ``d``'s canonical JSON (sorted keys, no spaces) without ``d[key]``, its own checksum."""
+    body = {k: v for k, v in d.items() if k != key}
+    # through JSON and back first, so a writer's tuples and non-string keys hash as a reader will parse them
+    canonical = json.dumps(json.loads(json.dumps(body)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def seal(d: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's JSON (``d``, without a checksum or with a stale one) with its ``manifest_sha256``."""
+    body = {k: v for k, v in d.items() if k != DIGEST}
+    return {**body, DIGEST: content_digest(body, DIGEST)}
 
 
 def encode_shard(sample_ids: list[str], labels, splits: list[str], images: np.ndarray) -> bytes:
@@ -166,9 +229,15 @@ def read_latest(root_uri: str) -> str | None:
     latest = io.join(root_uri, LATEST)
     if not io.exists(latest):
         return None
-    fs, path = io.filesystem(latest)
-    with fs.open(path, "rb") as f:
-        return f.read().decode().strip()
+    try:
+        data = io.read_small(latest)  # bounded: a pointer holds one fingerprint
+    except FileNotFoundError:  # removed since the check
+        return None
+    try:
+        return data.decode().strip()
+    except UnicodeDecodeError:
+        raise CorruptArtifactError(f"cache root pointer {latest!r} is not UTF-8 text; delete it and run "
+                                   "`dutycycle materialize` again") from None
 
 
 def committed_fingerprints(root_uri: str) -> list[str]:
@@ -211,7 +280,13 @@ def read_manifest(cache_uri: str) -> CacheManifest:
             f"no committed cache at {cache_uri!r} ({MANIFEST} is missing): run `dutycycle materialize` "
             "to create or finish it"
         )
-    manifest = CacheManifest.from_json(io.read_json(uri))
+    try:
+        d = io.read_json(uri)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CorruptArtifactError(
+            f"cache manifest {uri!r} is not valid JSON ({type(e).__name__}: {e}); {_FIX}"
+        ) from None
+    manifest = CacheManifest.from_json(d, f"cache manifest {uri!r}")
     for shard in manifest.shards:  # a path in a manifest must stay inside the cache, or the cache is refused
         io.resolve_inside(cache_uri, shard.path, "cache")
     return manifest

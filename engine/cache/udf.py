@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .. import io
-from ..errors import DecodeError
+from ..errors import CorruptArtifactError, DecodeError
 from ..imageinfo import TOO_LARGE, UNREADABLE
 from ..imageinfo import sample_id as sample_id_of
 from ..transform import TransformSpec, decode_and_transform
@@ -42,6 +42,12 @@ CHANGED = "changed since ingest"
 _log = logging.getLogger(__name__)
 
 
+RECORD_DIGEST = "record_sha256"  # a completion record's checksum of its own content (every other field)
+# every field a record may have: one more (such as a damaged checksum key) is a damaged record
+_RECORD_FIELDS = frozenset({"index", "ids_digest", "shard", "skipped", "split_counts", "worker", "seconds",
+                            RECORD_DIGEST})
+
+
 def record_name(index: int) -> str:
     return f"{cf.SHARD_DIR}/shard-{index:05d}.json"
 
@@ -50,28 +56,67 @@ def ids_digest(ids: list[str]) -> str:
     return hashlib.sha256("\n".join(ids).encode()).hexdigest()[:20]
 
 
+def write_record(cache_uri: str, index: int, rec: dict[str, Any]) -> None:
+    """Write shard ``index``'s completion record, sealed with ``record_sha256`` (the sha256 of its other fields):
+    materialize copies a resumed record's counts into the manifest, so a record changed since is not trusted."""
+    body = {k: v for k, v in rec.items() if k != RECORD_DIGEST}
+    io.write_json_atomic(io.join(cache_uri, record_name(index)),
+                         {**body, RECORD_DIGEST: cf.content_digest(body, RECORD_DIGEST)})
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_counts(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and _is_count(n) for k, n in v.items())
+
+
+def _record_ok(rec: Any, index: int) -> bool:
+    """Whether a parsed record is one of shard ``index``'s, whole: its checksum (when it has one; records written
+    before the field have none) and the fields materialize reads."""
+    if not isinstance(rec, dict) or not set(rec) <= _RECORD_FIELDS:
+        return False
+    if RECORD_DIGEST in rec and rec[RECORD_DIGEST] != cf.content_digest(rec, RECORD_DIGEST):
+        return False
+    shard = rec.get("shard")
+    if shard is not None and not (
+        isinstance(shard, dict) and set(shard) == {"path", "rows", "bytes", "sha256"}
+        and shard["path"] == cf.shard_name(index)  # a record names its own shard, nothing else
+        and _is_count(shard["rows"]) and _is_count(shard["bytes"]) and isinstance(shard["sha256"], str)
+    ):
+        return False
+    return (rec.get("index") == index and isinstance(rec.get("ids_digest"), str)
+            and _is_counts(rec.get("skipped")) and _is_counts(rec.get("split_counts")))
+
+
 def completed(cache_uri: str, index: int, digest: str) -> dict[str, Any] | None:
-    """The shard's completion record if it exists, matches this plan and its shard passes the checksum."""
+    """The shard's completion record if it exists, matches this plan and its shard passes the checksum; None
+    ("not complete") otherwise. A record is a resume hint: a damaged one (not JSON, fields of the wrong type, a
+    checksum that fails) reads as not complete too, and the shard is built again."""
     rec_uri = io.join(cache_uri, record_name(index))
     if not io.exists(rec_uri):
         return None
-    rec = io.read_json(rec_uri)
-    if rec.get("ids_digest") != digest:
+    try:
+        rec = json.loads(io.read_small(rec_uri))
+    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, io.NotRegularFileError,
+            CorruptArtifactError):  # gone meanwhile, not JSON, not a file, too large to be a record
         return None
-    if not rec.get("shard"):  # every candidate of this shard was skipped; nothing to verify
+    if not _record_ok(rec, index) or rec["ids_digest"] != digest:
+        return None
+    rec = {k: v for k, v in rec.items() if k != RECORD_DIGEST}
+    if not rec["shard"]:  # every candidate of this shard was skipped; nothing to verify
         return rec
     info = cf.ShardInfo(**rec["shard"])
-    if info.path != cf.shard_name(index):  # a record names its own shard, nothing else
-        return None
-    fs, path = io.filesystem(io.resolve_inside(cache_uri, info.path, "cache"))
+    uri = io.resolve_inside(cache_uri, info.path, "cache")
+    fs, path = io.filesystem(uri)
     try:
         if io.protocol_of(fs) == "file":  # hashed in chunks: a whole shard need not sit in memory
             ok = os.path.getsize(path) == info.bytes and node.sha256_file(path) == info.sha256
-        else:
-            with fs.open(path, "rb") as f:
-                data = f.read()
+        else:  # at most one byte past the recorded size is fetched: a larger object fails without being read
+            data = io.read_capped(uri, info.bytes)
             ok = len(data) == info.bytes and hashlib.sha256(data).hexdigest() == info.sha256
-    except FileNotFoundError:
+    except (FileNotFoundError, io.FileTooLargeError):
         return None
     return rec if ok else None
 
@@ -157,7 +202,7 @@ def finish_shard(
         "seconds": round(seconds, 3),
     }
     # The record is written after the shard: a record always describes a complete shard.
-    io.write_json_atomic(io.join(cache_uri, record_name(index)), rec)
+    write_record(cache_uri, index, rec)
     return {**rec, "status": "written"}
 
 

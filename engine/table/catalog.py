@@ -58,14 +58,22 @@ class IngestConfig:
 
 def load_labels(uri: str) -> dict[str, str]:
     """Read a label mapping: JSON ``{"name or rel/path": "label"}`` or CSV rows ``name,label`` (header optional)."""
+    fix = "pass a CSV (name,label) or JSON mapping file"
     try:
-        fs, path = io.filesystem(uri)
-        with fs.open(path, "rb") as f:
-            text = f.read().decode("utf-8-sig")
+        # bounded, and only a regular file is opened (a FIFO would block the open, a device never end)
+        data = io.read_capped(uri, io.MAX_MANIFEST_BYTES)
     except (FileNotFoundError, IsADirectoryError):
-        raise SourceError(
-            f"--labels {uri!r} does not exist; pass a CSV (name,label) or JSON mapping file"
+        raise SourceError(f"--labels {uri!r} does not exist; {fix}") from None
+    except io.NotRegularFileError as e:
+        raise SourceError(f"--labels {uri!r} is a {e.kind}, not a file; {fix}") from None
+    except io.FileTooLargeError:
+        raise ConfigError(
+            f"--labels {uri!r} is larger than {io.MAX_MANIFEST_BYTES} bytes, far more than a label mapping holds; {fix}"
         ) from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--labels {uri!r} is not UTF-8 text ({e}); {fix}") from None
     if uri.lower().endswith(".json"):
         try:
             mapping = json.loads(text)

@@ -25,7 +25,10 @@ version that dropped it, ``at`` that version's commit time, its ``created_at``),
 version until ``vacuum`` has deleted the file. ``vacuum`` counts its grace period for such a file from ``at``,
 so a reader that opened an older version keeps its files for the whole grace; files no version ever named (a
 killed or losing writer's) count from their modification time. Every path in a manifest must resolve inside the
-table root, or the table is refused. Columns (plain Arrow types, readable by any Parquet reader):
+table root, or the table is refused. Each manifest carries ``manifest_sha256``, the sha256 of its other fields'
+canonical JSON, so a manifest changed after its commit (a flipped byte in a writer id, a class name, a root) is
+refused rather than read as another table; manifests written before the field have none and are read as they are.
+Columns (plain Arrow types, readable by any Parquet reader):
 
     sample_id string      content hash (sha256 of the file bytes, 32 hex chars): stable across renames
     uri string            full URI of the file
@@ -45,6 +48,7 @@ table root, or the table is refused. Columns (plain Arrow types, readable by any
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -65,6 +69,12 @@ LATEST_READ_ATTEMPTS = 3  # the newest manifest can be expired between listing a
 MANIFEST = "_manifest.json"
 MANIFEST_DIR = "_manifests"
 _VERSION_FILE = re.compile(r"^v(\d+)\.json$")
+DIGEST = "manifest_sha256"  # a manifest's checksum of its own content (every other field), see seal
+# the fields every readable manifest has, with their JSON types (a bool is no number here)
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "version": (int,), "num_rows": (int,), "classes": (list,), "lineage": (dict,), "options": (dict,),
+    "created_at": (int, float), "writer": (str,),
+}
 
 SCHEMA = pa.schema(
     [
@@ -104,22 +114,55 @@ class TableManifest:
     removed: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> TableManifest:
+    def from_json(cls, d: Any, where: str = "table manifest") -> TableManifest:
+        """The manifest in ``d`` (parsed JSON) read from ``where`` (its URI, named in every error)."""
+        fix = "ingest the source again"
         if not isinstance(d, dict):
-            raise CorruptArtifactError("table manifest is not a JSON object; ingest the source again")
+            raise CorruptArtifactError(f"{where} is not a JSON object; {fix}")
         if d.get("format_version") not in READABLE_FORMAT_VERSIONS:
             raise CorruptArtifactError(
-                f"table format version {d.get('format_version')!r} is not supported (this dutycycle reads "
-                f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade dutycycle or ingest the source again"
+                f"{where}: table format version {d.get('format_version')!r} is not supported (this dutycycle reads "
+                f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade dutycycle or {fix}"
             )
-        if not isinstance(d.get("files"), list) or not all(isinstance(f, str) for f in d["files"]):
-            raise CorruptArtifactError("table manifest: `files` must be a list of paths; ingest the source again")
-        removed = d.get("removed", [])
+        if DIGEST in d and d[DIGEST] != manifest_digest(d):  # manifests written before the field have none
+            raise CorruptArtifactError(f"{where} fails its own checksum ({DIGEST}): it was changed after its "
+                                       f"commit and is refused; {fix}")
+        body = {k: v for k, v in d.items() if k != DIGEST}
+        for name, types in _FIELD_TYPES.items():
+            value = body.get(name)
+            if name in body and (not isinstance(value, types) or isinstance(value, bool)):
+                raise CorruptArtifactError(f"{where}: `{name}` is {type(value).__name__}, not "
+                                           f"{' or '.join(t.__name__ for t in types)}; {fix}")
+        if not isinstance(body.get("files"), list) or not all(isinstance(f, str) for f in body["files"]):
+            raise CorruptArtifactError(f"{where}: `files` must be a list of paths; {fix}")
+        if not all(isinstance(c, str) for c in body.get("classes", [])):
+            raise CorruptArtifactError(f"{where}: `classes` must be a list of names; {fix}")
+        removed = body.get("removed", [])
         if not isinstance(removed, list) or not all(_is_removal(e) for e in removed):
-            raise CorruptArtifactError(
-                "table manifest: `removed` must be a list of {path, version, at}; ingest the source again"
-            )
-        return cls(**d)
+            raise CorruptArtifactError(f"{where}: `removed` must be a list of {{path, version, at}}; {fix}")
+        try:
+            return cls(**body)
+        except TypeError as e:  # a field missing, or one this format does not have (a damaged key)
+            raise CorruptArtifactError(f"{where} is malformed ({e}); {fix}") from None
+
+
+def manifest_digest(d: dict[str, Any]) -> str:
+    """sha256 of a manifest's canonical JSON (sorted keys, no spaces) without its own ``manifest_sha256``."""
+    body = {k: v for k, v in d.items() if k != DIGEST}
+    # through JSON and back first, so a writer's tuples and non-string keys hash as a reader will parse them
+    canonical = json.dumps(json.loads(json.dumps(body)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def seal(d: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's JSON (``d``, without a checksum or with a stale one) with its ``manifest_sha256``."""
+    body = {k: v for k, v in d.items() if k != DIGEST}
+    return {**body, DIGEST: manifest_digest(body)}
+
+
+def encode(d: dict[str, Any]) -> bytes:
+    """A manifest's file bytes, as ``commit`` writes them: ``d`` sealed, indented, keys sorted."""
+    return json.dumps(seal(d), indent=1, sort_keys=True).encode()
 
 
 def _is_removal(e: Any) -> bool:
@@ -171,7 +214,7 @@ def commit(table_uri: str, manifest: TableManifest) -> None:
     manifest.format_version = FORMAT_VERSION
     manifest.created_at = time.time()  # vacuum's grace for the files this version drops counts from here
     manifest.removed = _removals(table_uri, manifest)
-    data = json.dumps(asdict(manifest), indent=1, sort_keys=True).encode()
+    data = encode(asdict(manifest))
     if not io.create_exclusive(io.join(table_uri, manifest_path(manifest.version)), data, store=table_uri):
         try:  # a retried request may have committed our own manifest already (e.g. a PUT retried by the client)
             if read_manifest(table_uri, manifest.version).writer == manifest.writer:
@@ -187,10 +230,9 @@ def commit(table_uri: str, manifest: TableManifest) -> None:
     if newest > manifest.version:
         # A later writer publishes its own; this only helps when it died first, or when a store without a
         # conditional replace let our older copy land over its newer one.
-        try:
-            fs, path = io.filesystem(io.join(table_uri, manifest_path(newest)))
-            publish_pointer(table_uri, newest, fs.cat_file(path))
-        except FileNotFoundError:
+        try:  # bounded: a manifest is small, and one that is not (or not a file) is left for readers to refuse
+            publish_pointer(table_uri, newest, io.read_small(io.join(table_uri, manifest_path(newest))))
+        except (FileNotFoundError, SourceError, CorruptArtifactError):
             pass
 
 
@@ -276,9 +318,12 @@ def _read_manifest(table_uri: str, version: int | None) -> TableManifest:
             "`dutycycle ingest SOURCE TABLE`"
         )
     try:
-        manifest = TableManifest.from_json(io.read_json(uri))
-    except (TypeError, json.JSONDecodeError) as e:
-        raise CorruptArtifactError(f"table manifest {uri!r} cannot be parsed ({e}); ingest the source again") from e
+        d = io.read_json(uri)  # a manifest expired meanwhile raises SourceError: read_manifest lists again
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CorruptArtifactError(
+            f"table manifest {uri!r} is not valid JSON ({type(e).__name__}: {e}); ingest the source again"
+        ) from None
+    manifest = TableManifest.from_json(d, f"table manifest {uri!r}")
     _check_paths(table_uri, manifest)
     return manifest
 

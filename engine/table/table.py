@@ -11,6 +11,7 @@ from typing import Any
 
 from .. import io
 from .. import runner as runner_mod
+from ..errors import CorruptArtifactError
 from ..inspect import thumbnail_grid
 from . import curate
 from . import format as tf
@@ -23,10 +24,23 @@ def read_arrow(table_uri: str, manifest: tf.TableManifest | None = None, columns
 
     m = manifest or tf.read_manifest(table_uri)
     parts = []
-    for uri in tf.file_uris(table_uri, m):
+    for rel, uri in zip(m.files, tf.file_uris(table_uri, m), strict=True):
         fs, path = io.filesystem(uri)
-        with fs.open(path, "rb") as f:
-            parts.append(pq.read_table(f, columns=columns))
+        try:
+            with fs.open(path, "rb") as f:
+                parts.append(pq.read_table(f, columns=columns))
+        except FileNotFoundError:
+            # data files are immutable and vacuum leaves a version's files for its grace period: a missing one
+            # is a damaged manifest or a file deleted by hand (or a version held open past that grace)
+            raise CorruptArtifactError(
+                f"table {table_uri!r} version {m.version} names the data file {rel!r}, which does not exist "
+                f"({uri!r}); read the newest version again, or ingest the source again"
+            ) from None
+        except pa.ArrowInvalid as e:
+            raise CorruptArtifactError(
+                f"table {table_uri!r} version {m.version}: the data file {rel!r} cannot be read as Parquet ({e}); "
+                "ingest the source again"
+            ) from None
     schema = tf.SCHEMA if columns is None else pa.schema([tf.SCHEMA.field(c) for c in columns])
     return pa.concat_tables([p.cast(schema) for p in parts]) if parts else schema.empty_table()
 

@@ -27,11 +27,7 @@ after which materialize builds the shard again (the record is a resume hint, the
 Cases are numbered and seeded. The engine's artifacts are built byte-for-byte the same on every run (fixed
 times, writer ids and folder names), so each of their cases is the same mutation of the same bytes everywhere;
 the checkpoint's hold timings and RNG states that differ per run, so their cases differ slightly from run to
-run (every one of them must pass). Cases whose reader is in ``engine/`` and fails are marked
-``xfail(strict=True)`` with the reader and the failure; when a reader is fixed, its marks must go (strict: an
-xpass fails). ``test_pristine_artifacts_are_the_ones_the_marks_were_made_for``
-says when an artifact's bytes changed, so that the marks are derived again (``DUTYCYCLE_FUZZ_SHOW=1`` prints
-every case's outcome).
+run. Every case must pass: none is expected to fail (``DUTYCYCLE_FUZZ_SHOW=1`` prints every case's outcome).
 
 The number of cases per artifact and their outcomes are printed at the end of the module (whatever ``-s``
 says), written to ``fuzz_counts.json`` in pytest's base temporary folder, and recorded per case with
@@ -157,7 +153,7 @@ def build_table(root: str) -> str:
         d = json.load(f)
     d["files"] = [p.replace(folder, "v00001-00000000") for p in d["files"]]
     d["created_at"], d["writer"] = 1_700_000_000.0, "0" * 32
-    data = json.dumps(d, indent=1, sort_keys=True).encode()  # as format.commit writes it
+    data = tf.encode(d)  # sealed with its checksum again, as format.commit writes it
     for name in (tf.manifest_path(1), tf.MANIFEST):
         with open(os.path.join(table, name), "wb") as f:
             f.write(data)
@@ -213,7 +209,6 @@ def read_cache(root: str):
 
 def build_shard_record(root: str) -> str:
     """A shard written by materialize's own shard writer, with its completion record."""
-    from dutycycle.engine import io
     from dutycycle.engine.cache import udf
     from dutycycle.engine.transform import TransformSpec
 
@@ -227,7 +222,7 @@ def build_shard_record(root: str) -> str:
     with open(path) as f:
         rec = json.load(f)
     rec["worker"], rec["seconds"] = "host:1", 0.0  # the same bytes on every run
-    io.write_json_atomic(path, rec)  # as finish_shard writes it
+    udf.write_record(cache, 0, rec)  # sealed with its checksum again, as finish_shard writes it
     with open(os.path.join(root, "ids_digest"), "w") as f:
         f.write(udf.ids_digest(ids))
     return os.path.join("cache", udf.record_name(0))
@@ -363,72 +358,6 @@ ARTIFACTS = {a.name: a for a in [
              span=loader_span),
 ]}
 
-# Cases that fail today, all with readers in engine/ (the loader's and the checkpoint's readers were fixed in
-# this round); derived with DUTYCYCLE_FUZZ_SHOW=1 from the pristine bytes below (sha256 prefixes).
-REASONS = {
-    "table_utf8": "engine/table/format.py read_manifest: a manifest that is not UTF-8 leaks UnicodeDecodeError "
-                  "from io.read_json (it wraps only TypeError and json.JSONDecodeError)",
-    "table_missing_file": "engine/table/table.py read_arrow: a manifest path flipped to a file that does not exist "
-                          "leaks FileNotFoundError from fs.open, naming neither the manifest nor the table",
-    "table_silent": "engine/table/format.py read_manifest: the manifest has no checksum, so a flipped byte inside "
-                    "a value (writer id, class name, created_at, an options key) reads as another manifest without "
-                    "error",
-    "table_unnamed": "engine/table/format.py TableManifest.from_json: its CorruptArtifactErrors name no file ('table "
-                     "format version None is not supported', 'table manifest: `files` must be a list of paths') and "
-                     "read_manifest does not add the path",
-    "cache_json": "engine/cache/format.py read_manifest: json.JSONDecodeError from io.read_json leaks raw (no "
-                  "CorruptArtifactError naming manifest.json)",
-    "cache_utf8": "engine/cache/format.py read_manifest: a manifest that is not UTF-8 leaks UnicodeDecodeError "
-                  "from io.read_json",
-    "cache_keys": "engine/cache/format.py CacheManifest.from_json: cls(**d) leaks TypeError on an unknown key "
-                  "(e.g. 'layout' read as 'lmyout')",
-    "cache_count": "engine/cache/format.py read_manifest does not check num_samples against the shards' rows (48 "
-                   "read as 44); loader/source.py's gather then raises a raw IndexError",
-    "cache_silent": "engine/cache/format.py read_manifest: the manifest has no checksum, so a flipped digit of the "
-                    "fingerprint reads as another cache without error (and keys its node index and plan)",
-    "record_json": "engine/cache/udf.py completed: json.JSONDecodeError from io.read_json leaks raw (a damaged "
-                   "completion record should read as not complete, or name shard-00000.json)",
-    "record_utf8": "engine/cache/udf.py completed: a record that is not UTF-8 leaks UnicodeDecodeError from "
-                   "io.read_json",
-    "record_silent": "engine/cache/udf.py completed: returns a record whose unchecked fields changed (the key "
-                     "'skipped' read as 'skipper', 'seconds' as 'peconds', worker 'host:1' as 'h/st:1'); "
-                     "materialize copies a record's 'skipped' counts into the manifest",
-}
-KNOWN: dict[str, dict[int, str]] = {
-    "table_manifest": {
-        **dict.fromkeys([4, 6, 14, 16, 24], "table_utf8"),
-        **dict.fromkeys([7, 15, 17, 18, 27, 36], "table_silent"),
-        37: "table_missing_file",
-    },
-    "table_manifest_copy": {
-        **dict.fromkeys([4, 7, 17, 37], "table_silent"),
-        **dict.fromkeys([5, 27], "table_missing_file"),
-        **dict.fromkeys([8, 18, 28], "table_unnamed"),
-        **dict.fromkeys([25, 35, 36], "table_utf8"),
-    },
-    "cache_manifest": {
-        **dict.fromkeys([
-            0, 1, 2, 3, 5, 10, 11, 12, 13, 16, 20, 21, 22, 23, 30, 31, 32, 33, 35
-        ], "cache_json"),
-        **dict.fromkeys([4, 6, 14, 15, 25, 26, 34, 36], "cache_utf8"),
-        7: "cache_silent",
-        **dict.fromkeys([8, 18, 24], "cache_keys"),
-        17: "cache_count",
-    },
-    "shard_record": {
-        **dict.fromkeys([0, 1, 2, 3, 10, 11, 12, 13, 15, 20, 21, 22, 23, 30, 31, 32, 33, 36], "record_json"),
-        **dict.fromkeys([4, 5, 16, 24, 26, 34], "record_utf8"),
-        **dict.fromkeys([6, 18, 28, 38], "record_silent"),
-    },
-}
-PRISTINE = {
-    "table_manifest": "ff86c2de7a5f7336",
-    "table_manifest_copy": "ff86c2de7a5f7336",
-    "cache_manifest": "6e383c60e91d024c",
-    "shard_record": "8deaee1f3f57a759",
-}
-
-
 # ---------------------------------------------------------------------------------------------- the round
 
 
@@ -456,7 +385,7 @@ def _report(request, tmp_path_factory):
     path.write_text(json.dumps({"counts": counts, "failing": dict(sorted(FAILING.items()))}, indent=1))
     lines = [f"fuzz round: {sum(c['cases'] for c in counts.values())} cases, counts in {path}"]
     lines += [f"  {name}: {c}" for name, c in counts.items()]
-    lines += [f"  failing (xfail or not) {name}: {', '.join(cases)}" for name, cases in sorted(FAILING.items())]
+    lines += [f"  failing {name}: {', '.join(cases)}" for name, cases in sorted(FAILING.items())]
     capman = request.config.pluginmanager.getplugin("capturemanager")
     with capman.global_and_fixture_disabled():
         print("\n" + "\n".join(lines), flush=True)
@@ -479,16 +408,9 @@ def classify(art: Artifact, root: str, original) -> tuple[str, str]:
     return ("equal", "") if got == original else ("different", f"read without error but differs: {got!r:.300}")
 
 
-def cases():
-    for name in ARTIFACTS:
-        for case in range(CASES):
-            why = KNOWN.get(name, {}).get(case)
-            marks = [pytest.mark.xfail(strict=True, reason=REASONS[why])] if why else []
-            yield pytest.param(name, case, marks=marks, id=f"{name}-{case}")
-
-
 @pytest.mark.timeout(TIMEOUT_S)
-@pytest.mark.parametrize("name, case", list(cases()))
+@pytest.mark.parametrize("name, case", [pytest.param(name, case, id=f"{name}-{case}")
+                                        for name in ARTIFACTS for case in range(CASES)])
 def test_a_mutated_artifact_is_refused_naming_it_or_reads_the_same(name, case, pristine, tmp_path, record_property):
     art = ARTIFACTS[name]
     src, rel, data, original = pristine[name]
@@ -509,11 +431,36 @@ def test_a_mutated_artifact_is_refused_naming_it_or_reads_the_same(name, case, p
     assert outcome in ("equal", "refused", "none"), f"{rel} {what}: {outcome}: {detail}"
 
 
-def test_pristine_artifacts_are_the_ones_the_marks_were_made_for(pristine):
-    """The xfail marks name cases of these exact bytes: when a writer changes an artifact's bytes, derive the
-    marks again (``DUTYCYCLE_FUZZ_SHOW=1 pytest tests/app/test_fuzz.py -s``) for the changed artifacts."""
-    now = {name: hashlib.sha256(data).hexdigest()[:16] for name, (_, _, data, _) in pristine.items()}
-    changed = {name: (PRISTINE.get(name), now[name]) for name in KNOWN if PRISTINE.get(name) != now[name]}
-    assert not changed, f"artifacts changed since their xfail marks were derived: {changed}"
-    if os.environ.get("DUTYCYCLE_FUZZ_SHOW"):
-        print("PRISTINE", json.dumps(now))
+
+@pytest.mark.parametrize("name, key", [("table_manifest", "manifest_sha256"), ("table_manifest_copy", "manifest_sha256"),
+                                       ("cache_manifest", "manifest_sha256"), ("shard_record", "record_sha256")])
+def test_an_artifact_written_before_its_checksum_reads_the_same(name, key, pristine, tmp_path):
+    """A checksum is verified when present: the same artifact without one, as earlier releases wrote it, reads as
+    before."""
+    art = ARTIFACTS[name]
+    src, rel, data, original = pristine[name]
+    root = str(tmp_path / "copy")
+    shutil.copytree(src, root, ignore=shutil.ignore_patterns("node"))
+    d = json.loads(data)
+    del d[key]
+    with open(os.path.join(root, rel), "w") as f:
+        json.dump(d, f, indent=1)
+    assert art.read(root) == original
+
+
+def test_a_table_manifest_naming_a_missing_data_file_is_refused_naming_it(pristine, tmp_path):
+    """A damage the checksum cannot see (the manifest sealed again, or the file deleted by hand): the read names
+    the table's version and the file."""
+    from dutycycle.engine.errors import CorruptArtifactError
+    from dutycycle.engine.table import format as tf
+
+    src, rel, data, _ = pristine["table_manifest"]
+    root = str(tmp_path / "copy")
+    shutil.copytree(src, root)
+    d = json.loads(data)
+    d["files"] = [p.replace("part-00000", "part-00009") for p in d["files"]]
+    with open(os.path.join(root, rel), "wb") as f:
+        f.write(tf.encode(d))
+    with pytest.raises(CorruptArtifactError, match=r"version 1 names the data file '[^']*part-00009\.parquet', which "
+                                                   "does not exist"):
+        read_table(root)

@@ -24,15 +24,24 @@ SPEC = TransformSpec(size=16)
 ROWS_PER_SHARD = 6
 
 # The child is the real materialize (files decoded in batches of 4 on Daft's threads, shards written as their
-# rows stream in). One image of the last shard is a named pipe that nobody writes to (a read that never
-# returns, like a stalled network read), so the kill always lands while that shard is unfinished, however fast
-# the others are.
+# rows stream in). Reading one image of the last shard never returns (like a stalled network read: the child's
+# capped reader waits on that one file), so the kill always lands while that shard is unfinished, however fast
+# the others are. A FIFO used to play that part; the reader now refuses FIFOs before opening them.
 CHILD = textwrap.dedent(
     """
-    import sys
+    import sys, time
+    from dutycycle.engine import io
     from dutycycle.engine.cache.materialize import materialize
     from dutycycle.engine.transform import TransformSpec
 
+    stalled, read_capped = sys.argv[4], io.read_capped
+
+    def stalling_read(uri, max_bytes):
+        if uri.endswith(stalled):
+            time.sleep(3600)
+        return read_capped(uri, max_bytes)
+
+    io.read_capped = stalling_read
     materialize(sys.argv[1], sys.argv[2], TransformSpec(size=16), rows_per_shard=int(sys.argv[3]), batch_size=4,
                 log=lambda msg: print(msg, flush=True))
     """
@@ -48,13 +57,10 @@ def _stat(p: Path) -> tuple[int, int]:
 def test_sigkill_then_rerun_finishes_without_redoing_committed_shards(tmp_path, kill_after_records):
     table, rows = make_shapes_table(str(tmp_path / "data"), n=42, seed=kill_after_records)
     stalled = max(rows, key=lambda r: r["sample_id"])["uri"]  # sorted last: in the last shard
-    content = Path(stalled).read_bytes()
-    os.unlink(stalled)
-    os.mkfifo(stalled)
     root = tmp_path / "cache"
     env = {**os.environ, "DAFT_ANALYTICS_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     # Its own process group: SIGKILL reaches the worker processes too, as when a machine dies.
-    child = subprocess.Popen([sys.executable, "-c", CHILD, table, str(root), str(ROWS_PER_SHARD)],
+    child = subprocess.Popen([sys.executable, "-c", CHILD, table, str(root), str(ROWS_PER_SHARD), stalled],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
     deadline = time.time() + 120
     try:
@@ -66,8 +72,6 @@ def test_sigkill_then_rerun_finishes_without_redoing_committed_shards(tmp_path, 
         os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
-    os.unlink(stalled)
-    Path(stalled).write_bytes(content)
 
     # Killed: no manifest, so no reader can open it; every shard file present is complete Arrow.
     (folder,) = [p for p in root.iterdir() if p.is_dir() and p.name != "_index"]

@@ -2,7 +2,8 @@
 
 Each hostile manifest below names a real, valid file outside its artifact (a Parquet file, an Arrow shard with
 the right checksum), so without the check the reader would happily open it: the refusal is the only thing
-that makes these tests pass.
+that makes these tests pass. A hostile manifest's author can compute its checksum too, so each is sealed again
+(``seal``): the path check, not the checksum, refuses it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _rewrite_table_manifest(table: str, files: list[str]) -> None:
         path = os.path.join(table, name)
         d = json.loads(open(path).read())
         d["files"] = files
-        open(path, "w").write(json.dumps(d))
+        open(path, "w").write(json.dumps(tf.seal(d)))
 
 
 @pytest.mark.parametrize("hostile", ["../../outside.parquet", "{abs}"])
@@ -72,7 +73,7 @@ def test_cache_manifest_naming_a_shard_outside_is_refused(tmp_path):
     for rel in ("../elsewhere.arrow", str(outside)):
         d = json.loads((cache / cf.MANIFEST).read_text())
         d["shards"][0]["path"] = rel
-        (cache / cf.MANIFEST).write_text(json.dumps(d))
+        (cache / cf.MANIFEST).write_text(json.dumps(cf.seal(d)))
         with pytest.raises(CorruptArtifactError, match="elsewhere.arrow"):
             open_cache(str(cache))
 

@@ -13,6 +13,11 @@ within that phase's measured duration, SIGKILLs the child there, then checks:
 - it is the save that was killed (when the manifest got written before the kill) or the one before, never older;
 - directories without a manifest, including a hand-made one newer than everything, are ignored.
 
+Every report waits for the parent's go-ahead (a second pipe) before the child carries on, and after the chosen
+phase the parent gives none: the kill lands inside the chosen phase, or at its very end with the child parked at
+its next report, however late the parent reads the pipe or wakes from its delay (on a busy machine a child that
+did not wait ran past its kill point, sometimes to its exit, before the signal was sent).
+
 Prints one JSON line: the kill points (save, phase, delay, what was found) and any failure.
 """
 
@@ -39,20 +44,26 @@ def state_for(step: int):
             "optim": {"m": torch.randn(512, 1024, generator=g), "step": torch.tensor(float(step))}}
 
 
-def child(root: str, first: int, saves: int, async_save: bool, pipe_w: int) -> None:
+def child(root: str, first: int, saves: int, async_save: bool, pipe_w: int, go_r: int) -> None:
     from dutycycle.trainer.checkpoint.saver import Saver
     from dutycycle.trainer.checkpoint.state import TrainerState, capture_rng
 
-    def phase(name: str) -> None:
-        os.write(pipe_w, f"{name} {time.monotonic()}\n".encode())
+    def report(line: str) -> None:
+        """Tell the parent, then wait for its go-ahead (none comes after the kill point: the child stays here)."""
+        os.write(pipe_w, f"{line}\n".encode())
+        if os.read(go_r, 1) != b"g":  # the parent is gone
+            os._exit(3)
+
+    def phase(name: str) -> None:  # from the training thread or the saver's background thread, one at a time
+        report(f"{name} {time.monotonic()}")
 
     saver = Saver(root, rank=0, world_size=1, keep=2, async_save=async_save, on_phase=phase)
     for step in range(first, first + saves):
-        os.write(pipe_w, f"save {step}\n".encode())
+        report(f"save {step}")
         saver.save(step, state_for(step), TrainerState(step=step, epoch=0, loader={}, rng=[], world_size=1),
                    capture_rng())
         saver.wait()
-    os.write(pipe_w, b"exit 0\n")
+    report("exit 0")
     os._exit(0)
 
 
@@ -74,20 +85,24 @@ def newest(root: str):
 
 def run_child(root: str, first: int, saves: int, async_save: bool, kill_at=None):
     """Fork a saving child; if ``kill_at = (save index, phase, delay)`` SIGKILL it there. Returns the phase
-    timeline it reported and what it was doing when killed."""
+    timeline it reported, what it was doing when killed (save, phase), whether it had already finished that phase
+    (parked at its next report) and its wait status."""
     r, w = os.pipe()
+    go_r, go_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child
         os.close(r)
+        os.close(go_w)
         try:
-            child(root, first, saves, async_save, w)
+            child(root, first, saves, async_save, w, go_r)
         except BaseException:  # noqa: BLE001 - a child must never return into the parent's code
             import traceback
 
             traceback.print_exc()
             os._exit(1)
     os.close(w)
-    timeline, buf, killed = [], b"", None
+    os.close(go_r)
+    timeline, buf, killed, parked = [], b"", None, False
     current_save = None
     with os.fdopen(r, "rb", buffering=0) as f:
         while True:
@@ -97,17 +112,21 @@ def run_child(root: str, first: int, saves: int, async_save: bool, kill_at=None)
             buf += chunk
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                name, value = line.decode().split(" ", 1)
-                if name == "save":
-                    current_save = int(value)
+                if killed is not None:
+                    parked = True  # the child reached its next report before the signal and waited there
                     continue
-                timeline.append((current_save, name, float(value)))
-                if kill_at and killed is None and (current_save - first, name) == kill_at[:2]:
+                name, value = line.decode().split(" ", 1)
+                if name != "save" and name != "exit":
+                    timeline.append((current_save, name, float(value)))
+                current_save = int(value) if name == "save" else current_save
+                os.write(go_w, b"g")  # the child may go on (into the phase it just reported)
+                if kill_at and name not in ("save", "exit") and (current_save - first, name) == kill_at[:2]:
                     time.sleep(kill_at[2])
                     os.kill(pid, signal.SIGKILL)
                     killed = (current_save, name)
+    os.close(go_w)
     _, status = os.waitpid(pid, 0)
-    return timeline, killed, status
+    return timeline, killed, parked, status
 
 
 def durations(timeline) -> dict[str, float]:
@@ -141,7 +160,7 @@ def main() -> int:
     # calibration: children that are not killed commit steps 1-4 and tell how long each phase takes, per mode
     results, failures, dur = [], [], {}
     for first, async_save in ((1, False), (3, True)):
-        timeline, _, status = run_child(args.root, first, 2, async_save=async_save)
+        timeline, _, _, status = run_child(args.root, first, 2, async_save=async_save)
         dur[async_save] = durations(timeline)
         if status != 0:
             failures.append(f"calibration child exited with status {status}")
@@ -152,15 +171,17 @@ def main() -> int:
         target = (rng.randrange(2), phases[i % len(phases)])
         async_save = (i // len(phases)) % 2 == 1  # every phase in both modes
         delay = rng.uniform(0, dur[async_save].get(target[1], 0.001))
-        _, killed, status = run_child(args.root, first, 2, async_save=async_save, kill_at=(*target, delay))
+        _, killed, parked, status = run_child(args.root, first, 2, async_save=async_save, kill_at=(*target, delay))
         after, exact = newest(args.root)
         rec = {"kill": i, "async": async_save, "save": target[0], "phase": target[1], "delay_s": round(delay, 5),
-               "killed_in": killed, "before": before, "after": after, "exact": exact,
+               "killed_in": killed, "at_phase_end": parked, "before": before, "after": after, "exact": exact,
                "signal": os.WIFSIGNALED(status) and os.WTERMSIG(status)}
         results.append(rec)
         killed_step = killed[0] if killed else None
         if killed is None:
             failures.append(f"kill {i}: the child never reached {target}")
+        elif rec["signal"] != signal.SIGKILL:
+            failures.append(f"kill {i}: the child ended with wait status {status}, not by the SIGKILL ({rec})")
         elif after is None or not exact:
             failures.append(f"kill {i}: newest commit {after} does not load exactly ({rec})")
         elif after not in (killed_step, killed_step - 1):

@@ -50,6 +50,67 @@ def resume_runs(rank: int, world: int, root: str, stages: list[int]) -> dict:
     return out
 
 
+def train_at(rank: int, world: int, run_dir: str, extra: list[str]) -> dict:
+    """``small_cfg`` at ``world`` ranks (run_distributed): where it resumed and the final weights."""
+    out = train(small_cfg(run_dir, f"parallel.num_workers={world}", *extra), rank, world)
+    return {"resumed": out["checkpoint"]["resumed"], "weights_sha256": out["weights_sha256"]}
+
+
+def _killed_rank_entry(rank: int, world: int, port: int, run_dir: str, extra: list[str], step: int) -> None:
+    import datetime
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+    from dutycycle.trainer.step.steplog import StepLog
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    if rank == 1:
+        real = StepLog.flush
+
+        def flush(self):
+            if any(p.step == step for p in self.pending):
+                # give rank 0's saver time to commit, as it would when nothing holds the commit back
+                manifest = os.path.join(run_dir, "checkpoints", f"step-{step:08d}", "manifest.json")
+                deadline = time.monotonic() + 3.0
+                while not os.path.exists(manifest) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(self)
+
+        StepLog.flush = flush
+    try:
+        train(small_cfg(run_dir, f"parallel.num_workers={world}", *extra), rank, world)
+    except BaseException:  # noqa: BLE001 - rank 0 loses its peer: expected, and reported by the exit code
+        os._exit(1)
+    os._exit(0)
+
+
+def run_with_rank_1_killed(run_dir: str, extra: list[str], step: int, timeout: float = 120.0) -> list:
+    """A 2-rank run whose rank 1 SIGKILLs itself at the flush that would write step ``step``'s metrics row (right
+    after the save of ``step``, whose files every rank has written by then). Returns the ranks' exit codes."""
+    import time
+
+    import torch.multiprocessing as mp
+    from dutycycle.trainer.cluster.local import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_killed_rank_entry, args=(r, 2, port, run_dir, extra, step)) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
 # ----------------------------------------------------------------------------------------------- resharding
 
 

@@ -57,6 +57,56 @@ def test_resume_after_a_crash_is_bit_identical_in_one_process(tmp_path, monkeypa
     assert c["checkpoint"]["resumed"]["step"] == 8 and c["weights_sha256"] != a["weights_sha256"]
 
 
+class PeerLost(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("async_save", ["true", "false"])
+def test_a_commit_lands_only_after_its_steps_metrics_row(tmp_path, monkeypatch, async_save):
+    """The saved step's own metrics row comes from a collective after its save started. At 2 ranks, rank 1 killed
+    after the save's files, before that collective, leaves rank 0 without the row while its saver thread commits
+    the step anyway (a synchronous save had committed already); the resumed run keeps the rows up to that step and
+    never writes its row (seen under Ray: rows 1-11 and 13-40). Stood in for in one process: the flush that would
+    write step 12's row raises, as rank 0's does when its peer is gone. The commit of step 12 must not land: the
+    resume is from step 8, every step has one row, and the weights are the uninterrupted run's."""
+    from dutycycle.trainer.step.steplog import StepLog
+
+    extra = [f"checkpoint.async_save={async_save}", "run.log_every=5"]  # step 12's row: in the flush after its save
+    a = cw.train(cw.small_cfg(tmp_path / "a", *extra))
+    real = StepLog.flush
+
+    def flush(self):
+        if any(p.step == 12 for p in self.pending):
+            raise PeerLost("the other rank is gone")
+        real(self)
+
+    monkeypatch.setattr(StepLog, "flush", flush)
+    with pytest.raises(PeerLost):
+        cw.train(cw.small_cfg(tmp_path / "b", *extra))
+    monkeypatch.setattr(StepLog, "flush", real)
+    assert (tmp_path / "b/checkpoints/step-00000012").is_dir()  # its files were written
+    assert not (tmp_path / "b/checkpoints/step-00000012/manifest.json").exists()
+    b = cw.train(cw.small_cfg(tmp_path / "b", *extra))
+    assert b["checkpoint"]["resumed"]["step"] == 8
+    assert [r["step"] for r in rows(tmp_path / "b") if "loss" in r] == list(range(1, 15))
+    assert b["weights_sha256"] == a["weights_sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_before_the_saved_steps_row_leaves_no_commit_of_that_step(tmp_path):
+    """The same at 2 real ranks: rank 1 SIGKILLs itself after the save of step 12 (files written on every rank),
+    before the collective that makes step 12's row. Rank 0 loses its peer; the commit of step 12 never lands, and
+    the run started again resumes from step 8 with one row per step."""
+    run = tmp_path / "run"
+    extra = ["run.log_every=5", "run.max_steps=16"]
+    codes = cw.run_with_rank_1_killed(str(run), extra, step=12)
+    assert codes[1] == -9 and codes[0] != 0, codes
+    assert not (run / "checkpoints" / "step-00000012" / "manifest.json").exists()
+    again = run_distributed(cw.train_at, 2, str(run), extra, timeout=200)[0]
+    assert again["resumed"]["step"] == 8
+    assert [r["step"] for r in rows(run) if "loss" in r] == list(range(1, 17))
+
+
 @pytest.mark.timeout(300)
 def test_resume_after_a_crash_is_bit_identical_at_two_ranks_stages_0_2_3(tmp_path):
     results = run_distributed(cw.resume_runs, 2, str(tmp_path), [0, 2, 3], timeout=280)
@@ -170,3 +220,22 @@ def test_health_check_refuses_a_bad_worker(tmp_path):
     assert [w["rank"] for w in health["workers"]] == [0, 1]
     assert health["workers"][0]["problems"] == [] and health["workers"][1]["problems"]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the first step
+
+
+def test_a_resume_with_other_loader_plan_inputs_is_refused_unless_forced(tmp_path):
+    """The loader position in a checkpoint indexes one sequence of batches: resuming it under another plan
+    (here data.window) would silently train on a different order, so it is refused naming the field and the
+    trainer key that accepts it; with the key set, the run continues from the saved step."""
+    from dutycycle.engine.errors import ConfigError
+
+    from ..support.cachemaker import make_cache
+
+    cache = str(tmp_path / "cache")
+    make_cache(cache, 160, shape=(16, 16, 3), shards=2, splits={"train": 0.8, "val": 0.2})
+    base = ["data.source=cache", f"data.cache={cache}", "data.loader_mode=sync", "run.max_steps=8"]
+    cw.train(cw.small_cfg(str(tmp_path / "run"), *base))
+    more = [*base[:-1], "run.max_steps=10", "data.window=2"]
+    with pytest.raises(ConfigError, match=r"window.*checkpoint\.force_loader_state = true"):
+        cw.train(cw.small_cfg(str(tmp_path / "run"), *more))
+    summary = cw.train(cw.small_cfg(str(tmp_path / "run"), *more, "checkpoint.force_loader_state=true"))
+    assert summary["checkpoint"]["resumed"]["step"] == 8 and summary["steps"] == 10

@@ -105,9 +105,10 @@ def check_compatible(saved: TrainerState, cfg, fingerprint: str, uri: str) -> No
 
 
 def load(selected: Selected, strategy, optimizer, source, *, rank: int, device=None,
-         state: TrainerState | None = None) -> TrainerState:
+         state: TrainerState | None = None, force_loader_state: bool = False) -> TrainerState:
     """Load model, optimizer, loader position and this rank's RNG from a verified checkpoint (every rank).
-    ``state``: its trainer state when the caller has already read it."""
+    ``state``: its trainer state when the caller has already read it. ``force_loader_state``: load the loader
+    position even when the saved plan inputs differ from this run's (``checkpoint.force_loader_state``)."""
     from dutycycle.trainer.parallel.state import sharded_state_dict
 
     from .storage import read_state
@@ -119,6 +120,10 @@ def load(selected: Selected, strategy, optimizer, source, *, rank: int, device=N
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     set_state_dict(strategy.module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    source.load_state_dict(state.loader)
+    try:
+        source.load_state_dict(state.loader, force=force_loader_state)
+    except ConfigError as e:  # the loader names the differing field; say how a trainer user accepts it
+        raise ConfigError(f"{e} [resuming from {selected.uri}: set checkpoint.force_loader_state = true to "
+                          "continue this run's own sample order from the saved position]") from None
     restore_rng(state.rng_for(rank), device)
     return state

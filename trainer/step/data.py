@@ -49,8 +49,8 @@ class SlowSource:
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
+    def load_state_dict(self, state: dict, force: bool = False) -> None:
+        self.inner.load_state_dict(state, force=force)
 
     def position(self) -> tuple[int, int]:
         return self.inner.position()
@@ -76,8 +76,8 @@ class LoaderSource:
     def state_dict(self) -> dict:
         return self.loader.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
+    def load_state_dict(self, state: dict, force: bool = False) -> None:
+        self.loader.load_state_dict(state, force=force)
 
     def position(self) -> tuple[int, int]:
         return self.loader.epoch, self.loader.step

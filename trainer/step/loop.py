@@ -10,7 +10,8 @@ One optimizer step on one rank:
                                               comm: collectives that blocked forward/backward (exposed
                                               communication), moved out of forward_backward
     clip (exact across shards), optimizer.step, lr schedule   optimizer
-    checkpointer.maybe_save(...)              checkpoint (trainer/checkpoint/: snapshot now, write in background)
+    checkpointer.maybe_save(...)              checkpoint (trainer/checkpoint/: snapshot now, write in background;
+                                              the commit waits until this step's metrics row is written)
 
 Gradients are exchanged at the accumulation boundary (or every micro-batch if asked). Each rank's loss is the
 mean over its slice of the global batch; with equal slices the averaged gradient is the gradient of the global
@@ -53,8 +54,9 @@ class WorkerContext:
 class NoCheckpoint:
     """The checkpointer interface (``checkpoint.checkpointer.Checkpointer`` is the real one), keeping nothing:
     ``restore`` before the first step (a resumed step and epoch, or None), ``account`` and ``maybe_save`` after
-    each optimizer step (``due`` says whether a save comes; its blocking time is the "checkpoint" phase),
-    ``recover`` on a non-finite loss (roll back, or raise), ``finalize`` at the end, ``close`` on any exit."""
+    each optimizer step (``due`` says whether a save comes; its blocking time is the "checkpoint" phase; ``hold``:
+    its commit waits for ``release(step)``, called once the step's metrics row is written), ``recover`` on a
+    non-finite loss (roll back, or raise), ``finalize`` at the end, ``close`` on any exit."""
 
     skipped: frozenset = frozenset()  # (epoch, global batch) pairs the data loop leaves out
 
@@ -64,8 +66,11 @@ class NoCheckpoint:
     def due(self, step: int) -> bool:
         return False
 
-    def maybe_save(self, step: int, strategy, optimizer, loader_state: dict | None) -> bool:
+    def maybe_save(self, step: int, strategy, optimizer, loader_state: dict | None, hold: bool = False) -> bool:
         return False
+
+    def release(self, step: int) -> float:
+        return 0.0
 
     def account(self, timer) -> None:
         return None
@@ -324,12 +329,17 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
                 if checkpointer.due(step + 1):
                     log.flush()  # every loss before a commit is checked before the commit can hold its update
                 with timer.phase("checkpoint"):
-                    saved = checkpointer.maybe_save(step + 1, strategy, optimizer, train_src.state_dict())
+                    saved = checkpointer.maybe_save(step + 1, strategy, optimizer, train_src.state_dict(), hold=True)
                 step += 1
                 log.add(step, epoch, lr, loss, int(y.shape[0]), timer.end_step(), grad_norm, batch=index,
                         sample_ids=batch.get("sample_id"))
-                if saved:  # the saved step's own row, written before its commit can land
+                if saved:
+                    # The saved step's own row (a collective: a rank lost here leaves it unwritten), and only then
+                    # its commit: a resume from this step keeps the rows up to it and never writes this one again.
+                    # A synchronous save commits here, after the step's record closed: its time still counts as
+                    # checkpoint time in the run's totals.
                     log.flush()
+                    timer.totals["checkpoint"] += checkpointer.release(step)
                     writer.log({"step": step, "checkpoint_saved": True})
                 if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total:
                     run_eval()

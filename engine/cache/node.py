@@ -68,8 +68,12 @@ def node_dir(override: str | None = None) -> str:
         why = "is not a directory"
     elif st.st_uid != os.getuid():
         why = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        why = f"has mode {stat.S_IMODE(st.st_mode):o}, writable by other users (needs 700)"
     elif st.st_mode & _PRIVATE:
-        why = f"has mode {stat.S_IMODE(st.st_mode):o}, open to other users (needs 700)"
+        # ours and writable by no one else (e.g. 755, as earlier releases made it): nothing in it can be another
+        # user's, so it is made private rather than refused; its records are still checked one by one (trusted)
+        os.chmod(real, 0o700)
     if why:
         raise NodeDirError(
             f"node folder {path!r}{f' (-> {real!r})' if real != path else ''} {why}: another user could plant "

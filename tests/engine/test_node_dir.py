@@ -46,8 +46,8 @@ def test_folder_is_created_private_and_records_are_written_private(tmp_path):
     assert _mode(node.lock_path(root, "abcd")) == 0o600
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o755, 0o770], ids=["777", "755", "770"])
-def test_a_folder_others_can_open_is_refused_naming_it_and_the_variable(tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize("mode", [0o777, 0o773, 0o770], ids=["777", "773", "770"])
+def test_a_folder_others_can_write_is_refused_naming_it_and_the_variable(tmp_path, monkeypatch, mode):
     planted = tmp_path / "dutycycle-node-0"
     planted.mkdir()
     os.chmod(planted, mode)
@@ -59,6 +59,21 @@ def test_a_folder_others_can_open_is_refused_naming_it_and_the_variable(tmp_path
         node.node_dir()
     os.chmod(planted, 0o700)  # the fix the message names
     assert node.node_dir() == str(planted)
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o750, 0o711], ids=["755", "750", "711"])
+def test_our_folder_that_only_we_can_write_is_made_private(tmp_path, mode):
+    """Earlier releases made the folder 755: only its owner could write into it, so nothing in it is another
+    user's; it is tightened to 700 and used, and its records are still judged one by one."""
+    ours = tmp_path / "dutycycle-node-0"
+    ours.mkdir()
+    os.chmod(ours, mode)
+    record = ours / "verified-abc"
+    record.write_text("x")
+    os.chmod(record, 0o644)
+    assert node.node_dir(str(ours)) == str(ours)
+    assert stat.S_IMODE(ours.stat().st_mode) == 0o700
+    assert not node.trusted(str(record))  # an old 644 record is checked again, not believed
 
 
 def test_a_file_in_its_place_is_refused(tmp_path):

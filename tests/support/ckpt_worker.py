@@ -123,7 +123,7 @@ class _Position:
     def state_dict(self):
         return dict(self.state)
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state, force=False):
         self.state = dict(state)
 
     def position(self):

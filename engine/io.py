@@ -403,11 +403,15 @@ def _read_upto(read, n: int, first: int | None = None) -> bytes:
     request (a file's size + 1 finds its end in one read without reserving ``n`` bytes)."""
     parts, got = [], 0
     while got < n:
-        chunk = read(min(n - got, first) if first and not parts else min(n - got, 1 << 24))
-        if not chunk:
-            break
+        asked = min(n - got, first) if first and not parts else min(n - got, 1 << 20)
+        chunk = read(asked)
         parts.append(chunk)
         got += len(chunk)
+        # A short read is the end of the file (regular files and fsspec's buffered files return fewer bytes only
+        # there). Stopping here matters beyond speed: asking again would allocate a large buffer only to get
+        # nothing, and glibc then raises its mmap threshold, so later batch buffers stay in the heap for good.
+        if len(chunk) < asked:
+            break
     return b"".join(parts)
 
 

@@ -13,7 +13,7 @@ setup() {
     python3 -m venv "$VENV"
   fi
   if ! "$VENV/bin/python" -c "import dutycycle.engine, dutycycle.configs, torch, daft, ray" 2>/dev/null \
-     || [ pyproject.toml -nt "$VENV/.dutycycle-installed" ] || [ setup.py -nt "$VENV/.dutycycle-installed" ]; then
+     || [ pyproject.toml -nt "$VENV/.dutycycle-installed" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # torch first: the CPU wheel pinned here; without it pip resolves a multi-GB CUDA build.
     "$VENV/bin/python" -m pip install -q "$TORCH"

@@ -12,7 +12,7 @@ import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ("engine", "loader", "trainer", "configs", "pyproject.toml", "setup.py", "README.md")
+SOURCES = ("engine", "loader", "trainer", "configs", "pyproject.toml", "README.md")
 
 
 def build_wheel(workdir: Path) -> Path:

@@ -6,7 +6,6 @@ The renderer is loaded from its file, so these tests do not depend on how benchm
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -14,18 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import render_docs as rd
+from benchmarks.docs_format import rate
+
 ROOT = Path(__file__).resolve().parents[2]
-RENDERER = ROOT / "benchmarks" / "render_docs.py"
-
-
-def _load_renderer():
-    spec = importlib.util.spec_from_file_location("dutycycle_render_docs", RENDERER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-rd = _load_renderer()
 
 
 def _pages() -> list[Path]:
@@ -64,7 +55,7 @@ def test_a_changed_result_changes_the_page_and_fails_the_check(tmp_path, capsys)
     path = root / "benchmarks" / "results" / "loader.json"
     data = json.loads(path.read_text())
     auto = next(r for r in data["rows"] if r["name"] == data["config"]["primary"])
-    before = rd.rate(auto["samples_per_s"])
+    before = rate(auto["samples_per_s"])
     auto["samples_per_s"] = 123456.0
     path.write_text(json.dumps(data))
 

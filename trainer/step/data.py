@@ -10,7 +10,7 @@ Sources:
 - ``ArraySource``: arrays in memory through the loader's ``ArrayLoader`` (the same plan, flip and state as a
   cache), used for synthetic shapes in tests and smoke runs.
 - ``LoaderSource``: adapts the real ``dutycycle.loader`` CacheLoader / RawLoader.
-- ``SlowSource``: wraps any source and sleeps before each batch (to show what a slow loader costs).
+- ``SlowSource``: wraps a source and sleeps before each batch (to show what a slow loader costs).
 """
 
 from __future__ import annotations
@@ -32,33 +32,6 @@ class DataInfo:
     val_samples: int
     fingerprint: str = ""
     lineage: dict = field(default_factory=dict)  # where the data came from (cache, table), for checkpoints
-
-
-class SlowSource:
-    """Wraps a source and sleeps ``delay_s`` before every batch: a deliberately slow loader."""
-
-    def __init__(self, inner, delay_s: float):
-        self.inner, self.delay_s = inner, delay_s
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.inner.set_epoch(epoch)
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict, force: bool = False) -> None:
-        self.inner.load_state_dict(state, force=force)
-
-    def position(self) -> tuple[int, int]:
-        return self.inner.position()
-
-    def __iter__(self):
-        for batch in self.inner:
-            time.sleep(self.delay_s)
-            yield batch
 
 
 class LoaderSource:
@@ -88,6 +61,19 @@ class LoaderSource:
             if not x.is_floating_point():  # normalize off: the model still wants floats
                 x = x.float().div_(255.0)
             yield {**batch, "image": x}
+
+
+class SlowSource(LoaderSource):
+    """The same loader as ``source``, sleeping ``delay_s`` before every batch: a deliberately slow loader."""
+
+    def __init__(self, source: LoaderSource, delay_s: float):
+        super().__init__(source.loader)
+        self.source, self.delay_s = source, delay_s
+
+    def __iter__(self):
+        for batch in self.source:
+            time.sleep(self.delay_s)
+            yield batch
 
 
 class ArraySource(LoaderSource):

@@ -179,7 +179,7 @@ def _plan(table: str, how: str, runner: str) -> dict[str, Any]:
             df = mp.table_frame(table, tm, None)
             mp.counts(df, table, None)
             blocks = mp.block_digests(mp.selected_frame(df), list(tm.classes))
-            fp, selected = mp.fingerprint([b[2] for b in blocks], list(tm.classes), spec), sum(b[1] for b in blocks)
+            fp, selected = mp.fingerprint([b[2] for b in blocks], list(tm.classes), spec, mp.decode_settings()), sum(b[1] for b in blocks)
         seconds = time.perf_counter() - t0
     return {"rows": tf.read_manifest(table).num_rows, "selected": selected, "fingerprint": fp, "seconds": seconds,
             **mem.result()}

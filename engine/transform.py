@@ -24,6 +24,7 @@ an image whose cost is over the byte budget of an RGB image at the pixel limit.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -127,6 +128,7 @@ def _resample(name: str):
 _STRIP_BYTES = 1 << 20
 
 
+@functools.cache
 def _lut16():
     """0..65535 -> 0..255 with rounding, as one 64 KB table (an index, not int64 arithmetic per pixel)."""
     import numpy as np
@@ -195,18 +197,12 @@ def _flatten(img, background: str = "black"):
     return img.convert("RGB")
 
 
-def to_rgb(img, background: str = "black"):
-    """Any PIL mode -> an ``RGB`` image (see the module docstring for the rules)."""
-    img = _flatten(img, background)
-    return img if img.mode == "RGB" else img.convert("RGB")
-
-
 def _upright(img):
     """``ImageOps.exif_transpose`` without its copy of an image that is already upright."""
-    from .imageinfo import ORIENTATION_TAG, upright
+    from .imageinfo import orientation_of, upright
 
     img.load()
-    return upright(img, img.getexif().get(ORIENTATION_TAG, 1))
+    return upright(img, orientation_of(img))  # malformed EXIF reads as upright, as ingest reads it
 
 
 def transform_image(img, spec: TransformSpec) -> np.ndarray:

@@ -125,10 +125,12 @@ def plan_rows(
     where: str | None = None,
     manifest: tf.TableManifest | None = None,
     allowed_roots=None,
+    max_pixels: int | None = None,
+    max_file_bytes: int | None = None,
 ) -> Plan:
     """The selected rows as Python lists, for callers that need every row anyway (the raw loader): the same
-    selection, order and fingerprint as ``materialize`` (which never collects rows like this), rows outside the
-    table's source roots and ``allowed_roots`` left out and counted."""
+    selection, order and fingerprint as ``materialize`` with the same caps (which never collects rows like this),
+    rows outside the table's source roots and ``allowed_roots`` left out and counted."""
     tm = manifest or tf.read_manifest(table_uri)
     roots = table_roots(tm, allowed_roots)
     df = mp.table_frame(table_uri, tm, where, roots)
@@ -152,7 +154,7 @@ def plan_rows(
         classes=list(tm.classes),
         table_errors=n["errors"],
         duplicates=good - len(ids),
-        fingerprint=mp.fingerprint(digests, list(tm.classes), spec),
+        fingerprint=mp.fingerprint(digests, list(tm.classes), spec, mp.decode_settings(max_pixels, max_file_bytes)),
         roots=roots,
         outside=n["outside"],
         outside_examples=mp.outside_examples(df) if n["outside"] else [],
@@ -160,8 +162,7 @@ def plan_rows(
 
 
 def _index_key(
-    tm: tf.TableManifest, table_uri: str, where: str | None, spec: TransformSpec, roots: list[str] | None = None,
-    settings: dict | None = None,
+    tm: tf.TableManifest, table_uri: str, where: str | None, spec: TransformSpec, roots: list[str], settings: dict,
 ) -> str:
     """Key for the reuse index. Table data files are immutable and the manifest (with its commit time) names
     them, so (where the table is, its whole manifest, filter, spec, the roots rows may lie in) fixes the cache's
@@ -174,8 +175,8 @@ def _index_key(
         "where": where or "",
         "spec": spec.to_dict(),
         "format": cf.FORMAT_VERSION,
-        "roots": list(roots or []),
-        "decode": settings or mp.decode_settings(),  # caps, decoder version, content check: they change the rows
+        "roots": list(roots),
+        "decode": settings,  # caps, decoder version, content check: they change the rows
     }
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:24]
 

@@ -193,13 +193,13 @@ def decode_settings(max_pixels: int | None = None, max_file_bytes: int | None = 
 
 
 def fingerprint(
-    digests: Iterable[str], classes: list[str], spec: TransformSpec, settings: dict | None = None
+    digests: Iterable[str], classes: list[str], spec: TransformSpec, settings: dict
 ) -> str:
-    """What the cache holds: format version, spec, classes, decode settings (``decode_settings``; the defaults'
-    when None), and the selected rows through their block digests."""
+    """What the cache holds: format version, spec, classes, decode settings (``decode_settings``), and the
+    selected rows through their block digests."""
     h = hashlib.sha256()
     head = {"format_version": cf.FORMAT_VERSION, "spec": spec.to_dict(), "classes": classes,
-            "decode": decode_settings() if settings is None else settings,
+            "decode": settings,
             "rows": f"sha256 per {FINGERPRINT_BLOCK} rows"}
     h.update(json.dumps(head, sort_keys=True).encode())
     for d in digests:

@@ -72,7 +72,7 @@ def _killed_rank_entry(rank: int, world: int, port: int, run_dir: str, extra: li
 
         def flush(self):
             if any(p.step == step for p in self.pending):
-                # give rank 0's saver time to commit, as it would when nothing holds the commit back
+                # give rank 0's saver time to commit, should anything have started a save of this step already
                 manifest = os.path.join(run_dir, "checkpoints", f"step-{step:08d}", "manifest.json")
                 deadline = time.monotonic() + 3.0
                 while not os.path.exists(manifest) and time.monotonic() < deadline:
@@ -89,8 +89,8 @@ def _killed_rank_entry(rank: int, world: int, port: int, run_dir: str, extra: li
 
 
 def run_with_rank_1_killed(run_dir: str, extra: list[str], step: int, timeout: float = 120.0) -> list:
-    """A 2-rank run whose rank 1 SIGKILLs itself at the flush that would write step ``step``'s metrics row (right
-    after the save of ``step``, whose files every rank has written by then). Returns the ranks' exit codes."""
+    """A 2-rank run whose rank 1 SIGKILLs itself at the flush that would write step ``step``'s metrics row.
+    Returns the ranks' exit codes."""
     import time
 
     import torch.multiprocessing as mp

@@ -220,47 +220,6 @@ def test_retention_keeps_the_newest_k_and_clears_torn_directories(tmp_path):
     assert mf.retention(str(tmp_path), 2, 7) == []
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_a_held_save_commits_at_its_release_and_is_abandoned_without_one(tmp_path, async_save):
-    """``hold``: the files are written and checked, but the manifest waits for ``release`` (the loop releases once
-    the step's metrics row is written); a held save waited for, or closed, before its release never commits."""
-    import threading
-    import time
-
-    reached = threading.Event()  # the save's checksums are being gathered: all that is left is the manifest
-    saver = Saver(str(tmp_path), rank=0, world_size=1, keep=3, async_save=async_save,
-                  on_phase=lambda name: reached.set() if name == "commit" else None)
-
-    def save(step):
-        reached.clear()
-        out = saver.save(step, state_for(step), TrainerState(step=step, epoch=0, loader={}, rng=[], world_size=1),
-                         capture_rng(), hold=True)
-        assert reached.wait(30)
-        time.sleep(0.3)  # time enough for a manifest that did not wait
-        assert not (tmp_path / f"step-{step:08d}" / "manifest.json").exists()
-        return out
-
-    def released(step):
-        commit = saver.release(step)
-        assert (commit is None) == async_save  # a synchronous save commits in release, an asynchronous one's
-        return saver.wait() if async_save else commit  # Commit comes from the wait
-
-    save(1)
-    assert released(1).step == 1 and find_latest(str(tmp_path)).step == 1
-    save(2)
-    assert saver.wait() is None  # not released: abandoned
-    save(3)
-    assert saver.release(2) is None  # another step's release lets nothing through
-    _, previous = save(4)  # the next save waited for step 3, never released either: abandoned
-    assert previous is None
-    assert released(4).step == 4
-    save(5)
-    saver.close()  # a held save at close is abandoned, and close does not wait forever for its release
-    assert find_latest(str(tmp_path)).step == 4
-    assert [p.name for p in sorted(tmp_path.iterdir()) if (p / "manifest.json").exists()] == \
-        ["step-00000001", "step-00000004"]
-
-
 def test_the_optimizer_waits_for_a_slow_snapshot_and_the_wait_is_stall(tmp_path, monkeypatch):
     """An asynchronous snapshot that copies slowly (1 s, far longer than a step of this model) while training goes
     on: the next optimizer step waits for it (otherwise the commit would hold a later state: resumed weights would

@@ -4,9 +4,8 @@ What the loop calls (``loop.NoCheckpoint`` is the same interface, doing nothing)
 
     restored = checkpointer.restore(strategy, optimizer, source)   # resume: step and epoch, or None
     per step:  checkpointer.account(timer)                         # snapshot waits -> the checkpoint phase
-               checkpointer.due(step) -> flush the step log first  # a commit never holds an unchecked loss
-               checkpointer.maybe_save(step, strategy, optimizer, source.state_dict(), hold=True)
-               ... the saved step's own row written: checkpointer.release(step)   # now the commit may land
+               checkpointer.due(step) -> the step's row written first   # a commit never holds an unchecked loss
+               checkpointer.maybe_save(step, strategy, optimizer, source.state_dict())
     on TrainingDiverged: restored = checkpointer.recover(err, strategy, optimizer, source)
     at the end: checkpointer.finalize(); checkpointer.summary()
 
@@ -16,11 +15,11 @@ batch of step s is left out from then on (recorded in later checkpoints, so a re
 Because the loop flushes the step log before every save, all losses before a commit's step were checked when
 it committed: at most the newest commit can hold a bad update, and keep >= 2 leaves the one before it.
 
-A commit of step s lands only after the loop has written step s's own metrics row (``hold``, then ``release``):
-that row comes from a collective across the ranks, after the save started, and a resumed run keeps the rows up
-to its step and trains on from there, so a commit whose row was never written (a rank killed in between, while
-rank 0's saver thread went on) would leave that step without a row for good. A save held when the loop fails
-instead (a non-finite loss at s, an error) is abandoned: never a checkpoint.
+The loop writes step s's own metrics row before it saves step s: that row comes from a collective across the
+ranks, and a resumed run keeps the rows up to its step and trains on from there, so a commit whose row was never
+written (a rank killed between the save and the row, while rank 0's saver thread went on) would leave that step
+without a row for good. ``maybe_save`` makes the rows durable first (a run directory on an object store buffers
+them).
 """
 
 from __future__ import annotations
@@ -71,10 +70,12 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.saver is not None and (step % self.c.every == 0 or step == self.total)
 
-    def maybe_save(self, step: int, strategy, optimizer, loader_state: dict | None, hold: bool = False) -> bool:
-        """Save as ``step`` if one is due; ``hold``: it commits only at ``release(step)``."""
+    def maybe_save(self, step: int, strategy, optimizer, loader_state: dict | None) -> bool:
+        """Save as ``step`` if one is due (the loop has written step ``step``'s metrics row)."""
         if not self.due(step):
             return False
+        if self.writer is not None:
+            self.writer.flush()  # the rows up to this step, durable before any commit of it
         from dutycycle.trainer.parallel.state import sharded_state_dict
 
         self._arm(strategy, optimizer)
@@ -87,27 +88,10 @@ class Checkpointer:
                       "schedule": self.cfg.optim.schedule, "min_lr_ratio": self.cfg.optim.min_lr_ratio},
             config=self.cfg.to_dict(), data=self.data,
             strategy={"name": strategy.name, "zero_stage": plan.zero_stage})
-        stall, commit = self.saver.save(step, {"model": model_sd, "optim": optim_sd}, state, capture_rng(self.device),
-                                        hold=hold)
+        stall, commit = self.saver.save(step, {"model": model_sd, "optim": optim_sd}, state, capture_rng(self.device))
         self.stalls.append(stall)
         self._committed(commit)
         return True
-
-    def release(self, step: int) -> float:
-        """The loop wrote step ``step``'s metrics row (every rank calls this at the same point): make the rows
-        durable (a run directory on an object store buffers them) and let the held save of ``step`` commit. A
-        synchronous save commits here. Returns the seconds it took (stall, like the save's own)."""
-        if self.saver is None:
-            return 0.0
-        t0 = time.perf_counter()
-        if self.writer is not None:
-            self.writer.flush()
-        commit = self.saver.release(step)
-        seconds = time.perf_counter() - t0
-        if self.stalls:
-            self.stalls[-1] += seconds
-        self._committed(commit)
-        return seconds
 
     def account(self, timer) -> None:
         """Move the time the step waited for a snapshot (in forward or the optimizer step) to "checkpoint"."""
@@ -221,8 +205,7 @@ class Checkpointer:
             return TrainingDiverged(f"{what}; {why}", step=err.step, epoch=err.epoch, batch=err.batch,
                                     sample_ids=ids)
 
-        # commits at or after step s may hold its update: uncommit them whatever happens next (a save of step s
-        # still held for its row is abandoned by the wait)
+        # commits at or after step s may hold its update: uncommit them whatever happens next
         self._wait()
         if self.rank == 0 and self.root:
             from . import manifest as mf

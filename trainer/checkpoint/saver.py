@@ -10,20 +10,11 @@
       write: dcp.save of the snapshot into step-N/       every rank its shard, hashed while written; rank 0
                                                          writes DCP's index once every rank has written
       commit: gather sizes + sha256 (+ RNG) at rank 0;   rank 0 writes trainer_state.json, then manifest.json:
-                                                         the checkpoint exists from this moment (a held save:
-                                                         only once the caller released it, see below)
+                                                         the checkpoint exists from this moment
       retention: rank 0 deletes commits beyond the newest K, and torn directories older than the commit
 
 Synchronous saves (``checkpoint.async_save = false``) run the same steps on the caller's thread from the live
 state (no snapshot copy), so the step blocks for all of it.
-
-A save can be *held* (``save(..., hold=True)``): rank 0 writes its manifest only after ``release(step)``. The step
-loop holds every save until the saved step's own metrics row is written: that row needs a collective of the
-training ranks, and a rank killed between the save's files and that collective would otherwise leave a commit whose
-step has no row, which a resumed run (keeping the rows up to its step) never writes again. A synchronous held save
-writes and gathers in ``save`` and commits in ``release``; an asynchronous one's background thread waits for the
-release before writing the manifest. A held save waited for (``wait``, the next ``save``, ``close``) before its
-release is abandoned: no manifest, so it never was a checkpoint, and ``wait`` returns None for it.
 
 The snapshot's host buffers are reused from one save to the next (DCP's stager caches them), which is one reason
 a save waits for the previous one to finish. Background collectives go through a gloo group of their own, so
@@ -34,7 +25,6 @@ checkpoint, on the training thread at the next wait.
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,40 +50,6 @@ class Commit:
     deleted: list[int] = field(default_factory=list)
 
 
-class _Gate:
-    """What rank 0's commit of a held save waits for: a release, or the save being abandoned."""
-
-    def __init__(self, step: int, held: bool):
-        self.step, self.abandoned = step, False
-        self.event = threading.Event()
-        if not held:
-            self.event.set()
-
-    def release(self) -> None:
-        self.event.set()
-
-    def abandon(self) -> None:
-        if not self.event.is_set():  # a released commit goes ahead
-            self.abandoned = True
-            self.event.set()
-
-    def wait(self) -> None:
-        self.event.wait()
-
-
-@dataclass
-class _Written:
-    """A save whose files are written and whose checksums are gathered at rank 0: what the commit needs."""
-
-    step: int
-    uri: str
-    trainer_state: TrainerState
-    gathered: list
-    snapshot_s: float
-    write_s: float
-    gather_s: float
-
-
 class Saver:
     """Owns the stager, the background thread and its process group. ``save`` returns the seconds the caller
     was blocked; ``wait`` finishes the save in flight and returns its ``Commit``."""
@@ -116,45 +72,27 @@ class Saver:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="dutycycle-checkpoint") if async_save else None
         self.staging: Future | None = None
         self.inflight: Future | None = None
-        self.gate: _Gate | None = None  # the asynchronous save in flight's
-        self.written: _Written | None = None  # a synchronous held save, waiting for its release
         self.stalled_on_previous = 0  # saves that had to wait for the previous one
 
     # ----------------------------------------------------------------------------------------- the caller
 
-    def save(self, step: int, state: dict, trainer_state: TrainerState, rng: dict, *,
-             hold: bool = False) -> tuple[float, Commit | None]:
+    def save(self, step: int, state: dict, trainer_state: TrainerState, rng: dict) -> tuple[float, Commit | None]:
         """Start (asynchronous) or do (synchronous) the save of ``state`` (``{"model": ..., "optim": ...}`` from
-        ``get_state_dict``) as step ``step``; ``hold``: commit only after ``release(step)``. Returns ``(seconds
-        blocked, a Commit)``: the previous save's if this call waited for it, or a synchronous unheld save's own."""
+        ``get_state_dict``) as step ``step``. Returns ``(seconds blocked, the previous save's Commit if this call
+        waited for it)``."""
         t0 = time.perf_counter()
         previous = None
-        if self.inflight is not None or self.written is not None:
-            self.stalled_on_previous += self.inflight is not None and not self.inflight.done()
+        if self.inflight is not None:
+            self.stalled_on_previous += not self.inflight.done()
             previous = self.wait()
         self.on_phase("snapshot")
         if not self.async_save:
-            written = self._write(step, state, trainer_state, rng, snapshot_s=0.0)
-            if hold:
-                self.written = written
-                return time.perf_counter() - t0, previous
-            return time.perf_counter() - t0, self._commit(written)
+            commit = self._write_and_commit(step, state, trainer_state, rng, snapshot_s=0.0)
+            return time.perf_counter() - t0, commit
         t_snap = time.perf_counter()
-        self.gate = _Gate(step, hold)
         self.staging = self.stager.stage(state)
-        self.inflight = self.pool.submit(self._background, step, self.staging, trainer_state, rng, t_snap,
-                                         self.gate)
+        self.inflight = self.pool.submit(self._background, step, self.staging, trainer_state, rng, t_snap)
         return time.perf_counter() - t0, previous
-
-    def release(self, step: int) -> Commit | None:
-        """Let the held save of ``step`` commit (every rank, at the same point). A synchronous save commits here
-        and its Commit is returned; an asynchronous one's comes from ``wait`` as usual (None here)."""
-        if self.written is not None and self.written.step == step:
-            written, self.written = self.written, None
-            return self._commit(written)
-        if self.gate is not None and self.gate.step == step:
-            self.gate.release()
-        return None
 
     def wait_staged(self) -> float:
         """Block until the snapshot in flight is copied (the live state may change after that); returns the
@@ -170,12 +108,7 @@ class Saver:
         return time.perf_counter() - t0
 
     def wait(self) -> Commit | None:
-        """Finish the save in flight; returns its Commit (None if none was in flight, or if it was held and not
-        released: abandoned). A failed save raises."""
-        self.written = None  # a synchronous held save not released: abandoned (nothing runs in the background)
-        if self.gate is not None:
-            self.gate.abandon()  # no-op once released
-            self.gate = None
+        """Finish the save in flight; returns its Commit (None if none was in flight). A failed save raises."""
         if self.inflight is None:
             return None
         fut, self.inflight = self.inflight, None
@@ -187,8 +120,6 @@ class Saver:
                                    f"{str(e)[:2000]}); earlier commits are intact") from e
 
     def close(self) -> None:
-        if self.gate is not None:
-            self.gate.abandon()  # a background commit still waiting for a release would wait forever
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
@@ -198,18 +129,13 @@ class Saver:
 
     # ------------------------------------------------------------------------------------ background thread
 
-    def _background(self, step, staging: Future, trainer_state, rng, t_snap, gate: _Gate) -> Commit | None:
+    def _background(self, step, staging: Future, trainer_state, rng, t_snap) -> Commit:
         staged = staging.result()
         snapshot_s = time.perf_counter() - t_snap
-        written = self._write(step, staged, trainer_state, rng, snapshot_s)
-        # only rank 0's manifest makes the commit: rank 0 waits for the release, the others learn the outcome from
-        # its broadcast in _commit
-        if self.rank == 0:
-            gate.wait()
-        return self._commit(written, abandoned=self.rank == 0 and gate.abandoned)
+        return self._write_and_commit(step, staged, trainer_state, rng, snapshot_s)
 
-    def _write(self, step: int, state: dict, trainer_state: TrainerState, rng: dict, snapshot_s: float) -> _Written:
-        """Every rank writes its files; their sizes and checksums (and RNG states) are gathered at rank 0."""
+    def _write_and_commit(self, step: int, state: dict, trainer_state: TrainerState, rng: dict,
+                          snapshot_s: float) -> Commit:
         from .storage import write_state
 
         uri = io.join(self.root, mf.step_name(step))
@@ -230,40 +156,31 @@ class Saver:
         t1 = time.perf_counter()
         self.on_phase("commit")
         gathered = self._gather({"files": {k: [r.size, r.sha256] for k, r in files.items()}, "rng": rng})
-        return _Written(step=step, uri=uri, trainer_state=trainer_state, gathered=gathered, snapshot_s=snapshot_s,
-                        write_s=t1 - t0, gather_s=time.perf_counter() - t1)
-
-    def _commit(self, w: _Written, abandoned: bool = False) -> Commit | None:
-        """Rank 0 writes trainer_state.json and then the manifest (unless ``abandoned``); every rank learns the
-        outcome. Then retention. None when abandoned."""
-        t0 = time.perf_counter()
         error = None
         total = 0
-        if self.rank == 0 and not abandoned:
+        if self.rank == 0:
             try:
                 records = {}
-                for part in w.gathered:
+                for part in gathered:
                     for name, (size, sha) in part["files"].items():
-                        records[mf.check_name(name, w.uri)] = mf.FileRecord(size, sha)
-                w.trainer_state.rng = [part["rng"] for part in w.gathered]
-                records[mf.TRAINER_STATE] = _write_json(io.join(w.uri, mf.TRAINER_STATE), w.trainer_state.to_json())
+                        records[mf.check_name(name, uri)] = mf.FileRecord(size, sha)
+                trainer_state.rng = [part["rng"] for part in gathered]
+                records[mf.TRAINER_STATE] = _write_json(io.join(uri, mf.TRAINER_STATE), trainer_state.to_json())
                 total = sum(r.size for r in records.values())
-                info = {"bytes": total, "strategy": w.trainer_state.strategy, "snapshot_s": w.snapshot_s,
-                        "write_s": w.write_s}
-                mf.write_manifest(w.uri, mf.Manifest(step=w.step, world_size=self.world, files=records, info=info))
+                info = {"bytes": total, "strategy": trainer_state.strategy, "snapshot_s": snapshot_s,
+                        "write_s": t1 - t0}
+                mf.write_manifest(uri, mf.Manifest(step=step, world_size=self.world, files=records, info=info))
             except Exception as e:  # noqa: BLE001 - as above
                 error = f"{type(e).__name__}: {e}"
-        error, total, abandoned = self._broadcast((error, total, abandoned))
+        error, total = self._broadcast((error, total))
         if error:
-            raise DestinationError(f"could not commit {w.uri}: {error}")
-        if abandoned:
-            return None
+            raise DestinationError(f"could not commit {uri}: {error}")
         t2 = time.perf_counter()
         self.on_phase("retention")
-        deleted = mf.retention(self.root, self.keep, w.step) if self.rank == 0 else []
+        deleted = mf.retention(self.root, self.keep, step) if self.rank == 0 else []
         self.on_phase("done")
-        return Commit(step=w.step, uri=w.uri, bytes=total, snapshot_s=w.snapshot_s, write_s=w.write_s,
-                      commit_s=w.gather_s + t2 - t0, retention_s=time.perf_counter() - t2, deleted=deleted)
+        return Commit(step=step, uri=uri, bytes=total, snapshot_s=snapshot_s, write_s=t1 - t0, commit_s=t2 - t1,
+                      retention_s=time.perf_counter() - t2, deleted=deleted)
 
     # ------------------------------------------------------------------------ collectives on the save group
 

@@ -10,8 +10,8 @@ One optimizer step on one rank:
                                               comm: collectives that blocked forward/backward (exposed
                                               communication), moved out of forward_backward
     clip (exact across shards), optimizer.step, lr schedule   optimizer
-    checkpointer.maybe_save(...)              checkpoint (trainer/checkpoint/: snapshot now, write in background;
-                                              the commit waits until this step's metrics row is written)
+    if a save is due: the step's row, then   checkpoint, counted in the next step (trainer/checkpoint/: snapshot
+    checkpointer.maybe_save(...)              now, write in background), so no commit lacks its step's row
 
 Gradients are exchanged at the accumulation boundary (or every micro-batch if asked). Each rank's loss is the
 mean over its slice of the global batch; with equal slices the averaged gradient is the gradient of the global
@@ -54,9 +54,8 @@ class WorkerContext:
 class NoCheckpoint:
     """The checkpointer interface (``checkpoint.checkpointer.Checkpointer`` is the real one), keeping nothing:
     ``restore`` before the first step (a resumed step and epoch, or None), ``account`` and ``maybe_save`` after
-    each optimizer step (``due`` says whether a save comes; its blocking time is the "checkpoint" phase; ``hold``:
-    its commit waits for ``release(step)``, called once the step's metrics row is written), ``recover`` on a
-    non-finite loss (roll back, or raise), ``finalize`` at the end, ``close`` on any exit."""
+    each optimizer step (``due`` says whether a save comes; its blocking time is the "checkpoint" phase),
+    ``recover`` on a non-finite loss (roll back, or raise), ``finalize`` at the end, ``close`` on any exit."""
 
     skipped: frozenset = frozenset()  # (epoch, global batch) pairs the data loop leaves out
 
@@ -66,11 +65,8 @@ class NoCheckpoint:
     def due(self, step: int) -> bool:
         return False
 
-    def maybe_save(self, step: int, strategy, optimizer, loader_state: dict | None, hold: bool = False) -> bool:
+    def maybe_save(self, step: int, strategy, optimizer, loader_state: dict | None) -> bool:
         return False
-
-    def release(self, step: int) -> float:
-        return 0.0
 
     def account(self, timer) -> None:
         return None
@@ -326,25 +322,22 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
                                                  timer=timer, autocast=autocast, grad_clip=cfg.optim.grad_clip,
                                                  lr=lr, sampler=sampler if step == first_step else None)
                 checkpointer.account(timer)
-                if checkpointer.due(step + 1):
-                    log.flush()  # every loss before a commit is checked before the commit can hold its update
-                with timer.phase("checkpoint"):
-                    saved = checkpointer.maybe_save(step + 1, strategy, optimizer, train_src.state_dict(), hold=True)
                 step += 1
                 log.add(step, epoch, lr, loss, int(y.shape[0]), timer.end_step(), grad_norm, batch=index,
                         sample_ids=batch.get("sample_id"))
-                if saved:
-                    # The saved step's own row (a collective: a rank lost here leaves it unwritten), and only then
-                    # its commit: a resume from this step keeps the rows up to it and never writes this one again.
-                    # A synchronous save commits here, after the step's record closed: its time still counts as
-                    # checkpoint time in the run's totals.
+                if checkpointer.due(step):
+                    # Every loss up to this step is checked and this step's row written (a collective: a rank lost
+                    # here leaves no row and no commit) before the save starts, so a commit never holds an
+                    # unchecked update and a resume from it finds its row. The save stalls the next step.
                     log.flush()
-                    timer.totals["checkpoint"] += checkpointer.release(step)
+                    with timer.between("checkpoint"):
+                        checkpointer.maybe_save(step, strategy, optimizer, train_src.state_dict())
                     writer.log({"step": step, "checkpoint_saved": True})
                 if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total:
                     run_eval()
             epoch += 1
         log.flush()
+        timer.close()
 
     strategy.module.train()
     try:

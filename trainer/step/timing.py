@@ -42,12 +42,30 @@ class StepTimer:
         self.cuda = device is not None and getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available()
         self.totals: dict[str, float] = dict.fromkeys((*ALL_PHASES, "step"), 0.0)
         self.steps = 0
+        self._carried = dict.fromkeys(PHASES, 0.0)
         self.start_step()
 
     def start_step(self) -> None:
         self._events: list[tuple[str, object, object]] = []
-        self._cpu = dict.fromkeys(PHASES, 0.0)
-        self._start = time.perf_counter()
+        self._cpu, self._carried = self._carried, dict.fromkeys(PHASES, 0.0)
+        # time spent between two steps (``between``) belongs to the next one: its wall starts that much earlier
+        self._start = time.perf_counter() - sum(self._cpu.values())
+
+    @contextmanager
+    def between(self, name: str):
+        """Time host work done after a step closed and before the next starts (a checkpoint saved once its step's
+        row is written); it counts in the next step's record, or in ``totals`` through ``close``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._carried[name] += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """At the end of the loop: time carried past the last step goes straight into ``totals``."""
+        for name, seconds in self._carried.items():
+            self.totals[name] += seconds
+        self._carried = dict.fromkeys(PHASES, 0.0)
 
     @contextmanager
     def phase(self, name: str, host: bool = False):

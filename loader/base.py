@@ -8,8 +8,6 @@ of the same format from the same plan.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import queue
 import threading
 import time
@@ -19,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
+from dutycycle.engine import sealed
 from dutycycle.engine.cache.shards import ReadStats
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 
@@ -181,8 +180,7 @@ class PlannedLoader:
             **self._plan_inputs(),
             "world_size": int(self.world_size),  # informational: a state loads at any world size
         }
-        state[STATE_DIGEST] = state_digest(state)
-        return state
+        return sealed.seal(state, STATE_DIGEST)
 
     def load_state_dict(self, state: dict[str, Any], force: bool = False) -> None:
         """Continue from ``state``'s position (epoch and next global batch), at any world size.
@@ -222,18 +220,17 @@ class PlannedLoader:
                    "pass force=True to continue this loader's own plan from the saved position")
             if not force:
                 raise ConfigError(msg)
-        if STATE_DIGEST in state:
-            try:
-                digest = state_digest(state)
-            except (TypeError, ValueError) as e:
-                raise CorruptArtifactError(f"loader state cannot be serialized to check its {STATE_DIGEST} "
-                                           f"({type(e).__name__}: {e}); the state is refused") from None
-            if digest != state[STATE_DIGEST]:
-                raise CorruptArtifactError(
-                    f"loader state fails its {STATE_DIGEST} check (its content was changed after state_dict() made "
-                    "it: corrupted, or edited by hand); the state is refused. Use an intact state; a state edited "
-                    f"on purpose must drop its {STATE_DIGEST!r} field"
-                )
+        try:
+            whole = sealed.intact(state, STATE_DIGEST)
+        except (TypeError, ValueError) as e:
+            raise CorruptArtifactError(f"loader state cannot be serialized to check its {STATE_DIGEST} "
+                                       f"({type(e).__name__}: {e}); the state is refused") from None
+        if not whole:
+            raise CorruptArtifactError(
+                f"loader state fails its {STATE_DIGEST} check (its content was changed after state_dict() made it: "
+                "corrupted, or edited by hand); the state is refused. Use an intact state; a state edited on purpose "
+                f"must drop its {STATE_DIGEST!r} field"
+            )
         if problems:
             warnings.warn(f"{msg}. force=True was passed: continuing this loader's plan at epoch {epoch}, step "
                           f"{min(step, len(self))}", UserWarning, stacklevel=2)
@@ -330,13 +327,6 @@ class PlannedLoader:
     def _submit_remote(self, indices: np.ndarray, step: int) -> RemoteBatch:
         """Start a Ray task reading these split indices (``ray_exec.submit_read`` / ``submit_decode``)."""
         raise NotImplementedError
-
-
-def state_digest(state: dict[str, Any]) -> str:
-    """sha256 of a loader state's canonical JSON (sorted keys, no spaces), its own ``sha256`` field left out."""
-    body = {k: v for k, v in state.items() if k != STATE_DIGEST}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .. import io
+from .. import io, sealed
 from ..errors import CorruptArtifactError, SourceError
 from . import node
 from .remote import EDGE_BYTES, ChunkCache, DiskCache, RangeFile, open_ranged
@@ -55,7 +55,7 @@ MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
 LATEST = "latest"
 INDEX_DIR = "_index"
-DIGEST = "manifest_sha256"  # the manifest's checksum of its own content (every other field), see to_json
+DIGEST = sealed.MANIFEST_DIGEST  # the manifest's checksum of its own content (every other field)
 _FIX = "delete the cache folder and materialize it again"
 
 
@@ -99,10 +99,10 @@ class CacheManifest:
     options: dict[str, Any] = field(default_factory=dict)  # how it was made: filter, table version, timings
 
     def to_json(self) -> dict[str, Any]:
-        """Plain JSON, with ``manifest_sha256``: the sha256 of the rest (see ``content_digest``)."""
+        """Plain JSON, sealed with ``manifest_sha256`` (``engine.sealed``)."""
         d = asdict(self)
         d["shards"] = [asdict(s) for s in self.shards]
-        return seal(d)
+        return sealed.seal(d)
 
     @classmethod
     def from_json(cls, d: Any, where: str = "cache manifest") -> CacheManifest:
@@ -114,7 +114,7 @@ class CacheManifest:
                 f"{where}: cache format version {d.get('format_version')!r} is not supported (this dutycycle reads "
                 f"{FORMAT_VERSION}); materialize the cache again"
             )
-        if DIGEST in d and d[DIGEST] != content_digest(d, DIGEST):  # manifests written before it have none
+        if not sealed.intact(d):  # manifests written before the field have none
             raise CorruptArtifactError(f"{where} fails its own checksum ({DIGEST}): it was changed after its "
                                        f"commit and is refused; {_FIX}")
         d = {k: v for k, v in d.items() if k != DIGEST}
@@ -132,10 +132,6 @@ class CacheManifest:
         return int(np.prod(self.shape))
 
 
-def _is_count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
 def _manifest_problem(d: dict[str, Any]) -> str | None:
     """What is wrong with a manifest's fields (the types readers rely on, and ``num_samples`` against the shards'
     rows), or None."""
@@ -143,15 +139,15 @@ def _manifest_problem(d: dict[str, Any]) -> str | None:
     if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
         return "`shards` must be a list of {path, rows, bytes, sha256}"
     for s in shards:
-        if not (isinstance(s.get("path"), str) and _is_count(s.get("rows")) and _is_count(s.get("bytes"))
+        if not (isinstance(s.get("path"), str) and sealed.is_count(s.get("rows")) and sealed.is_count(s.get("bytes"))
                 and isinstance(s.get("sha256"), str)):
             return f"shard entry {s!r:.200} must hold a path, rows, bytes and a sha256"
-    if not _is_count(d.get("num_samples")):
+    if not sealed.is_count(d.get("num_samples")):
         return f"`num_samples` is {d.get('num_samples')!r}, not a count"
     if d["num_samples"] != sum(s["rows"] for s in shards):
         return f"`num_samples` is {d['num_samples']}, but its shards hold {sum(s['rows'] for s in shards)} rows"
     shape = d.get("shape")
-    if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+    if not isinstance(shape, list) or not all(sealed.is_count(n) for n in shape):
         return f"`shape` is {shape!r:.100}, not a list of sizes"
     for name, types in (("fingerprint", str), ("layout", str), ("dtype", str), ("classes", list),
                         ("split_counts", dict), ("spec", dict), ("skipped", dict), ("options", dict)):
@@ -160,20 +156,6 @@ def _manifest_problem(d: dict[str, Any]) -> str | None:
     if not all(isinstance(c, str) for c in d.get("classes", [])):
         return "`classes` must be a list of names"
     return None
-
-
-def content_digest(d: dict[str, Any], key: str) -> str:
-    """sha256 of ``d``'s canonical JSON (sorted keys, no spaces) without ``d[key]``, its own checksum."""
-    body = {k: v for k, v in d.items() if k != key}
-    # through JSON and back first, so a writer's tuples and non-string keys hash as a reader will parse them
-    canonical = json.dumps(json.loads(json.dumps(body)), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def seal(d: dict[str, Any]) -> dict[str, Any]:
-    """A manifest's JSON (``d``, without a checksum or with a stale one) with its ``manifest_sha256``."""
-    body = {k: v for k, v in d.items() if k != DIGEST}
-    return {**body, DIGEST: content_digest(body, DIGEST)}
 
 
 def encode_shard(sample_ids: list[str], labels, splits: list[str], images: np.ndarray) -> bytes:

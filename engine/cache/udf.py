@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import io
+from .. import io, sealed
 from ..errors import CorruptArtifactError, DecodeError
 from ..imageinfo import TOO_LARGE, UNREADABLE
 from ..imageinfo import sample_id as sample_id_of
@@ -59,17 +59,11 @@ def ids_digest(ids: list[str]) -> str:
 def write_record(cache_uri: str, index: int, rec: dict[str, Any]) -> None:
     """Write shard ``index``'s completion record, sealed with ``record_sha256`` (the sha256 of its other fields):
     materialize copies a resumed record's counts into the manifest, so a record changed since is not trusted."""
-    body = {k: v for k, v in rec.items() if k != RECORD_DIGEST}
-    io.write_json_atomic(io.join(cache_uri, record_name(index)),
-                         {**body, RECORD_DIGEST: cf.content_digest(body, RECORD_DIGEST)})
-
-
-def _is_count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    io.write_json_atomic(io.join(cache_uri, record_name(index)), sealed.seal(rec, RECORD_DIGEST))
 
 
 def _is_counts(v: Any) -> bool:
-    return isinstance(v, dict) and all(isinstance(k, str) and _is_count(n) for k, n in v.items())
+    return isinstance(v, dict) and all(isinstance(k, str) and sealed.is_count(n) for k, n in v.items())
 
 
 def _record_ok(rec: Any, index: int) -> bool:
@@ -77,13 +71,13 @@ def _record_ok(rec: Any, index: int) -> bool:
     before the field have none) and the fields materialize reads."""
     if not isinstance(rec, dict) or not set(rec) <= _RECORD_FIELDS:
         return False
-    if RECORD_DIGEST in rec and rec[RECORD_DIGEST] != cf.content_digest(rec, RECORD_DIGEST):
+    if not sealed.intact(rec, RECORD_DIGEST):
         return False
     shard = rec.get("shard")
     if shard is not None and not (
         isinstance(shard, dict) and set(shard) == {"path", "rows", "bytes", "sha256"}
         and shard["path"] == cf.shard_name(index)  # a record names its own shard, nothing else
-        and _is_count(shard["rows"]) and _is_count(shard["bytes"]) and isinstance(shard["sha256"], str)
+        and sealed.is_count(shard["rows"]) and sealed.is_count(shard["bytes"]) and isinstance(shard["sha256"], str)
     ):
         return False
     return (rec.get("index") == index and isinstance(rec.get("ids_digest"), str)

@@ -48,7 +48,6 @@ Columns (plain Arrow types, readable by any Parquet reader):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
@@ -58,7 +57,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from .. import io
+from .. import io, sealed
 from ..errors import CorruptArtifactError, DestinationError, SourceError
 
 FORMAT_VERSION = 3  # 3: `removed` (when files left the table); 2: `modified`, exclusive manifests, a writer id
@@ -69,7 +68,7 @@ LATEST_READ_ATTEMPTS = 3  # the newest manifest can be expired between listing a
 MANIFEST = "_manifest.json"
 MANIFEST_DIR = "_manifests"
 _VERSION_FILE = re.compile(r"^v(\d+)\.json$")
-DIGEST = "manifest_sha256"  # a manifest's checksum of its own content (every other field), see seal
+DIGEST = sealed.MANIFEST_DIGEST  # a manifest's checksum of its own content (every other field)
 # the fields every readable manifest has, with their JSON types (a bool is no number here)
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "version": (int,), "num_rows": (int,), "classes": (list,), "lineage": (dict,), "options": (dict,),
@@ -124,7 +123,7 @@ class TableManifest:
                 f"{where}: table format version {d.get('format_version')!r} is not supported (this dutycycle reads "
                 f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade dutycycle or {fix}"
             )
-        if DIGEST in d and d[DIGEST] != manifest_digest(d):  # manifests written before the field have none
+        if not sealed.intact(d):  # manifests written before the field have none
             raise CorruptArtifactError(f"{where} fails its own checksum ({DIGEST}): it was changed after its "
                                        f"commit and is refused; {fix}")
         body = {k: v for k, v in d.items() if k != DIGEST}
@@ -146,23 +145,9 @@ class TableManifest:
             raise CorruptArtifactError(f"{where} is malformed ({e}); {fix}") from None
 
 
-def manifest_digest(d: dict[str, Any]) -> str:
-    """sha256 of a manifest's canonical JSON (sorted keys, no spaces) without its own ``manifest_sha256``."""
-    body = {k: v for k, v in d.items() if k != DIGEST}
-    # through JSON and back first, so a writer's tuples and non-string keys hash as a reader will parse them
-    canonical = json.dumps(json.loads(json.dumps(body)), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def seal(d: dict[str, Any]) -> dict[str, Any]:
-    """A manifest's JSON (``d``, without a checksum or with a stale one) with its ``manifest_sha256``."""
-    body = {k: v for k, v in d.items() if k != DIGEST}
-    return {**body, DIGEST: manifest_digest(body)}
-
-
 def encode(d: dict[str, Any]) -> bytes:
     """A manifest's file bytes, as ``commit`` writes them: ``d`` sealed, indented, keys sorted."""
-    return json.dumps(seal(d), indent=1, sort_keys=True).encode()
+    return json.dumps(sealed.seal(d), indent=1, sort_keys=True).encode()
 
 
 def _is_removal(e: Any) -> bool:

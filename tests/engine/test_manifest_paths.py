@@ -13,7 +13,7 @@ import os
 import shutil
 
 import pytest
-from dutycycle.engine import io
+from dutycycle.engine import io, sealed
 from dutycycle.engine.cache import format as cf
 from dutycycle.engine.cache.materialize import materialize, open_cache
 from dutycycle.engine.errors import CorruptArtifactError
@@ -48,7 +48,7 @@ def _rewrite_table_manifest(table: str, files: list[str]) -> None:
         path = os.path.join(table, name)
         d = json.loads(open(path).read())
         d["files"] = files
-        open(path, "w").write(json.dumps(tf.seal(d)))
+        open(path, "w").write(json.dumps(sealed.seal(d)))
 
 
 @pytest.mark.parametrize("hostile", ["../../outside.parquet", "{abs}"])
@@ -73,7 +73,7 @@ def test_cache_manifest_naming_a_shard_outside_is_refused(tmp_path):
     for rel in ("../elsewhere.arrow", str(outside)):
         d = json.loads((cache / cf.MANIFEST).read_text())
         d["shards"][0]["path"] = rel
-        (cache / cf.MANIFEST).write_text(json.dumps(cf.seal(d)))
+        (cache / cf.MANIFEST).write_text(json.dumps(sealed.seal(d)))
         with pytest.raises(CorruptArtifactError, match="elsewhere.arrow"):
             open_cache(str(cache))
 

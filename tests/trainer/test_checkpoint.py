@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from dutycycle.engine import sealed
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError, DestinationError
 from dutycycle.trainer.checkpoint import find_latest
 from dutycycle.trainer.checkpoint import manifest as mf
@@ -112,7 +113,7 @@ def test_names_outside_the_directory_are_refused(tmp_path):
     newest = tmp_path / "step-00000002"
     data = json.loads((newest / "manifest.json").read_text())
     data["files"]["../step-00000001/__0_0.distcp"] = data["files"]["__0_0.distcp"]
-    data[mf.DIGEST] = mf.manifest_digest(data)  # a writer that can rewrite the manifest can redo its checksum
+    data[mf.DIGEST] = sealed.digest(data, mf.DIGEST)  # a writer that can rewrite the manifest can redo its checksum
     (newest / "manifest.json").write_text(json.dumps(data))
     with pytest.warns(CheckpointWarning, match=r"names the file '\.\./step-00000001/__0_0\.distcp'"):
         assert find_latest(str(tmp_path)).step == 1
@@ -136,12 +137,12 @@ def test_a_manifest_changed_after_its_commit_or_in_another_step_directory_is_ref
     save_steps(tmp_path, [1, 2])
     newest = tmp_path / "step-00000002" / "manifest.json"
     data = json.loads(newest.read_text())
-    assert data[mf.DIGEST] == mf.manifest_digest(data)
+    assert data[mf.DIGEST] == sealed.digest(data, mf.DIGEST)
     newest.write_text(json.dumps(dict(data, created=data["created"] + 1.0), indent=2))
     with pytest.warns(CheckpointWarning, match=r"step-00000002/manifest.json fails its own checksum"):
         assert find_latest(str(tmp_path)).step == 1
     moved = dict(data, step=7)
-    moved[mf.DIGEST] = mf.manifest_digest(moved)
+    moved[mf.DIGEST] = sealed.digest(moved, mf.DIGEST)
     newest.write_text(json.dumps(moved))
     with pytest.warns(CheckpointWarning, match=r"manifest.json says step 7 but lies in the directory of step 2"):
         assert find_latest(str(tmp_path)).step == 1
@@ -157,7 +158,7 @@ def _rewrite(step_dir, name: str, data: bytes) -> None:
     (step_dir / name).write_bytes(data)
     m = json.loads((step_dir / "manifest.json").read_text())
     m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    m[mf.DIGEST] = mf.manifest_digest(m)
+    m[mf.DIGEST] = sealed.digest(m, mf.DIGEST)
     (step_dir / "manifest.json").write_text(json.dumps(m))
 
 

@@ -25,7 +25,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from dutycycle.engine import io
+from dutycycle.engine import io, sealed
 from dutycycle.engine.errors import CorruptArtifactError
 
 FORMAT = "dutycycle-checkpoint/1"
@@ -33,7 +33,7 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 METADATA_JSON = "metadata.json"
 MAX_JSON_BYTES = 64 * 1024**2  # manifests, trainer state and metadata are small; a larger file is refused unread
-DIGEST = "manifest_sha256"  # the manifest's checksum of its own content (every other field), see Manifest.to_json
+DIGEST = sealed.MANIFEST_DIGEST  # the manifest's checksum of its own content (every other field)
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
 _CHUNK = 8 * 1024**2
@@ -59,15 +59,14 @@ class Manifest:
         (a flipped digit in a size, a step, a timing) is refused rather than trusted."""
         d = asdict(self)
         d["files"] = {k: asdict(v) for k, v in sorted(self.files.items())}
-        d[DIGEST] = manifest_digest(d)
-        return d
+        return sealed.seal(d)
 
     @classmethod
     def from_json(cls, d: dict, where: str) -> Manifest:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise CorruptArtifactError(f"{where} is not a {FORMAT} manifest (format {d.get('format')!r})"
                                        if isinstance(d, dict) else f"{where} is not a JSON object")
-        if DIGEST in d and manifest_digest(d) != d[DIGEST]:  # manifests written before the field have none
+        if not sealed.intact(d):  # manifests written before the field have none
             raise CorruptArtifactError(f"{where} fails its own checksum ({DIGEST}): it was changed after the "
                                        "commit; the checkpoint is refused")
         try:
@@ -79,12 +78,6 @@ class Manifest:
                        created=float(d.get("created", 0.0)), info=dict(d.get("info", {})))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptArtifactError(f"{where} is malformed ({type(e).__name__}: {e})") from None
-
-
-def manifest_digest(d: dict) -> str:
-    """sha256 of a manifest's canonical JSON (sorted keys, no spaces) without its own ``manifest_sha256``."""
-    body = {k: v for k, v in d.items() if k != DIGEST}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def check_name(name: str, where: str) -> str:

@@ -1,0 +1,40 @@
+"""JSON artifacts that carry a checksum of their own content (table and cache manifests, shard completion
+records, checkpoint manifests, loader states), and the type check their readers share.
+
+A sealed artifact holds, under one key, the sha256 of its canonical JSON without that key. A reader that finds
+the key and a different digest refuses the artifact: a byte flipped in a count or a name after the commit would
+otherwise read as a different, valid-looking value. Artifacts written before the key existed have none and are
+judged by their fields alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+MANIFEST_DIGEST = "manifest_sha256"  # the key manifests seal themselves under
+
+
+def digest(d: dict[str, Any], key: str) -> str:
+    """sha256 of ``d``'s canonical JSON (sorted keys, no spaces) without ``d[key]``, its own checksum."""
+    body = {k: v for k, v in d.items() if k != key}
+    # through JSON and back first, so a writer's tuples and non-string keys hash as a reader will parse them
+    canonical = json.dumps(json.loads(json.dumps(body)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def seal(d: dict[str, Any], key: str = MANIFEST_DIGEST) -> dict[str, Any]:
+    """``d`` (without a checksum, or with a stale one) with its checksum under ``key``."""
+    body = {k: v for k, v in d.items() if k != key}
+    return {**body, key: digest(body, key)}
+
+
+def intact(d: dict[str, Any], key: str = MANIFEST_DIGEST) -> bool:
+    """False when ``d`` carries a checksum under ``key`` that its content no longer matches."""
+    return key not in d or d[key] == digest(d, key)
+
+
+def is_count(v: Any) -> bool:
+    """A JSON count: a non-negative integer (``true`` is not 1)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0

@@ -83,15 +83,15 @@ class RawLoader(PlannedLoader):
     def _read_local(self, indices: np.ndarray) -> RawBatch:
         if self._pool is None and self.config.raw_threads > 1:
             self._pool = ThreadPoolExecutor(self.config.raw_threads, thread_name_prefix="dutycycle-raw")
-        images = decode_batch([self.uris[i] for i in indices], self.spec, self._pool, self.roots)
+        images = decode_batch([self.uris[i] for i in indices], self.spec, self.roots, self._pool)
         return RawBatch(images, self.labels[indices], self.sample_ids[indices].tolist())
 
     def _submit_remote(self, indices: np.ndarray, step: int) -> RemoteBatch:
         from .ray_exec import submit_decode  # imports ray
 
         uris = [self.uris[i] for i in indices]
-        return submit_decode(uris, self.spec.to_json(), self.config.ray_max_retries, self.labels[indices],
-                             self.sample_ids[indices].tolist())
+        return submit_decode(uris, self.spec.to_json(), self.roots.roots, self.config.ray_max_retries,
+                             self.labels[indices], self.sample_ids[indices].tolist())
 
     def close(self) -> None:
         if self._pool is not None:

@@ -17,6 +17,7 @@ import ray
 from dutycycle.engine.cache.format import CacheReader
 from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError
+from dutycycle.engine.roots import RootCheck
 from dutycycle.engine.transform import TransformSpec
 
 from .decode import decode_batch
@@ -73,14 +74,16 @@ def submit_read(cache_uri: str, rows: np.ndarray, step: int, max_retries: int, r
 
 
 @ray.remote(num_cpus=1)
-def decode_task(uris: list[str], spec_json: str):
-    return decode_batch(uris, TransformSpec.from_json(spec_json))
+def decode_task(uris: list[str], spec_json: str, roots: list[str]):
+    return decode_batch(uris, TransformSpec.from_json(spec_json), RootCheck(roots))
 
 
-def submit_decode(uris: list[str], spec_json: str, max_retries: int, labels: np.ndarray, sample_ids: list[str]
-                  ) -> RemoteBatch:
-    """A raw path batch decoded by a Ray task: pixels from Ray, labels and ids from the driver."""
-    return RemoteBatch(decode_task.options(max_retries=max_retries).remote(uris, spec_json), labels, sample_ids)
+def submit_decode(uris: list[str], spec_json: str, roots: list[str], max_retries: int, labels: np.ndarray,
+                  sample_ids: list[str]) -> RemoteBatch:
+    """A raw path batch decoded by a Ray task (which checks the table's source ``roots`` at read time, as this
+    process does): pixels from Ray, labels and ids from the driver."""
+    return RemoteBatch(decode_task.options(max_retries=max_retries).remote(uris, spec_json, roots), labels,
+                       sample_ids)
 
 
 # ------------------------------------------------------------------------------------------- memory mode

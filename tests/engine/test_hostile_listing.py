@@ -17,6 +17,7 @@ import sys
 import pytest
 from dutycycle.engine import io as dio
 from dutycycle.engine.errors import CorruptArtifactError
+from dutycycle.engine.roots import RootCheck
 from dutycycle.engine.table import format as tf
 from dutycycle.engine.table import scan
 from dutycycle.engine.table.catalog import ingest
@@ -197,5 +198,5 @@ def test_a_fifo_named_by_a_table_row_is_skipped_by_every_reader(tmp_path):
     assert r.manifest.num_samples == 1 and sum(r.manifest.skipped.values()) == 1
     assert "fifo" in make_thumb(rows[1], 16).problem
     with pytest.raises(DecodeError, match="fifo") as err:
-        decode_one(rows[1]["uri"], TransformSpec(size=8))
+        decode_one(rows[1]["uri"], TransformSpec(size=8), RootCheck([images]))
     assert err.value.reason == "not a regular file"

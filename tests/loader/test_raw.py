@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from dutycycle.engine.cache.materialize import materialize
+from dutycycle.engine.roots import RootCheck
 from dutycycle.engine.transform import DecodeError, TransformSpec
 from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig, RawLoader
 
@@ -93,7 +94,7 @@ def test_raw_reads_respect_the_per_file_byte_cap(tmp_path, monkeypatch):
     # and the raw path's decode reads through that cap: a file over it is a "too large" DecodeError, unread
     monkeypatch.setattr(decode, "DEFAULT_MAX_FILE_BYTES", 1000)
     with pytest.raises(DecodeError, match="per-file limit of 1000 bytes") as err:
-        decode.decode_one(str(path), SPEC)
+        decode.decode_one(str(path), SPEC, RootCheck([str(tmp_path)]))
     assert err.value.reason == "too large"
 
 
@@ -134,3 +135,28 @@ def test_raw_reads_only_rows_inside_the_tables_roots(tmp_path, data):
         os.unlink(victim)
         os.rename(victim + ".moved", victim)
     assert decode_and_transform(open(victim, "rb").read(), SPEC).shape == (16, 16, 3)
+
+
+@pytest.mark.ray
+def test_raw_ray_tasks_check_the_roots_when_they_read(ray_cluster, tmp_path, data):
+    """Ray decode tasks refuse what this process refuses: a file swapped for a symlink out of the table's roots
+    after the plan is refused inside the task that reads it."""
+    import os
+
+    _, _, rows = data
+    good = [dict(r, split="train") for r in rows if r["error"] is None]
+    root = os.path.dirname(os.path.dirname(good[0]["uri"]))
+    img, kind = shape_image(1001, 24, 24)
+    stranger = add_file(str(tmp_path / "other"), "stranger.jpg", jpeg_bytes(img), kind)
+    table = write_table(str(tmp_path / "table"), good, roots=[root])
+    raw = RawLoader(table, SPEC, "train", config=cfg(mode="ray", drop_last=False))
+    victim = raw.uris[0]
+    os.rename(victim, victim + ".moved")
+    os.symlink(stranger["uri"], victim)
+    try:
+        with pytest.raises(DecodeError, match="outside the table's source roots"):
+            for _ in raw:
+                pass
+    finally:
+        os.unlink(victim)
+        os.rename(victim + ".moved", victim)

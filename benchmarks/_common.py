@@ -28,7 +28,7 @@ RESULT_PREFIX = "BENCH_RESULT "
 # ----------------------------------------------------------------------------------------------- memory
 
 
-def _self_hwm_bytes() -> int:
+def peak_rss_bytes() -> int:
     """The kernel's peak resident set of this process (VmHWM), exact even for spikes between samples."""
     try:
         with open("/proc/self/status") as f:
@@ -90,7 +90,7 @@ class PeakRSS:
 
     def result(self) -> dict[str, float]:
         mib = 1024**2
-        self_hwm = _self_hwm_bytes()
+        self_hwm = peak_rss_bytes()
         return {
             "peak_rss_mb": round(max(self.peak_tree, self_hwm) / mib, 1),
             "peak_rss_self_mb": round(self_hwm / mib, 1),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import os
 import pkgutil
 
 PACKAGES = ("dutycycle.engine", "dutycycle.loader", "dutycycle.trainer")
@@ -171,4 +170,3 @@ def test_engine_has_no_heavy_imports_at_module_level():
 def test_cycle_finder_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
-    assert os.path.basename(__file__) == "test_architecture.py"

@@ -28,10 +28,7 @@ _CHILD = r"""
 import json, sys
 from dutycycle.engine import imageinfo  # noqa: F401 - numpy and PIL load before the first peak, not in the decode
 from dutycycle.engine.transform import TransformSpec, decode_and_transform
-
-def peak():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+from benchmarks._common import peak_rss_bytes as peak
 
 with open(sys.argv[1], "rb") as f:
     data = f.read()

@@ -164,12 +164,13 @@ def test_bomb_under_pils_limit_is_refused_from_its_header_without_allocating():
     w, h = BOMB_UNDER_PIL
     assert DEFAULT_MAX_PIXELS < w * h < Image.MAX_IMAGE_PIXELS
     code = (
-        "import resource, sys\n"
+        "import sys\n"
+        "from benchmarks._common import peak_rss_bytes  # VmHWM: ru_maxrss would start at pytest's peak\n"
         "from tests.engine.test_hostile import png_bomb, BOMB_UNDER_PIL\n"
         "from dutycycle.engine import imageinfo\n"
         "from dutycycle.engine.transform import DecodeError, TransformSpec, decode_and_transform\n"
         "data = png_bomb(*BOMB_UNDER_PIL)\n"
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "before = peak_rss_bytes()\n"
         "facts = imageinfo.probe(data)\n"
         "try:\n"
         "    imageinfo.thumbnail_jpeg(data)\n"
@@ -181,8 +182,8 @@ def test_bomb_under_pils_limit_is_refused_from_its_header_without_allocating():
         "    sample = 'made'\n"
         "except DecodeError as e:\n"
         "    sample = str(e)\n"
-        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "print(facts.error); print(thumb); print(sample); print((after - before) // 1024)\n"
+        "after = peak_rss_bytes()\n"
+        "print(facts.error); print(thumb); print(sample); print((after - before) >> 20)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

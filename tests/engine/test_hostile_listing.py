@@ -128,19 +128,20 @@ def test_file_that_grows_after_listing_is_read_only_up_to_the_cap(tmp_path):
     src = tmp_path / "src"
     _jpeg(src / "a" / "x.jpg")
     code = f"""
-import os, resource, sys
+import os, sys
+from benchmarks._common import peak_rss_bytes  # VmHWM: ru_maxrss would start at pytest's peak
 from dutycycle.engine.table import probe, scan
 from dutycycle.engine.table.catalog import IngestConfig
 src = {str(src)!r}
 cfg = IngestConfig(source=src, table="unused", max_file_bytes={CAP}, progress_every=0)
 listing = scan.list_source(src)
 import daft; daft.from_pydict({{"a": [1]}}).collect()  # Daft's own start-up memory, before the baseline
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_rss_bytes()
 with open(os.path.join(src, "a", "x.jpg"), "r+b") as f:
     f.truncate({GROWN})
 row = probe.run_probe(cfg, listing, ["a"], "native", print).to_pylist()[0]
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(row["error"]); print((after - before) // 1024)
+after = peak_rss_bytes()
+print(row["error"]); print((after - before) >> 20)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]

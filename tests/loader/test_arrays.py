@@ -30,7 +30,7 @@ def test_arrays_yield_the_cache_loaders_batches(cache, epoch):
     assert_same(as_arrays(cached), as_arrays(arrays))
 
 
-def test_arrays_are_world_size_invariant_and_resume_by_state(cache):
+def test_arrays_are_world_size_invariant_and_resume_by_state():
     images = np.stack([np.full((4, 4, 3), i, np.uint8) for i in range(30)])
     labels = np.arange(30) % 3
     config = cfg(global_batch_size=6, drop_last=False, augment=AugmentConfig(flip=True, normalize=False))
@@ -65,6 +65,6 @@ def test_a_cache_loader_and_its_reader_count_in_one_stats_object(cache):
     loader = CacheLoader(cache, "train", config=cfg(augment=AugmentConfig(normalize=False)))
     assert loader.stats is loader.reader.stats
     take(loader, 2)
-    assert loader.stats.count == 2 and loader.stats.shards_hashed >= 0
+    assert loader.stats.count == 2
     loader.stats.reset()
     assert (loader.stats.count, loader.stats.total_wait_s, loader.stats.bytes_fetched) == (0, 0.0, 0)

@@ -479,11 +479,18 @@ def write_json_atomic(uri: str, obj: Any) -> None:
     write_bytes_atomic(uri, json.dumps(obj, indent=2, sort_keys=True).encode())
 
 
-def read_json(uri: str) -> Any:
+def read_json(uri: str, fix: str = "recreate it") -> Any:
+    """A small JSON artifact (manifest, pointer, index, record), read with the manifest cap. A missing file is a
+    ``SourceError``; bytes that are not JSON (not UTF-8, malformed, nested too deep) are a
+    ``CorruptArtifactError`` naming the file and ``fix``."""
     try:
-        return json.loads(read_small(uri))
+        data = read_small(uri)
     except FileNotFoundError as e:
         raise SourceError(f"{uri!r} does not exist") from e
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CorruptArtifactError(f"{uri!r} is not valid JSON ({type(e).__name__}: {e}); {fix}") from None
 
 
 def exists(uri: str) -> bool:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from .. import io
-from ..errors import ConfigError, SourceError
+from ..errors import ConfigError, CorruptArtifactError, SourceError
 from ..limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
 from ..roots import OUTSIDE_ROOTS, SKIP_KEY, refusal, table_roots
 from ..runner import RUNNERS
@@ -240,8 +240,12 @@ def materialize(
 
     settings = mp.decode_settings(cfg.max_pixels, cfg.max_file_bytes)
     index_uri = io.join(cache, cf.INDEX_DIR, _index_key(tm, table, where, spec, roots, settings) + ".json")
-    if io.exists(index_uri):
-        hit = _reuse(cache, str(io.read_json(index_uri).get("fingerprint", "")), t0)
+    try:
+        entry = io.read_json(index_uri)
+    except (SourceError, CorruptArtifactError):  # no entry, or a damaged one: the index is only a hint
+        entry = None
+    if isinstance(entry, dict) and isinstance(entry.get("fingerprint"), str):
+        hit = _reuse(cache, entry["fingerprint"], t0)
         if hit is not None:
             return hit
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .. import io, sealed
-from ..errors import CorruptArtifactError, DecodeError
+from ..errors import CorruptArtifactError, DecodeError, SourceError
 from ..imageinfo import TOO_LARGE, UNREADABLE
 from ..imageinfo import sample_id as sample_id_of
 from ..transform import TransformSpec, decode_and_transform
@@ -88,13 +88,9 @@ def completed(cache_uri: str, index: int, digest: str) -> dict[str, Any] | None:
     """The shard's completion record if it exists, matches this plan and its shard passes the checksum; None
     ("not complete") otherwise. A record is a resume hint: a damaged one (not JSON, fields of the wrong type, a
     checksum that fails) reads as not complete too, and the shard is built again."""
-    rec_uri = io.join(cache_uri, record_name(index))
-    if not io.exists(rec_uri):
-        return None
     try:
-        rec = json.loads(io.read_small(rec_uri))
-    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, io.NotRegularFileError,
-            CorruptArtifactError):  # gone meanwhile, not JSON, not a file, too large to be a record
+        rec = io.read_json(io.join(cache_uri, record_name(index)))
+    except (SourceError, CorruptArtifactError):  # missing, not a regular file, not JSON, too large for a record
         return None
     if not _record_ok(rec, index) or rec["ids_digest"] != digest:
         return None

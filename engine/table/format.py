@@ -302,12 +302,7 @@ def _read_manifest(table_uri: str, version: int | None) -> TableManifest:
             f"no committed metadata table at {table_uri!r} ({MANIFEST} is missing); create one with "
             "`dutycycle ingest SOURCE TABLE`"
         )
-    try:
-        d = io.read_json(uri)  # a manifest expired meanwhile raises SourceError: read_manifest lists again
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CorruptArtifactError(
-            f"table manifest {uri!r} is not valid JSON ({type(e).__name__}: {e}); ingest the source again"
-        ) from None
+    d = io.read_json(uri, "ingest the source again")  # expired meanwhile: SourceError, read_manifest lists again
     manifest = TableManifest.from_json(d, f"table manifest {uri!r}")
     _check_paths(table_uri, manifest)
     return manifest

@@ -364,3 +364,16 @@ def test_end_to_end_from_synth_and_ingest(tmp_path):
     assert splits == [good[s]["split"] for s in ids]
     ref = np.stack([reference(_file_bytes(good[s]["uri"]), 32, "bilinear") for s in ids])
     assert close_fraction(images, ref) >= 0.99
+
+
+@pytest.mark.parametrize("damage", [b"{not json", b"[1, 2]", b'{"fingerprint": 7}'])
+def test_a_damaged_reuse_index_entry_is_a_miss_not_a_crash(tmp_path, damage):
+    """The reuse index only saves planning: an entry that is not JSON, not an object or names no fingerprint
+    is passed over, and materialize plans the same cache again."""
+    table, _ = make_shapes_table(str(tmp_path / "data"), n=6)
+    root = str(tmp_path / "cache")
+    first = materialize(table, root, SPEC)
+    (entry,) = (tmp_path / "cache" / "_index").iterdir()
+    entry.write_bytes(damage)
+    again = materialize(table, root, SPEC)
+    assert again.manifest.fingerprint == first.manifest.fingerprint

@@ -50,9 +50,6 @@ class ArrayLoader(PlannedLoader):
         self.layout, self.shape = layout, tuple(images.shape[1:])
         super().__init__(len(labels), fingerprint, rank, world_size, config)
 
-    def _split_name(self) -> str | None:
-        return None  # ``self.split`` holds the arrays; they are named by ``fingerprint``
-
     def _reads_block(self) -> bool:
         return False  # a gather from RAM: nothing for a prefetch thread to overlap
 

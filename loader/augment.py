@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 from dutycycle.engine.errors import ConfigError
 
-# defined with the other configs, which import without numpy; still importable from here
-from .config import AugmentConfig
+from .config import AugmentConfig  # for the annotations below; defined with the configs (no numpy there)
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)

@@ -83,10 +83,9 @@ class PlannedLoader:
         self.rank, self.world_size = rank, world_size
         self.batch_size = config.global_batch_size // world_size
         self.num_samples, self.fingerprint = num_samples, fingerprint
-        self.seed = config.seed
         self.epoch, self.step = 0, 0
         self.stats = stats if stats is not None else LoaderStats()
-        self._plan_cache: tuple[int, int, list[np.ndarray]] | None = None
+        self._plan_cache: tuple[int, list[np.ndarray]] | None = None  # (epoch, its global batches)
         self._mover = None
         # Where rows come from and whether a prefetch thread collates them; "auto" decides here, once.
         mode = config.mode
@@ -127,14 +126,14 @@ class PlannedLoader:
     def global_batches(self, epoch: int | None = None) -> list[np.ndarray]:
         """The epoch's global batches (split indices), identical on every rank and at every world size."""
         epoch = self.epoch if epoch is None else epoch
-        if self._plan_cache is None or self._plan_cache[:2] != (epoch, self.seed):
+        if self._plan_cache is None or self._plan_cache[0] != epoch:
             c = self.config
             batches = plan_epoch(
-                self.num_samples, self.seed, epoch, self.fingerprint, c.global_batch_size, c.drop_last,
+                self.num_samples, c.seed, epoch, self.fingerprint, c.global_batch_size, c.drop_last,
                 shuffle=c.shuffle, block_size=c.block_size, window=c.window,
             )
-            self._plan_cache = (epoch, self.seed, batches)
-        return self._plan_cache[2]
+            self._plan_cache = (epoch, batches)
+        return self._plan_cache[1]
 
     def rank_indices(self, step: int, epoch: int | None = None) -> np.ndarray:
         """This rank's split indices at ``step`` of ``epoch``."""
@@ -161,7 +160,7 @@ class PlannedLoader:
             "split": self._split_name(),
             "fingerprint": str(self.fingerprint),
             "num_samples": int(self.num_samples),
-            "seed": int(self.seed),
+            "seed": int(c.seed),
             "global_batch_size": int(c.global_batch_size),
             "drop_last": bool(c.drop_last),
             "shuffle": bool(c.shuffle),
@@ -239,7 +238,6 @@ class PlannedLoader:
                                        "steps; the state is refused")
         self.epoch = epoch
         self.step = min(step, len(self))
-        self._plan_cache = None
 
     # ---------------------------------------------------------------- iteration
 
@@ -298,7 +296,7 @@ class PlannedLoader:
         else:
             if not images.flags.writeable and not aug.normalize and not aug.crop_padding:
                 images = images.copy()  # the tensor would alias read-only (object store) memory
-            x = apply_augment(images, aug, self.seed, epoch, raw.sample_ids, self.layout)
+            x = apply_augment(images, aug, self.config.seed, epoch, raw.sample_ids, self.layout)
         batch = {
             "image": x,
             "label": torch.from_numpy(np.array(raw.labels, dtype=np.int64)),  # tiny; a writable copy

@@ -16,9 +16,14 @@ Heavy imports (torch, DCP, Ray) stay inside the modules that need them.
 
 from __future__ import annotations
 
-from .manifest import checkpoint_root
-
 __all__ = ["checkpoint_root", "checkpoint_uri", "find_latest", "make_checkpointer"]
+
+
+def checkpoint_root(cfg, run_dir: str) -> str:
+    """Where a run's checkpoints go: ``checkpoint.dir``, else ``RUN_DIR/checkpoints`` ("" without either)."""
+    from .manifest import checkpoint_root as root  # imports fsspec: not at package import
+
+    return root(cfg, run_dir)
 
 
 def make_checkpointer(cfg, ctx, *, total_steps: int, data_info=None, writer=None):

@@ -10,7 +10,6 @@ Sources:
 - ``ArraySource``: arrays in memory through the loader's ``ArrayLoader`` (the same plan, flip and state as a
   cache), used for synthetic shapes in tests and smoke runs.
 - ``LoaderSource``: adapts the real ``dutycycle.loader`` CacheLoader / RawLoader.
-- ``SlowSource``: wraps a source and sleeps before each batch (to show what a slow loader costs).
 """
 
 from __future__ import annotations
@@ -35,10 +34,11 @@ class DataInfo:
 
 
 class LoaderSource:
-    """Adapts a ``dutycycle.loader`` loader: images to float [B, C, H, W] whatever the cache layout."""
+    """Adapts a ``dutycycle.loader`` loader: images to float [B, C, H, W] whatever the cache layout. ``delay_s``
+    sleeps that long before every batch: a deliberately slow loader (``data.slow_ms``)."""
 
-    def __init__(self, loader):
-        self.loader = loader
+    def __init__(self, loader, delay_s: float = 0.0):
+        self.loader, self.delay_s = loader, delay_s
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -57,23 +57,12 @@ class LoaderSource:
 
     def __iter__(self):
         for batch in self.loader:
+            if self.delay_s:
+                time.sleep(self.delay_s)
             x = batch["image"]  # already [B, C, H, W]
             if not x.is_floating_point():  # normalize off: the model still wants floats
                 x = x.float().div_(255.0)
             yield {**batch, "image": x}
-
-
-class SlowSource(LoaderSource):
-    """The same loader as ``source``, sleeping ``delay_s`` before every batch: a deliberately slow loader."""
-
-    def __init__(self, source: LoaderSource, delay_s: float):
-        super().__init__(source.loader)
-        self.source, self.delay_s = source, delay_s
-
-    def __iter__(self):
-        for batch in self.source:
-            time.sleep(self.delay_s)
-            yield batch
 
 
 class ArraySource(LoaderSource):
@@ -125,8 +114,7 @@ def make_sources(cfg, world):
         train, val, info = _loader_sources(cfg, world)
     else:  # validated in config
         raise AssertionError(d.source)
-    if d.slow_ms > 0:
-        train = SlowSource(train, d.slow_ms / 1000.0)
+    train.delay_s = d.slow_ms / 1000.0
     return train, val, info
 
 

@@ -33,9 +33,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dutycycle.engine.errors import DutycycleError
+from dutycycle.engine.errors import DutycycleError, TrainingDiverged
 
-from .steplog import StepLog, TrainingDiverged
+from .steplog import StepLog
 from .timing import ALL_PHASES
 
 

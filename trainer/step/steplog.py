@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dutycycle.engine.errors import DutycycleError, TrainingDiverged  # noqa: F401 - raised here
+from dutycycle.engine.errors import TrainingDiverged
 
 from .timing import PHASES, gather_stats
 

@@ -18,7 +18,7 @@ from .imageinfo import DEFAULT_MAX_PIXELS, describe_error, thumbnail_jpeg
 from .limits import DEFAULT_MAX_FILE_BYTES
 from .roots import OUTSIDE_ROOTS, RootCheck, describe, table_roots
 
-# Tables ingested before errors stopped quoting content hold "(starts with '...')"; the sheet never shows it.
+# An error string in a table may quote the start of a file ("(starts with '...')"): file bytes are never shown.
 _QUOTED_HEAD = re.compile(r"\(starts with .*\)", re.DOTALL)
 
 META_COLUMNS = ("uri", "label", "split", "format", "width", "height", "mode", "size_bytes", "error")

@@ -26,6 +26,7 @@ _DIR_CACHE_LIMIT = 1 << 16  # resolved folders remembered per check (rows of one
 
 
 def is_local(uri: str) -> bool:
+    # a string test, not fsspec's protocol parse: it runs for every row a plan or a read checks
     return "://" not in uri or uri.startswith("file://")
 
 
@@ -43,7 +44,8 @@ def canonical(uri: str) -> str:
     return f"{scheme}://{'' if rest == '.' else rest}"
 
 
-def _under(path: str, root: str) -> bool:
+def under(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or inside it (both canonical, or both resolved local paths)."""
     if not root:
         return False
     if path == root:
@@ -112,7 +114,7 @@ class RootCheck:
         if not isinstance(uri, str) or not uri or "\x00" in uri:
             return True
         c = canonical(uri)
-        if not any(_under(c, r) for r in self.roots):
+        if not any(under(c, r) for r in self.roots):
             return True
         if not is_local(c):
             return False
@@ -123,7 +125,7 @@ class RootCheck:
                 real = os.path.realpath(c)
         except OSError:  # missing or unreadable: the read reports that; where it would be is what counts here
             pass
-        return not any(_under(real, r) for r in self._real_roots)
+        return not any(under(real, r) for r in self._real_roots)
 
     def outside_mask(self, uris: Iterable[str | None]) -> list[bool]:
         return [self.outside(u) for u in uris]

@@ -215,7 +215,7 @@ def split_rows(reader: CacheReader, split: str) -> np.ndarray:
     import hashlib
     import io
 
-    root = node.node_dir(reader.read_config.node_dir)
+    root = reader.node_root()
     key = hashlib.sha256(f"{reader.fingerprint}\0{split}".encode()).hexdigest()[:24]
     path = os.path.join(root, "index", f"split-{key}.npy")
     with node.file_lock(node.lock_path(root, key)):

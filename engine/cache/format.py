@@ -288,8 +288,9 @@ class CacheReader:
         self.is_local = io.protocol_of(self._fs) == "file"
         self.remote = None if self.is_local else read.remote
         self._disk = self._chunks = None
+        self._node_root: str | None = None  # the node folder, checked once, when first needed
         if self.remote in ("auto", "disk"):
-            self._disk = DiskCache(node.node_dir(read.node_dir), read.disk_cache_bytes, self.stats)
+            self._disk = DiskCache(self.node_root(), read.disk_cache_bytes, self.stats)
             total = sum(s.bytes for s in self.manifest.shards)
             self.remote = "disk" if self.remote == "disk" or total <= self._disk.limit else "range"
         if self.remote == "range":
@@ -355,6 +356,12 @@ class CacheReader:
             raise CorruptArtifactError(f"cache shard {uri!r} cannot be read as Arrow IPC ({e}); "
                                        "delete the cache folder and materialize it again") from e
 
+    def node_root(self) -> str:
+        """This node's folder for verified-shard records and shard copies (``engine.cache.node``)."""
+        if self._node_root is None:
+            self._node_root = node.node_dir(self.read_config.node_dir)
+        return self._node_root
+
     def local_path(self, i: int) -> str:
         """A local file with shard ``i``'s bytes (the shard itself, or its node-local copy), checked per ``verify``."""
         info, uri = self.manifest.shards[i], self.shard_uri(i)
@@ -365,7 +372,7 @@ class CacheReader:
         if self.read_config.verify == "always":
             ok, hashed = os.path.getsize(path) == info.bytes and node.sha256_file(path) == info.sha256, True
         elif self.read_config.verify == "once":
-            ok, hashed = node.verify_once(path, info.sha256, info.bytes, self.read_config.node_dir)
+            ok, hashed = node.verify_once(path, info.sha256, info.bytes, self.node_root())
         else:
             ok, hashed = os.path.getsize(path) == info.bytes, False
         self.stats.shards_hashed += hashed

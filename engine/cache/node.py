@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import DutycycleError
+from ..roots import under
 
 NODE_DIR_ENV = "DUTYCYCLE_NODE_DIR"
 _HASH_CHUNK = 8 * 1024 * 1024
@@ -71,8 +72,8 @@ def node_dir(override: str | None = None) -> str:
     elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         why = f"has mode {stat.S_IMODE(st.st_mode):o}, writable by other users (needs 700)"
     elif st.st_mode & _PRIVATE:
-        # ours and writable by no one else (e.g. 755, as earlier releases made it): nothing in it can be another
-        # user's, so it is made private rather than refused; its records are still checked one by one (trusted)
+        # ours and writable by no one else (say 755): nothing in it can be another user's, so it is made private
+        # rather than refused; its records are still checked one by one (trusted)
         os.chmod(real, 0o700)
     if why:
         raise NodeDirError(
@@ -144,16 +145,16 @@ def _recorded(marker: str, path: str, root: str) -> bool:
     folder (a node copy of a shard) only when that file is trusted too."""
     if not trusted(marker):
         return False
-    inside = os.path.realpath(path).startswith(os.path.join(root, ""))
+    inside = under(os.path.realpath(path), root)
     return not inside or trusted(path)
 
 
-def verify_once(path: str, sha256: str, size: int, root: str | None = None) -> tuple[bool, bool]:
+def verify_once(path: str, sha256: str, size: int, root: str) -> tuple[bool, bool]:
     """``(ok, hashed)``: whether the local file ``path`` has ``size`` bytes and sha256 ``sha256``, and whether
     this call hashed it. A file is hashed at most once per node for each version (path, device, inode, size,
     mtime); concurrent callers hash it once: the others wait on the lock and then find the record. A record
-    that is not ``trusted`` is ignored: the file is hashed again and the record rewritten."""
-    root = node_dir(root)
+    that is not ``trusted`` is ignored: the file is hashed again and the record rewritten. ``root``: the node
+    folder, as ``node_dir`` returned it."""
     st = os.stat(path)
     if st.st_size != size:
         return False, False
@@ -171,7 +172,7 @@ def verify_once(path: str, sha256: str, size: int, root: str | None = None) -> t
         return ok, True
 
 
-def mark_verified(path: str, sha256: str, root: str | None = None) -> None:
-    """Record that ``path`` (just written and hashed by the caller) has content ``sha256``."""
-    root = node_dir(root)
+def mark_verified(path: str, sha256: str, root: str) -> None:
+    """Record that ``path`` (just written and hashed by the caller) has content ``sha256``; ``root`` as for
+    ``verify_once``."""
     write_file_atomic(_marker(root, _version_key(path, os.stat(path), sha256)), path.encode())

@@ -18,6 +18,7 @@ from . import format as tf
 
 ROWS_PER_FILE = 200_000
 MAX_COMMIT_ATTEMPTS = 8  # commits lost to concurrent writers before an ingest (or a save) gives up
+WRITE_PROBE_PREFIX = ".write-probe-"  # the file check_destination writes and removes (vacuum removes leftovers)
 
 
 def check_destination(table: str) -> None:
@@ -26,7 +27,7 @@ def check_destination(table: str) -> None:
     fs, path = io.filesystem(table)
     if fs.exists(path) and not fs.isdir(path) and io.protocol(table) == "file":
         raise DestinationError(f"table {table!r} is an existing file; choose a folder path for the table")
-    probe = io.join(table, f".write-probe-{uuid.uuid4().hex}")
+    probe = io.join(table, f"{WRITE_PROBE_PREFIX}{uuid.uuid4().hex}")
     io.write_bytes_atomic(probe, b"")  # raises DestinationError naming the table location
     try:
         fs.rm(io.filesystem(probe)[1])

@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 
 from .. import io
 from ..errors import SourceError
+from ..roots import under
 from . import format as tf
 
 LISTING_SCHEMA = pa.schema(
@@ -66,10 +67,6 @@ def _stamp(info: dict) -> str:
     return ""
 
 
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
 def local_entry(path: str, real_root: str) -> tuple[int, str, str | None] | None:
     """``(size, stamp, error)`` of one local directory entry, from ``lstat`` and (for a symlink) its resolved
     target; nothing is opened. None when the entry vanished."""
@@ -86,7 +83,7 @@ def local_entry(path: str, real_root: str) -> tuple[int, str, str | None] | None
         target = os.readlink(path)
     except OSError:
         target = "?"
-    if not _under(os.path.realpath(path), real_root):
+    if not under(os.path.realpath(path), real_root):
         return st.st_size, str(st.st_mtime_ns), f"{SYMLINK_OUT}: it points to {target!r}"
     try:
         tst = os.stat(path)

@@ -29,10 +29,11 @@ from typing import Any
 from .. import io
 from ..errors import ConfigError, SourceError
 from . import format as tf
+from .commit import WRITE_PROBE_PREFIX
 
 DEFAULT_GRACE_SECONDS = 3600.0
 _DATA_FOLDER = re.compile(r"^v\d+(-[0-9a-f]+)?$")
-_LEFTOVER_PREFIXES = (".write-probe-", io.PROBE_PREFIX)
+_LEFTOVER_PREFIXES = (WRITE_PROBE_PREFIX, io.PROBE_PREFIX)
 
 
 def _mtime(info: dict[str, Any]) -> float | None:
@@ -94,6 +95,8 @@ def _left_at(manifests: dict[int, tf.TableManifest]) -> dict[str, float]:
         for record in m.removed:
             note(record["path"], float(record["at"]))
     for older, newer in zip(ordered, ordered[1:], strict=False):
+        if newer.format_version >= 3:  # it recorded what it dropped, above
+            continue
         names = set(newer.files)
         for f in older.files:
             if f not in names:

@@ -12,7 +12,6 @@ from typing import Any
 from .. import io
 from .. import runner as runner_mod
 from ..errors import CorruptArtifactError
-from ..inspect import thumbnail_grid
 from . import curate
 from . import format as tf
 
@@ -125,6 +124,8 @@ class Table:
 
     def show_thumbnails(self, n: int = 16, size: int = 96):
         """An inline grid of the first ``n`` rows' thumbnails for Jupyter (decoded at reduced scale)."""
+        from ..inspect import thumbnail_grid  # PIL and numpy: only when a notebook asks for pictures
+
         return thumbnail_grid(self, limit=n, size=size)
 
     def save(self, uri: str, overwrite: bool = False) -> Table:

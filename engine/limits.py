@@ -9,9 +9,9 @@ DEFAULT_MAX_PIXELS = 64_000_000
 # What one full decode (``transform.decode_and_transform``) holds per pixel, by the mode PIL decodes into: the
 # decoded image (PIL keeps 1, 2 or 4 bytes a pixel) plus its 8-bit copy at full size (one byte for grey
 # sources, which stay grey until resized; four for RGB, which PIL keeps as RGBX); conversion temporaries are
-# strips of about a MB. Peaks measured at 16 Mpx here (tests/engine/test_decode_memory.py), decode alone, MiB:
-# L 17, I;16 50, RGB 64, P 79, I and F 86 (5 bytes a pixel, then the decoder's and strips' buffers), CMYK 126,
-# RGBA 128.
+# strips of about a MB. Peaks measured once by hand at 16 Mpx, decode alone, MiB: L 17, I;16 50, RGB 64, P 79,
+# I and F 86 (5 bytes a pixel, then the decoder's and strips' buffers), CMYK 126, RGBA 128;
+# tests/engine/test_decode_memory.py holds RGB, I;16, I, F and RGBA to their entries.
 _DECODE_BYTES_PER_PIXEL = {"L": 1, "1": 2, "I;16": 3, "I;16L": 3, "I;16B": 3, "I;16N": 3, "RGB": 4, "P": 5,
                            "I": 6, "F": 6}
 _WIDEST_BYTES_PER_PIXEL = 8  # any other mode: 4 bytes decoded + 4 of RGB (RGBA, LA, PA, CMYK, YCbCr, ...)

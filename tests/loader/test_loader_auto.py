@@ -17,17 +17,11 @@ from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig, budget
 from dutycycle.loader.cache_loader import memory_limit
 from dutycycle.loader.source import ShardGatherer
 
-from ..support.cachemaker import make_cache, pixel_index, sample_pixels
+from ..support.cachemaker import pixel_index, sample_pixels
 
 TRAIN_AUG = AugmentConfig(crop_padding=2, flip=True, normalize=True)
 PLAIN = AugmentConfig(crop_padding=0, flip=False, normalize=False)
 
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    uri = str(tmp_path_factory.mktemp("auto") / "cache")
-    make_cache(uri, 150, shape=(8, 8, 3), shards=4, splits={"train": 0.8, "val": 0.2})
-    return uri
 
 
 @pytest.fixture
@@ -101,7 +95,8 @@ def _reserve_in_child(node_dir, nbytes, budget_bytes):
 def test_memory_mode_over_the_node_budget_falls_back_to_shards(cache, node_dir):
     """The budget is a node's, not a process's: what another live process holds counts; a split that does not
     fit is read from the mapped shards instead, with a warning, and the batches stay the same."""
-    need = 120 * (8 * 8 * 3 + 8 + 4 * 32)  # the train split (120 of 150 samples) in RAM
+    train = CacheLoader(cache, "train", config=LoaderConfig(global_batch_size=16)).num_samples
+    need = train * (8 * 8 * 3 + 8 + 4 * 32)  # the train split in RAM
     limit = memory_limit()  # the node's, or the Ray object store's free memory when Ray is running
     fraction = 1.5 * need / limit  # room for one copy, not two
     holder = budget.reserve("someone-else", need, int(fraction * limit), shared=False)  # this process, another key

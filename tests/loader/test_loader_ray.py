@@ -20,12 +20,6 @@ pytestmark = pytest.mark.ray
 AUG = AugmentConfig(crop_padding=2, flip=True, normalize=True)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    uri = str(tmp_path_factory.mktemp("ray") / "cache")
-    make_cache(uri, 150, shape=(8, 8, 3), shards=3, splits={"train": 0.8, "val": 0.2})
-    return uri
-
 
 def cfg(**kw):
     kw.setdefault("global_batch_size", 16)

@@ -4,8 +4,9 @@ markdown pieces (tables, wrapped paragraphs, the source line naming a results fi
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from benchmarks._common import markdown_table as table  # noqa: F401 - the blocks' table
 
 RESULTS = Path("benchmarks") / "results"
 WRAP = 115  # generated prose and recorded verdict lines, wrapped like the hand-written lines around them
@@ -95,12 +96,6 @@ def count(n: float) -> str:
 def elements(n: int) -> str:
     """A tensor length in Mi elements: 4M, 16M."""
     return f"{n / 2**20:.0f}M" if n >= 2**20 else f"{n / 2**10:.0f}K"
-
-
-def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def source(*names: str) -> str:

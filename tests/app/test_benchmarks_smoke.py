@@ -6,11 +6,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "loader.py"
+from ..support import REPO
+
+BENCH = REPO / "benchmarks" / "loader.py"
 ROWS = {
     "dutycycle-auto", "dutycycle-thread", "dutycycle-memory", "dutycycle-ray", "dutycycle-s3-range",
     "dutycycle-s3-disk", "ram-bound", "interleaved", "torch-jpeg", "ray-parquet", "ray-images", "daft-parquet",

@@ -6,11 +6,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from ..support import REPO
+
+BENCH = REPO / "benchmarks"
 
 
 @pytest.mark.slow

@@ -10,13 +10,14 @@ import subprocess
 
 import pytest
 
-from ..support.wheel import build_wheel, clean_env, venv_with
+from ..support import REPO
+from ..support.wheel import clean_env, venv_with
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def test_demo_small_runs_end_to_end_from_the_built_wheel(tmp_path):
-    bin_dir = venv_with(build_wheel(tmp_path), tmp_path / "venv")
+def test_demo_small_runs_end_to_end_from_the_built_wheel(tmp_path, wheel):
+    bin_dir = venv_with(wheel, tmp_path / "venv")
     where = subprocess.run([str(bin_dir / "python"), "-c", "import dutycycle.trainer.diagnose as d; print(d.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, env=clean_env())
     assert where.stdout.startswith(str(tmp_path / "venv")), where.stdout + where.stderr
@@ -81,7 +82,7 @@ def test_the_demo_trains_with_demo_toml_plus_its_documented_overrides(small):
     from dutycycle.trainer.app.demo import SMALL, training_config
     from dutycycle.trainer.config import load_config, packaged_config
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = str(REPO)
     path = os.path.join(root, "configs", "demo.toml")
     with open(path, encoding="utf-8") as f:
         assert f.read() == packaged_config("demo.toml")  # the demo reads the installed copy of this file

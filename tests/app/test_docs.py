@@ -16,7 +16,9 @@ import pytest
 from benchmarks import render_docs as rd
 from benchmarks.docs_format import rate
 
-ROOT = Path(__file__).resolve().parents[2]
+from ..support import REPO
+
+ROOT = REPO
 
 
 def _pages() -> list[Path]:

@@ -6,9 +6,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "materialize.py"
+from ..support import REPO
+
+BENCH = REPO / "benchmarks" / "materialize.py"
 
 
 def test_materialize_benchmark_quick(tmp_path):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import nbformat
 import pytest
 
-NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+from ..support import REPO
+
+NOTEBOOKS = REPO / "notebooks"
 
 
 def html_outputs(outputs):

@@ -9,9 +9,8 @@ import subprocess
 import sys
 import zipfile
 
-from ..support.wheel import build_wheel
+from ..support import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGES = ("dutycycle.engine", "dutycycle.loader", "dutycycle.trainer")
 PROBE = f"import importlib, json; print(json.dumps({{n: importlib.import_module(n).__file__ for n in {PACKAGES!r}}}))"
 
@@ -55,8 +54,7 @@ def test_pyproject_lists_every_package_in_the_tree():
     assert listed == {p.replace("/", ".") for p in _tree_packages()}
 
 
-def test_built_wheel_ships_every_package_and_config(tmp_path):
-    wheel = build_wheel(tmp_path)
+def test_built_wheel_ships_every_package_and_config(tmp_path, wheel):
     names = zipfile.ZipFile(wheel).namelist()
     shipped = {os.path.dirname(n) for n in names if n.endswith("/__init__.py")}
     assert _tree_packages() <= shipped, sorted(_tree_packages() - shipped)

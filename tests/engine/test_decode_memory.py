@@ -19,6 +19,8 @@ import pytest
 from dutycycle.engine.limits import decode_bytes_per_pixel
 from PIL import Image
 
+from ..support import REPO
+
 SIDE = 4000  # 16 Mpx: the decode (tens of MB) dominates the measurement noise (a few MB)
 MB = 1024 * 1024
 
@@ -40,7 +42,7 @@ print(json.dumps({"before": before, "after": peak(), "shape": list(out.shape)}))
 
 def decode_cost(path) -> dict:
     """``{"before", "after", "cost"}`` in bytes: a fresh process's peak RSS before and after decoding ``path``."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = str(REPO)
     out = subprocess.run([sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True, check=True,
                          cwd=root, timeout=120)
     got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -20,6 +20,8 @@ from dutycycle.engine.table.table import open_table, read_arrow
 from dutycycle.engine.transform import DecodeError, TransformSpec, decode_and_transform
 from PIL import Image
 
+from ..support import REPO
+
 
 def _png_chunk(kind: bytes, data: bytes) -> bytes:
     return (
@@ -190,7 +192,7 @@ def test_bomb_under_pils_limit_is_refused_from_its_header_without_allocating():
         capture_output=True,
         text=True,
         check=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        cwd=str(REPO),
     ).stdout.splitlines()
     ours = f"header claims {w}x{h} = {w * h} pixels, over the limit of {DEFAULT_MAX_PIXELS}"
     assert out[0] == out[1] == out[2] == f"decompression bomb: {ours}"  # one open, one reason, one message

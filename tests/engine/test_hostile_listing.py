@@ -24,7 +24,8 @@ from dutycycle.engine.table.catalog import ingest
 from dutycycle.engine.table.table import read_arrow
 from PIL import Image
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ..support import REPO
+
 # "thread": a read blocked in a FIFO or a native download cannot be interrupted by a signal; this method dumps the
 # stacks and ends the run instead of hanging it.
 QUICK = pytest.mark.timeout(120, method="thread")

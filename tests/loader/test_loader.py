@@ -14,9 +14,9 @@ from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig
 from dutycycle.loader.augment import augment_params
 
+from ..support import REPO
 from ..support.cachemaker import make_cache, pixel_index, sample_pixels
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_AUG = AugmentConfig(crop_padding=2, flip=True, normalize=True, mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.3))
 
 

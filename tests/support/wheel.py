@@ -11,7 +11,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from . import REPO
+
 SOURCES = ("engine", "loader", "trainer", "configs", "pyproject.toml", "README.md")
 
 

@@ -8,14 +8,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from ..support import REPO
 from ..support import ckpt_models as cm
 from ..support import ckpt_worker as cw
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def kill_points(root: str, kills: int, seed: int, phases: str | None = None) -> dict:

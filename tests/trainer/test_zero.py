@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ..support import REPO
 from ..support.harness import run_distributed
 
 # (stage, micro_batches, offload, reduce_every_micro_step); at 4 ranks (4 processes on this 2-core machine, the
@@ -288,7 +289,6 @@ def test_local_launch_at_stage3_without_blocks_shards_one_unit_with_a_warning(tm
     """``--local`` has no process group: FSDP2 gets a one-process group in memory. A model without ``blocks`` is
     sharded as one unit and the run says so. (Its own process: the group would outlive the test otherwise.)"""
     import json
-    import os
     import subprocess
     import sys
 
@@ -305,7 +305,7 @@ def test_local_launch_at_stage3_without_blocks_shards_one_unit_with_a_warning(tm
         "print(json.dumps({'units': s['parallel']['units'], 'strategy': s['parallel']['strategy'],\n"
         "    'warnings': [str(x.message) for x in w if 'ShardingWarning' in type(x.message).__name__]}))\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = str(REPO)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -90,7 +90,7 @@ class Plan:
     fingerprint: str
     roots: list[str] = field(default_factory=list)  # where rows may point (the table's roots + allowed ones)
     outside: int = 0  # good rows outside ``roots``: never read, not selected
-    outside_examples: list[str] = field(default_factory=list)  # a few of their URIs
+    outside_examples: list[str] = field(default_factory=list)  # one of their URIs, for messages
 
 
 @dataclass
@@ -157,7 +157,7 @@ def plan_rows(
         fingerprint=mp.fingerprint(digests, list(tm.classes), spec, mp.decode_settings(max_pixels, max_file_bytes)),
         roots=roots,
         outside=n["outside"],
-        outside_examples=mp.outside_examples(df) if n["outside"] else [],
+        outside_examples=[n["outside_example"]] if n["outside"] else [],
     )
 
 
@@ -258,7 +258,7 @@ def materialize(
     n = mp.counts(df, table, where)
     if n["outside"]:
         log(f"materialize: {n['outside']} rows {OUTSIDE_ROOTS} skipped: "
-            + refusal(mp.outside_examples(df, 1)[0], roots))
+            + refusal(n["outside_example"], roots))
     if runner == "ray" and n["memory"]:
         raise ConfigError("the table names memory:// images, which live in one process; use --runner native")
     sel = mp.selected_frame(df)
@@ -273,7 +273,7 @@ def materialize(
         if n["outside"]:
             raise SourceError(
                 f"table {table!r}: every readable row{f' matching {where!r}' if where else ''} is "
-                f"{OUTSIDE_ROOTS} ({n['outside']} rows); " + refusal(mp.outside_examples(df, 1)[0], roots)
+                f"{OUTSIDE_ROOTS} ({n['outside']} rows); " + refusal(n["outside_example"], roots)
             )
         raise SourceError(
             f"table {table!r} has no readable rows{f' matching {where!r}' if where else ''} "

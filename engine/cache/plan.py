@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
+from typing import Any
 
 from ..errors import ConfigError
 from ..roots import RootCheck, table_roots
@@ -73,25 +74,23 @@ def table_frame(table_uri: str, manifest: tf.TableManifest, where: str | None, r
     return df.select(*COLUMNS).with_column("outside", _outside_udf(roots)(col("uri")))
 
 
-def outside_examples(df, k: int = 3) -> list[str]:
-    """Up to ``k`` URIs of good rows outside the roots (for the message that names them)."""
-    from daft import col
-
-    return df.where(col("error").is_null() & col("outside")).select("uri").limit(k).to_pydict()["uri"]
-
-
-def counts(df, table_uri: str, where: str | None) -> dict[str, int]:
-    """``{"rows", "errors", "outside", "memory"}`` over the filtered table, in one aggregate query (``outside``:
-    good rows outside the roots)."""
+def counts(df, table_uri: str, where: str | None) -> dict[str, Any]:
+    """``{"rows", "errors", "outside", "memory"}`` over the filtered table (``outside``: good rows outside the
+    roots), and ``outside_example`` (one of their URIs, for the message that names them, or None), in one
+    aggregate query."""
     import daft
-    from daft import col
+    from daft import col, lit
+    from daft.functions import when
 
     as_int = daft.DataType.int64()
+    outside = col("error").is_null() & col("outside")
     q = df.agg(
         col("sample_id").count("all").alias("rows"),
         col("error").not_null().cast(as_int).sum().alias("errors"),
-        (col("error").is_null() & col("outside")).cast(as_int).sum().alias("outside"),
+        outside.cast(as_int).sum().alias("outside"),
         col("uri").startswith("memory://").cast(as_int).sum().alias("memory"),
+        when(outside, col("uri")).otherwise(lit(None).cast(daft.DataType.string()))
+        .any_value(ignore_nulls=True).alias("outside_example"),
     )
     try:
         out = q.to_pydict()
@@ -101,7 +100,8 @@ def counts(df, table_uri: str, where: str | None) -> dict[str, int]:
                 f"--where {where!r} failed on table {table_uri!r} ({first_line(e)}); check column names"
             ) from e
         raise
-    return {k: int(v[0] or 0) for k, v in out.items()}
+    example = out.pop("outside_example")[0]
+    return {**{k: int(v[0] or 0) for k, v in out.items()}, "outside_example": example}
 
 
 def selected_frame(df):

@@ -49,6 +49,7 @@ Columns (plain Arrow types, readable by any Parquet reader):
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 import time
 import uuid
@@ -257,7 +258,7 @@ def _removals(table_uri: str, manifest: TableManifest) -> list[dict[str, Any]]:
     names = set(manifest.files)
     carried = [e for e in previous.removed if e["path"] not in names]
     if carried:
-        present = _listed_files(table_uri)
+        present = _present(table_uri, [e["path"] for e in carried])
         if present is not None:
             carried = [e for e in carried if e["path"] in present]
     dropped = [
@@ -268,16 +269,23 @@ def _removals(table_uri: str, manifest: TableManifest) -> list[dict[str, Any]]:
     return carried + dropped
 
 
-def _listed_files(table_uri: str) -> set[str] | None:
-    """Every file under the table, relative to its root; None when the store cannot list it."""
+def _present(table_uri: str, paths: list[str]) -> set[str] | None:
+    """Which of ``paths`` (relative to the table) still exist, listing only the folders that hold them (one
+    listing per version folder, not the whole table); None when the store cannot list them."""
     fs, root = io.filesystem(table_uri)
     root = root.rstrip("/")
-    fs.invalidate_cache(root)
-    try:
-        found = fs.find(root)
-    except (FileNotFoundError, OSError):
-        return None
-    return {p[len(root) + 1 :] for p in found if p.startswith(root + "/")}
+    found: set[str] = set()
+    for folder in sorted({posixpath.dirname(p) for p in paths}):
+        where = f"{root}/{folder}" if folder else root
+        fs.invalidate_cache(where)
+        try:
+            listed = fs.ls(where, detail=False)
+        except FileNotFoundError:
+            continue  # the whole folder is gone: none of its files is present
+        except OSError:
+            return None
+        found.update(p[len(root) + 1:] for p in listed if p.startswith(root + "/"))
+    return found
 
 
 def read_manifest(table_uri: str, version: int | None = None) -> TableManifest:

@@ -91,23 +91,9 @@ def _killed_rank_entry(rank: int, world: int, port: int, run_dir: str, extra: li
 def run_with_rank_1_killed(run_dir: str, extra: list[str], step: int, timeout: float = 120.0) -> list:
     """A 2-rank run whose rank 1 SIGKILLs itself at the flush that would write step ``step``'s metrics row.
     Returns the ranks' exit codes."""
-    import time
+    from .harness import spawn_ranks
 
-    import torch.multiprocessing as mp
-    from dutycycle.trainer.cluster.local import free_port
-
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_killed_rank_entry, args=(r, 2, port, run_dir, extra, step)) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    procs, _ = spawn_ranks(_killed_rank_entry, 2, run_dir, extra, step, timeout=timeout)
     return [p.exitcode for p in procs]
 
 

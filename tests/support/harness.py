@@ -1,5 +1,4 @@
-"""Test harness: a multi-process torch.distributed runner; free ports and the local S3-compatible server come from
-the package and the benchmarks (re-exported here for the tests)."""
+"""Test harness: spawned multi-process torch.distributed runs on gloo (a free port each, a join timeout)."""
 
 from __future__ import annotations
 
@@ -8,11 +7,6 @@ import time
 import traceback
 
 from dutycycle.trainer.cluster.local import free_port
-
-from benchmarks._common import moto_server
-
-__all__ = ["free_port", "moto_server", "run_distributed"]
-
 
 # ---------------------------------------------------------------------------------------------------------
 # multi-process torch.distributed
@@ -39,6 +33,27 @@ def _dist_entry(rank, world_size, port, fn, args, result_dir):
         raise
 
 
+def spawn_ranks(target, world_size: int, *args, timeout: float = 120.0):
+    """Start ``target(rank, world_size, port, *args)`` in ``world_size`` spawned processes sharing a free port;
+    join them within ``timeout`` and kill those still running. Returns ``(processes, ranks that hung)``."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, world_size, port, *args), daemon=False) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.time()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return procs, hung
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes; return per-rank results.
 
@@ -48,25 +63,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0):
     import json
     import tempfile
 
-    import torch.multiprocessing as mp
-
-    port = free_port()
     with tempfile.TemporaryDirectory() as result_dir:
-        ctx = mp.get_context("spawn")
-        procs = [
-            ctx.Process(target=_dist_entry, args=(r, world_size, port, fn, args, result_dir), daemon=False)
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.time() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.time()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        procs, hung = spawn_ranks(_dist_entry, world_size, fn, args, result_dir, timeout=timeout)
         results, errors = [], []
         for r in range(world_size):
             path = os.path.join(result_dir, f"rank{r}.json")

@@ -81,7 +81,7 @@ def test_torchrun_entry_trains_two_ranks(cache, tmp_path):
     import subprocess
     import sys
 
-    from ..support.harness import free_port
+    from dutycycle.trainer.cluster.local import free_port
 
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[data]\ncache = "{cache}"\nglobal_batch_size = 32\n[model]\nwidth = 8\n'

@@ -38,3 +38,16 @@ def intact(d: dict[str, Any], key: str = MANIFEST_DIGEST) -> bool:
 def is_count(v: Any) -> bool:
     """A JSON count: a non-negative integer (``true`` is not 1)."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def unseal(d: Any, where: str, fix: str, key: str = MANIFEST_DIGEST) -> dict[str, Any]:
+    """The fields of a sealed artifact read from ``where`` without its checksum, or ``CorruptArtifactError``
+    naming it and ``fix`` when it is not a JSON object or its checksum no longer matches."""
+    from .errors import CorruptArtifactError
+
+    if not isinstance(d, dict):
+        raise CorruptArtifactError(f"{where} is not a JSON object; {fix}")
+    if not intact(d, key):  # artifacts written before the key existed have none
+        raise CorruptArtifactError(f"{where} fails its own checksum ({key}): it was changed after it was written "
+                                   f"and is refused; {fix}")
+    return {k: v for k, v in d.items() if k != key}

@@ -106,17 +106,12 @@ class CacheManifest:
     @classmethod
     def from_json(cls, d: Any, where: str = "cache manifest") -> CacheManifest:
         """The manifest in ``d`` (parsed JSON) read from ``where`` (its URI, named in every error)."""
-        if not isinstance(d, dict):
-            raise CorruptArtifactError(f"{where} is not a JSON object; {_FIX}")
+        d = sealed.unseal(d, where, _FIX)
         if d.get("format_version") != FORMAT_VERSION:
             raise CorruptArtifactError(
                 f"{where}: cache format version {d.get('format_version')!r} is not supported (this dutycycle reads "
                 f"{FORMAT_VERSION}); materialize the cache again"
             )
-        if not sealed.intact(d):  # manifests written before the field have none
-            raise CorruptArtifactError(f"{where} fails its own checksum ({DIGEST}): it was changed after its "
-                                       f"commit and is refused; {_FIX}")
-        d = {k: v for k, v in d.items() if k != DIGEST}
         problem = _manifest_problem(d)
         if problem:
             raise CorruptArtifactError(f"{where} is malformed: {problem}; {_FIX}")

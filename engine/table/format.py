@@ -117,17 +117,12 @@ class TableManifest:
     def from_json(cls, d: Any, where: str = "table manifest") -> TableManifest:
         """The manifest in ``d`` (parsed JSON) read from ``where`` (its URI, named in every error)."""
         fix = "ingest the source again"
-        if not isinstance(d, dict):
-            raise CorruptArtifactError(f"{where} is not a JSON object; {fix}")
-        if d.get("format_version") not in READABLE_FORMAT_VERSIONS:
+        body = sealed.unseal(d, where, fix)
+        if body.get("format_version") not in READABLE_FORMAT_VERSIONS:
             raise CorruptArtifactError(
-                f"{where}: table format version {d.get('format_version')!r} is not supported (this dutycycle reads "
+                f"{where}: table format version {body.get('format_version')!r} is not supported (this dutycycle reads "
                 f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade dutycycle or {fix}"
             )
-        if not sealed.intact(d):  # manifests written before the field have none
-            raise CorruptArtifactError(f"{where} fails its own checksum ({DIGEST}): it was changed after its "
-                                       f"commit and is refused; {fix}")
-        body = {k: v for k, v in d.items() if k != DIGEST}
         for name, types in _FIELD_TYPES.items():
             value = body.get(name)
             if name in body and (not isinstance(value, types) or isinstance(value, bool)):

@@ -63,12 +63,9 @@ class Manifest:
 
     @classmethod
     def from_json(cls, d: dict, where: str) -> Manifest:
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise CorruptArtifactError(f"{where} is not a {FORMAT} manifest (format {d.get('format')!r})"
-                                       if isinstance(d, dict) else f"{where} is not a JSON object")
-        if not sealed.intact(d):  # manifests written before the field have none
-            raise CorruptArtifactError(f"{where} fails its own checksum ({DIGEST}): it was changed after the "
-                                       "commit; the checkpoint is refused")
+        d = sealed.unseal(d, where, "the checkpoint is refused")
+        if d.get("format") != FORMAT:
+            raise CorruptArtifactError(f"{where} is not a {FORMAT} manifest (format {d.get('format')!r})")
         try:
             files = {}
             for name, rec in d["files"].items():

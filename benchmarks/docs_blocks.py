@@ -257,12 +257,28 @@ def zero(results: dict) -> str:
                f"images), AdamW, fp32, global batch {s['batch']}, {s['steps']} steps with the first {s['skip']} left "
                f"out of the speed; each row its own torchrun job, one process and one thread per rank, on a "
                f"{d['machine']['cpus']}-core machine.")
-    rows = [[str(r["world_size"]), ZERO_LABELS.get(r["name"], r["name"]), f"{r['samples_per_s']:.1f}",
-             pct(r["exposed_comm_share"]), nbytes(sum(r["bytes_sent_per_step"].values())),
+    # results from before the stage 1 and 2 rows accumulated have no micro_batches: every row took one
+    micro = s.get("micro_batches")
+    if micro and micro > 1:
+        caption += (f" The stage 1 and 2 rows accumulate {micro} micro-batches per optimizer step, where the two "
+                    "differ: stage 1 gathers the parameters once per step and keeps them (and the full gradients) "
+                    "unsharded across the window, stage 2 gathers them again for every micro-batch; the other rows "
+                    "take one micro-batch.")
+    else:
+        caption += (" Every row takes one micro-batch per step, where stages 1 and 2 run the same torch settings: "
+                    "the gap between them is noise.")
+    rows = [[str(r["world_size"]), ZERO_LABELS.get(r["name"], r["name"]), str(r.get("micro_batches", 1)),
+             f"{r['samples_per_s']:.1f}", pct(r["exposed_comm_share"]), nbytes(sum(r["bytes_sent_per_step"].values())),
              _held(r["held_per_rank"][0]), _held(r["zero_formula"])] for r in d["rows"]]
-    headers = ["ranks", "row", "samples/s", "exposed comm", "sent per step per rank",
+    headers = ["ranks", "row", "micro-batches", "samples/s", "exposed comm", "sent per step per rank",
                "params / grads / optimizer held by rank 0", "ZeRO formula"]
-    return "\n\n".join([para(caption), table(headers, rows), source("zero")])
+    parts = [para(caption), table(headers, rows)]
+    if any(r.get("offload", "none") != "none" for r in d["rows"]):
+        parts.append(para("Stage 3 + offload ran on the CPU, where host memory is the device's memory: the row "
+                          "exercises the offload code path and its accounting, and measures no host-device "
+                          "transfer and no device memory saved; its speed next to stage 3 is noise plus what the "
+                          "offload path costs on the CPU alone."))
+    return "\n\n".join([*parts, source("zero")])
 
 
 def zero_ratios(results: dict) -> str:
@@ -278,6 +294,10 @@ def zero_ratios(results: dict) -> str:
     for w in worlds:
         rows.append([f"bytes sent, stage 3 over stage 0, {w} ranks",
                      times(ratio[f"stage3_bytes_sent_vs_stage0_{w}ranks"])])
+    for w in worlds:  # results from before the stage 1 and 2 rows accumulated do not have it
+        if f"stage1_bytes_sent_vs_stage2_{w}ranks" in ratio:
+            rows.append([f"bytes sent, stage 1 over stage 2, {d['settings']['micro_batches']} micro-batches, {w} ranks",
+                         times(ratio[f"stage1_bytes_sent_vs_stage2_{w}ranks"])])
     pairs = table(
         ["pair", "hand-written all-reduce", "DDP", "DDP / hand-written", "exposed comm, hand-written", "exposed comm, DDP"],
         [[str(i), f"{p['manual_samples_per_s']:.1f}/s", f"{p['ddp_samples_per_s']:.1f}/s", times(p["ratio"]),
@@ -290,27 +310,47 @@ def zero_ratios(results: dict) -> str:
                         f"(median {times(median)}):", pairs, source("zero")])
 
 
-ZEROPP_LABELS = {"stage3": "nothing", "stage3+qwZ": "qwZ (int8 weight gathers)",
+ZEROPP_LABELS = {"stage3": "nothing (gloo's reduce-scatter)",
+                 "stage3 fp32 all-to-all": "nothing (fp32 all-to-all reduce-scatter, two hops)",
+                 "stage3+qwZ": "qwZ (int8 weight gathers)",
                  "stage3+qgZ-int8": "qgZ (int8 gradients, two hops)",
                  "stage3+hpZ": "hpZ (backward gathers inside the node)",
-                 "stage3+qwZ+qgZ-int8+hpZ": "qwZ + int8 qgZ + hpZ"}
+                 "stage3+qwZ+qgZ-int8+hpZ": "qwZ + int8 qgZ + hpZ",
+                 "stage3 no overlap": "nothing, blocking all-gathers",
+                 "stage3+qwZ+qgZ-int8+hpZ no overlap": "qwZ + int8 qgZ + hpZ, blocking all-gathers"}
+ZEROPP_ALL = "stage3+qwZ+qgZ-int8+hpZ"
 
 
 def zeropp(results: dict) -> str:
     d = results_file(results, "zeropp")
     s, speed = d["settings"], d["speed"]
-    rows = speed["rows"]
+    rows, ratios = speed["rows"], speed["ratios"]
+    by = {r["name"]: r for r in rows}
+    # the headline is against the better fp32 row when the results have both (older results: stage 3 alone)
+    key = "speedup_vs_best_fp32" if "best_fp32_row" in ratios else "speedup_vs_stage3"
+    base = by[ratios.get("best_fp32_row", "stage3")]
     caption = (f"The ViT of the ZeRO benchmark ({rows[0]['num_params'] / 1e6:.1f}M parameters) at stage 3, 4 ranks "
                f"as two nodes of 2 joined by a {gbit(speed['rate_gbit'])} link, {s['steps']} steps (median step "
-               f"of the last {s['steps'] - s['skip']}).")
+               f"of the last {s['steps'] - s['skip']}). Speed-up against the faster of the unquantized rows "
+               f"(stage 3 with {ZEROPP_LABELS.get(base['name'], base['name'])}), so that quantization is not "
+               "credited with the change of algorithm.")
     body = [[ZEROPP_LABELS.get(r["name"], r["name"]), secs(r["step_s_median"]), f"{r['samples_per_s']:.1f}",
              pct(r["exposed_comm_share"]), nbytes(r["inter_node_bytes_per_step"]),
-             times(speed["ratios"][f"{r['name']}_speedup_vs_stage3"])] for r in rows]
+             times(ratios[f"{r['name']}_{key}"])] for r in rows]
     headers = ["stage 3 with", "step", "samples/s", "exposed comm", "inter-node bytes per step per rank", "speedup"]
-    first, last = rows[0], rows[-1]
-    cut = (f"{ZEROPP_LABELS.get(last['name'], last['name'])} against stage 3 alone: inter-node bytes "
-           f"{times(first['inter_node_bytes_per_step'] / last['inter_node_bytes_per_step'])} fewer, step "
-           f"{times(first['step_s_median'] / last['step_s_median'])} shorter.")
+    last = by[ZEROPP_ALL]
+    cut = (f"{ZEROPP_LABELS[ZEROPP_ALL]} against that row: inter-node bytes "
+           f"{times(base['inter_node_bytes_per_step'] / last['inter_node_bytes_per_step'])} fewer, step "
+           f"{times(base['step_s_median'] / last['step_s_median'])} shorter")
+    if "stage3" in by and key != "speedup_vs_stage3":
+        cut += (f" (against gloo's reduce-scatter, an all-reduce underneath: "
+                f"{times(ratios[f'{ZEROPP_ALL}_speedup_vs_stage3'])})")
+    cut += "."
+    overlap = ratios.get(f"{ZEROPP_ALL}_exposed_comm_share_overlap_vs_blocking")
+    if overlap is not None:
+        cut += (f" Overlapping the all-gathers (prefetched and asynchronous, the default) against blocking ones: "
+                f"exposed communication share {times(overlap)} with all three, "
+                f"{times(ratios['stage3_exposed_comm_share_overlap_vs_blocking'])} at stage 3 alone.")
     conditions = para(f"Conditions recorded with the results: {d['notes'].strip().rstrip('.')}.")
     return "\n\n".join([para(caption), table(headers, body), para(cut), conditions, source("zeropp")])
 
@@ -382,7 +422,22 @@ def collectives_codec(results: dict) -> str:
 
 
 CHECKPOINT_LABELS = {"none": "none (no checkpoints)", "sync": "synchronous (`async_save = false`)",
-                     "async": "asynchronous (the default)"}
+                     "async": "asynchronous (the default)", "sync-throttled": "synchronous, throttled storage",
+                     "async-throttled": "asynchronous, throttled storage"}
+
+
+def _signed_secs(x: float) -> str:
+    return secs(x) if x >= 0 else "−" + secs(-x)
+
+
+def _cost_ratio(a: float, b: float, target: float | None = None) -> str:
+    """Asynchronous over synchronous end-to-end cost, with both costs; a synchronous cost at or below zero means
+    checkpoints cost less than the machine's noise, and no ratio is given."""
+    costs = f"{_signed_secs(a)} against {_signed_secs(b)}"
+    if b <= 0:
+        return f"not measurable ({costs}: within the run-to-run noise)"
+    goal = f", target {times(target)}" if target is not None else ""
+    return f"{times(a / b) if a > 0 else _signed_secs(a) + ' (no cost measurable)'} ({costs}{goal})"
 
 
 def checkpoint(results: dict) -> str:
@@ -390,30 +445,64 @@ def checkpoint(results: dict) -> str:
     s = d["settings"]
     rows = {r["name"]: r for r in d["rows"]}
     saved = rows["async"]
+    shown = [n for n in CHECKPOINT_LABELS if n in rows and "error" not in rows[n]]
+    # the training loop's wall time where the results have it (benchmarks/checkpoint.py's docstring says why);
+    # results written before it was recorded have only the whole process's
+    loop = all("loop_wall_s" in rows[n] for n in shown)
+    wall = "loop_wall_s" if loop else "process_wall_s"
+    base = rows["none"][wall]
+    throttled = [n for n in shown if n.endswith("-throttled")]
     caption = (f"A ViT of {saved['num_params'] / 1e6:.1f}M parameters at {s['ranks']} ranks, ZeRO stage {s['stage']}, "
                f"AdamW fp32 ({nbytes(saved['bytes_per_save'])} of model and optimizer state per save), a save every "
                f"{s['every']} steps over {s['steps']} steps, through the torchrun launcher.")
+    if throttled:
+        caption += (f" Throttled storage: `checkpoint.dir` on a `throttled://` path whose writes are paced to "
+                    f"{s['throttle_mb_s']:g} MB/s for both ranks together (benchmarks/throttle.py).")
+    caption += (" End-to-end cost: the row's run wall time minus the run without checkpoints, measured "
+                + ("over the training loop (steps, final evaluation and the wait for the last save to commit; "
+                   "process start-up left out)." if loop else
+                   "over the whole torchrun process (start-up included: these results predate the loop's wall time)."))
     body = []
-    for name, label in CHECKPOINT_LABELS.items():
+    for name in shown:
         r = rows[name]
         has = r["saves"] > 0
-        body.append([label, secs(r["stall_s_per_save"]) if has else "-",
+        body.append([CHECKPOINT_LABELS[name], secs(r["stall_s_per_save"]) if has else "-",
                      f"{r['write_mb_per_s'] * 1e6 / 2**20:.0f} MiB/s" if has else "-",
                      nbytes(r["bytes_per_save"]) if has else "-", secs(r["step_s_median"]),
-                     secs(r["step_s_median_after_save"]) if has else "-"])
+                     secs(r["step_s_median_after_save"]) if has else "-", secs(r[wall]),
+                     _signed_secs(r[wall] - base) if has else "-"])
     headers = ["save mode", "stall per save", "write throughput", "bytes per save", "median step",
-               "median step after a save"]
+               "median step after a save", "run wall (training loop)" if loop else "run wall (whole process)",
+               "end-to-end cost"]
     ratio = d["ratios"]
-    facts = table(["measured", "value"], [
+    target = d["target"]
+    cost = {n: rows[n][wall] - base for n in shown if n != "none"}
+    facts = [
         ["asynchronous stall over synchronous stall", f"{times(ratio['async_stall_vs_sync'])} "
-                                                      f"(target {times(d['target']['async_stall_vs_sync'])})"],
+                                                      f"(target {times(target['async_stall_vs_sync'])})"],
+        ["asynchronous end-to-end cost over synchronous", _cost_ratio(cost["async"], cost["sync"])],
+    ]
+    if loop and "overhead_steps_s" in saved:
+        facts.append(["the same, by the sum of step times (stalls and contention, without the last save's drain)",
+                      _cost_ratio(saved["overhead_steps_s"], rows["sync"]["overhead_steps_s"])])
+    if {"sync-throttled", "async-throttled"} <= set(shown):
+        at = rows["async-throttled"]
+        facts += [
+            ["throttled storage: asynchronous stall over synchronous",
+             times(ratio["async_stall_vs_sync_throttled"])],
+            ["throttled storage: asynchronous end-to-end cost over synchronous",
+             _cost_ratio(cost["async-throttled"], cost["sync-throttled"],
+                         target.get("async_overhead_vs_sync_throttled"))],
+            ["throttled storage: saves that waited for the previous one", str(at["waited_for_previous_save"])],
+        ]
+    facts += [
         ["asynchronous: time in the save call (state dict and hand-off)",
          secs(saved["stall_s_per_save_in_maybe_save"])],
         ["asynchronous: snapshot copy per save (overlapping the next forward/backward)", secs(saved["snapshot_s"])],
         ["saves that waited for the previous one", str(saved["waited_for_previous_save"])],
         ["step after an asynchronous save over the median step",
          times(ratio["async_step_after_save_vs_median_step"])],
-    ])
+    ]
     rec = rows["recovery"]
     recovery = table(["recovery (whole job SIGKILLed, same command again)", "value"], [
         ["killed after step", str(rec["killed_after_step"])],
@@ -422,7 +511,8 @@ def checkpoint(results: dict) -> str:
         ["find, verify and load the checkpoint", secs(rec["restore_s"])],
         ["from the kill to the first resumed step", secs(rec["recovery_s"])],
     ])
-    return "\n\n".join([para(caption), table(headers, body), facts, recovery, source("checkpoint")])
+    return "\n\n".join([para(caption), table(headers, body), table(["measured", "value"], facts), recovery,
+                        source("checkpoint")])
 
 
 def results_index(results: dict) -> str:

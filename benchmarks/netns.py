@@ -134,6 +134,9 @@ def launch(net: TwoNodes | None, argv: Sequence[str], world_size: int, *, timeou
         cmd = list(argv)
         if net is not None:
             rank_env["GLOO_SOCKET_IFNAME"] = net.interfaces[node]
+            # the namespaces share this machine's hostname: name each rank's node for the trainer's observed
+            # topology (trainer/cluster/topology.py)
+            rank_env["DUTYCYCLE_NODE_ID"] = net.namespaces[node]
             cmd = ["ip", "netns", "exec", net.namespaces[node], *cmd]
         # output to files, not pipes: a rank blocked on a full pipe would stall the collective of all ranks
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")

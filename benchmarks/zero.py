@@ -9,11 +9,40 @@ global batches, AdamW, fp32. At 2 ranks a baseline row runs the trainer's previo
 backward, gradients copied into flat 25 MB buckets, all-reduced (SUM) and divided by the world size, blocking.
 Every row goes through the same step loop (``train_worker``); only the wrapping differs.
 
+Micro-batches: the stage 1 and stage 2 rows accumulate over ``--micro-batches`` micro-batches per optimizer step
+(default 4, ``--quick`` 2; the global batch must divide by ranks x micro-batches), the other rows take one. At one
+micro-batch stages 1 and 2 produce the same torch settings (FSDP2 without reshard after forward), so a gap between
+them there is noise. With accumulation they differ as trainer/parallel/plan.py maps them: stage 1 keeps parameters
+(and the full gradients) unsharded across the whole accumulation window and gathers them once per step, stage 2
+reshards after every micro-batch's backward and gathers again for the next forward (one gather per micro-batch);
+both reduce-scatter once, at the window's end. Each row records its ``micro_batches``; the ratio
+``stage1_bytes_sent_vs_stage2_{W}ranks`` is the traffic the window saves (2/(M+1) in fp32).
+
+Offload (``stage3-offload``, ``parallel.offload = "optimizer"``: FSDP2's ``CPUOffloadPolicy``, sharded parameters,
+gradients and optimizer state kept in host memory and the optimizer step run there): this benchmark runs on the
+CPU, where host memory is the device's memory. The row exercises the code path and its accounting (held bytes,
+traffic, convergence), and measures neither a host-device transfer nor device memory saved: its speed next to the
+stage 3 row is noise plus what FSDP2's offload path costs on the CPU alone. The row says so in ``note``.
+
 Figures per row: steady-state samples/s (the first ``--skip`` steps excluded: lazy init, the memory sampling
 step), the exposed-communication share of the step (time the step waited on collectives that compute did not
 hide; trainer/parallel/comm.py), logical bytes sent per step by collective kind, and model-state bytes held per
 rank (parameters, gradients, optimizer state) beside the ZeRO paper's formula. Speed figures on a shared 2-core
 machine are noisy and 4 ranks oversubscribe the cores; the byte figures are exact.
+
+Activation checkpointing (``parallel.activation_checkpointing``), the ``activation-checkpointing`` row set: per
+stage 0-3, the same ViT wrapped by ``parallelize`` with checkpointing off and on, one micro-batch of the global
+batch per rank, forward and backward (no optimizer: activations do not depend on it). Measured per rank by
+``live_bytes_mode``: every storage an operator allocates while forward and backward run, counted until freed
+(views and in-place results not again; not counted: parameters, FSDP2's resized-in-place parameter storage and
+bare ``torch.empty`` buffers, i.e. DDP's and FSDP2's communication buffers). Figures: ``activation_bytes`` (live
+right after forward: what forward leaves for backward) and ``peak_bytes`` (the peak through backward:
+activations, a block's recomputed activations, gradients that operators compute, such as FSDP2's unsharded block
+gradients; not DDP's bucket-view gradients), each as the ratio checkpointed / not, and forward+backward seconds
+(the recomputation's cost; noisy here). ``--merge`` keeps what ``--out`` already holds that this run did not
+measure, so this part can be rerun alone::
+
+    python benchmarks/zero.py --rows activation-checkpointing --worlds 2 --merge
 """
 
 from __future__ import annotations
@@ -44,6 +73,14 @@ ROWS = [  # (name, zero_stage, offload, baseline)
     ("stage3", 3, "none", False),
     ("stage3-offload", 3, "optimizer", False),
 ]
+ACCUMULATING = ("stage1", "stage2")  # rows run at --micro-batches: where stage 1 differs from stage 2
+OFFLOAD_NOTE = ("CPU-only run: host memory is the device's memory, so offload here exercises the code path "
+                "(state kept and stepped on the host) and measures no host-device transfer and no device memory "
+                "saved")
+ACTIVATION_ROWS = "activation-checkpointing"  # the --rows name of the activation-memory rows (stages 0-3, off/on)
+ACTIVATION_REPEAT = 3  # measured forward+backward passes per configuration, after ACTIVATION_WARMUP
+# unmeasured first passes: FSDP2's lazy init and first all-gather buffers, DDP's bucket rebuild (its 2nd forward)
+ACTIVATION_WARMUP = 2
 
 
 # ------------------------------------------------------------------------------------------ the baseline
@@ -122,7 +159,8 @@ def worker(args) -> None:
         f"optim.warmup_steps={max(2, args.steps // 20)}", f"data.augment.flip={str(args.model == 'cnn').lower()}",
         f"parallel.quant_weights={args.quant_weights}", f"parallel.quant_grads={args.quant_grads}",
         f"parallel.hpz={str(args.hpz).lower()}", f"parallel.node_size={args.node_size}",
-        f"parallel.error_feedback={str(args.error_feedback).lower()}",
+        f"parallel.error_feedback={str(args.error_feedback).lower()}", f"data.micro_batches={args.micro}",
+        f"parallel.reduce_scatter={args.reduce_scatter}", f"parallel.overlap={str(not args.no_overlap).lower()}",
     ])
     set_threads(cfg, world)
     fn = manual_allreduce_parallelize if args.baseline else None
@@ -155,14 +193,142 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------------------------- activation memory
+
+
+def live_bytes_mode():
+    """A ``TorchDispatchMode`` (built on first use: torch is imported in the workers only) that counts the bytes
+    of every storage an operator returns, once per storage, from allocation until the storage is freed (a
+    finalizer on its Python object, which torch keeps alive as long as the storage is). Bare allocations
+    (``torch.empty``) are not counted: activations come out of computing operators, while DDP's buckets and
+    FSDP2's all-gather and reduce-scatter buffers are bare ``empty`` calls, the same with checkpointing on or off,
+    whose lifetime depends on prefetching (counted, they moved the figures by one block's parameters between
+    passes)."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    bare = {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.new_empty,
+            torch.ops.aten.new_empty_strided}
+
+    def storages(tree):
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor):
+                s = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's shard on this rank
+                yield (s.data_ptr(), s.nbytes()), s
+
+    class LiveBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live: dict = {}
+            self.now = self.peak = 0
+
+        def _freed(self, key):
+            self.now -= self.live.pop(key, 0)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in bare:
+                return out
+            inputs = {key for key, _ in storages((args, kwargs))}  # a view or in-place result is not new memory
+            for key, s in storages(out):
+                if key[1] and key not in inputs and key not in self.live:
+                    self.live[key] = key[1]
+                    self.now += key[1]
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(s, self._freed, key)
+            return out
+
+    return LiveBytes()
+
+
+def activation_worker(args) -> None:
+    """One rank: per stage, the benchmark ViT with activation checkpointing off and on; (rank 0) prints the
+    per-rank maxima as one JSON line."""
+    import torch
+    import torch.distributed as dist
+    from dutycycle.trainer.cluster.world import World
+    from dutycycle.trainer.config import ParallelSection
+    from dutycycle.trainer.parallel.apply import parallelize
+    from dutycycle.trainer.step.models import TinyViT
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    g = torch.Generator().manual_seed(rank)
+    per = args.batch // world
+    x = torch.randn(per, 3, args.size, args.size, generator=g)
+    y = torch.randint(0, 10, (per,), generator=g)
+    rows = []
+    for stage in (0, 1, 2, 3):
+        for ac in (False, True):
+            torch.manual_seed(0)
+            model = TinyViT(3, 10, args.size, dim=args.width, depth=args.depth, heads=args.heads, patch=4)
+            strategy = parallelize(model, ParallelSection(num_workers=world, zero_stage=stage,
+                                                          activation_checkpointing=ac),
+                                   World(rank, world), device=torch.device("cpu"))
+            act, peak, secs = [], [], []
+            for i in range(ACTIVATION_WARMUP + ACTIVATION_REPEAT):
+                model.zero_grad(set_to_none=True)
+                mode = live_bytes_mode()
+                t0 = time.perf_counter()
+                with strategy.micro_step(0), mode:
+                    loss = torch.nn.functional.cross_entropy(strategy.model(x), y)
+                    after_forward = mode.now
+                    loss.backward()
+                    del loss
+                if i >= ACTIVATION_WARMUP:
+                    secs.append(time.perf_counter() - t0)
+                    act.append(after_forward)
+                    peak.append(mode.peak)
+            local = torch.tensor([max(act), max(peak)], dtype=torch.float64)
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)  # the rank that holds the most
+            rows.append({"name": f"stage{stage}-{'ac' if ac else 'no-ac'}", "world_size": world, "zero_stage": stage,
+                         "activation_checkpointing": ac, "activation_bytes": int(local[0]),
+                         "peak_bytes": int(local[1]), "forward_backward_s_median": statistics.median(secs)})
+            del strategy, model
+    if rank == 0:
+        print("ACT_RESULT " + json.dumps(rows), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_activation_rows(world, args) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
+           str(free_port()), __file__, "--worker", "--activation-worker", *_shared_args(args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("ACT_RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        return [{"name": ACTIVATION_ROWS, "world_size": world, "returncode": proc.returncode,
+                 "error": (proc.stdout + proc.stderr)[-12000:]}]
+    return json.loads(line.removeprefix("ACT_RESULT "))
+
+
+def activation_ratios(rows: list[dict]) -> dict:
+    by = {(r["zero_stage"], r["world_size"], r["activation_checkpointing"]): r for r in rows if "error" not in r}
+    out = {}
+    for (stage, world, ac), on in sorted(by.items()):
+        off = by.get((stage, world, False))
+        if ac and off:
+            for key in ("activation_bytes", "peak_bytes"):
+                out[f"stage{stage}_{key}_checkpointed_vs_not_{world}ranks"] = on[key] / off[key]
+            out[f"stage{stage}_forward_backward_s_checkpointed_vs_not_{world}ranks"] = (
+                on["forward_backward_s_median"] / off["forward_backward_s_median"])
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- driver
 
 
 def run_row(name, stage, offload, baseline, world, args, workdir) -> dict:
     run_dir = os.path.join(workdir, f"{name}-{world}")
+    micro = args.micro_batches if name in ACCUMULATING else 1
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
            "--master-port", str(free_port()), __file__, "--worker", "--stage", str(stage), "--offload", offload,
-           "--run-dir", run_dir, *(["--baseline"] if baseline else []), *_shared_args(args)]
+           "--run-dir", run_dir, "--micro", str(micro), *(["--baseline"] if baseline else []), *_shared_args(args)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -170,9 +336,10 @@ def run_row(name, stage, offload, baseline, world, args, workdir) -> dict:
     line = next((x for x in proc.stdout.splitlines() if x.startswith("ZERO_RESULT ")), None)
     if proc.returncode != 0 or line is None:
         # torchrun's own summary comes last; the ranks' tracebacks and C++ aborts come before it
-        return {"name": name, "world_size": world, "returncode": proc.returncode,
+        return {"name": name, "world_size": world, "micro_batches": micro, "returncode": proc.returncode,
                 "error": (proc.stdout + proc.stderr)[-12000:]}
-    return {"name": name, "world_size": world, "zero_stage": stage, "offload": offload, "process_wall_s": wall,
+    return {"name": name, "world_size": world, "zero_stage": stage, "offload": offload, "micro_batches": micro,
+            **({"note": OFFLOAD_NOTE} if offload != "none" else {}), "process_wall_s": wall,
             **json.loads(line.removeprefix("ZERO_RESULT "))}
 
 
@@ -194,6 +361,10 @@ def ratios(rows: list[dict]) -> dict:
             if r:
                 held = max(h["optimizer"] for h in r["held_per_rank"])
                 out[f"{name}_optimizer_bytes_vs_stage0_over_N_{world}ranks"] = held / (o0 / world)
+        r1, r2 = by.get(("stage1", world)), by.get(("stage2", world))
+        if r1 and r2 and r1.get("micro_batches", 1) == r2.get("micro_batches", 1):
+            out[f"stage1_bytes_sent_vs_stage2_{world}ranks"] = (
+                sum(r1["bytes_sent_per_step"].values()) / sum(r2["bytes_sent_per_step"].values()))
         r3 = by.get(("stage3", world))
         if r3:
             out[f"stage3_bytes_sent_vs_stage0_{world}ranks"] = (
@@ -207,17 +378,18 @@ def ratios(rows: list[dict]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| ranks | row | samples/s | exposed comm | sent per step (MB) | params / grads / optimizer held "
-             "per rank (MB) | ZeRO formula (MB) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| ranks | row | micro-batches | samples/s | exposed comm | sent per step (MB) | params / grads / "
+             "optimizer held per rank (MB) | ZeRO formula (MB) |", "|---|---|---|---|---|---|---|---|"]
     mb = 1024 * 1024
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['world_size']} | {r['name']} | error | | | | |")
+            lines.append(f"| {r['world_size']} | {r['name']} | {r.get('micro_batches', 1)} | error | | | | |")
             continue
         h = r["held_per_rank"][0]
         z = r["zero_formula"]
         lines.append(
-            f"| {r['world_size']} | {r['name']} | {r['samples_per_s']:.1f} | {r['exposed_comm_share']:.0%} | "
+            f"| {r['world_size']} | {r['name']} | {r.get('micro_batches', 1)} | {r['samples_per_s']:.1f} | "
+            f"{r['exposed_comm_share']:.0%} | "
             f"{sum(r['bytes_sent_per_step'].values()) / mb:.0f} | {h['params'] / mb:.0f} / {h['grads'] / mb:.0f} / "
             f"{h['optimizer'] / mb:.0f} | {z['params'] / mb:.0f} / {z['grads'] / mb:.0f} / {z['optimizer'] / mb:.0f} |")
     return "\n".join(lines)
@@ -229,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--offload", default="none", help=argparse.SUPPRESS)
     p.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--micro", type=int, default=1, help=argparse.SUPPRESS)  # the worker's data.micro_batches
+    p.add_argument("--activation-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
     # worker options shared with benchmarks/zeropp.py
     p.add_argument("--model", default="vit", choices=["vit", "cnn"], help=argparse.SUPPRESS)
@@ -236,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant-grads", default="none", help=argparse.SUPPRESS)
     p.add_argument("--hpz", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--error-feedback", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--reduce-scatter", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--no-overlap", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--node-size", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--samples", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--eval-batches", type=int, default=1, help=argparse.SUPPRESS)
@@ -252,7 +428,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=v["skip"],
                    help="first steps excluded from speed figures (default 2)")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--rows", nargs="+", default=[r[0] for r in ROWS], choices=[r[0] for r in ROWS])
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per optimizer step of the stage 1 and 2 rows (default 4, --quick 2; the "
+                        "other rows take one): at one, stages 1 and 2 run the same torch settings")
+    p.add_argument("--rows", nargs="+", default=[r[0] for r in ROWS] + [ACTIVATION_ROWS],
+                   choices=[r[0] for r in ROWS] + [ACTIVATION_ROWS])
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows (and the activation section) already in --out that this run does not measure")
     p.add_argument("--repeat", type=int, default=3,
                    help="run the baseline and stage 0 at 2 ranks this many times, alternating (default 3): the "
                         "speed ratio is the median of the pairs, which holds when the machine's speed drifts")
@@ -261,10 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero.json"))
     args = p.parse_args(argv)
     if args.worker:
-        worker(args)
+        activation_worker(args) if args.activation_worker else worker(args)
         return 0
     if args.quick:
         vars(args).update(VIT_QUICK, repeat=1)
+    if args.micro_batches is None:
+        args.micro_batches = 2 if args.quick else 4
     rows, pairs = [], []
     with tempfile.TemporaryDirectory() as workdir:
         if 2 in args.worlds and {"allreduce-manual", "stage0-ddp"} <= set(args.rows):
@@ -281,21 +465,53 @@ def main(argv: list[str] | None = None) -> int:
                 if "error" in r:
                     print(f"{world} ranks {name}: error\n{r['error']}", flush=True)
                 else:
-                    print(f"{world} ranks {name:17s} {r['samples_per_s']:8.1f} samples/s, exposed comm "
-                          f"{r['exposed_comm_share']:.0%}, sent/step {sum(r['bytes_sent_per_step'].values()) / 2**20:.0f} MB, "
-                          f"optimizer held {r['held_per_rank'][0]['optimizer'] / 2**20:.0f} MB", flush=True)
+                    print(f"{world} ranks {name:17s} {r['samples_per_s']:8.1f} samples/s at {r['micro_batches']} "
+                          f"micro-batch(es), exposed comm {r['exposed_comm_share']:.0%}, sent/step "
+                          f"{sum(r['bytes_sent_per_step'].values()) / 2**20:.0f} MB, "
+                          f"optimizer held {r['held_per_rank'][0]['optimizer'] / 2**20:.0f} MB"
+                          + (f"\n    ({r['note']})" if "note" in r else ""), flush=True)
+        act_rows = []
+        for world in args.worlds if ACTIVATION_ROWS in args.rows else ():
+            new = run_activation_rows(world, args)
+            act_rows += new
+            for r in new:
+                print(f"{world} ranks {r['name']:17s} " + (f"error\n{r['error']}" if "error" in r else (
+                      f"activations {r['activation_bytes'] / 2**20:.2f} MB, peak {r['peak_bytes'] / 2**20:.2f} MB, "
+                      f"forward+backward {r['forward_backward_s_median']:.3f} s")), flush=True)
     by = {(r["name"], r["world_size"]): r for r in rows}
     if ("allreduce-manual", 2) in by and ("stage0-ddp", 2) in by:
         pairs.append((by["allreduce-manual", 2], by["stage0-ddp", 2]))
     pairs = [(a, b) for a, b in pairs if "error" not in a and "error" not in b]
+    machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    settings = {k: v for k, v in vars(args).items() if k in ("width", "depth", "heads", "size", "batch", "steps",
+                                                             "skip", "worlds", "rows", "repeat", "quick",
+                                                             "micro_batches")}
+    old = json.loads(Path(args.out).read_text()) if args.merge and Path(args.out).exists() else {}
+    if old and not rows:  # only the activation rows ran: the other rows' settings stay theirs
+        machine, settings = old.get("machine", machine), old.get("settings", settings)
+    if old:
+        measured = {(r["name"], r["world_size"]) for r in rows}
+        rows = [r for r in old.get("rows", []) if (r["name"], r["world_size"]) not in measured] + rows
     result = {
         "benchmark": "zero",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "settings": {k: v for k, v in vars(args).items() if k in ("width", "depth", "heads", "size", "batch", "steps",
-                                                                   "skip", "worlds", "rows", "repeat", "quick")},
+        "machine": machine,
+        "settings": settings,
         "rows": rows,
         "ratios": ratios(rows),
     }
+    if act_rows:
+        result["activation_checkpointing"] = {
+            "settings": {k: v for k, v in vars(args).items() if k in ("width", "depth", "heads", "size", "batch",
+                                                                       "worlds", "quick")},
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            "rows": act_rows, "ratios": activation_ratios(act_rows)}
+    elif "activation_checkpointing" in old:
+        result["activation_checkpointing"] = old["activation_checkpointing"]
+    if not pairs and "stage0_vs_manual_pairs" in old:
+        result["stage0_vs_manual_pairs"] = old["stage0_vs_manual_pairs"]
+        key = "stage0_samples_per_s_vs_manual_allreduce_2ranks_median_of_pairs"
+        if key in old.get("ratios", {}):
+            result["ratios"][key] = old["ratios"][key]
     if pairs:
         result["stage0_vs_manual_pairs"] = [
             {"manual_samples_per_s": a["samples_per_s"], "ddp_samples_per_s": b["samples_per_s"],
@@ -307,8 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(table(rows))
     print(json.dumps(result["ratios"], indent=2))
+    if act_rows:
+        print(json.dumps(result["activation_checkpointing"]["ratios"], indent=2))
     print(f"wrote {args.out}")
-    return 1 if any("error" in r for r in rows) else 0
+    return 1 if any("error" in r for r in rows + act_rows) else 0
 
 
 if __name__ == "__main__":

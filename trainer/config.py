@@ -170,16 +170,29 @@ class ParallelSection:
     # of once at the accumulation boundary
     reduce_every_micro_step: bool = False
     find_unused_parameters: bool = False  # parameters that get no gradient in some step (DDP's flag)
-    node_size: int = 0  # ranks per node (consecutive ranks); 0 = all on one node. Byte accounting, hpZ, two-hop qgZ
+    # ranks per node for the byte accounting, hpZ and two-hop qgZ: 0 = as observed (every rank reports its node:
+    # trainer/cluster/topology.py); a positive value asserts that many consecutive ranks per node (checked)
+    node_size: int = 0
     # ZeRO++ (stages 1-3; trainer/parallel/quant.py): int8 parameter all-gathers (qwZ), int8/int4 gradient
     # exchange by all-to-all summed in fp32 (qgZ), the backward all-gather kept inside the node (hpZ, stage 3)
     quant_weights: str = "none"  # "none" or "int8"
     quant_grads: str = "none"  # "none", "int8" or "int4"
     quant_block: int = 256  # elements per quantization block (one fp32 scale each)
     hierarchical: bool = True  # qgZ in two hops (inside the node, then across) when node_size splits the ranks
+    # how gradients are reduce-scattered (stages 1-3): "auto" = dutycycle's all-to-all summed in fp32 when
+    # quantized (qgZ), the backend's reduce_scatter otherwise; "all_to_all" = the same all-to-all in fp32 (on gloo,
+    # whose reduce-scatter is an all-reduce underneath, it moves half the bytes); "native" = the backend's
+    reduce_scatter: str = "auto"
     error_feedback: bool = False  # keep each rank's gradient quantization error and send it with the next step
     hpz: bool = False  # stage 3: reshard to a node-sized group after forward (parallel.node_size)
+    # stages 1-3: each unit prefetches the next unit's all-gather (forward) and the previous one's (backward),
+    # asynchronously, so the transfer overlaps compute (trainer/parallel/comm.py); false: FSDP2's defaults (on
+    # CPU every all-gather then blocks where it is issued)
+    overlap: bool = True
     bucket_mb: float = 25.0  # DDP gradient bucket size (stage 0)
+    # recompute each block of model.blocks in backward instead of keeping its activations (any stage;
+    # trainer/parallel/activation.py): activation memory of ~one block instead of all, for one more forward
+    activation_checkpointing: bool = False
     cpus_per_worker: float = 1.0  # Ray CPU reservation per training worker
     threads_per_worker: int = 0  # torch intra-op threads; 0 = cores / workers on this node
 
@@ -188,6 +201,11 @@ class ParallelSection:
         _one_of(f"{where}.offload", self.offload, ("none", "optimizer"))
         _one_of(f"{where}.quant_weights", self.quant_weights, ("none", "int8"))
         _one_of(f"{where}.quant_grads", self.quant_grads, ("none", "int8", "int4"))
+        _one_of(f"{where}.reduce_scatter", self.reduce_scatter, ("auto", "all_to_all", "native"))
+        if self.reduce_scatter == "native" and self.quant_grads != "none":
+            raise ConfigError(f"{where}.reduce_scatter = 'native' cannot carry quantized gradients ({where}.quant_grads "
+                              f"= {self.quant_grads!r} is exchanged by all-to-all); use \"auto\" or quant_grads = "
+                              "\"none\"")
         _positive(where, self, "num_workers")
         _not_negative(where, self, "cpus_per_worker")
         _one_of(f"{where}.zero_stage", self.zero_stage, (0, 1, 2, 3))
@@ -215,7 +233,7 @@ class ParallelSection:
             if self.zero_stage != 3:
                 raise ConfigError(f"{where}.hpz = true needs {where}.zero_stage = 3 (got {self.zero_stage}): only "
                                   "stage 3 gathers parameters again in backward")
-            if not 1 < self.node_size < self.num_workers:
+            if self.node_size and not 1 < self.node_size < self.num_workers:  # 0: checked on the observed layout
                 raise ConfigError(f"{where}.hpz = true needs {where}.node_size between 2 and {where}.num_workers - 1 "
                                   f"(got node_size = {self.node_size}, num_workers = {self.num_workers}): the "
                                   "secondary shard lives on the ranks of one node")
@@ -246,7 +264,13 @@ class CheckpointSection:
     with checksums written last."""
 
     every: int = 0  # optimizer steps between saves (and one at the last step); 0 = no checkpoints
-    dir: str = ""  # any fsspec URI; "" = RUN_DIR/checkpoints
+    # any fsspec URI; "" = RAY_STORAGE/RUN_NAME/checkpoints when ray.storage_path is set (Ray Train's shared
+    # storage), else RUN_DIR/checkpoints
+    dir: str = ""
+    # Ranks on several nodes each write their own files, and rank 0's manifest names them all: a local path is
+    # refused then (each node would hold a part), unless it is a file system every node mounts (NFS, a mounted
+    # bucket) and this says so. Object stores (s3://, gs://, ...) need nothing.
+    shared_fs: bool = False
     keep: int = 2  # committed checkpoints kept (at least 2: the newest may be the one being replaced)
     # true: the step blocks only for the snapshot into host memory, the write streams in the background (at most
     # one save in flight; a save due while the previous one still writes waits for it, counted as stall).

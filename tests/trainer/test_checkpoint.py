@@ -213,6 +213,29 @@ def test_metadata_json_round_trips_dcps_index(tmp_path):
     assert {k: tuple(v) for k, v in again.planner_data.items()} == original.planner_data
 
 
+def test_every_index_is_fsynced_with_all_its_bytes_before_write_state_returns(tmp_path, monkeypatch):
+    """A real dcp save through write_state on a local disk: os.fsync is wrapped only to record which file each
+    descriptor names and how many of its bytes were on disk then. metadata.json must be fsynced (it was not), and
+    so must .metadata with all its bytes (DCP fsynced its buffered file before the pickle left the buffer)."""
+    from dutycycle.trainer.checkpoint.storage import write_state
+
+    real_fsync, synced = os.fsync, {}
+
+    def recording_fsync(fd):
+        synced[os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))] = os.fstat(fd).st_size
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    records = write_state(state_for(3), str(tmp_path / "ck"))
+    monkeypatch.undo()
+    on_disk = {f: os.path.getsize(tmp_path / "ck" / f) for f in os.listdir(tmp_path / "ck")}
+    assert mf.METADATA_JSON in records and synced.get(mf.METADATA_JSON) == on_disk[mf.METADATA_JSON] > 0
+    assert synced.get(".metadata.tmp") == on_disk[".metadata"] > 0
+    for name, size in on_disk.items():
+        if name.endswith(".distcp"):
+            assert synced.get(name) == size
+
+
 def test_retention_keeps_the_newest_k_and_clears_torn_directories(tmp_path):
     (tmp_path / "step-00000002").mkdir(parents=True)  # torn, older than what comes
     (tmp_path / "step-00000099").mkdir()  # torn, newer: left alone
@@ -295,11 +318,15 @@ def test_ray_train_pointer_resolves_to_the_commit(tmp_path):
     from dutycycle.trainer.checkpoint.raytrain import POINTER
     from ray.train import Checkpoint
 
-    (tmp_path / POINTER).write_text(json.dumps({"uri": "s3://b/run/checkpoints/step-00000008", "step": 8}))
-    assert checkpoint_uri(Checkpoint.from_directory(str(tmp_path))) == {
-        "uri": "s3://b/run/checkpoints/step-00000008", "step": 8}
-    (tmp_path / POINTER).unlink()
-    assert checkpoint_uri(Checkpoint.from_directory(str(tmp_path))) is None
+    commit = tmp_path / "run" / "checkpoints" / "step-00000008"
+    commit.mkdir(parents=True)
+    (commit / "manifest.json").write_text("{}")
+    pointer = tmp_path / "pointer"
+    pointer.mkdir()
+    (pointer / POINTER).write_text(json.dumps({"uri": str(commit), "step": 8}))
+    assert checkpoint_uri(Checkpoint.from_directory(str(pointer))) == {"uri": str(commit), "step": 8}
+    (pointer / POINTER).unlink()
+    assert checkpoint_uri(Checkpoint.from_directory(str(pointer))) is None
 
 
 def test_checkpoint_async_is_accepted_as_a_key(tmp_path):

@@ -98,6 +98,46 @@ def test_non_finite_loss_stops_with_step_and_loss(tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
 
 
+class _InfGrad(torch.autograd.Function):
+    """Identity forward (the loss stays finite); the gradient flowing back through it becomes infinite."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * math.inf
+
+
+class InfGradAt(NaNAfter):
+    """A plug-in model whose 4th forward pass gives a finite loss but an infinite gradient."""
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.lin(x.mean(dim=(2, 3)))
+        return _InfGrad.apply(out) if self.calls == 4 else out
+
+
+def inf_grad_model(cfg, in_channels, num_classes, image_size):
+    return InfGradAt()
+
+
+def test_infinite_gradient_without_clipping_is_caught_at_its_own_step(tmp_path):
+    """optim.grad_clip = 0 computes no clipping norm; an infinite gradient at a finite loss (step 4, global batch
+    3) must still be caught at step 4, not at step 5, whose loss it turns NaN (blaming, and skipping, batch 4)."""
+    from dutycycle.trainer.launch.train import train
+
+    cfg = small_cfg(tmp_path, "model.name=tests.trainer.test_loop:inf_grad_model", "run.log_every=2",
+                    "optim.grad_clip=0")
+    with pytest.raises(TrainingDiverged, match=r"gradient norm became (inf|nan) at step 4 ") as err:
+        train(cfg, local=True, quiet=True)
+    assert (err.value.step, err.value.epoch, err.value.batch) == (4, 0, 3)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(math.isfinite(r["grad_norm"]) for r in steps)
+
+
 def test_local_run_learns_and_writes_outputs(tmp_path):
     from dutycycle.trainer.launch.train import train
 

@@ -165,6 +165,24 @@ def _collective_checks(rank: int, world: int) -> dict:
                 "growth": float(acc.max() / first.max()),  # accumulated error after T steps over after 1
             }
 
+    # --- error feedback after one non-finite gradient (the last rank's input holds a NaN once): that call's
+    # output carries the NaN on every rank (the loop's check must fire), and the calls after it are finite again:
+    # what the NaN block lost never enters the residual, which would otherwise send it at every later call
+    for mode in ["flat", "hier"]:
+        h = hierarchies["hier"] if mode == "hier" else None
+        residual = torch.zeros(world * N)
+        bad = mine.clone()
+        if rank == world - 1:
+            bad.view(world, N)[:, 0] = float("nan")  # element 0 of every rank's chunk
+        outputs = []
+        for x in (bad, mine, mine, mine):
+            o = torch.empty(N)
+            quantized_reduce_scatter(o, x, None, SUM, bits=4, hierarchy=h, residual=residual)
+            outputs.append(o)
+        out["checks"][f"ef_nan_{mode}_seen_once"] = bool(outputs[0].isnan().any())
+        out["checks"][f"ef_nan_{mode}_later_calls_finite"] = all(bool(o.isfinite().all()) for o in outputs[1:])
+        out["checks"][f"ef_nan_{mode}_residual_finite"] = bool(residual.isfinite().all())
+
     # --- misuse gets a clear error
     errors = {}
     for name, call in {

@@ -152,6 +152,31 @@ def test_non_finite_values_poison_their_block_only():
     assert bool(dequantize(quantize(big)).isnan().all())
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fp32_maximum_dequantizes_finite(bits):
+    """A block whose absmax is fp32's maximum (3.4028235e38) comes back finite and within the bound: the scale
+    absmax/127 rounds up, and 127 * s used to overflow to inf. 1-row, multi-row and through decode_sum."""
+    fmax = torch.finfo(torch.float32).max
+    gen = torch.Generator().manual_seed(9)
+    row = torch.randn(300, generator=gen)
+    row[5], row[260] = fmax, -fmax  # one maximum in each of two blocks of 256
+    rows = torch.stack((row, -row, torch.randn(300, generator=gen)))
+    rows[2, 299] = torch.nextafter(torch.tensor(fmax), torch.tensor(0.0))  # the short last block
+    for x in (row, rows):
+        y = dequantize(quantize(x, bits))
+        assert bool(y.isfinite().all()), f"int{bits}: a finite block dequantized to inf"
+        assert worst_ratio(x, bits, 256) <= slack(bits)
+        buf = encode(x, bits)
+        assert torch.equal(decode(buf, 300, bits), y)
+        summed = decode_sum(buf.reshape((1,) + buf.shape), 300, bits)  # one sender: the sum is the row itself
+        assert bool(summed.isfinite().all()) and torch.equal(summed, y)
+    # a NaN or an infinity next to the maximum still poisons its block
+    bad = row.clone()
+    bad[6] = math.inf
+    y = dequantize(quantize(bad, bits))
+    assert bool(y[:256].isnan().all()) and bool(y[256:].isfinite().all())
+
+
 def test_low_precision_inputs_and_subnormal_blocks():
     x = torch.randn(700, generator=torch.Generator().manual_seed(6))
     for dtype in (torch.bfloat16, torch.float16, torch.float64):

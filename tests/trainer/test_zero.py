@@ -245,6 +245,59 @@ def test_memory_held_matches_the_stage_formula(exactness):
                 assert a["held"]["optimizer"] <= o0 / world * 1.01 + 2 * a["pad_bytes"], config
 
 
+def _unclipped_norms(rank, world):
+    from ..support.zero_worker import train
+
+    out = {"ref": train(0, 1, stage=0, grad_clip=0.0, steps=2)[3]}  # one process, nothing to shard
+    for stage in (0, 3):
+        kw = {"stage": stage, "steps": 2, "find_unused": stage == 0}
+        strategy, _, _, unclipped = train(rank, world, grad_clip=0.0, **kw)
+        out[stage] = {"unclipped": unclipped, "clipped": train(rank, world, grad_clip=1e9, **kw)[3],
+                      "kinds": sorted(strategy.meter.traffic["train"].per_kind_bytes())}
+    return out
+
+
+def test_the_gradient_norm_without_clipping_is_global_on_ddp_and_fsdp2():
+    """optim.grad_clip = 0 still computes the global gradient norm (the step log's non-finite check reads it):
+    on FSDP2 shards it equals the clipping norm and one process's, not a rank's partial norm; it adds no counted
+    collective."""
+    for r in run_distributed(_unclipped_norms, 2, timeout=240):
+        for stage in ("0", "3"):
+            a = r[stage]
+            assert a["unclipped"] == pytest.approx(a["clipped"], rel=1e-12), (stage, a)
+            assert a["unclipped"] == pytest.approx(r["ref"], rel=1e-10), (stage, a, r["ref"])
+        assert r["0"]["kinds"] == ["all_reduce"] and r["3"]["kinds"] == ["all_gather", "reduce_scatter"], r
+
+
+def _bf16_summary(rank, world):
+    import torch
+    from dutycycle.trainer.config import load_config
+    from dutycycle.trainer.step.loop import WorkerContext, train_worker
+
+    torch.set_num_threads(1)
+    # width 8: every parameter's first dimension divides by 2, so FSDP2 adds no padding to the counted bytes
+    cfg = load_config(None, ["data.source=synthetic", "data.size=8", "data.global_batch_size=8",
+                             "data.synthetic_samples=32", "model.width=8", "run.max_steps=2", "run.eval_every=0",
+                             "run.log_every=0", "run.precision=bf16", "parallel.zero_stage=3",
+                             f"parallel.num_workers={world}"])
+    s = train_worker(cfg, WorkerContext(rank=rank, world_size=world))
+    return {k: s["parallel"][k] for k in ("traffic_per_step", "expected_traffic_per_step", "precision")} | {
+        "num_params": s["num_params"]}
+
+
+def test_bf16_stage3_expected_traffic_matches_the_counted_bytes():
+    """Through train_worker's summary at 2 ranks: under bf16 mixed precision FSDP2 gathers bf16 parameters (2
+    bytes) and reduce-scatters fp32 gradients (4 bytes); the expected figure used 4 bytes for both."""
+    r = run_distributed(_bf16_summary, 2, timeout=240)[0]
+    sent, expected = r["traffic_per_step"], r["expected_traffic_per_step"]
+    assert r["precision"] == "bf16" and sent.keys() == expected.keys() == {"all_gather", "reduce_scatter"}, r
+    for kind in sent:
+        assert sent[kind] == pytest.approx(expected[kind], rel=1e-12), (kind, r)
+    # stage 3, one micro-batch: forward and backward gathers, 2 bytes a parameter; one fp32 reduce-scatter
+    assert expected["all_gather"] == pytest.approx(2 * r["num_params"] * 2 / 2, rel=1e-12)
+    assert expected["reduce_scatter"] == pytest.approx(r["num_params"] * 4 / 2, rel=1e-12)
+
+
 def test_non_elementwise_optimizer_is_refused_at_stage_1_and_above():
     from dutycycle.engine.errors import ConfigError
     from dutycycle.trainer.config import load_config

@@ -19,6 +19,14 @@ CONFIGS = {  # name -> parallel config keys (stage 3, node_size 2; hierarchical 
     "grads-int8-twohop": dict(quant_grads="int8"),
     "grads-int4-flat": dict(quant_grads="int4", hierarchical=False),
     "grads-int8-feedback": dict(quant_grads="int8", error_feedback=True),
+    # the all-to-all reduce-scatter of qgZ, unquantized: the algorithm apart from the quantization
+    "fp32-a2a": dict(reduce_scatter="all_to_all"),
+    # overlap (prefetched, asynchronous all-gathers) is on by default; off: FSDP2's blocking unshards
+    "fp32-no-overlap": dict(overlap=False),
+    "int8-flat-no-overlap": dict(quant_weights="int8", quant_grads="int8", hierarchical=False, overlap=False),
+    # two micro-batches: hpZ keeps the secondary shard between them
+    "fp32-micro2": dict(micro_batches=2),
+    "fp32-hpz-micro2": dict(hpz=True, micro_batches=2),
 }
 
 
@@ -66,7 +74,8 @@ def _four_rank_worker(rank, world):
             "rs": _bytes(t, "reduce_scatter"), "rs_inter": _bytes(t, "reduce_scatter", "inter"),
             "ag": _bytes(t, "all_gather"), "ag_inter": _bytes(t, "all_gather", "inter"),
             "hpz": _bytes(t, "all_gather_hpz"), "hpz_inter": _bytes(t, "all_gather_hpz", "inter"),
-            "hpz_calls": t.calls.get("all_gather_hpz", 0),
+            "hpz_calls": t.calls.get("all_gather_hpz", 0), "ag_calls": t.calls.get("all_gather", 0),
+            "async_started": strategy.meter.async_started,
             "residuals": _residuals(strategy),
         }
     return out
@@ -102,6 +111,37 @@ def test_hpz_backward_gathers_stay_inside_the_node(four):
             assert c["ag_inter"] > 0  # the forward gather still spans both nodes
     # and without hpZ the backward gathers cross nodes as well: hpZ halves the inter-node all-gather bytes
     assert four[0]["fp32-hpz"]["ag_inter"] * 2 == four[0]["fp32"]["ag_inter"]
+
+
+def test_the_fp32_all_to_all_reduce_scatter_is_the_same_sum(four):
+    """``parallel.reduce_scatter = "all_to_all"``: qgZ's exchange without quantization (two hops here) gives the
+    fp32 step up to fp32 summation order (4 terms: a few ulp of each gradient, ~1e-7 relative; 1e-5 leaves room
+    for SGD's lr = 0.5 scaling), and sends 1/node_size of the flat inter-node bytes, as the int8 form does."""
+    r = four[0]
+    assert 0 <= _relative_update_error(r, "fp32-a2a") < 1e-5
+    assert 0 < r["fp32-a2a"]["rs_inter"] <= r["fp32"]["rs_inter"] / NODE
+
+
+def test_overlapped_gathers_change_nothing_but_when_they_wait(four):
+    """With overlap (the default) the all-gathers, plain and int8, start asynchronously and are waited on where
+    FSDP2 needs the weights; the step's result is bit-identical to blocking gathers and the bytes are the same.
+    Without overlap none starts asynchronously (the count is what makes this test able to fail)."""
+    for r in four:
+        for on, off in (("fp32", "fp32-no-overlap"), ("int8-flat", "int8-flat-no-overlap")):
+            assert r[on]["params"] == r[off]["params"] and r[on]["probe"] == r[off]["probe"], on
+            assert (r[on]["ag"], r[on]["rs"]) == (r[off]["ag"], r[off]["rs"]), on
+            assert r[on]["async_started"] > 0 and r[off]["async_started"] == 0, (on, r[on]["async_started"])
+
+
+def test_hpz_keeps_the_secondary_shard_across_micro_batches(four):
+    """Two micro-batches: one forward gather across nodes per step (not one per micro-batch); the second forward
+    and both backwards gather from the secondary shard inside the node; the weights equal stage 3's exactly."""
+    for r in four:
+        one, two, plain = r["fp32-hpz"], r["fp32-hpz-micro2"], r["fp32-micro2"]
+        assert two["params"] == plain["params"]
+        assert two["ag_calls"] == one["ag_calls"] and two["ag"] == one["ag"]  # world gathers: once per step
+        assert two["hpz_calls"] == 3 * one["hpz_calls"] and two["hpz_inter"] == 0  # 2M - 1 = 3 node gathers
+        assert plain["ag_calls"] > 2 * two["ag_calls"]  # stage 3 without hpZ: world gathers in every pass
 
 
 def _relative_update_error(r, name):
@@ -155,7 +195,7 @@ def test_int8_weight_gathers_perturb_the_forward_by_int8_error(four):
 @pytest.mark.parametrize("overrides,match", [
     (["parallel.quant_grads=int8"], r"parallel.quant_grads = 'int8' quantizes FSDP2's collectives"),
     (["parallel.zero_stage=2", "parallel.hpz=true", "parallel.node_size=2"], r"hpz = true needs parallel.zero_stage = 3"),
-    (["parallel.zero_stage=3", "parallel.hpz=true"], r"hpz = true needs parallel.node_size between 2"),
+    (["parallel.zero_stage=3", "parallel.hpz=true", "parallel.node_size=4"], r"hpz = true needs parallel.node_size between 2"),
     (["parallel.zero_stage=3", "parallel.error_feedback=true"], r"error_feedback = true needs quantized gradients"),
     (["parallel.zero_stage=3", "parallel.quant_grads=int4", "parallel.quant_block=255"], r"quant_block = 255"),
     (["parallel.zero_stage=3", "parallel.quant_grads=int2"], r"parallel.quant_grads = 'int2' is not one of"),

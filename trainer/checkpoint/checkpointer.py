@@ -76,10 +76,12 @@ class Checkpointer:
             return False
         if self.writer is not None:
             self.writer.flush()  # the rows up to this step, durable before any commit of it
+        from dutycycle.trainer.parallel import residuals
         from dutycycle.trainer.parallel.state import sharded_state_dict
 
         self._arm(strategy, optimizer)
         model_sd, optim_sd = sharded_state_dict(strategy, optimizer)
+        comm_layout = residuals.layout(strategy, self.world)
         plan = strategy.plan
         state = TrainerState(
             step=step, epoch=int((loader_state or {}).get("epoch", 0)), loader=dict(loader_state or {}), rng=[],
@@ -87,8 +89,10 @@ class Checkpointer:
             schedule={"total_steps": self.total, "lr": self.cfg.optim.lr, "warmup_steps": self.cfg.optim.warmup_steps,
                       "schedule": self.cfg.optim.schedule, "min_lr_ratio": self.cfg.optim.min_lr_ratio},
             config=self.cfg.to_dict(), data=self.data,
-            strategy={"name": strategy.name, "zero_stage": plan.zero_stage})
-        stall, commit = self.saver.save(step, {"model": model_sd, "optim": optim_sd}, state, capture_rng(self.device))
+            strategy={"name": strategy.name, "zero_stage": plan.zero_stage,
+                      **({"residuals": comm_layout} if comm_layout else {})})
+        tensors = {"model": model_sd, "optim": optim_sd, **residuals.state_dict(strategy, self.rank)}
+        stall, commit = self.saver.save(step, tensors, state, capture_rng(self.device))
         self.stalls.append(stall)
         self._committed(commit)
         return True
@@ -104,9 +108,11 @@ class Checkpointer:
     def _arm(self, strategy, optimizer) -> None:
         """Asynchronous saves copy the state while training goes on, so whatever changes it must wait for the
         copy: the optimizer step (parameters and optimizer state), and forward too when the model has buffers
-        (e.g. running statistics, updated in forward)."""
+        (e.g. running statistics, updated in forward) or error-feedback residuals (updated by the reduce-scatter
+        in the backward that follows)."""
         if self._hooks is not None or not self.c.async_save:
             return
+        from dutycycle.trainer.parallel import residuals
 
         def waiter(phase):
             def hook(*_args, **_kwargs):
@@ -114,7 +120,7 @@ class Checkpointer:
             return hook
 
         self._hooks = [optimizer.register_step_pre_hook(waiter("optimizer"))]
-        if any(True for _ in strategy.module.buffers()):
+        if any(True for _ in strategy.module.buffers()) or residuals.holders(strategy):
             self._hooks.append(strategy.model.register_forward_pre_hook(waiter("forward_backward")))
 
     def _committed(self, commit: Commit | None) -> None:
@@ -177,7 +183,8 @@ class Checkpointer:
         return restored
 
     def _load(self, selected, strategy, optimizer, source, saved=None) -> Restored:
-        state = resume.load(selected, strategy, optimizer, source, rank=self.rank, device=self.device, state=saved,
+        state = resume.load(selected, strategy, optimizer, source, rank=self.rank, world=self.world,
+                            device=self.device, state=saved,
                             force_loader_state=self.c.force_loader_state)
         self.skipped = {(e, b) for e, b in state.skipped}
         epoch, index = source.position()

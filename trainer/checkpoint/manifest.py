@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from dutycycle.engine import io, sealed
-from dutycycle.engine.errors import CorruptArtifactError
+from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 
 FORMAT = "dutycycle-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -228,5 +228,32 @@ def retention(root: str, keep: int, newest: int) -> list[int]:
 
 
 def checkpoint_root(cfg, run_dir: str) -> str:
-    """Where a run's checkpoints go: ``checkpoint.dir``, else ``RUN_DIR/checkpoints`` ("" without either)."""
-    return cfg.checkpoint.dir or (io.join(run_dir, "checkpoints") if run_dir else "")
+    """Where a run's checkpoints go: ``checkpoint.dir``; else under Ray Train's storage when ``ray.storage_path`` is
+    set (``STORAGE/RUN_NAME/checkpoints``: the place a Ray user already made shared); else ``RUN_DIR/checkpoints``
+    ("" without any)."""
+    if cfg.checkpoint.dir:
+        return cfg.checkpoint.dir
+    if cfg.ray.storage_path:
+        return io.join(cfg.ray.storage_path, cfg.run.name, "checkpoints")
+    return io.join(run_dir, "checkpoints") if run_dir else ""
+
+
+def shared_root(cfg, root: str) -> bool:
+    """Whether every node sees the checkpoint ``root``: an object store, a path ``checkpoint.shared_fs`` vouches
+    for, or the default under ``ray.storage_path`` (which Ray Train itself needs shared on a multi-node cluster)."""
+    return io.protocol(root) != "file" or cfg.checkpoint.shared_fs or \
+        (not cfg.checkpoint.dir and bool(cfg.ray.storage_path))
+
+
+def check_shared(cfg, world, root: str) -> None:
+    """Refuse a local checkpoint path when the ranks span nodes, before training starts: each node would write
+    only its own ranks' files while rank 0's manifest names them all, so no node could verify a commit (every
+    resume would start over from step 0), and retention on rank 0 would never delete the other nodes' files.
+    ``world``: the observed layout (cluster/topology.py)."""
+    if not root or cfg.checkpoint.every <= 0 or world.num_nodes < 2 or shared_root(cfg, root):
+        return
+    raise ConfigError(f"checkpoint.dir = {root!r} is a local path and the workers run on {world.num_nodes} nodes "
+                      f"({world.placement()}): each node would hold only its own ranks' files. Use an object store "
+                      "(checkpoint.dir = \"s3://bucket/prefix\"), set ray.storage_path to shared storage (checkpoints "
+                      "then go under it), or, if the path is on a file system every node mounts (NFS), set "
+                      "checkpoint.shared_fs = true")

@@ -104,11 +104,13 @@ def check_compatible(saved: TrainerState, cfg, fingerprint: str, uri: str) -> No
                           "\"none\" to start fresh")
 
 
-def load(selected: Selected, strategy, optimizer, source, *, rank: int, device=None,
+def load(selected: Selected, strategy, optimizer, source, *, rank: int, world: int = 1, device=None,
          state: TrainerState | None = None, force_loader_state: bool = False) -> TrainerState:
-    """Load model, optimizer, loader position and this rank's RNG from a verified checkpoint (every rank).
+    """Load model, optimizer, error-feedback residuals (residuals.py), loader position and this rank's RNG from a
+    verified checkpoint (every rank).
     ``state``: its trainer state when the caller has already read it. ``force_loader_state``: load the loader
     position even when the saved plan inputs differ from this run's (``checkpoint.force_loader_state``)."""
+    from dutycycle.trainer.parallel import residuals
     from dutycycle.trainer.parallel.state import sharded_state_dict
 
     from .storage import read_state
@@ -116,10 +118,12 @@ def load(selected: Selected, strategy, optimizer, source, *, rank: int, device=N
     if state is None:
         state = read_trainer_state(selected)
     model_sd, optim_sd = sharded_state_dict(strategy, optimizer)
-    read_state({"model": model_sd, "optim": optim_sd}, selected.uri, set(selected.manifest.files))
+    comm, dropped = residuals.load_targets(strategy, state.strategy.get("residuals"), rank, world, device)
+    read_state({"model": model_sd, "optim": optim_sd, **comm}, selected.uri, set(selected.manifest.files))
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     set_state_dict(strategy.module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    residuals.apply(strategy, comm, rank, dropped, selected.uri)
     try:
         source.load_state_dict(state.loader, force=force_loader_state)
     except ConfigError as e:  # the loader names the differing field; say how a trainer user accepts it

@@ -77,6 +77,9 @@ class _HashingStream(_io.RawIOBase):
         self.raw.flush()
 
     def fileno(self) -> int:
+        # callers take the descriptor to fsync it (DCP's finish does for .metadata right after pickle.dump):
+        # flush first, or the tail still in the buffered file object would miss the fsync (it did: 0 bytes)
+        self.raw.flush()
         return self.raw.fileno()
 
     def close(self) -> None:
@@ -127,6 +130,11 @@ class _Writer(FsspecWriter):
         data = json.dumps(metadata_to_json(metadata), separators=(",", ":")).encode()
         with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_JSON), "wb") as f:
             f.write(data)
+            if self.sync_files:  # durable before the caller writes a manifest naming it, as .metadata is
+                try:
+                    os.fsync(f.fileno())
+                except (AttributeError, _io.UnsupportedOperation):
+                    os.sync()
 
 
 def write_state(state: dict, uri: str, process_group=None) -> dict[str, FileRecord]:

@@ -35,6 +35,8 @@ def resolve_run_dir(cfg: TrainConfig) -> str:
     c = cfg.checkpoint
     if c.dir and io.protocol(c.dir) == "file":
         c.dir = os.path.abspath(c.dir)
+    if cfg.ray.storage_path and io.protocol(cfg.ray.storage_path) == "file":
+        cfg.ray.storage_path = os.path.abspath(cfg.ray.storage_path)
     if c.resume not in ("auto", "none") and io.protocol(c.resume) == "file":
         c.resume = os.path.abspath(c.resume)
     return cfg.run.dir
@@ -171,6 +173,10 @@ def train_ray(cfg: TrainConfig) -> dict:
     storage = cfg.ray.storage_path or io.join(cfg.run.dir, "ray")
     if io.protocol(storage) == "file":
         storage = os.path.abspath(storage)
+    from dutycycle.trainer.checkpoint.raytrain import set_aside_damaged_run_state
+
+    # dutycycle's commits decide where a run resumes: a damaged Ray Train record must not stop the start
+    set_aside_damaged_run_state(storage, cfg.run.name)
     trainer = TorchTrainer(
         _ray_train_fn,
         train_loop_config={"config": cfg.to_dict(), "run_dir": cfg.run.dir, "use_gpu": gpu},

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from dutycycle.trainer.cluster.world import World
 from torch import nn
 
+from .activation import checkpoint_blocks
 from .comm import (
     CommMeter,
     CountingAllGather,
@@ -102,6 +103,10 @@ class FSDPStrategy(Strategy):
         root.set_requires_gradient_sync(self.plan.syncs_gradients(micro))
         root.set_reshard_after_backward(self.plan.reshards_after_backward(micro))
         yield
+        if self.plan.keeps_secondary(micro):  # hpZ: down to the secondary shard, not further (plan.py)
+            from .fsdp_api import reshard_to_secondary
+
+            reshard_to_secondary(root)
 
     def after_eval(self) -> None:
         from .fsdp_api import fsdp_modules
@@ -167,19 +172,23 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     """Wrap ``model`` (already on ``device``, identical on every rank) for data-parallel training.
 
     ``parallel`` is the config's parallel section (``trainer.config.ParallelSection``): the ZeRO stage, offload,
-    the DDP bucket size and unused-parameter flag, the ZeRO++ options (quantized collectives, hpZ).
+    the DDP bucket size and unused-parameter flag, the ZeRO++ options (quantized collectives, hpZ), activation
+    checkpointing per block (activation.py).
     ``world`` is this rank, the world size and which ranks share a node; the node layout feeds the
     intra/inter-node split of the byte counts, hpZ's secondary shard and two-hop qgZ. The rest is the run's:
     ``precision`` is the resolved compute precision: ``"fp32"``, ``"fp64"`` (the model is float64 already) or
     ``"bf16"`` (stage 0: the loop autocasts; stages 1-3: FSDP2 keeps fp32 sharded master weights, gathers bf16
     parameters and reduces gradients in fp32); ``micro_batches`` per optimizer step (``data.micro_batches``)."""
     p, world_size = parallel, world.size
-    topology = Topology.uniform(world_size, world.ranks_per_node)
+    topology = Topology(world.node_ids)  # as the ranks reported it (cluster/topology.py)
     meter = CommMeter(world.rank, topology, host_timing=device.type == "cpu")
     plan = make_plan(p.zero_stage, world_size, micro_batches, p.reduce_every_micro_step, p.offload != "none",
                      reshard_group=world.node_size if p.hpz else 0)
     quant = make_quantization(p, world)
     compute_dtype = torch.float64 if precision == "fp64" else torch.float32
+    if p.activation_checkpointing:
+        # first: DDP and fully_shard then wrap the checkpointed blocks (FSDP2 shards each wrapper as the unit)
+        checkpoint_blocks(model)
 
     if not plan.fsdp:
         if world_size == 1:
@@ -218,15 +227,34 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
         hierarchy = make_hierarchy(topology, device=device)
     gather = QuantAllGather(meter, quant.weights_bits, quant.block) if quant.weights_bits < 32 \
         else CountingAllGather(meter)
+    if p.overlap:
+        _prefetch(model, [block for _, block in units])
     for m in fsdp_modules(model):  # the setters are per module, not recursive
         m.set_custom_all_gather(gather)
         m.set_custom_reduce_scatter(
             QuantReduceScatter(meter, quant.grads_bits, quant.block, hierarchy, quant.error_feedback)
-            if quant.grads_bits < 32 else CountingReduceScatter(meter))
+            if quant.grads_all_to_all else CountingReduceScatter(meter))
         if p.find_unused_parameters:
             m.set_reduce_scatter_unused_params(True, recurse=False)
     return FSDPStrategy(model=model, module=model, plan=plan, meter=meter, name="fsdp2",
                         compute_dtype=compute_dtype, units=[n for n, _ in units], quant=quant)
+
+
+def _prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Explicit prefetch, as torchtitan sets it: in forward each block issues the next block's all-gather once its
+    own is copied out, in backward the previous block's; the root (the first unit forward runs) prefetches the
+    first block. Issued with ``async_op=True`` (fsdp_api.set_unshard_async) so the transfer runs while this
+    block computes; FSDP2 waits for it when the prefetched block starts."""
+    from .fsdp_api import set_unshard_async
+
+    if blocks:
+        model.set_modules_to_forward_prefetch([blocks[0]])
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])
+    set_unshard_async(model)
 
 
 def ensure_process_group(device: torch.device) -> None:

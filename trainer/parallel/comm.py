@@ -7,8 +7,15 @@ and (ZeRO++: ``QuantAllGather``, ``QuantReduceScatter`` over qcollectives.py) re
 - DDP: ``DistributedDataParallel.register_comm_hook`` takes a function of each gradient bucket.
 
 Every call counts logical bytes into a ``Traffic`` (traffic.py) and, when collectives block the calling thread
-(CPU/gloo: FSDP2 calls them synchronously from its hooks), the seconds the thread was blocked. That blocked
-time is the step's *exposed* communication: the loop moves it out of forward/backward into ``comm``. DDP's
+(CPU/gloo: FSDP2 calls them from its hooks), the seconds the thread was blocked. That blocked time is the
+step's *exposed* communication: the loop moves it out of forward/backward into ``comm``.
+
+Overlap. With ``parallel.overlap`` (apply.py) FSDP2 prefetches the next unit's all-gather and asks for it with
+``async_op=True``: the all-gathers here then start the transfer and return a ``TimedWork`` at once (the quantized
+one encodes first and decodes when FSDP2 waits), so the transfer runs on gloo's threads while this thread computes
+the current unit; only the time FSDP2 later spends in ``wait()`` is exposed. FSDP2 issues its reduce-scatter
+without ``async_op`` (on an accelerator it runs on a side stream; on CPU it blocks), so the reduce-scatters here
+stay synchronous. DDP's
 all-reduce runs on gloo's own threads while backward goes on; its exposed part is the time from the moment the
 last gradient bucket is handed over (all gradients computed) until backward returns. On GPU, collectives run on
 side streams and the host does not wait for them, so host time cannot separate them from compute there:
@@ -37,6 +44,7 @@ class CommMeter:
         self._active = "train"
         self._blocked = 0.0
         self.last_ready: float | None = None  # DDP: when the last bucket of the step was handed to gloo
+        self.async_started = 0  # all-gathers started asynchronously (overlapped with compute until waited on)
         self._group_ranks: dict[int, list[int]] = {}
 
     @contextmanager
@@ -92,6 +100,31 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class TimedWork(dist.Work):
+    """The work handle of a collective started with ``async_op=True``: ``wait()`` waits for the transfer (those
+    seconds are exposed communication, counted in ``meter``), then runs ``finish`` (the quantized all-gather's
+    decode: compute, not communication). FSDP2 recognizes a handle as asynchronous by its type, ``dist.Work``."""
+
+    def __init__(self, inner: dist.Work, meter: CommMeter, finish=None, started_async: bool = True):
+        super().__init__()
+        self.inner, self.meter, self.finish = inner, meter, finish
+        self._done = False
+        meter.async_started += started_async
+
+    def wait(self, timeout=None) -> bool:
+        if not self._done:
+            t0 = time.perf_counter()
+            self.inner.wait()
+            self.meter.add_blocked(time.perf_counter() - t0)
+            if self.finish is not None:
+                self.finish()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
 class CountingAllGather(AllGather):
     """FSDP2's all-gather, unchanged (``all_gather_single``), counted and timed. A gather over a group smaller
     than the world is hpZ's backward gather (FSDP2 reshards to the node-sized group after forward): counted as
@@ -106,8 +139,11 @@ class CountingAllGather(AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         secondary = len(self.meter.group_ranks(group)) < self.meter.topology.world_size
         self.meter.count("all_gather_hpz" if secondary else "all_gather", _nbytes(output_tensor), group)
-        with self.meter.blocking(enabled=not async_op):
-            return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        if async_op:
+            return TimedWork(dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True),
+                             self.meter)
+        with self.meter.blocking():
+            return dist.all_gather_single(output_tensor, input_tensor, group=group)
 
 
 class CountingReduceScatter(ReduceScatter):
@@ -137,14 +173,17 @@ class QuantAllGather(CountingAllGather):
         self.bits, self.block = bits, block
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        from .qcollectives import quantized_all_gather
+        from .qcollectives import start_quantized_all_gather
 
         if len(self.meter.group_ranks(group)) < self.meter.topology.world_size:
             return super().__call__(output_tensor, input_tensor, group, async_op)
-        with self.meter.blocking():
-            quantized_all_gather(output_tensor, input_tensor, group, bits=self.bits, block=self.block,
-                                 traffic=self.meter.active_traffic, topology=self.meter.topology)
-        return None  # synchronous: FSDP2 accepts no work handle
+        work, finish = start_quantized_all_gather(output_tensor, input_tensor, group, bits=self.bits,
+                                                  block=self.block, traffic=self.meter.active_traffic,
+                                                  topology=self.meter.topology)
+        if async_op:
+            return TimedWork(work, self.meter, finish)
+        TimedWork(work, self.meter, finish, started_async=False).wait()
+        return None  # finished: FSDP2 takes None as "already done"
 
 
 class QuantReduceScatter(CountingReduceScatter):

@@ -11,6 +11,12 @@
   accounting (memory.py) reads them; nothing writes them.
 - ``custom_reduce_scatters``: the reduce-scatter object each module calls (the tests read error feedback's
   residuals from them).
+- ``set_unshard_async``: ``FSDPModule._set_unshard_async_op`` (private): pre-forward/backward unshards and
+  prefetches ask the all-gather for ``async_op=True`` (FSDP2 then waits on the returned ``dist.Work`` at
+  copy-out). Without it, on CPU every unshard, prefetched or not, blocks where it is issued.
+- ``reshard_to_secondary``: ``FSDPParamGroup._to_sharded_post_forward`` (private): hpZ's post-forward reshard
+  (to the node-sized secondary shard) applied after a backward, so the next micro-batch's forward gathers inside
+  the node instead of across nodes.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 __all__ = ["AllGather", "ReduceScatter", "FSDPModule", "custom_reduce_scatters", "fsdp_modules",
-           "held_tensors"]
+           "held_tensors", "reshard_to_secondary", "set_unshard_async"]
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -59,3 +65,19 @@ def custom_reduce_scatters(model: torch.nn.Module) -> list[ReduceScatter]:
     ``fsdp_modules`` order."""
     return [group._reduce_scatter_comm for module in fsdp_modules(model)
             for group in module._get_fsdp_state()._fsdp_param_groups]
+
+
+def set_unshard_async(model: torch.nn.Module) -> None:
+    """Every FSDP module's unshards (pre-forward, pre-backward, prefetches) ask for ``async_op=True``."""
+    for module in fsdp_modules(model):
+        module._set_unshard_async_op(True)
+
+
+def reshard_to_secondary(model: torch.nn.Module) -> None:
+    """After a backward that kept parameters unsharded: free them down to hpZ's secondary shard (the post-forward
+    mesh), as FSDP2 does after forward. Units without one stay unsharded until the step's last backward: the root,
+    which FSDP2 never reshards after forward either (its parameters are needed again at once)."""
+    for module in fsdp_modules(model):
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            if group.is_unsharded and group._use_post_forward_mesh:
+                group._to_sharded_post_forward()

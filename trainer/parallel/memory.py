@@ -1,4 +1,4 @@
-"""Bytes of model state one rank actually holds: parameters, gradients, optimizer state.
+"""Bytes of model state one rank actually holds: parameters, gradients, optimizer state, error-feedback residuals.
 
 Counted from live tensors, not from a formula: every storage is counted once (a gradient that is a view into a
 DDP bucket counts as the bucket; a sharded parameter as FSDP2's padded flat shard behind it; an unsharded
@@ -38,7 +38,8 @@ def _sum_unique(tensors: Iterable[torch.Tensor], seen: set) -> int:
 
 
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-    """``{"params", "grads", "optimizer"}``: bytes of distinct storages held right now on this rank."""
+    """``{"params", "grads", "optimizer", "residuals"}``: bytes of distinct storages held right now on this rank
+    (``residuals``: error feedback's, a full fp32 gradient per rank; residuals.py)."""
     fsdp = {"sharded_param": [], "unsharded_param": [], "sharded_grad": [], "unsharded_grad": []}
     for kind, t in held_tensors(model):
         fsdp[kind].append(t)
@@ -50,14 +51,16 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
     if optimizer is not None:
         opt = _sum_unique([v for state in optimizer.state.values() for v in state.values()
                            if isinstance(v, torch.Tensor)], seen)
-    return {"params": params, "grads": grads, "optimizer": opt}
+    from .residuals import held_bytes as residual_bytes
+
+    return {"params": params, "grads": grads, "optimizer": opt, "residuals": residual_bytes(model)}
 
 
 class MemorySampler:
     """Keeps the peak of ``held_bytes`` per category over the points it is asked to sample."""
 
     def __init__(self):
-        self.peak = {"params": 0, "grads": 0, "optimizer": 0}
+        self.peak = {"params": 0, "grads": 0, "optimizer": 0, "residuals": 0}
 
     def sample(self, model, optimizer=None) -> None:
         now = held_bytes(model, optimizer)

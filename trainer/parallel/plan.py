@@ -45,8 +45,18 @@ class ShardingPlan:
 
     def reshards_after_backward(self, micro: int) -> bool:
         """Stage 1 keeps parameters unsharded until the last micro-batch; then they must be resharded, or the
-        next step would compute with the unsharded copy the optimizer never updated (stale weights)."""
+        next step would compute with the unsharded copy the optimizer never updated (stale weights). hpZ keeps
+        its secondary shard instead (``keeps_secondary``)."""
+        if self.keeps_secondary(micro):
+            return False
         return not self.keep_unsharded_across_micro_batches or micro == self.micro_batches - 1
+
+    def keeps_secondary(self, micro: int) -> bool:
+        """hpZ: after the backward of every micro-batch but the last, reshard to the node-sized secondary shard
+        rather than fully, so the next micro-batch's forward gathers inside the node: one cross-node gather per
+        step instead of one per micro-batch. The weights cannot change inside a step, so the secondary shard is
+        still current; after the last micro-batch the parameters are resharded fully for the optimizer step."""
+        return type(self.reshard_after_forward) is int and micro < self.micro_batches - 1
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,10 @@ class Quantization:
     block: int = 256
     two_hop: bool = False  # qgZ inside the node first, then across nodes
     error_feedback: bool = False
+    # gradients exchanged by dutycycle's all-to-all (summed in fp32 on arrival) rather than the backend's
+    # reduce-scatter: always when quantized; in fp32 when asked (parallel.reduce_scatter = "all_to_all"), the
+    # algorithm of qgZ without its quantization (gloo's reduce-scatter is an all-reduce underneath: twice the bytes)
+    grads_all_to_all: bool = False
 
 
 BITS = {"none": 32, "int8": 8, "int4": 4}
@@ -65,12 +79,14 @@ BITS = {"none": 32, "int8": 8, "int4": 4}
 
 def make_quantization(parallel, world) -> Quantization:
     """The wire formats the parallel config section asks for (``quant_weights``, ``quant_grads``,
-    ``quant_block``, ``hierarchical``, ``error_feedback``) on ``world`` (a ``cluster.world.World``). Two hops
+    ``quant_block``, ``hierarchical``, ``error_feedback``, ``reduce_scatter``) on ``world`` (a ``cluster.world.World``). Two hops
     only pay when there is more than one node and more than one rank per node."""
     grads = BITS[parallel.quant_grads]
-    two_hop = parallel.hierarchical and grads < 32 and 1 < world.node_size < world.size
+    a2a = grads < 32 or parallel.reduce_scatter == "all_to_all"
+    two_hop = parallel.hierarchical and a2a and world.num_nodes > 1 and world.node_size > 1
     return Quantization(weights_bits=BITS[parallel.quant_weights], grads_bits=grads, block=parallel.quant_block,
-                        two_hop=two_hop, error_feedback=parallel.error_feedback and grads < 32)
+                        two_hop=two_hop, error_feedback=parallel.error_feedback and grads < 32,
+                        grads_all_to_all=a2a)
 
 
 def make_plan(zero_stage: int, world_size: int, micro_batches: int = 1, reduce_every_micro_step: bool = False,
@@ -105,17 +121,21 @@ def zero_formula(stage: int, numel: int, world: int, param_bytes: int, grad_byte
 
 
 def expected_held(plan: ShardingPlan, numel: int, master_bytes: int, compute_bytes: int, grad_bytes: int,
-                  optim_bytes: int) -> dict:
+                  optim_bytes: int, residual_bytes: int = 0) -> dict:
     """Peak bytes one rank holds at the step's phase boundaries (after each forward, after each backward, after
     the optimizer step) under dutycycle's mapping: what memory.py measures. Padding excluded (FSDP2 pads each
     parameter's first dimension to a multiple of W).
 
     ``master_bytes`` is the parameter dtype the optimizer updates, ``compute_bytes`` the dtype forward runs in
-    (2 with bf16 mixed precision), ``grad_bytes`` the reduction dtype.
+    (2 with bf16 mixed precision), ``grad_bytes`` the reduction dtype. ``residual_bytes``: 4 with ZeRO++ error
+    feedback, whose residual is an fp32 copy of every unit's *unsharded* gradient on every rank (more than the
+    sharded model state at stage 3); 0 without.
     """
+    residuals = numel * residual_bytes
     w = plan.world_size
     if not plan.fsdp:
-        return {"params": numel * master_bytes, "grads": numel * grad_bytes, "optimizer": numel * optim_bytes}
+        return {"params": numel * master_bytes, "grads": numel * grad_bytes, "optimizer": numel * optim_bytes,
+                "residuals": residuals}
     shard = numel / w
     params = shard * master_bytes
     if plan.reshard_after_forward is False:  # stages 1-2: the unsharded compute copy beside the shard
@@ -125,7 +145,7 @@ def expected_held(plan: ShardingPlan, numel: int, master_bytes: int, compute_byt
     # without a per-micro-batch reduce-scatter, unsharded gradients accumulate across the window
     accumulates = plan.micro_batches > 1 and not plan.reduce_every_micro_step
     grads = numel * grad_bytes if accumulates else shard * grad_bytes
-    return {"params": params, "grads": grads, "optimizer": shard * optim_bytes}
+    return {"params": params, "grads": grads, "optimizer": shard * optim_bytes, "residuals": residuals}
 
 
 # ------------------------------------------------------------------------------------------------ traffic
@@ -133,7 +153,9 @@ def expected_held(plan: ShardingPlan, numel: int, master_bytes: int, compute_byt
 
 def expected_traffic(plan: ShardingPlan, param_bytes_total: int, grad_bytes_total: int) -> dict:
     """Logical bytes one rank sends per optimizer step (traffic.py's accounting), by collective kind, unquantized
-    (quantized collectives send their packed bytes: quant.packed_nbytes)."""
+    (quantized collectives send their packed bytes: quant.packed_nbytes). ``param_bytes_total``: all parameters
+    in the dtype the all-gathers move (FSDP2's ``param_dtype``: bf16 under mixed precision, 2 bytes each);
+    ``grad_bytes_total``: all gradients in the dtype they are reduced in (``reduce_dtype``: fp32 there)."""
     w, m = plan.world_size, plan.micro_batches
     if w == 1:
         return {}
@@ -146,8 +168,9 @@ def expected_traffic(plan: ShardingPlan, param_bytes_total: int, grad_bytes_tota
         out["all_gather"] = param_bytes_total * per
     elif plan.zero_stage == 2 or plan.reshard_after_forward is True:
         out["all_gather"] = (m if plan.zero_stage == 2 else 2 * m) * param_bytes_total * per
-    else:  # hpZ: the forward gathers over all ranks, the backward over the node's (the secondary shard)
+    else:  # hpZ: the first forward gathers over all ranks; the backwards, and the forwards of later micro-batches
+        # (the secondary shard is kept between them), over the node's ranks
         group = plan.reshard_after_forward
-        out["all_gather"] = m * param_bytes_total * per
-        out["all_gather_hpz"] = m * param_bytes_total * (group - 1) / group
+        out["all_gather"] = param_bytes_total * per
+        out["all_gather_hpz"] = (2 * m - 1) * param_bytes_total * (group - 1) / group
     return out

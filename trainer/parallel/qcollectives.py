@@ -35,7 +35,11 @@ input before quantizing, and afterwards holds what this rank's quantization lost
 again. Over T calls the output sums to T times the exact sum minus the final residuals: the accumulated error
 stays bounded instead of growing with T. In two-hop mode the hop-2 error of a partial sum is folded into the
 residual slots of the chunks this rank forwarded in hop 2 (which it sends to itself in hop 1), so the same
-telescoping holds.
+telescoping holds. A block that held a NaN or an infinity contributes nothing to the residual (its error is
+not a number): one bad gradient poisons one call's output, never the calls after it.
+
+The residual is training state like the optimizer's: ``trainer/parallel/residuals.py`` saves it in every
+checkpoint, restores it on resume and rollback, and drops it on a world-size change.
 """
 
 from __future__ import annotations
@@ -102,8 +106,8 @@ def node_layout(topology: Topology) -> tuple[tuple[tuple[int, ...], ...], tuple[
     sizes = sorted({len(m) for m in node_ranks})
     if len(sizes) != 1:
         raise ConfigError(f"hierarchical collectives need the same number of ranks on every node, got node sizes "
-                          f"{sizes} from node ids {topology.node_ids}; set parallel.node_size to a divisor of the "
-                          "world size")
+                          f"{sizes} from node ids {topology.node_ids}; place the workers evenly or set "
+                          "parallel.hierarchical = false")
     peers = tuple(tuple(sorted(m[j] for m in node_ranks)) for j in range(sizes[0]))
     return node_ranks, peers
 
@@ -239,6 +243,12 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
             residual.view(W, n).copy_(err)
     else:
         total = _two_hop(x, hierarchy, ranks, bits, block, residual, meter)
+    if keep:
+        # a block holding a NaN or an infinity dequantizes to NaN (quant.py), so its error is NaN: kept, it would
+        # be sent again at every later call and poison the sum long after the bad gradient was dealt with (the
+        # step skipped or rolled back). What a non-finite block lost is dropped instead; the output still
+        # carries the NaN this time, so the loop's non-finite check fires at the step that produced it.
+        residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     if avg:
         total.div_(W)  # AVG is the fp32 sum divided by the group size, here and nowhere else
     output.copy_(total.view(output.shape))
@@ -286,6 +296,18 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, 
 
     ``input`` may be a view into ``output`` (FSDP2 gathers in place): it is encoded before ``output`` is written.
     ``input`` itself is never modified."""
+    work, finish = start_quantized_all_gather(output, input, group, bits=bits, block=block, traffic=traffic,
+                                              topology=topology, kind=kind)
+    work.wait()
+    finish()
+
+
+def start_quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, bits: int = 8,
+                               block: int = DEFAULT_BLOCK, traffic: Traffic | None = None,
+                               topology: Topology | None = None, kind: str = "all_gather"):
+    """``quantized_all_gather`` in two halves, for overlap: encode and start the transfer now, return ``(work,
+    finish)``; after ``work.wait()``, ``finish()`` decodes into ``output``. The encoded copy is taken before this
+    returns, so ``input`` (a view into ``output``, FSDP2 gathers in place) may be overwritten by ``finish``."""
     check_format(bits, block, wire=True)
     ranks = _group_ranks(group)
     W, n = len(ranks), input.numel()
@@ -295,7 +317,13 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, 
     meter = _Meter(traffic, topology, kind, dist.get_rank())
     meter.call()
     buf = encode(input.reshape(n), bits, block)  # a fresh buffer for 8/4/16 bits; fp32 may alias the input
+    if bits == 32:
+        buf = buf.clone()  # fp32 "encoding" may be a view of the input, which the decode overwrites
     gathered = torch.empty(W * buf.numel(), dtype=torch.uint8, device=buf.device)
-    dist.all_gather_single(gathered, buf, group=group)  # gloo wants flat 1-D tensors
+    work = dist.all_gather_single(gathered, buf, group=group, async_op=True)  # gloo wants flat 1-D tensors
     meter.hop(buf.numel(), ranks)
-    decode(gathered.view(W, -1), n, bits, block, out=output.view(W, n))
+
+    def finish() -> None:
+        decode(gathered.view(W, -1), n, bits, block, out=output.view(W, n))
+
+    return work, finish

@@ -28,6 +28,9 @@ Edge cases, decided here:
 - Tiny and huge values work as long as the scale is a normal fp32 number (``absmax`` from about 1.5e-36 up to
   fp32's maximum, 3.4e38): 1e-30 and 1e30 keep the bound. Below that the scale is subnormal and the bound
   loosens by the subnormal spacing (1.4e-45); a non-zero block is never flushed to zero.
+- A finite block always dequantizes to finite values, fp32's maximum included: where ``absmax / qmax`` rounds
+  up so far that ``qmax * s`` would overflow to infinity (absmax within an ulp or so of 3.4028235e38), the
+  scale is stepped down one ulp, so ``|q * s| <= absmax``; the bound holds as above.
 - Non-finite input: a block holding a NaN or an infinity gets a NaN scale and dequantizes to all NaN. A
   quantized format has no infinity, and a NaN must never come back as a finite number: poisoning the block
   keeps a training loop's non-finite check firing, as the fp32 sum would. Values beyond fp32's range in a
@@ -56,6 +59,7 @@ SLAB = 1 << 18  # elements a CPU pass works on at once (1 MiB of fp32: cache-siz
 # the smallest positive fp32 (subnormal): the floor of a non-zero block's scale, so that absmax/qmax
 # underflowing to 0 cannot turn a non-zero block into zeros
 _TINY = torch.finfo(torch.float32).smallest_normal * 2.0**-23
+_FMAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -124,6 +128,9 @@ def _round_blocks(blocks: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.
     absmax = blocks.abs().amax(dim=-1)  # NaN propagates (torch's max does), an infinity stays infinite
     scales = torch.where(absmax > 0, (absmax / qmax).clamp_min(_TINY), absmax)  # 0 and NaN stay as they are
     scales = torch.where(torch.isfinite(scales), scales, math.nan)  # an infinity poisons its block too
+    # near fp32's maximum, fl(absmax/qmax) may round up so that qmax * s overflows to inf on dequantize: step
+    # such a scale down one ulp (then qmax * s <= absmax exactly). Scales only, 1/block of the data; NaN stays
+    scales = torch.where(scales * qmax > _FMAX, scales.nextafter(torch.zeros((), device=scales.device)), scales)
     divisor = torch.where(scales > 0, scales, 1.0)  # all-zero and NaN blocks divide by 1
     codes = (blocks / divisor.unsqueeze(-1)).round_().clamp_(-qmax, qmax)
     return codes.nan_to_num_(0.0), scales  # never cast a NaN to an integer: the NaN scale carries it

@@ -16,8 +16,8 @@ all-to-all         N/W to each of W-1 peers      the generic exchange behind qua
 So DDP's all-reduce is 2N(W-1)/W per step and ZeRO-3's two all-gathers plus one reduce-scatter are 3N(W-1)/W:
 the 2 Psi vs 3 Psi of the ZeRO paper. Each peer's bytes count as *intra-node* when the peer is on this rank's
 node and *inter-node* otherwise, so hierarchical schemes (hpZ, two-hop qgZ) show what they keep off the slow
-links. Node membership comes from ``node_size`` consecutive global ranks per node (how torchrun and Ray's PACK
-placement number ranks), or from an explicit list of node ids per rank.
+links. Node membership is a node id per rank: in a run, what each rank reported (trainer/cluster/topology.py);
+``Topology.uniform`` stands for ``node_size`` consecutive ranks per node (tests that simulate nodes).
 """
 
 from __future__ import annotations

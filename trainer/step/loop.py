@@ -143,17 +143,31 @@ def forward_backward(strategy, x, y, micro_batches: int, autocast, sampler=None)
     return torch.stack(losses).sum()
 
 
+def grad_norm(strategy):
+    """The global 2-norm over all gradients without clipping them, exact across shards as
+    ``strategy.clip_grad_norm_`` computes it: FSDP2 gradients are DTensors whose norm is a partial value per
+    rank, combined by ``full_tensor()`` (a collective every rank joins); DDP gradients are already reduced. A 0-d
+    device tensor (no host synchronization), or None when no parameter has a gradient."""
+    import torch
+
+    grads = [p.grad for p in strategy.module.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    return total.full_tensor() if hasattr(total, "full_tensor") else total
+
+
 def optimizer_step(strategy, optimizer, x, y, *, micro_batches: int, timer, autocast, grad_clip: float,
                    lr: float, sampler=None):
     """One full optimizer step on this rank's batch. Returns ``(loss, grad_norm)``: the rank's mean loss and the
-    global gradient norm before clipping (device tensors; the norm is None without clipping)."""
-    norm = None
+    global gradient norm before clipping (device tensors). The norm is computed without clipping too
+    (``grad_clip`` = 0), so that the step log's non-finite check catches an infinite or NaN gradient at the step
+    that made it, not at the next step's NaN loss (which would blame, and skip, the wrong batch)."""
     with timer.phase("forward_backward"):
         loss = forward_backward(strategy, x, y, micro_batches, autocast, sampler)
     timer.move("forward_backward", "comm", strategy.meter.take_blocked())
     with timer.phase("optimizer"):
-        if grad_clip > 0:
-            norm = strategy.clip_grad_norm_(grad_clip)
+        norm = strategy.clip_grad_norm_(grad_clip) if grad_clip > 0 else grad_norm(strategy)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
@@ -230,7 +244,8 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     ``parallelize_fn`` (same signature as ``parallel.apply.parallelize``) replaces how the model is wrapped:
     benchmarks use it to run a baseline strategy through the same loop."""
     import torch
-    from dutycycle.trainer.cluster.world import World
+    from dutycycle.trainer.checkpoint.manifest import check_shared, checkpoint_root
+    from dutycycle.trainer.cluster.topology import check_layout, observe
     from dutycycle.trainer.parallel.apply import parallelize
     from dutycycle.trainer.parallel.memory import MemorySampler
 
@@ -240,7 +255,10 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     from .optim import make_optimizer
     from .timing import StepTimer
 
-    world = World(ctx.rank, ctx.world_size, cfg.parallel.node_size)
+    # where every rank runs, as the ranks report it (a collective), and what that layout allows
+    world = observe(ctx.rank, ctx.world_size, cfg.parallel.node_size)
+    check_layout(world, cfg.parallel)
+    check_shared(cfg, world, checkpoint_root(cfg, ctx.run_dir))
     device = ctx.device or torch.device("cpu")
     precision = resolve_precision(device, cfg.run.precision)
     health = None
@@ -385,7 +403,8 @@ def _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info, w
     totals["eval"] = totals.get("eval", 0.0) + eval_s
     per_rank = gather_stats([totals[k] for k in ALL_PHASES])
     per_rank_totals = [dict(zip(ALL_PHASES, row.tolist(), strict=True)) for row in per_rank]
-    held = gather_stats([sampler.peak["params"], sampler.peak["grads"], sampler.peak["optimizer"]])
+    held_keys = ("params", "grads", "optimizer", "residuals")
+    held = gather_stats([sampler.peak[k] for k in held_keys])
     full = full_state_dict(strategy)  # a collective; rank 0 gets the tensors
     if ctx.rank == 0 and ctx.run_dir and cfg.run.save_model:
         from dutycycle.engine import io
@@ -397,22 +416,26 @@ def _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info, w
     compute = 2 if precision == "bf16" and plan.fsdp else master
     state_per_param = _optimizer_state_tensors(cfg.optim)
     optim_bytes = None if state_per_param is None else state_per_param * master
-    n_bytes = num_params * master
+    # FSDP2 gathers parameters in the compute dtype (bf16 under mixed precision) and reduces gradients in its
+    # reduce dtype (fp32 there, the master's otherwise); DDP all-reduces the fp32 gradients autocast leaves
+    gathered_bytes, reduced_bytes = num_params * compute, num_params * master
     traffic = strategy.meter.traffic["train"]
     parallel = {
         "zero_stage": plan.zero_stage, "strategy": strategy.name, "offload": cfg.parallel.offload,
         "micro_batches": plan.micro_batches, "reduce_every_micro_step": plan.reduce_every_micro_step,
         "reshard_after_forward": plan.reshard_after_forward, "units": strategy.units, "precision": precision,
         "quantization": dataclasses.asdict(strategy.quant),
+        "node_ids": list(strategy.meter.topology.node_ids),  # each rank's node, as observed
         "comm_exposed_measured": strategy.meter.host_timing,
         "traffic": traffic.to_dict(),
         "traffic_per_step": {k: v / max(1, steps) for k, v in traffic.per_kind_bytes().items()},
-        "expected_traffic_per_step": expected_traffic(plan, n_bytes, n_bytes),
+        "expected_traffic_per_step": expected_traffic(plan, gathered_bytes, reduced_bytes),
         "eval_traffic": strategy.meter.traffic["eval"].to_dict(),
     }
     memory = {
-        "held_per_rank": [dict(zip(("params", "grads", "optimizer"), r.tolist(), strict=True)) for r in held],
-        "expected": expected_held(plan, num_params, master, compute, master, optim_bytes or 0),
+        "held_per_rank": [dict(zip(held_keys, r.tolist(), strict=True)) for r in held],
+        "expected": expected_held(plan, num_params, master, compute, master, optim_bytes or 0,
+                                  residual_bytes=4 if plan.fsdp and strategy.quant.error_feedback else 0),
         "zero_formula": zero_formula(plan.zero_stage, num_params, world, compute, master, optim_bytes or 0),
         "optimizer_formula_known": optim_bytes is not None,
         "cuda_peak_bytes": sampler.cuda_peak(ctx.device),

@@ -4,8 +4,8 @@ Reading a loss or a phase time on the host forces the device to catch up, and ga
 is a collective: doing either every step would serialize the very overlap the trainer tries to get. So each step
 leaves a record (its loss as a device tensor, its phase timer record), and every ``log_every`` steps (and before
 each evaluation and at the end) ``flush`` resolves them all at once: one device synchronize, one small
-all-gather, one row per step in ``metrics.jsonl``. A non-finite global loss (or gradient norm, when clipping
-computes it) is caught at the flush and named by its step and global batch; the checkpointer decides what
+all-gather, one row per step in ``metrics.jsonl``. A non-finite global loss or gradient norm (computed with or
+without clipping) is caught at the flush and named by its step and global batch; the checkpointer decides what
 happens next (``checkpoint.on_nonfinite``).
 """
 
@@ -27,7 +27,7 @@ class _Pending:
     loss: object  # a 0-d tensor on the device: the rank's mean loss of this step
     samples: int  # this rank's samples in the step
     record: dict  # StepTimer.end_step()
-    grad_norm: object = None  # the global gradient norm before clipping (0-d device tensor), when clipping
+    grad_norm: object = None  # the global gradient norm before clipping (0-d device tensor)
     batch: int = -1  # the global batch's index in its epoch (the plan's position)
     sample_ids: object = None  # this rank's sample ids of the batch
 

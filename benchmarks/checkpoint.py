@@ -14,9 +14,10 @@ synthetic batches:
 - ``async``: the default: the step blocks for the snapshot into host memory (and for any wait the snapshot
   causes later: the next optimizer step waits until the copy is done), the write and the commit run in the
   background;
-- ``sync-throttled``, ``async-throttled``: the same two, with ``checkpoint.dir`` on ``throttled://`` (a local
-  folder whose writes are paced to ``--throttle-mb-s``, default 200 MB/s, shared by both ranks: the path's total
-  bandwidth, as a node's link to its storage; benchmarks/throttle.py). The product takes it as any fsspec URI; the
+- ``sync-throttled``, ``async-throttled``: the same two, with ``checkpoint.dir`` on ``throttled://``: a folder
+  whose writes are paced to ``--throttle-mb-s`` (default 200 MB/s, shared by both ranks: the path's total
+  bandwidth, as a node's link to its storage; benchmarks/throttle.py), held in memory under ``/dev/shm``
+  (``--throttle-backing``) so that, as with a network store, the bytes do not also pay this machine's disk. The product takes it as any fsspec URI; the
   ranks start through benchmarks/throttle.py, which registers the protocol and then runs the same launcher module;
 - ``recovery``: an asynchronous run whose whole process group is SIGKILLed after its first commit (a lost node),
   then started again with the same command: the wall time from the kill to the first step after the resume.
@@ -78,7 +79,7 @@ def throttled(mode: str) -> bool:
 def write_config(path: Path, run_dir: Path, args, mode: str) -> Path:
     every = 0 if mode == "none" else args.every
     base = mode.removesuffix("-throttled")
-    where = f'dir = "throttled://{run_dir}/checkpoints"' if throttled(mode) else ""
+    where = f'dir = "throttled://{args.throttle_root}/{mode}/checkpoints"' if throttled(mode) else ""
     text = f"""
 [data]
 source = "synthetic"
@@ -150,8 +151,8 @@ def run_row(mode: str, args, workdir: Path) -> dict:
     during = [r["step_s"] for r in rows[args.skip:] if r["step"] in after_save]
     n = max(1, ck["saves"])
     return {
-        "name": mode, "storage": f"throttled://, {args.throttle_mb_s:g} MB/s for both ranks together"
-        if throttled(mode) else "local disk",
+        "name": mode, "storage": f"throttled://, {args.throttle_mb_s:g} MB/s for both ranks together, backed by "
+        f"{args.throttle_backing or 'the local disk'}" if throttled(mode) else "local disk",
         "num_params": s["num_params"], "steps": s["steps"], "saves": ck["saves"],
         "stall_s_per_save": s["time_breakdown"]["max_seconds"]["checkpoint"] / n if ck["saves"] else 0.0,
         "stall_s_per_save_in_maybe_save": ck["stall_s"]["mean"],
@@ -279,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--throttle-mb-s", type=float, default=None,
                    help="write bandwidth of the throttled rows' storage, 10^6 bytes/s for all ranks together "
                         "(default 200; --quick: 10, which adds ~0.1 s to each of its ~0.9 MB saves)")
+    p.add_argument("--throttle-backing", default="/dev/shm" if os.access("/dev/shm", os.W_OK) else "",
+                   help="where the throttled path's bytes land (default /dev/shm: memory, as a network store's leave "
+                        "the machine; '' = the temporary folder on disk, which adds the disk's own cost)")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--quick", action="store_true", help="a tiny ViT and few steps: seconds, for the smoke test")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint.json"))
@@ -288,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.throttle_mb_s is None:
         args.throttle_mb_s = 10.0 if args.quick else 200.0
     rows = []
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory(
+            prefix="dc-throttled-", dir=args.throttle_backing or None) as throttle_root:
         workdir = Path(d)
+        args.throttle_root = throttle_root
         for mode in [m for m in ROWS if m in args.rows]:
             r = run_row(mode, args, workdir)
             rows.append(r)

@@ -16,21 +16,16 @@ class RenderError(Exception):
     """A page names an unknown block, its markers do not pair up, or a results file lacks a value a block uses."""
 
 
+def _three_figures(v: float) -> str:
+    """Three significant figures for 1 <= v < 1000 (fewer below 1): 338, 11.0, 1.04."""
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
 def rate(x: float) -> str:
     """A throughput (samples/s, images/s): 338k, 11.0k, 1.04k, 538, 28.7."""
     if x >= 1e6:
         return f"{x / 1e6:.2f}M"
-    if x >= 1e5:
-        return f"{x / 1e3:.0f}k"
-    if x >= 1e4:
-        return f"{x / 1e3:.1f}k"
-    if x >= 1e3:
-        return f"{x / 1e3:.2f}k"
-    if x >= 100:
-        return f"{x:.0f}"
-    if x >= 10:
-        return f"{x:.1f}"
-    return f"{x:.2f}"
+    return f"{_three_figures(x / 1e3)}k" if x >= 1e3 else _three_figures(x)
 
 
 def secs(x: float | None) -> str:
@@ -60,8 +55,7 @@ def nbytes(x: float) -> str:
     """A byte count in binary units, three significant figures: 84.3 MiB, 651 MiB, 2.35 GiB."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if x >= size:
-            v = x / size
-            return f"{v:.0f} {unit}" if v >= 100 else f"{v:.1f} {unit}" if v >= 10 else f"{v:.2f} {unit}"
+            return f"{_three_figures(x / size)} {unit}"
     return f"{x:.0f} B"
 
 
@@ -82,11 +76,7 @@ def times(x: float) -> str:
     """A ratio: 628x, 20.4x, 1.12x, 0.0088x."""
     if x >= 100:
         return f"{x:,.0f}x"
-    if x >= 10:
-        return f"{x:.1f}x"
-    if x >= 0.1:
-        return f"{x:.2f}x"
-    return f"{x:.2g}x"
+    return f"{_three_figures(x)}x" if x >= 0.1 else f"{x:.2g}x"
 
 
 def count(n: float) -> str:

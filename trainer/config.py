@@ -196,6 +196,12 @@ class ParallelSection:
     cpus_per_worker: float = 1.0  # Ray CPU reservation per training worker
     threads_per_worker: int = 0  # torch intra-op threads; 0 = cores / workers on this node
 
+    @property
+    def grads_all_to_all(self) -> bool:
+        """Gradients go by dutycycle's all-to-all (quantized, or asked for in fp32) rather than the backend's
+        reduce-scatter: what plan.make_quantization wires and cluster/topology.py checks the layout for."""
+        return self.quant_grads != "none" or self.reduce_scatter == "all_to_all"
+
     def check(self, where: str) -> None:
         _one_of(f"{where}.use_gpu", self.use_gpu, ("auto", "true", "false"))
         _one_of(f"{where}.offload", self.offload, ("none", "optimizer"))

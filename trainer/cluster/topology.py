@@ -63,8 +63,8 @@ def check_layout(world: World, parallel) -> None:
             raise ConfigError(f"parallel.hpz = true cannot run on this placement ({world.placement()}): {why}; "
                               "set parallel.hpz = false, or place the workers evenly (ray.placement_strategy, "
                               "parallel.num_workers a multiple of the workers per node)")
-    all_to_all = parallel.quant_grads != "none" or parallel.reduce_scatter == "all_to_all"
-    if parallel.hierarchical and all_to_all and parallel.zero_stage > 0 and world.num_nodes > 1 and not world.even:
+    if parallel.hierarchical and parallel.grads_all_to_all and parallel.zero_stage > 0 and world.num_nodes > 1 \
+            and not world.even:
         raise ConfigError(f"two-hop quantized gradients (parallel.hierarchical = true) need the same number of ranks "
                           f"on every node, and the workers run as {world.placement()}; set parallel.hierarchical = "
                           "false (one flat exchange), or place the workers evenly")

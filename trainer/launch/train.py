@@ -106,7 +106,9 @@ def _ray_train_fn(payload: dict) -> None:
     set_threads(cfg, ctx.get_local_world_size())
     device = ray.train.torch.get_device() if payload["use_gpu"] else torch.device("cpu")
     rt = ray.get_runtime_context()
-    me = {"rank": rank, "node_id": rt.get_node_id(), "labels": dict(rt.get_node_labels() or {})}
+    from dutycycle.trainer.cluster.topology import node_label
+
+    me = {"rank": rank, "node_id": rt.get_node_id(), "node": node_label(), "labels": dict(rt.get_node_labels() or {})}
     where = [None] * world
     if world > 1:
         dist.all_gather_object(where, me)
@@ -127,7 +129,8 @@ def _ray_train_fn(payload: dict) -> None:
         report_commit(step, uri)
 
     summary = train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, report=ray.train.report,
-                                              run_dir=payload["run_dir"], info=info, on_commit=on_commit))
+                                              run_dir=payload["run_dir"], info=info, on_commit=on_commit,
+                                              node_labels=[w["node"] for w in where]))
     report_results(cfg, payload["run_dir"], summary, rank, last_commit or None)
 
 

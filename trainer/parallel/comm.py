@@ -105,11 +105,11 @@ class TimedWork(dist.Work):
     seconds are exposed communication, counted in ``meter``), then runs ``finish`` (the quantized all-gather's
     decode: compute, not communication). FSDP2 recognizes a handle as asynchronous by its type, ``dist.Work``."""
 
-    def __init__(self, inner: dist.Work, meter: CommMeter, finish=None, started_async: bool = True):
+    def __init__(self, inner: dist.Work, meter: CommMeter, finish=None):
         super().__init__()
         self.inner, self.meter, self.finish = inner, meter, finish
         self._done = False
-        meter.async_started += started_async
+        meter.async_started += 1
 
     def wait(self, timeout=None) -> bool:
         if not self._done:
@@ -182,7 +182,9 @@ class QuantAllGather(CountingAllGather):
                                                   topology=self.meter.topology)
         if async_op:
             return TimedWork(work, self.meter, finish)
-        TimedWork(work, self.meter, finish, started_async=False).wait()
+        with self.meter.blocking():
+            work.wait()
+        finish()
         return None  # finished: FSDP2 takes None as "already done"
 
 

@@ -82,7 +82,7 @@ def make_quantization(parallel, world) -> Quantization:
     ``quant_block``, ``hierarchical``, ``error_feedback``, ``reduce_scatter``) on ``world`` (a ``cluster.world.World``). Two hops
     only pay when there is more than one node and more than one rank per node."""
     grads = BITS[parallel.quant_grads]
-    a2a = grads < 32 or parallel.reduce_scatter == "all_to_all"
+    a2a = parallel.grads_all_to_all
     two_hop = parallel.hierarchical and a2a and world.num_nodes > 1 and world.node_size > 1
     return Quantization(weights_bits=BITS[parallel.quant_weights], grads_bits=grads, block=parallel.quant_block,
                         two_hop=two_hop, error_feedback=parallel.error_feedback and grads < 32,

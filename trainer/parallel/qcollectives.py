@@ -307,7 +307,7 @@ def start_quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group=
                                topology: Topology | None = None, kind: str = "all_gather"):
     """``quantized_all_gather`` in two halves, for overlap: encode and start the transfer now, return ``(work,
     finish)``; after ``work.wait()``, ``finish()`` decodes into ``output``. The encoded copy is taken before this
-    returns, so ``input`` (a view into ``output``, FSDP2 gathers in place) may be overwritten by ``finish``."""
+    returns (for 8/4/16 bits; fp32 sends ``input`` itself), and ``output`` is written only by ``finish``."""
     check_format(bits, block, wire=True)
     ranks = _group_ranks(group)
     W, n = len(ranks), input.numel()
@@ -316,9 +316,9 @@ def start_quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group=
                          "input size)")
     meter = _Meter(traffic, topology, kind, dist.get_rank())
     meter.call()
-    buf = encode(input.reshape(n), bits, block)  # a fresh buffer for 8/4/16 bits; fp32 may alias the input
-    if bits == 32:
-        buf = buf.clone()  # fp32 "encoding" may be a view of the input, which the decode overwrites
+    # a fresh buffer for 8/4/16 bits; fp32 may alias the input, which is safe: the output (holding the input, for
+    # FSDP2) is written only by finish(), after the transfer has been waited on
+    buf = encode(input.reshape(n), bits, block)
     gathered = torch.empty(W * buf.numel(), dtype=torch.uint8, device=buf.device)
     work = dist.all_gather_single(gathered, buf, group=group, async_op=True)  # gloo wants flat 1-D tensors
     meter.hop(buf.numel(), ranks)

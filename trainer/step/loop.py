@@ -47,6 +47,8 @@ class WorkerContext:
     report: Any = None  # callable(metrics: dict) -> None, e.g. ray.train.report; called by every rank
     run_dir: str = ""
     info: dict = field(default_factory=dict)  # merged into the summary (e.g. where each worker ran)
+    # every rank's node label (cluster/topology.py) when the launcher has gathered them already; None: gathered here
+    node_labels: list | None = None
     state: dict | None = None  # filled with {"strategy", "model", "optimizer"} at the end (in-process callers, tests)
     on_commit: Any = None  # callable(step, uri), every rank, after a checkpoint commits (Ray Train: report it)
 
@@ -256,7 +258,7 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     from .timing import StepTimer
 
     # where every rank runs, as the ranks report it (a collective), and what that layout allows
-    world = observe(ctx.rank, ctx.world_size, cfg.parallel.node_size)
+    world = observe(ctx.rank, ctx.world_size, cfg.parallel.node_size, labels=ctx.node_labels)
     check_layout(world, cfg.parallel)
     check_shared(cfg, world, checkpoint_root(cfg, ctx.run_dir))
     device = ctx.device or torch.device("cpu")

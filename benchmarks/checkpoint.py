@@ -137,9 +137,11 @@ def run_row(mode: str, args, workdir: Path) -> dict:
     run_dir = workdir / mode
     config = write_config(workdir / f"{mode}.toml", run_dir, args, mode)
     t0 = time.perf_counter()
+    cpu0 = _children_cpu_s()
     proc = launch(config, args, workdir / f"{mode}.throttle" if throttled(mode) else None)
     out, _ = proc.communicate(timeout=args.timeout)
     wall = time.perf_counter() - t0
+    cpu = _children_cpu_s() - cpu0
     if proc.returncode != 0:
         return {"name": mode, "error": out[-8000:]}
     s = json.loads((run_dir / "summary.json").read_text())
@@ -164,7 +166,16 @@ def run_row(mode: str, args, workdir: Path) -> dict:
         # the run's wall times (module docstring): the loop's (the headline), every step's sum, the process's
         "loop_wall_s": s["wall_s"], "steps_s_sum": sum(r["step_s"] for r in rows),
         "process_wall_s": wall,
+        "cpu_s": cpu,  # user + system seconds of the whole launch (torchrun and both ranks, every thread)
     }
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of every child process waited for so far (a launch's tree once it has exited)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def add_overheads(rows: list[dict]) -> None:
@@ -176,6 +187,7 @@ def add_overheads(rows: list[dict]) -> None:
         r["overhead_s"] = r["loop_wall_s"] - none["loop_wall_s"]
         r["overhead_steps_s"] = r["steps_s_sum"] - none["steps_s_sum"]
         r["overhead_process_s"] = r["process_wall_s"] - none["process_wall_s"]
+        r["overhead_cpu_s"] = r["cpu_s"] - none["cpu_s"]  # what the saves cost in CPU, all threads together
 
 
 def compute_ratios(rows: list[dict]) -> dict:

@@ -229,6 +229,31 @@ def loader_remote(results: dict) -> str:
     return "\n\n".join([table(headers, rows), source("loader")])
 
 
+def scale(results: dict) -> str:
+    d = results_file(results, "scale")
+    st = d["settings"]
+    caption = (f"{count(st['samples'])} samples in shards of {count(st['shard_samples'])}, {count(st['world_size'])} "
+               f"ranks on {count(st['world_size'] // st['ranks_per_node'])} nodes of {st['ranks_per_node']}, global "
+               f"batch {count(st['global_batch'])}, {nbytes(st['sample_bytes'])} per sample; ranged reads in "
+               f"{nbytes(st['chunk_bytes'])} chunks through a {nbytes(st['cache_bytes'])} chunk cache. Shuffle "
+               f"quality from {count(d['quality']['samples'])} samples over two epochs.")
+    def blocks(n: int) -> str:
+        return "blocks at the cache's chunks" if n == 0 else f"blocks of {count(n)}"
+
+    rows = [[f"{r['name']} ({count(r['partitions'])} partition{'s' if r['partitions'] > 1 else ''}, "
+             f"{blocks(r['block_size'])})",
+             secs(r["plan_s_per_rank"]), mib(r["plan_peak_mib_per_rank"]), times(r["shards_per_node_vs_ideal"]),
+             times(r["disk_copy_vs_share"]), times(r["range_amplification"]), f"{r['reopens_per_batch']:.3g}"]
+            for r in d["rows"]]
+    headers = ["plan", "plan per rank", "plan memory per rank", "shards per node vs ideal",
+               "node-local copy vs share", "range bytes fetched per used", "shard reopens per batch"]
+    q = d["quality"]["rows"]
+    qrows = [[name, f"{v['batchmate_repeat']:.3g}", f"{v['label_entropy_bits']:.4g}"] for name, v in q.items()]
+    return "\n\n".join([para(caption), table(headers, rows),
+                         table(["shuffle", "batch-mates met again next epoch", "label entropy per batch (bits)"],
+                               qrows), source("scale")])
+
+
 def results_index(results: dict) -> str:
     rows = []
     for name in sorted(results):
@@ -249,6 +274,7 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "loader": loader,
     "loader-ratios": loader_ratios,
     "loader-remote": loader_remote,
+    "scale": scale,
     "train": train,
     "zero": zero,
     "zero-ratios": zero_ratios,

@@ -24,13 +24,15 @@ from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 from .augment import apply_augment
 from .config import LoaderConfig
 from .inflight import RemoteBatch, in_order
-from .plan import PLAN_VERSION, num_steps, plan_epoch, rank_slice
+from .plan import PLAN_VERSION, RankPlan, num_steps, plan_epoch, rank_plan
 from .source import RawBatch
 
 STATE_VERSION = 2  # 1: the plan inputs compared were the fingerprint and global batch size only
 STATE_DIGEST = "sha256"  # the state's own checksum field
 PLAN_FIELDS = ("plan_version", "split", "fingerprint", "num_samples", "seed", "global_batch_size", "drop_last",
-               "shuffle", "block_size", "window")  # what a state must match to resume (see load_state_dict)
+               "shuffle", "block_size", "window", "partitions")  # what a state must match to resume (load_state_dict)
+# Plan inputs added after states were first saved, with the value every earlier state had (its plan was that one)
+PLAN_FIELD_DEFAULTS = {"partitions": 1}
 
 
 @dataclass
@@ -85,7 +87,7 @@ class PlannedLoader:
         self.num_samples, self.fingerprint = num_samples, fingerprint
         self.epoch, self.step = 0, 0
         self.stats = stats if stats is not None else LoaderStats()
-        self._plan_cache: tuple[int, list[np.ndarray]] | None = None  # (epoch, its global batches)
+        self._plan_cache: tuple[int, RankPlan] | None = None  # (epoch, this rank's plan for it)
         self._mover = None
         # Where rows come from and whether a prefetch thread collates them; "auto" decides here, once.
         mode = config.mode
@@ -98,6 +100,7 @@ class PlannedLoader:
         if self.memory_refused:
             source += " (memory refused)"
         self.execution = f"{mode}: {source}, {'prefetch thread' if self.background else 'caller thread'}"
+        self._block_starts()  # block_size = 0 without a cache's chunks is refused here, not at the first batch
 
     # ---------------------------------------------------------------- execution
 
@@ -124,20 +127,36 @@ class PlannedLoader:
         return num_steps(self.num_samples, self.config.global_batch_size, self.config.drop_last)
 
     def global_batches(self, epoch: int | None = None) -> list[np.ndarray]:
-        """The epoch's global batches (split indices), identical on every rank and at every world size."""
+        """The epoch's global batches (split indices), identical on every rank and at every world size. O(N): for
+        tools and tests; reading uses this rank's own plan (``rank_plan``)."""
+        c = self.config
+        return plan_epoch(self.num_samples, c.seed, self.epoch if epoch is None else epoch, self.fingerprint,
+                          c.global_batch_size, c.drop_last, shuffle=c.shuffle, block_size=c.block_size,
+                          window=c.window, partitions=c.partitions, block_starts=self._block_starts())
+
+    def rank_plan(self, epoch: int | None = None) -> RankPlan:
+        """This rank's samples for every step of the epoch, computed from the partitions it reads (cached per
+        epoch: O(N / world size) when there are at least as many partitions as ranks)."""
         epoch = self.epoch if epoch is None else epoch
         if self._plan_cache is None or self._plan_cache[0] != epoch:
             c = self.config
-            batches = plan_epoch(
-                self.num_samples, c.seed, epoch, self.fingerprint, c.global_batch_size, c.drop_last,
-                shuffle=c.shuffle, block_size=c.block_size, window=c.window,
-            )
-            self._plan_cache = (epoch, batches)
+            plan = rank_plan(self.num_samples, c.seed, epoch, self.fingerprint, c.global_batch_size, c.drop_last,
+                             self.rank, self.world_size, shuffle=c.shuffle, block_size=c.block_size,
+                             window=c.window, partitions=c.partitions, block_starts=self._block_starts())
+            self._plan_cache = (epoch, plan)
         return self._plan_cache[1]
+
+    def _block_starts(self) -> np.ndarray | None:
+        """Where the plan's shuffle blocks start when ``block_size = 0`` (a cache's chunks: a cache loader knows
+        them); None otherwise. A loader over no cache has no chunks to cut at."""
+        if self.config.block_size == 0:
+            raise ConfigError(f"block_size=0 cuts shuffle blocks at a cache's checksum chunks, and this "
+                              f"{type(self).__name__} reads no cache; use a block_size >= 1")
+        return None
 
     def rank_indices(self, step: int, epoch: int | None = None) -> np.ndarray:
         """This rank's split indices at ``step`` of ``epoch``."""
-        return rank_slice(self.global_batches(epoch)[step], self.rank, self.world_size)
+        return self.rank_plan(epoch).indices(step)
 
     # ---------------------------------------------------------------- position and state
 
@@ -166,6 +185,7 @@ class PlannedLoader:
             "shuffle": bool(c.shuffle),
             "block_size": int(c.block_size),
             "window": int(c.window),
+            "partitions": int(c.partitions),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -201,12 +221,13 @@ class PlannedLoader:
         epoch, step = _position(state)
         mine = self._plan_inputs()
         problems, missing = [], False
+        saved = {**PLAN_FIELD_DEFAULTS, **state}  # compared only: the digest below covers the state as saved
         for key in PLAN_FIELDS:
-            if key not in state:
+            if key not in saved:
                 problems.append(f"{key} is missing (this loader has {key}={mine[key]!r})")
                 missing = True
-            elif not _same(state[key], mine[key]):
-                problems.append(f"{key}={state[key]!r} but this loader has {key}={mine[key]!r}")
+            elif not _same(saved[key], mine[key]):
+                problems.append(f"{key}={saved[key]!r} but this loader has {key}={mine[key]!r}")
         if problems:
             older = ""
             if missing and state["version"] < STATE_VERSION:
@@ -271,9 +292,9 @@ class PlannedLoader:
         return _background(batches, self.config.prefetch) if self.background else batches
 
     def _read_all_local(self, epoch: int, steps: range) -> Iterator[RawBatch]:
-        batches = self.global_batches(epoch)  # what rank_indices does per step, looked up once
+        plan = self.rank_plan(epoch)  # what rank_indices does per step, looked up once
         for step in steps:
-            yield self._read_local(rank_slice(batches[step], self.rank, self.world_size))
+            yield self._read_local(plan.indices(step))
 
     def _finished(self, epoch: int, raws: Iterator[RawBatch]) -> Iterator[dict[str, Any]]:
         try:

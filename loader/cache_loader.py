@@ -13,7 +13,7 @@ from dutycycle.engine.cache.format import CacheReader
 from .base import LoaderStats, PlannedLoader
 from .config import LoaderConfig
 from .inflight import RemoteBatch
-from .source import MemorySplit, RawBatch, ShardGatherer, split_rows
+from .source import MemorySplit, RawBatch, ShardGatherer, chunk_block_starts, split_rows
 
 
 class CacheLoader(PlannedLoader):
@@ -44,6 +44,7 @@ class CacheLoader(PlannedLoader):
         self.shape = tuple(manifest.shape)
         self.classes = list(manifest.classes)
         self.rows = split_rows(self.reader, split)  # split index -> global cache row (node-shared, mapped)
+        self._chunk_starts: np.ndarray | None = None  # block_size = 0: where the split's rows cross chunks
         self._memory: MemorySplit | None = None
         self._memory_keepalive: Any = None
         super().__init__(len(self.rows), manifest.fingerprint, rank, world_size, config, stats)
@@ -110,6 +111,13 @@ class CacheLoader(PlannedLoader):
         if self._memory is not None:
             return self._memory.read(indices)
         return self._gatherer.read(self.rows[indices])
+
+    def _block_starts(self) -> np.ndarray | None:
+        if self.config.block_size != 0:
+            return None
+        if self._chunk_starts is None:
+            self._chunk_starts = chunk_block_starts(self.reader, self.split)
+        return self._chunk_starts
 
     def _submit_remote(self, indices: np.ndarray, step: int) -> RemoteBatch:
         from .ray_exec import submit_read  # imports ray

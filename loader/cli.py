@@ -25,11 +25,12 @@ def parse_steps(text: str, num_steps: int) -> range:
     return range(start, stop)
 
 
-def plan_records(cache_uri, split, world_size, ranks, steps, epoch, seed, global_batch, drop_last=True, shuffle=True):
+def plan_records(cache_uri, split, world_size, ranks, steps, epoch, seed, global_batch, drop_last=True, shuffle=True,
+                 partitions=1):
     """Yield one dict per (step, rank): the sample ids and labels that rank gets."""
     from dutycycle.engine.cache.format import CacheReader
 
-    from .plan import num_steps, plan_epoch, rank_slice
+    from .plan import check_partitions, num_steps, rank_plan
     from .source import ShardGatherer, split_rows
 
     if world_size < 1 or global_batch % world_size:
@@ -43,11 +44,13 @@ def plan_records(cache_uri, split, world_size, ranks, steps, epoch, seed, global
     for r in ranks:
         if not 0 <= r < world_size:
             raise ConfigError(f"--rank {r} is outside --world-size {world_size}; use 0..{world_size - 1}")
-    batches = plan_epoch(len(rows), seed, epoch, reader.fingerprint, global_batch, drop_last, shuffle=shuffle)
+    check_partitions(partitions, global_batch)
+    plans = {r: rank_plan(len(rows), seed, epoch, reader.fingerprint, global_batch, drop_last, r, world_size,
+                          shuffle=shuffle, partitions=partitions) for r in ranks}
     gatherer = ShardGatherer(reader)
     for step in steps:
         for r in ranks:
-            raw = gatherer.read(rows[rank_slice(batches[step], r, world_size)], pixels=False)
+            raw = gatherer.read(rows[plans[r].indices(step)], pixels=False)
             yield {"epoch": epoch, "step": step, "rank": r, "sample_ids": list(raw.sample_ids),
                    "labels": raw.labels.tolist()}
 
@@ -56,7 +59,7 @@ def cmd_plan(args) -> int:
     ranks = range(args.world_size) if args.rank is None else [args.rank]
     for rec in plan_records(
         args.cache, args.split, args.world_size, ranks, args.steps, args.epoch, args.seed, args.global_batch,
-        drop_last=not args.keep_last, shuffle=not args.no_shuffle,
+        drop_last=not args.keep_last, shuffle=not args.no_shuffle, partitions=args.partitions,
     ):
         sys.stdout.write(json.dumps(rec) + "\n")
     return 0
@@ -78,6 +81,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--global-batch", type=int, default=256)
     p.add_argument("--split", default="train")
+    p.add_argument("--partitions", type=int, default=1, help="canonical partitions of the plan (data.partitions)")
     p.add_argument("--keep-last", action="store_true", help="keep the short last batch (drop_last off)")
     p.add_argument("--no-shuffle", action="store_true", help="cache order, as evaluation uses")
     p.set_defaults(func=cmd_plan)

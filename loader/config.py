@@ -82,7 +82,12 @@ class LoaderConfig:
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     pin_memory: bool = False
     device: Any = None  # e.g. "cuda:0": batches arrive on it, copied on a side stream
-    block_size: int = DEFAULT_BLOCK_SIZE  # shuffle blocks of consecutive samples (see plan.py)
+    # Canonical partitions of the plan (see plan.py): global batches draw from each of them, and a node reads only
+    # its own when the node count divides this number and the global batch. A plan input: fixed for a run.
+    partitions: int = 1
+    # shuffle blocks of consecutive samples (see plan.py); 0: a cache's checksum chunks (one block per chunk, what
+    # ranged reads of a remote cache want: each fetched chunk serves one block)
+    block_size: int = DEFAULT_BLOCK_SIZE
     window: int = DEFAULT_WINDOW  # window shuffle size (see plan.py)
     ray_max_retries: int = 3
     raw_threads: int = 4  # decode threads per batch for the raw path outside Ray
@@ -92,10 +97,17 @@ class LoaderConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ConfigError(f"LoaderConfig.mode={self.mode!r} is invalid; use one of {', '.join(MODES)}")
-        for name in ("global_batch_size", "prefetch", "block_size", "window", "raw_threads"):
+        for name in ("global_batch_size", "prefetch", "partitions", "block_size", "window", "raw_threads"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"LoaderConfig.{name}={v!r} is invalid; use an integer >= 1")
+            least = 0 if name == "block_size" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                hint = " (0: the cache's checksum chunks)" if least == 0 else ""
+                raise ConfigError(f"LoaderConfig.{name}={v!r} is invalid; use an integer >= {least}{hint}")
+        if self.partitions > self.global_batch_size:
+            raise ConfigError(
+                f"LoaderConfig.partitions={self.partitions} is more than global_batch_size={self.global_batch_size}; "
+                "every global batch takes at least one sample from every partition, so use at most that many"
+            )
         if not isinstance(self.ray_max_retries, int) or self.ray_max_retries < 0:
             raise ConfigError(f"LoaderConfig.ray_max_retries={self.ray_max_retries!r} is invalid; use an integer >= 0")
         f = self.memory_fraction

@@ -2,9 +2,14 @@
 
 The dataset has columns ``sample_id`` (string), ``label`` (int64) and ``image`` (a Ray tensor column of uint8 in
 the cache's layout and shape). ``iter_torch_batches`` turns ``image`` and ``label`` into tensors; select those
-columns first (``ds.select_columns(["image", "label"])``), since torch has no string tensors for the ids. Without a config the rows come
-in cache order, one block per shard; with a config they come in the planned order of ``epoch`` (the same global
-batches the CacheLoader yields, concatenated), one block per global batch.
+columns first (``ds.select_columns(["image", "label"])``), since torch has no string tensors for the ids. Without a
+config the rows come in cache order, one block per shard; with a config they come in the planned order of
+``epoch`` (the same global batches the CacheLoader yields, concatenated), one block per global batch.
+
+No pixels pass through the driver: the dataset starts from one small item per block (a shard number, or a global
+batch's cache rows), and a read task (``map_batches``) opens the shards it needs where it runs, through the same
+``ShardGatherer`` the loader uses (verified, memory-mapped or read by range), and returns its block. The order is
+kept (``preserve_order`` on this dataset's own context), so the planned order is the plan's.
 
 What this path does not give: Ray Data splits a dataset among Train workers its own way (by blocks, not by
 ``rank_slice``), and its iterators have no mid-epoch resume; use ``CacheLoader.for_ray_train`` when the plan's
@@ -13,50 +18,63 @@ rank assignment or resumability matters.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 from dutycycle.engine.cache.format import CacheReader
 
 from .config import LoaderConfig
 from .plan import plan_epoch
-from .source import split_rows
+from .source import chunk_block_starts, split_rows
 
 
-def _with_tensor_images(table: pa.Table, shape: tuple[int, ...]) -> pa.Table:
-    from ray.data.extensions import ArrowTensorArray
+class _ReadShards:
+    """A read task: each item names a shard (its rows of ``split``) or a list of cache rows; returns them as
+    numpy columns (Ray Data makes ``image`` a tensor column)."""
 
-    col = table.column("image").combine_chunks()
-    flat = np.frombuffer(col.buffers()[1], dtype=np.uint8)
-    per = int(np.prod(shape))
-    images = flat[col.offset * per : (col.offset + len(col)) * per].reshape(len(col), *shape)
-    return pa.table(
-        {
-            "sample_id": table.column("sample_id"),
-            "label": table.column("label"),
-            "image": ArrowTensorArray.from_numpy(images),
-        }
-    )
+    def __init__(self, cache_uri: str, split: str, read):
+        self.cache_uri, self.split, self.read = cache_uri, split, read
+
+    def __call__(self, items: dict[str, Any]) -> dict[str, np.ndarray]:
+        import pyarrow.compute as pc
+
+        from .ray_exec import _gatherer
+
+        gatherer = _gatherer(self.cache_uri, self.read)
+        reader = gatherer.reader
+        parts = []
+        for shard, rows in zip(items["shard"], items["rows"], strict=True):
+            if int(shard) >= 0:  # a whole shard's rows of the split, in cache order
+                split = reader.view(int(shard)).split
+                local = np.flatnonzero(pc.equal(split, self.split).to_numpy(zero_copy_only=False))
+                rows = local + reader.offsets[int(shard)]
+            parts.append(gatherer.read(np.asarray(rows, dtype=np.int64)))
+        return {"sample_id": np.array([s for p in parts for s in p.sample_ids], dtype=object),
+                "label": np.concatenate([p.labels for p in parts]),
+                "image": np.concatenate([p.images for p in parts])}
 
 
 def to_ray_dataset(cache_uri: str, split: str = "train", config: LoaderConfig | None = None, epoch: int = 0):
     """A ``ray.data.Dataset`` of ``split``: cache order without ``config``, else ``epoch``'s planned order."""
     import ray.data
 
-    reader = CacheReader(cache_uri)
-    shape = tuple(reader.manifest.shape)
+    reader = CacheReader(cache_uri, verify=False)  # the read tasks verify the shards they open
     rows = split_rows(reader, split)  # also validates the split name
     if config is None:
-        tables = []
-        for i in range(reader.num_shards):
-            t = reader.shard(i)
-            t = t.filter(pc.equal(t.column("split"), split))
-            if t.num_rows:
-                tables.append(_with_tensor_images(t, shape))
-        return ray.data.from_arrow(tables)
-    whole = pa.concat_tables([reader.shard(i) for i in range(reader.num_shards)])
-    batches = plan_epoch(
-        len(rows), config.seed, epoch, reader.fingerprint, config.global_batch_size, config.drop_last,
-        shuffle=config.shuffle, block_size=config.block_size, window=config.window,
-    )
-    return ray.data.from_arrow([_with_tensor_images(whole.take(pa.array(rows[b])), shape) for b in batches])
+        items = [{"shard": i, "rows": np.zeros(0, np.int64)} for i in range(reader.num_shards)
+                 if not reader.manifest.shards[i].split_counts or reader.manifest.shards[i].split_counts.get(split)]
+    else:
+        batches = plan_epoch(
+            len(rows), config.seed, epoch, reader.fingerprint, config.global_batch_size, config.drop_last,
+            shuffle=config.shuffle, block_size=config.block_size, window=config.window,
+            partitions=config.partitions,
+            block_starts=chunk_block_starts(reader, split) if config.block_size == 0 else None,
+        )
+        items = [{"shard": -1, "rows": np.asarray(rows[b], dtype=np.int64)} for b in batches]
+    ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
+    ds.context.execution_options.preserve_order = True
+    read = config.read if config is not None else None
+    ds = ds.map_batches(_ReadShards, fn_constructor_args=(reader.uri, split, read), batch_size=1,
+                        concurrency=(1, 4), zero_copy_batch=True)
+    ds.context.execution_options.preserve_order = True
+    return ds

@@ -69,7 +69,14 @@ def kill_marker_for(step: int) -> str | None:
 
 def submit_read(cache_uri: str, rows: np.ndarray, step: int, max_retries: int, read: ReadConfig | None = None
                 ) -> RemoteBatch:
-    task = read_rows_task.options(max_retries=max_retries)
+    """A read task for one rank batch, placed on this process's node: its shards' node-local copies and page
+    cache are there, and the batch lands in this node's object store, where the loader maps it without a
+    transfer. Soft: when the node cannot take the task (its CPUs are all reserved by training, or it is gone),
+    Ray places it elsewhere rather than waiting."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    task = read_rows_task.options(max_retries=max_retries, scheduling_strategy=here)
     return RemoteBatch(task.remote(cache_uri, rows, kill_marker_for(step), read))
 
 

@@ -30,6 +30,8 @@ from dutycycle.engine.cache.shards import ShardView
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 from numpy.lib.stride_tricks import as_strided
 
+SCAN_THREADS = 16  # split columns read at once when an older cache's split index is built
+
 
 @dataclass
 class RawBatch:
@@ -194,12 +196,87 @@ class ShardGatherer:
         return RawBatch(images, labels, self._ids_by_shard(shard, local))
 
 
-def split_rows(reader: CacheReader, split: str) -> np.ndarray:
+class SplitIndex:
+    """Split index -> global cache row, for a cache whose manifest records each shard's split counts: built from
+    the manifest alone (no column read, nothing fetched), resolved shard by shard as rows are asked for.
+
+    Split index ``i`` lies in the shard where the running count of the split's rows passes ``i``; which row of
+    that shard it is comes from the shard's own ``split`` column, read (and verified, as every read of a shard
+    is) the first time a batch needs that shard and kept for this index's life. A rank that reads a share of
+    the cache therefore touches only the shards of its share, and a node's cold start costs no scan."""
+
+    def __init__(self, reader: CacheReader, split: str):
+        self.reader, self.split = reader, split
+        counts = [s.split_counts.get(split, 0) for s in reader.manifest.shards]
+        self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._positions: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+        self.shards_resolved = 0  # shards whose split column this index has read (for tests and benchmarks)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _rows_of(self, shard: int) -> np.ndarray:
+        import pyarrow.compute as pc
+
+        with self._lock:
+            got = self._positions.get(shard)
+        if got is not None:
+            return got
+        view = self.reader.view(shard)
+        rows = np.flatnonzero(pc.equal(view.split, self.split).to_numpy(zero_copy_only=False)).astype(np.int64)
+        want = int(self.starts[shard + 1] - self.starts[shard])
+        if len(rows) != want:  # the shard disagrees with its manifest entry: never train on a torn cache
+            raise CorruptArtifactError(
+                f"cache shard {self.reader.shard_uri(shard)!r} has {len(rows)} {self.split!r} rows but its manifest "
+                f"entry says {want}; materialize the cache again")
+        rows += self.reader.offsets[shard]
+        with self._lock:
+            self.shards_resolved += shard not in self._positions
+            self._positions[shard] = rows
+        return rows
+
+    def __getitem__(self, indices) -> np.ndarray:
+        idx = np.asarray(np.arange(len(self))[indices] if isinstance(indices, slice) else indices, dtype=np.int64)
+        if idx.ndim == 0:
+            return self[idx.reshape(1)][0]
+        if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"split indices outside [0, {len(self)}) asked of split {self.split!r}")
+        shard = np.searchsorted(self.starts, idx, side="right") - 1
+        out = np.empty(len(idx), np.int64)
+        for s in np.unique(shard).tolist():
+            sel = shard == s
+            out[sel] = self._rows_of(s)[idx[sel] - self.starts[s]]
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self[np.arange(len(self))]
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def chunk_block_starts(reader: CacheReader, split: str) -> np.ndarray:
+    """Split indices where the split's rows enter a new checksum chunk (each shard's ``chunk_split_counts``): the
+    plan's shuffle blocks for ``block_size = 0``, so each block is one chunk's rows of the split."""
+    shards = reader.manifest.shards
+    if not all(s.chunk_split_counts for s in shards):
+        raise ConfigError(
+            f"block_size=0 cuts shuffle blocks at the cache's checksum chunks, and cache {reader.uri!r} was written "
+            "before its manifest recorded where each split's rows fall in them; materialize it again, or use a "
+            "block_size >= 1")
+    counts = np.concatenate([np.asarray(s.chunk_split_counts.get(split, [0] * len(s.chunk_sha256)), np.int64)
+                             for s in shards])
+    counts = counts[counts > 0]
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+
+def split_rows(reader: CacheReader, split: str) -> np.ndarray | SplitIndex:
     """Global row indices of ``split`` in cache order (the order materialize wrote: sorted by sample id).
 
-    Reads only the shards' ``split`` column (by range on a remote cache) and no pixels, verifies nothing (the
-    batches that read a shard verify it), and keeps the result in the node folder, so the other processes of
-    the node map one shared copy instead of each reading every shard again.
+    A cache whose manifest records each shard's split counts gets a ``SplitIndex``: nothing read until a batch
+    needs a shard. An older cache's index is built from every shard's ``split`` column, read concurrently (by
+    range on a remote cache; no pixels), verifying nothing (the batches that read a shard verify it), and kept
+    in the node folder, so the other processes of the node map one shared copy instead of each reading every
+    shard again.
     """
     import pyarrow.compute as pc
     from dutycycle.engine.cache import node
@@ -212,8 +289,16 @@ def split_rows(reader: CacheReader, split: str) -> np.ndarray:
         )
     if counts[split] == reader.num_samples:
         return np.arange(reader.num_samples, dtype=np.int64)
+    if all(s.split_counts for s in reader.manifest.shards):
+        index = SplitIndex(reader, split)
+        if len(index) != counts[split]:
+            raise CorruptArtifactError(
+                f"cache {reader.uri!r}: its shards' entries count {len(index)} {split!r} rows but its manifest says "
+                f"{counts[split]}; materialize the cache again")
+        return index
     import hashlib
     import io
+    from concurrent.futures import ThreadPoolExecutor
 
     root = reader.node_root()
     key = hashlib.sha256(f"{reader.fingerprint}\0{split}".encode()).hexdigest()[:24]
@@ -223,8 +308,12 @@ def split_rows(reader: CacheReader, split: str) -> np.ndarray:
             rows = np.asarray(np.load(path, mmap_mode="r", allow_pickle=False))  # a plain view, not np.memmap
             if rows.dtype == np.int64 and rows.ndim == 1 and len(rows) == counts[split]:
                 return rows
-        parts = [np.flatnonzero(pc.equal(reader.split_column(i), split).to_numpy(zero_copy_only=False))
-                 + reader.offsets[i] for i in range(reader.num_shards)]
+        def rows_of(i: int) -> np.ndarray:
+            return np.flatnonzero(pc.equal(reader.split_column(i), split).to_numpy(zero_copy_only=False)) \
+                + reader.offsets[i]
+
+        with ThreadPoolExecutor(SCAN_THREADS) as pool:  # each read waits on storage: in flight together
+            parts = list(pool.map(rows_of, range(reader.num_shards)))
         rows = np.concatenate(parts).astype(np.int64)
         if len(rows) != counts[split]:  # the shards disagree with their manifest: never train on a torn cache
             raise CorruptArtifactError(

@@ -78,6 +78,7 @@ class DataSection:
     read: ReadConfig = field(default_factory=ReadConfig)
     block_size: int = LoaderConfig.block_size
     window: int = LoaderConfig.window
+    partitions: int = LoaderConfig.partitions  # canonical partitions of the training plan (docs: the data path)
     ray_max_retries: int = LoaderConfig.ray_max_retries
     raw_threads: int = LoaderConfig.raw_threads
     memory_fraction: float = LoaderConfig.memory_fraction
@@ -89,7 +90,8 @@ class DataSection:
                       block_size=self.block_size, window=self.window, ray_max_retries=self.ray_max_retries,
                       raw_threads=self.raw_threads, memory_fraction=self.memory_fraction)
         a = self.augment
-        train = LoaderConfig(global_batch_size=self.global_batch_size, drop_last=self.drop_last, augment=a, **shared)
+        train = LoaderConfig(global_batch_size=self.global_batch_size, drop_last=self.drop_last, augment=a,
+                             partitions=self.partitions, **shared)
         val = LoaderConfig.for_eval(global_batch_size=self.eval_batch_size * world_size,
                                     augment=AugmentConfig.eval(a.normalize, a.mean, a.std), **shared)
         return train, val

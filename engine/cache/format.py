@@ -73,12 +73,27 @@ def cache_schema(sample_bytes: int) -> pa.Schema:
     )
 
 
+CHECK_CHUNK_BYTES = 1 << 20  # pixel bytes per recorded checksum (rounded down to whole rows)
+
+
 @dataclass(frozen=True)
 class ShardInfo:
+    """A shard's record in the manifest. The fields after ``sha256`` let a reader that reads by range verify
+    every piece it fetches and find a split's rows without reading any column (caches written before them have
+    none: readers then hash whole shards, and scan the split column)."""
+
     path: str  # relative to the cache root
     rows: int
     bytes: int
     sha256: str
+    split_counts: dict[str, int] = field(default_factory=dict)  # rows of each split in this shard
+    image_offset: int = 0  # where the pixel buffer starts in the file (it ends at image_offset + rows * sample bytes)
+    meta_sha256: str = ""  # sha256 of the file's bytes before and after the pixel buffer (columns, footer)
+    chunk_rows: int = 0  # rows per pixel checksum: CHECK_CHUNK_BYTES of pixels, rounded down to whole rows
+    chunk_sha256: list[str] = field(default_factory=list)  # sha256 of pixel rows [k * chunk_rows, (k + 1) * ...)
+    # rows of each split in each checksum chunk: where a split's rows fall in the chunks, so a plan can cut its
+    # shuffle blocks at chunk boundaries (a ranged reader then fetches each chunk for one block)
+    chunk_split_counts: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -136,6 +151,10 @@ def _manifest_problem(d: dict[str, Any]) -> str | None:
         if not (isinstance(s.get("path"), str) and sealed.is_count(s.get("rows")) and sealed.is_count(s.get("bytes"))
                 and isinstance(s.get("sha256"), str)):
             return f"shard entry {s!r:.200} must hold a path, rows, bytes and a sha256"
+    for s in shards:
+        problem = shard_checks_problem(s)
+        if problem:
+            return f"shard entry {s.get('path')!r:.100}: {problem}"
     if not sealed.is_count(d.get("num_samples")):
         return f"`num_samples` is {d.get('num_samples')!r}, not a count"
     if d["num_samples"] != sum(s["rows"] for s in shards):
@@ -149,6 +168,33 @@ def _manifest_problem(d: dict[str, Any]) -> str | None:
             return f"`{name}` is {type(d[name]).__name__}, not {types.__name__}"
     if not all(isinstance(c, str) for c in d.get("classes", [])):
         return "`classes` must be a list of names"
+    return None
+
+
+def shard_checks_problem(s: dict[str, Any]) -> str | None:
+    """What is wrong with a shard entry's optional fields (absent in caches written before them), or None."""
+    counts = s.get("split_counts", {})
+    if not isinstance(counts, dict) or not all(isinstance(k, str) and sealed.is_count(v) for k, v in counts.items()):
+        return "`split_counts` must map split names to counts"
+    if counts and sum(counts.values()) != s["rows"]:
+        return f"`split_counts` add up to {sum(counts.values())}, not its {s['rows']} rows"
+    for name in ("image_offset", "chunk_rows"):
+        if not sealed.is_count(s.get(name, 0)):
+            return f"`{name}` must be a count"
+    hashes = s.get("chunk_sha256", [])
+    if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes) \
+            or not isinstance(s.get("meta_sha256", ""), str):
+        return "`chunk_sha256` must be a list of sha256 strings and `meta_sha256` a string"
+    if s.get("chunk_rows", 0) and len(hashes) != -(-s["rows"] // s["chunk_rows"]):
+        return f"`chunk_sha256` has {len(hashes)} entries for {s['rows']} rows in chunks of {s['chunk_rows']}"
+    per_chunk = s.get("chunk_split_counts", {})
+    if per_chunk:
+        if not isinstance(per_chunk, dict) or set(per_chunk) != set(counts) or not all(
+                isinstance(v, list) and len(v) == len(hashes) and all(sealed.is_count(c) for c in v)
+                for v in per_chunk.values()):
+            return "`chunk_split_counts` must hold, for each split, one count per checksum chunk"
+        if any(sum(v) != counts[k] for k, v in per_chunk.items()):
+            return "`chunk_split_counts` disagree with `split_counts`"
     return None
 
 
@@ -177,11 +223,39 @@ def encode_shard(sample_ids: list[str], labels, splits: list[str], images: np.nd
 
 def write_shard(cache_uri: str, index: int, sample_ids, labels, splits, images: np.ndarray) -> ShardInfo:
     """Write shard ``index`` atomically and return its manifest entry. Rewriting a shard is idempotent."""
-    data = encode_shard(list(sample_ids), labels, list(splits), images)
+    splits = list(splits)
+    data = encode_shard(list(sample_ids), labels, splits, images)
     rel = shard_name(index)
     io.write_bytes_atomic(io.join(cache_uri, rel), data)
+    return describe_shard(rel, data, splits)
+
+
+def describe_shard(rel: str, data: bytes, splits: list[str]) -> ShardInfo:
+    """The manifest entry of the shard file ``data``: size and sha256, the rows of each split, and checksums of
+    its pixel chunks and of the rest, so a ranged read can be verified piece by piece."""
+    buf = pa.py_buffer(data)
+    batch = pa.ipc.open_file(pa.BufferReader(buf)).get_batch(0)  # zero-copy: its buffers point into ``data``
+    image = batch.column(batch.schema.names.index("image"))
+    per = image.type.byte_width
+    start = image.buffers()[1].address - buf.address + image.offset * per
+    stop = start + len(image) * per
+    assert 0 <= start <= stop <= len(data)
+    chunk_rows = max(1, CHECK_CHUNK_BYTES // max(1, per))
+    step = chunk_rows * per
+    view = memoryview(data)
+    meta = hashlib.sha256(view[:start])
+    meta.update(view[stop:])
+    counts: dict[str, int] = {}
+    per_chunk: dict[str, list[int]] = {}
+    chunks = -(-len(image) // chunk_rows)
+    for row, name in enumerate(splits):
+        counts[name] = counts.get(name, 0) + 1
+        per_chunk.setdefault(name, [0] * chunks)[row // chunk_rows] += 1
     return ShardInfo(
-        path=rel, rows=int(images.shape[0]), bytes=len(data), sha256=hashlib.sha256(data).hexdigest()
+        path=rel, rows=len(image), bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
+        split_counts=counts, image_offset=start, meta_sha256=meta.hexdigest(), chunk_rows=chunk_rows,
+        chunk_sha256=[hashlib.sha256(view[a:min(a + step, stop)]).hexdigest() for a in range(start, stop, step)],
+        chunk_split_counts=per_chunk,
     )
 
 
@@ -275,6 +349,7 @@ class CacheReader:
         self.read_config, self.verify = read, read.verify != "never"
         self.stats = stats if stats is not None else ReadStats()  # a loader passes its own, to count in one place
         self._views: OrderedDict[int, ShardView] = OrderedDict()
+        self.opened: set[int] = set()  # shards this reader has opened at least once (``reads``: locality figures)
         self._lock = threading.RLock()
         self.offsets = np.concatenate([[0], np.cumsum([s.rows for s in self.manifest.shards])]).astype(
             np.int64
@@ -320,6 +395,7 @@ class CacheReader:
                 self._views.move_to_end(i)
                 return got
             got = self._open_view(i)
+            self.opened.add(i)
             self._views[i] = got
             while len(self._views) > self.read_config.max_open_shards:
                 self._views.popitem(last=False)  # a caller still holding the view keeps its memory map alive
@@ -341,8 +417,7 @@ class CacheReader:
                         f"cache shard {uri!r} has {table.num_rows} rows, manifest says {info.rows}"
                     )
                 return view_of_table(i, table, shape, uri)
-            return open_ranged(self._fs, io.filesystem(uri)[1], i, info.rows, info.bytes, shape, self.stats,
-                               self._chunks)
+            return open_ranged(self._fs, io.filesystem(uri)[1], i, info, shape, self.stats, self._chunks)
         except FileNotFoundError as e:
             raise CorruptArtifactError(
                 f"cache shard {uri!r} listed in the manifest is missing; materialize the cache again"
@@ -350,6 +425,18 @@ class CacheReader:
         except (pa.ArrowInvalid, OSError) as e:
             raise CorruptArtifactError(f"cache shard {uri!r} cannot be read as Arrow IPC ({e}); "
                                        "delete the cache folder and materialize it again") from e
+
+    def reads(self) -> dict:
+        """Which shards this reader opened (as runs of consecutive indices) and what it fetched: how local a
+        rank's reads were."""
+        runs: list[list[int]] = []
+        for i in sorted(self.opened):
+            if runs and runs[-1][1] == i - 1:
+                runs[-1][1] = i
+            else:
+                runs.append([i, i])
+        return {"shards": len(self.opened), "shard_runs": runs, "of_shards": self.num_shards,
+                "bytes_fetched": self.stats.bytes_fetched, "requests": self.stats.requests}
 
     def node_root(self) -> str:
         """This node's folder for verified-shard records and shard copies (``engine.cache.node``)."""

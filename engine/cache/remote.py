@@ -121,10 +121,15 @@ class RangeFile(_io.RawIOBase):
         return len(data)
 
 
-def open_ranged(fs, path: str, index: int, rows: int, nbytes: int, shape: tuple[int, ...], stats: ReadStats,
+def open_ranged(fs, path: str, index: int, info, shape: tuple[int, ...], stats: ReadStats,
                 chunks: ChunkCache) -> ShardView:
-    """Open a remote shard for range reads: its small columns now (a few requests), pixels on demand."""
+    """Open a remote shard for range reads: its small columns now (a few requests), pixels on demand. ``info`` is
+    the shard's manifest entry (``format.ShardInfo``); when it records piecewise checksums, every byte fetched
+    is verified before it is used (the columns and footer at once, each pixel chunk as it arrives)."""
+    rows, nbytes = info.rows, info.bytes
     per = int(np.prod(shape))
+    if info.meta_sha256 and info.chunk_rows:
+        return _open_verified(fs, path, index, info, shape, per, stats, chunks)
     f = RangeFile(fs, path, nbytes, stats, probe=rows * per)
     f.fetch([(0, EDGE_BYTES), (nbytes - EDGE_BYTES, nbytes)])
     if f._kept(nbytes - len(_MAGIC), len(_MAGIC)) != _MAGIC:
@@ -157,6 +162,38 @@ def open_ranged(fs, path: str, index: int, rows: int, nbytes: int, shape: tuple[
         ids=batch.column("sample_id"),
         split=batch.column("split"),
         ranged=RangedPixels(fs, path, index, image_offset, rows, shape, chunks),
+    )
+
+
+def _open_verified(fs, path: str, index: int, info, shape: tuple[int, ...], per: int, stats: ReadStats,
+                   chunks: ChunkCache) -> ShardView:
+    """``open_ranged`` for a shard whose record gives the pixel buffer's place and checksums: everything but the
+    pixels in one request of two ranges, checked against ``meta_sha256`` before Arrow parses a byte of it."""
+    start, stop = info.image_offset, info.image_offset + info.rows * per
+    if not 0 < start <= stop <= info.bytes:
+        raise CorruptArtifactError(f"cache shard {path!r}: its manifest entry places the pixels at [{start}, {stop}) "
+                                   f"in {info.bytes} bytes; materialize the cache again")
+    f = RangeFile(fs, path, info.bytes, stats)
+    f.fetch([(0, start), (stop, info.bytes)])
+    head, tail = f._kept(0, start), f._kept(stop, info.bytes - stop) if stop < info.bytes else b""
+    h = hashlib.sha256(head)
+    h.update(tail)
+    if h.hexdigest() != info.meta_sha256:
+        raise CorruptArtifactError(f"cache shard {path!r} fails its checksum outside the pixels (columns and footer: "
+                                   f"expected sha256 {info.meta_sha256[:12]}...); materialize the cache again")
+    names = pa.ipc.open_file(pa.PythonFile(f, mode="r")).schema.names
+    small = [names.index(c) for c in ("sample_id", "label", "split") if c in names]
+    opts = pa.ipc.IpcReadOptions(included_fields=small)
+    batch = pa.ipc.open_file(pa.PythonFile(f, mode="r"), options=opts).get_batch(0)
+    if batch.num_rows != info.rows:
+        raise CorruptArtifactError(f"cache shard {path!r} has {batch.num_rows} rows, manifest says {info.rows}")
+    label = single_chunk(batch.column("label"))
+    return ShardView(
+        index=index, rows=info.rows,
+        labels=label.to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
+        ids=batch.column("sample_id"), split=batch.column("split"),
+        ranged=RangedPixels(fs, path, index, start, info.rows, shape, chunks,
+                            checks=(info.chunk_rows, info.chunk_sha256)),
     )
 
 
@@ -205,13 +242,32 @@ class ChunkCache:
 
 
 class RangedPixels:
-    """Pixels of a remote shard, fetched by whole-row chunks when rows are asked for."""
+    """Pixels of a remote shard, fetched by whole-row chunks when rows are asked for.
 
-    def __init__(self, fs, path: str, shard: int, offset: int, rows: int, shape: tuple[int, ...], chunks: ChunkCache):
+    With ``checks = (rows per checksum, [sha256, ...])`` from the shard's record, a fetch is a whole number of
+    checksum chunks (the configured chunk size rounded to a multiple of them) and every one is verified before
+    its rows are used; a mismatch is refused naming the shard and the chunk."""
+
+    def __init__(self, fs, path: str, shard: int, offset: int, rows: int, shape: tuple[int, ...], chunks: ChunkCache,
+                 checks: tuple[int, list[str]] | None = None):
         self.fs, self.path, self.shard, self.offset, self.rows, self.shape = fs, path, shard, offset, rows, shape
         self.per = int(np.prod(shape))
         self.chunk_rows = max(1, chunks.chunk_bytes // self.per)
+        self.checks = checks
+        if checks:
+            unit = checks[0]
+            self.chunk_rows = unit * max(1, round(self.chunk_rows / unit))
         self.chunks = chunks
+
+    def _verify(self, first_row: int, data: bytes) -> None:
+        unit, hashes = self.checks
+        step = unit * self.per
+        view = memoryview(data)
+        for k, a in enumerate(range(0, len(data), step), start=first_row // unit):
+            if k >= len(hashes) or hashlib.sha256(view[a:a + step]).hexdigest() != hashes[k]:
+                rows = f"rows {k * unit}-{min(self.rows, (k + 1) * unit) - 1}"
+                raise CorruptArtifactError(f"cache shard {self.path!r}: pixel chunk {k} ({rows}) fails its checksum "
+                                           "in the manifest; its bytes were not used. Materialize the cache again")
 
     def take(self, local: np.ndarray) -> np.ndarray:
         """uint8 [len(local), *shape]: the given rows of this shard, in the given order."""
@@ -231,6 +287,8 @@ class RangedPixels:
                 if len(data) != (b - a) * self.per:
                     raise CorruptArtifactError(f"cache shard {self.path!r} is shorter than its manifest says; "
                                                "materialize the cache again")
+                if self.checks:
+                    self._verify(a, data)
                 fresh[(self.shard, c)] = np.frombuffer(data, np.uint8).reshape(b - a, *self.shape)
                 self.chunks.stats.add_fetch(len(data))
             have.update(fresh)

@@ -13,6 +13,7 @@ Imported only when materialize runs, so ``import dutycycle.engine`` stays free o
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -66,6 +67,9 @@ def _is_counts(v: Any) -> bool:
     return isinstance(v, dict) and all(isinstance(k, str) and sealed.is_count(n) for k, n in v.items())
 
 
+_SHARD_FIELDS = {f.name for f in dataclasses.fields(cf.ShardInfo)}
+
+
 def _record_ok(rec: Any, index: int) -> bool:
     """Whether a parsed record is one of shard ``index``'s, whole: its checksum (when it has one; records written
     before the field have none) and the fields materialize reads."""
@@ -74,10 +78,12 @@ def _record_ok(rec: Any, index: int) -> bool:
     if not sealed.intact(rec, RECORD_DIGEST):
         return False
     shard = rec.get("shard")
+    # a record names its own shard, nothing else; records written before the piecewise checksums lack them
     if shard is not None and not (
-        isinstance(shard, dict) and set(shard) == {"path", "rows", "bytes", "sha256"}
-        and shard["path"] == cf.shard_name(index)  # a record names its own shard, nothing else
+        isinstance(shard, dict) and {"path", "rows", "bytes", "sha256"} <= set(shard) <= _SHARD_FIELDS
+        and shard["path"] == cf.shard_name(index)
         and sealed.is_count(shard["rows"]) and sealed.is_count(shard["bytes"]) and isinstance(shard["sha256"], str)
+        and cf.shard_checks_problem(shard) is None
     ):
         return False
     return (rec.get("index") == index and isinstance(rec.get("ids_digest"), str)
@@ -184,8 +190,7 @@ def finish_shard(
     rec = {
         "index": index,
         "ids_digest": ids_digest(ids),
-        "shard": None if info is None else {"path": info.path, "rows": info.rows, "bytes": info.bytes,
-                                           "sha256": info.sha256},
+        "shard": None if info is None else dataclasses.asdict(info),
         "skipped": dict(skipped),
         "split_counts": dict(Counter(splits[k] for k in keep)),
         "worker": worker_name(),

@@ -197,3 +197,23 @@ def test_checkpoint_benchmark_quick(tmp_path):
     rec = rows["recovery"]
     assert rec["resumed_from_step"] >= 3 and rec["steps"] == 8 and rec["recovery_s"] > 0
     assert "| async |" in proc.stdout and "| async-throttled |" in proc.stdout
+
+
+def test_scale_benchmark_quick(tmp_path):
+    """benchmarks/scale.py runs at a tiny size, reports every key the data path's targets name for the product
+    and the baseline, and the partitioned plan touches fewer shards per node than the unpartitioned one."""
+    out = tmp_path / "scale.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "scale.py"), "--quick", "--no-peers-venv",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    keys = ("plan_s_per_rank", "plan_peak_mib_per_rank", "shards_per_node_vs_ideal", "range_amplification",
+            "batchmate_repeat_vs_permutation")
+    for key in keys:
+        assert data[key] > 0 and data["baseline"][key] > 0, key
+    assert data["shards_per_node_vs_ideal"] < data["baseline"]["shards_per_node_vs_ideal"]
+    assert set(data["quality"]["rows"]) == {"permutation", "partitioned", "partitioned-blocks-64",
+                                            "partitioned-chunk-sized", "unpartitioned"}
+    rows = {r["name"]: r for r in data["rows"]}
+    assert rows["partitioned"]["block_size"] == 0
+    assert data["range_amplification"] <= rows["partitioned-blocks-64"]["range_amplification"]

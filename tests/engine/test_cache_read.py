@@ -16,7 +16,7 @@ from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig
 
-from ..support.cachemaker import make_cache
+from ..support.cachemaker import as_older_cache, make_cache
 
 PLAIN = AugmentConfig(crop_padding=0, flip=False, normalize=False)
 
@@ -87,6 +87,9 @@ def test_s3_cache_read_by_range_with_bounded_memory(s3, tmp_path):
     uri, local = f"{s3}/cache", str(tmp_path / "local")
     make_cache(uri, 2000, shape=(32, 32, 3), shards=4)  # 3 KB per sample, 4 shards of 500 rows (1.5 MB each)
     make_cache(local, 2000, shape=(32, 32, 3), shards=4)  # the same cache, on local disk
+    # Chunks of 32 KB need a cache without piecewise checksums: a verified read fetches whole checksum chunks
+    # (1 MiB), which test_cache_checks.py covers
+    as_older_cache(uri)
     total = sum(s.bytes for s in cf.read_manifest(uri).shards)
     read = ReadConfig(remote="range", range_chunk_bytes=32 * 1024, range_cache_bytes=1 << 20)
     plan = {"global_batch_size": 64, "window": 256, "block_size": 32}  # 8 windows of 8 blocks
@@ -158,8 +161,10 @@ def test_s3_damaged_or_missing_shards_are_refused(s3, tmp_path):
 
 
 def test_split_index_reads_no_pixels_and_is_built_once_per_node(s3, tmp_path):
+    """An older cache (no split counts per shard): the index is built from the split columns, once per node."""
     uri, node_dir = f"{s3}/cache", str(tmp_path / "node")
     make_cache(uri, 1200, shape=(16, 16, 3), shards=4, splits={"train": 0.7, "val": 0.3})
+    as_older_cache(uri)
     total = sum(s.bytes for s in cf.read_manifest(uri).shards)
     read = ReadConfig(remote="range", node_dir=node_dir)
     first = CacheLoader(uri, "val", 0, 1, LoaderConfig(global_batch_size=8, read=read))

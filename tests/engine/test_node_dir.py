@@ -16,7 +16,7 @@ from dutycycle.engine.cache.remote import DiskCache
 from dutycycle.engine.cache.shards import ReadConfig, ReadStats
 from dutycycle.engine.errors import CorruptArtifactError, DutycycleError
 
-from ..support.cachemaker import make_cache
+from ..support.cachemaker import as_older_cache, make_cache
 
 OTHER_UID = 65534  # "nobody": a user other than the one running the tests
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
@@ -171,6 +171,7 @@ def test_a_planted_split_index_is_rebuilt(tmp_path):
 
     uri, root = str(tmp_path / "cache"), node.node_dir(str(tmp_path / "node"))
     make_cache(uri, 120, shards=3, splits={"train": 0.75, "val": 0.25})
+    as_older_cache(uri)  # a cache whose split index is scanned and kept in the node folder
     reader = cf.CacheReader(uri, read=ReadConfig(node_dir=root))
     honest = np.array(split_rows(reader, "val"))
     index = [os.path.join(root, "index", n) for n in os.listdir(os.path.join(root, "index"))]

@@ -62,6 +62,7 @@ MISMATCHES = {
     "shuffle": (lambda: arrays(), lambda: arrays(shuffle=False)),
     "block_size": (lambda: arrays(), lambda: arrays(block_size=16)),
     "window": (lambda: arrays(), lambda: arrays(window=64)),
+    "partitions": (lambda: arrays(), lambda: arrays(partitions=4)),
     "plan_version": "patched",
 }
 

@@ -141,8 +141,24 @@ def write_state(state: dict, uri: str, process_group=None) -> dict[str, FileReco
     """``dcp.save`` of ``state`` into the directory ``uri`` (every rank calls it; ``process_group`` carries DCP's
     planning collectives). Returns the files this rank wrote (rank 0: also the indexes) with sizes and sha256."""
     writer = _Writer(uri)
-    dcp.save(state, storage_writer=writer, process_group=process_group)
+    with _no_zip_crc32():
+        dcp.save(state, storage_writer=writer, process_group=process_group)
     return dict(writer.records)
+
+
+@contextmanager
+def _no_zip_crc32():
+    """DCP writes each tensor with ``torch.save``, whose zip container checksums every record with CRC32. The
+    manifest's sha256 (taken while writing) already covers every byte, and resume verifies it before any load,
+    so the CRC is a second checksum of the same bytes: 0.24 of 0.68 CPU-seconds per 336 MB on a 2-core machine,
+    taken from training while an asynchronous save runs. ``torch.load`` reads such files (it does not check the
+    CRC). The switch is process-wide; nothing else in the trainer calls ``torch.save``."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 # ---------------------------------------------------------------------------------------------------- reading

@@ -55,6 +55,11 @@ class LoaderSource:
     def position(self) -> tuple[int, int]:
         return self.loader.epoch, self.loader.step
 
+    def reads(self) -> dict | None:
+        """The shards this rank's loader opened and the bytes it fetched (a cache loader's; None otherwise)."""
+        reader = getattr(self.loader, "reader", None)
+        return reader.reads() if reader is not None else None
+
     def __iter__(self):
         for batch in self.loader:
             if self.delay_s:

@@ -379,6 +379,9 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
                          num_params=num_params, precision=precision, fps=fps, peak=peak, val=(val_acc, val_loss))
     summary["checkpoint"] = checkpointer.summary()
     summary["health"] = health
+    from dutycycle.trainer.cluster.world import all_gather
+
+    summary["data_reads"] = all_gather(train_src.reads(), world.size)  # each rank's shards: what locality gave
     writer.close()
     if world.rank == 0 and ctx.run_dir:
         from dutycycle.engine import io

@@ -8,6 +8,7 @@ of the same format from the same plan.
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 import time
@@ -30,9 +31,9 @@ from .source import RawBatch
 STATE_VERSION = 2  # 1: the plan inputs compared were the fingerprint and global batch size only
 STATE_DIGEST = "sha256"  # the state's own checksum field
 PLAN_FIELDS = ("plan_version", "split", "fingerprint", "num_samples", "seed", "global_batch_size", "drop_last",
-               "shuffle", "block_size", "window", "partitions")  # what a state must match to resume (load_state_dict)
+               "shuffle", "block_size", "window", "partitions", "block_starts_sha256")  # to resume: load_state_dict
 # Plan inputs added after states were first saved, with the value every earlier state had (its plan was that one)
-PLAN_FIELD_DEFAULTS = {"partitions": 1}
+PLAN_FIELD_DEFAULTS = {"partitions": 1, "block_starts_sha256": None}
 
 
 @dataclass
@@ -174,6 +175,7 @@ class PlannedLoader:
         """Everything the sequence of global batches depends on (``plan.plan_epoch``'s arguments but the epoch,
         and the plan's own version), as plain JSON values."""
         c = self.config
+        starts = self._block_starts()
         return {
             "plan_version": PLAN_VERSION,
             "split": self._split_name(),
@@ -186,6 +188,8 @@ class PlannedLoader:
             "block_size": int(c.block_size),
             "window": int(c.window),
             "partitions": int(c.partitions),
+            # block_size = 0: where the cache's chunks cut the blocks (a layout the fingerprint does not name)
+            "block_starts_sha256": None if starts is None else hashlib.sha256(starts.tobytes()).hexdigest(),
         }
 
     def state_dict(self) -> dict[str, Any]:

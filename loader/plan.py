@@ -136,10 +136,13 @@ def check_partitions(partitions: int, global_batch_size: int) -> None:
 
 
 def partition_counts(global_batch_size: int, partitions: int) -> np.ndarray:
-    """Samples each partition gives every global batch: ``global_batch_size`` split as evenly as it goes."""
+    """Samples each partition gives every global batch: ``global_batch_size`` split as evenly as it goes, with
+    partition ``p``'s share starting at position ``floor(p * B / P)``. So whenever the node count divides both
+    ``B`` and ``P``, node ``n``'s positions ``[n * B / nodes, (n + 1) * B / nodes)`` are exactly partitions
+    ``[n * P / nodes, (n + 1) * P / nodes)``, even when ``P`` does not divide ``B``."""
     check_partitions(partitions, global_batch_size)
-    base, extra = divmod(global_batch_size, partitions)
-    return np.array([base + (p < extra) for p in range(partitions)], dtype=np.int64)
+    cum = (np.arange(partitions + 1, dtype=np.int64) * global_batch_size) // partitions
+    return np.diff(cum)
 
 
 def partition_bounds(num_samples: int, global_batch_size: int, partitions: int) -> np.ndarray:

@@ -237,11 +237,21 @@ class SplitIndex:
         return rows
 
     def __getitem__(self, indices) -> np.ndarray:
-        idx = np.asarray(np.arange(len(self))[indices] if isinstance(indices, slice) else indices, dtype=np.int64)
+        if isinstance(indices, slice):
+            indices = np.arange(len(self))[indices]
+        idx = np.asarray(indices)
+        if idx.dtype == bool:  # a mask, as numpy reads one
+            if idx.shape != (len(self),):
+                raise IndexError(f"a boolean mask of shape {idx.shape} for split {self.split!r} of {len(self)} rows")
+            idx = np.flatnonzero(idx)
+        idx = idx.astype(np.int64, copy=False)
         if idx.ndim == 0:
             return self[idx.reshape(1)][0]
-        if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
-            raise IndexError(f"split indices outside [0, {len(self)}) asked of split {self.split!r}")
+        if idx.ndim != 1:
+            raise IndexError(f"split indices must be one-dimensional, got shape {idx.shape}")
+        if len(idx) and (idx.min() < -len(self) or idx.max() >= len(self)):
+            raise IndexError(f"split indices outside [-{len(self)}, {len(self)}) asked of split {self.split!r}")
+        idx = np.where(idx < 0, idx + len(self), idx)  # from the end, as an array counts
         shard = np.searchsorted(self.starts, idx, side="right") - 1
         out = np.empty(len(idx), np.int64)
         for s in np.unique(shard).tolist():

@@ -395,13 +395,13 @@ class CacheReader:
                 self._views.move_to_end(i)
                 return got
             got = self._open_view(i)
-            self.opened.add(i)
             self._views[i] = got
             while len(self._views) > self.read_config.max_open_shards:
                 self._views.popitem(last=False)  # a caller still holding the view keeps its memory map alive
             return got
 
     def _open_view(self, i: int) -> ShardView:
+        self.opened.add(i)  # every open counts, this reader's views and a gatherer's alike
         info, uri = self.manifest.shards[i], self.shard_uri(i)
         shape = tuple(self.manifest.shape)
         try:

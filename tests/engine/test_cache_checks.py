@@ -105,7 +105,7 @@ def test_the_split_index_comes_from_the_manifest_and_reads_only_needed_shards(s3
     assert np.array_equal(np.asarray(loader.rows), full_scan(loader.reader, "train"))
     n = len(loader.rows)
     assert np.array_equal(loader.rows[np.array([5, 0, n - 1])], full_scan(loader.reader, "train")[[5, 0, n - 1]])
-    with pytest.raises(IndexError, match=rf"outside \[0, {n}\)"):
+    with pytest.raises(IndexError, match=rf"outside \[-{n}, {n}\)"):
         loader.rows[np.array([n])]
 
 
@@ -178,3 +178,34 @@ def test_chunk_split_counts_follow_the_rows(tmp_path):
     loader = CacheLoader(uri, "val", config=LoaderConfig(global_batch_size=10, block_size=0, mode="sync"))
     starts = loader._block_starts()
     assert starts[0] == 0 and np.all(np.diff(starts) > 0) and len(starts) == 6  # 3 chunks in each shard
+
+
+def test_the_split_index_reads_masks_and_negative_indices_as_an_array_does(tmp_path):
+    uri = str(tmp_path / "cache")
+    make_cache(uri, 300, shape=(8, 8, 3), shards=3, splits={"train": 0.5, "val": 0.5})
+    reader = cf.CacheReader(uri)
+    index = SplitIndex(reader, "val")
+    whole = full_scan(reader, "val")
+    mask = np.zeros(len(index), bool)
+    mask[[0, 5, 8]] = True
+    assert np.array_equal(index[mask], whole[mask])
+    assert np.array_equal(index[np.array([-1, -len(index)])], whole[[-1, 0]])
+    assert index[3] == whole[3] and np.array_equal(index[2:9:3], whole[2:9:3])
+    with pytest.raises(IndexError):
+        index[np.array([[0, 1]])]
+    with pytest.raises(IndexError):
+        index[np.array([len(index)])]
+
+
+def test_reads_count_every_shard_a_loader_opens(tmp_path):
+    """A one-split cache (its split index needs no shard): the shards a batch reads are counted all the same."""
+    uri = str(tmp_path / "cache")
+    make_cache(uri, 400, shape=(8, 8, 3), shards=4)
+    loader = CacheLoader(uri, "train", 0, 2, LoaderConfig(global_batch_size=8, partitions=2, mode="sync",
+                                                           augment=PLAIN))
+    next(iter(loader))
+    reads = loader.reader.reads()
+    assert reads["shards"] >= 1 and reads["shard_runs"][0][0] == 0 and reads["of_shards"] == 4
+    for _ in loader:
+        pass
+    assert loader.reader.reads()["shard_runs"] == [[0, 1]]  # rank 0 of 2, partition 0 of 2: the first half

@@ -188,3 +188,14 @@ def test_block_size_zero_needs_a_cache():
         LoaderConfig(block_size=-1)
     with pytest.raises(ConfigError, match="block_size=0 cuts shuffle blocks"):
         loader(0, 1, block_size=0)
+
+
+def test_node_boundaries_line_up_when_partitions_do_not_divide_the_batch():
+    """B = 6, P = 4, 2 nodes of 1 rank: partition p's share of a batch starts at floor(p * B / P), so node 1's
+    positions [3, 6) are partitions 2 and 3 only."""
+    n, batch, parts = 600, 6, 4
+    bounds = partition_bounds(n, batch, parts)
+    node1 = rank_plan(n, 0, 0, FP, batch, True, 1, 2, partitions=parts).full.ravel()
+    assert node1.min() >= bounds[2] and node1.max() < bounds[4]
+    node0 = rank_plan(n, 0, 0, FP, batch, True, 0, 2, partitions=parts).full.ravel()
+    assert node0.max() < bounds[2]

@@ -75,9 +75,13 @@ def test_a_killed_worker_restarts_the_group_and_the_run_finishes_with_the_same_w
     second = json.loads((run / "health.json").read_text())["workers"]
     assert {w["pid"] for w in second}.isdisjoint({w["pid"] for w in first})
     assert summary["ray_checkpoint"] is not None and summary["ray_checkpoint"]["step"] <= resumed["step"]
-    # Ray's pointer lags by one save: with keep = 2 retention may have deleted its commit, and the record says so
-    assert summary["ray_checkpoint"]["committed"] == (run / "checkpoints" / f"step-{summary['ray_checkpoint']['step']:08d}"
-                                                      / "manifest.json").exists()
+    # Ray's pointer lags by one save: with keep = 2 retention may have deleted its commit, and the record says so.
+    # The record is made when the restarted group starts; retention may delete the commit later in the run, so
+    # only this direction holds at the end: a commit still there was there then (busy machine: it failed once
+    # comparing both ways, the pointer's commit deleted after the record said committed)
+    pointed = run / "checkpoints" / f"step-{summary['ray_checkpoint']['step']:08d}" / "manifest.json"
+    assert isinstance(summary["ray_checkpoint"]["committed"], bool)
+    assert summary["ray_checkpoint"]["committed"] or not pointed.exists()
     assert summary["ray_checkpoint"]["uri"].startswith(str(run / "checkpoints"))
     # and the finished run's Result.checkpoint points at the final commit
     assert summary["ray_result_checkpoint"] == {"uri": str(run / "checkpoints" / "step-00000040"), "step": 40}

@@ -101,7 +101,7 @@ def direct_cache(cache: Path, files: list[tuple[str, int]]) -> str:
 
 def cache_arrays(cache: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The whole cache as (images uint8 [N, H, W, C], labels int64 [N], sample ids str [N]) in cache order."""
-    from dutycycle.engine.cache.format import CacheReader
+    from dutycycle.engine.cache.reader import CacheReader
 
     reader = CacheReader(cache)
     images = np.concatenate([np.asarray(reader.images(i)) for i in range(reader.num_shards)])
@@ -113,7 +113,7 @@ def cache_arrays(cache: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def write_parquet_copy(cache: str, out: Path) -> None:
     """The same columns as the cache, one uncompressed Parquet file per shard (no decompression to pay)."""
     import pyarrow.parquet as pq
-    from dutycycle.engine.cache.format import CacheReader
+    from dutycycle.engine.cache.reader import CacheReader
 
     out.mkdir(parents=True, exist_ok=True)
     reader = CacheReader(cache)

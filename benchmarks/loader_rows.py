@@ -93,7 +93,7 @@ class RamBound:
     """The split in RAM, batched by the loader's plan with the loader's gather: the in-RAM upper bound."""
 
     def __init__(self, cache: str):
-        from dutycycle.engine.cache.format import CacheReader
+        from dutycycle.engine.cache.reader import CacheReader
 
         self.images, self.labels, self.ids = cache_arrays(cache)
         self.fingerprint = CacheReader(cache).fingerprint

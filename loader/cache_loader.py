@@ -8,7 +8,7 @@ import weakref
 from typing import Any
 
 import numpy as np
-from dutycycle.engine.cache.format import CacheReader
+from dutycycle.engine.cache.reader import CacheReader
 
 from .base import LoaderStats, PlannedLoader
 from .config import LoaderConfig

@@ -21,11 +21,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from dutycycle.engine.cache.format import CacheReader
+from dutycycle.engine.cache.reader import CacheReader
 
 from .config import LoaderConfig
 from .plan import plan_epoch
-from .source import chunk_block_starts, split_rows
+from .source import chunk_block_starts, rows_in_split, split_rows
 
 
 class _ReadShards:
@@ -36,8 +36,6 @@ class _ReadShards:
         self.cache_uri, self.split, self.read = cache_uri, split, read
 
     def __call__(self, items: dict[str, Any]) -> dict[str, np.ndarray]:
-        import pyarrow.compute as pc
-
         from .ray_exec import _gatherer
 
         gatherer = _gatherer(self.cache_uri, self.read)
@@ -45,9 +43,8 @@ class _ReadShards:
         parts = []
         for shard, rows in zip(items["shard"], items["rows"], strict=True):
             if int(shard) >= 0:  # a whole shard's rows of the split, in cache order
-                split = reader.view(int(shard)).split
-                local = np.flatnonzero(pc.equal(split, self.split).to_numpy(zero_copy_only=False))
-                rows = local + reader.offsets[int(shard)]
+                shard = int(shard)
+                rows = rows_in_split(reader.view(shard).split, self.split, int(reader.offsets[shard]))
             parts.append(gatherer.read(np.asarray(rows, dtype=np.int64)))
         return {"sample_id": np.array([s for p in parts for s in p.sample_ids], dtype=object),
                 "label": np.concatenate([p.labels for p in parts]),

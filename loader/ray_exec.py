@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 import ray
-from dutycycle.engine.cache.format import CacheReader
+from dutycycle.engine.cache.reader import CacheReader
 from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError
 from dutycycle.engine.roots import RootCheck

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
-from dutycycle.engine.cache.format import CacheReader
+from dutycycle.engine.cache.reader import CacheReader
 from dutycycle.engine.cache.shards import ShardView
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 from numpy.lib.stride_tricks import as_strided
@@ -196,6 +196,13 @@ class ShardGatherer:
         return RawBatch(images, labels, self._ids_by_shard(shard, local))
 
 
+def rows_in_split(split_column, split: str, offset: int) -> np.ndarray:
+    """Global cache rows (``offset`` + position) of one shard's rows whose ``split`` column equals ``split``."""
+    import pyarrow.compute as pc
+
+    return np.flatnonzero(pc.equal(split_column, split).to_numpy(zero_copy_only=False)).astype(np.int64) + offset
+
+
 class SplitIndex:
     """Split index -> global cache row, for a cache whose manifest records each shard's split counts: built from
     the manifest alone (no column read, nothing fetched), resolved shard by shard as rows are asked for.
@@ -217,20 +224,16 @@ class SplitIndex:
         return int(self.starts[-1])
 
     def _rows_of(self, shard: int) -> np.ndarray:
-        import pyarrow.compute as pc
-
         with self._lock:
             got = self._positions.get(shard)
         if got is not None:
             return got
-        view = self.reader.view(shard)
-        rows = np.flatnonzero(pc.equal(view.split, self.split).to_numpy(zero_copy_only=False)).astype(np.int64)
+        rows = rows_in_split(self.reader.view(shard).split, self.split, int(self.reader.offsets[shard]))
         want = int(self.starts[shard + 1] - self.starts[shard])
         if len(rows) != want:  # the shard disagrees with its manifest entry: never train on a torn cache
             raise CorruptArtifactError(
                 f"cache shard {self.reader.shard_uri(shard)!r} has {len(rows)} {self.split!r} rows but its manifest "
                 f"entry says {want}; materialize the cache again")
-        rows += self.reader.offsets[shard]
         with self._lock:
             self.shards_resolved += shard not in self._positions
             self._positions[shard] = rows
@@ -288,7 +291,6 @@ def split_rows(reader: CacheReader, split: str) -> np.ndarray | SplitIndex:
     in the node folder, so the other processes of the node map one shared copy instead of each reading every
     shard again.
     """
-    import pyarrow.compute as pc
     from dutycycle.engine.cache import node
 
     counts = reader.manifest.split_counts
@@ -319,8 +321,7 @@ def split_rows(reader: CacheReader, split: str) -> np.ndarray | SplitIndex:
             if rows.dtype == np.int64 and rows.ndim == 1 and len(rows) == counts[split]:
                 return rows
         def rows_of(i: int) -> np.ndarray:
-            return np.flatnonzero(pc.equal(reader.split_column(i), split).to_numpy(zero_copy_only=False)) \
-                + reader.offsets[i]
+            return rows_in_split(reader.split_column(i), split, int(reader.offsets[i]))
 
         with ThreadPoolExecutor(SCAN_THREADS) as pool:  # each read waits on storage: in flight together
             parts = list(pool.map(rows_of, range(reader.num_shards)))

@@ -48,6 +48,7 @@ from ..transform import TransformSpec
 from . import build
 from . import format as cf
 from . import plan as mp
+from .reader import CacheReader
 
 DEFAULT_ROWS_PER_SHARD = 2048
 
@@ -342,9 +343,9 @@ def materialize(
     )
 
 
-def open_cache(uri: str, verify: bool = True) -> cf.CacheReader:
+def open_cache(uri: str, verify: bool = True) -> CacheReader:
     """A reader over a committed cache folder or a cache root (its ``latest`` or only committed cache)."""
-    return cf.CacheReader(uri, verify=verify)
+    return CacheReader(uri, verify=verify)
 
 
 def stderr_log(msg: str) -> None:

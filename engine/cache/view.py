@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .format import CacheReader
+from .reader import CacheReader
 
 
 @dataclass

@@ -15,6 +15,7 @@ import pytest
 from dutycycle.engine import io
 from dutycycle.engine.cache import format as cf
 from dutycycle.engine.cache.materialize import materialize, open_cache
+from dutycycle.engine.cache.reader import CacheReader
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError, SourceError
 from dutycycle.engine.transform import TransformSpec, decode_and_transform
 
@@ -24,7 +25,7 @@ from .test_transform import close_fraction, reference
 SPEC = TransformSpec(size=32)
 
 
-def _read_all(reader: cf.CacheReader):
+def _read_all(reader: CacheReader):
     ids, labels, splits, images = [], [], [], []
     for i in range(reader.num_shards):
         ids += reader.column(i, "sample_id").tolist()
@@ -57,7 +58,7 @@ def _file_bytes(uri: str) -> bytes:
         return f.read()
 
 
-def _check_exact(reader: cf.CacheReader, rows: list[dict], spec: TransformSpec = SPEC):
+def _check_exact(reader: CacheReader, rows: list[dict], spec: TransformSpec = SPEC):
     """Every good row exactly once, no error row, labels and splits from the table, pixels = the transform."""
     ids, labels, splits, images = _read_all(reader)
     good = {r["sample_id"]: r for r in rows if r["error"] is None}

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 from dutycycle.engine.cache import format as cf
+from dutycycle.engine.cache.reader import CacheReader
 from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import CorruptArtifactError
 from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig
@@ -23,7 +24,7 @@ PLAIN = AugmentConfig(normalize=False)
 SHAPE = (32, 32, 3)  # 3,072 bytes a sample: 341 rows per 1 MiB checksum chunk
 
 
-def full_scan(reader: cf.CacheReader, split: str) -> np.ndarray:
+def full_scan(reader: CacheReader, split: str) -> np.ndarray:
     return np.concatenate([np.flatnonzero(pc.equal(reader.split_column(i), split).to_numpy(zero_copy_only=False))
                            + reader.offsets[i] for i in range(reader.num_shards)])
 
@@ -69,14 +70,14 @@ def test_a_damaged_pixel_chunk_is_refused_naming_shard_and_chunk(s3, s3fs_client
     per = int(np.prod(SHAPE))
     path = f"{uri[len('s3://'):]}/{info.path}"
     flip(s3fs_client, path, info.image_offset + 1 * info.chunk_rows * per + 7)  # chunk 1 of shard 1
-    reader = cf.CacheReader(uri, read=ReadConfig(remote="range"))
+    reader = CacheReader(uri, read=ReadConfig(remote="range"))
     view = reader.view(1)
     assert np.array_equal(view.ranged.take(np.array([0, 5])),
                           np.stack([sample_pixels(600 + i, SHAPE) for i in (0, 5)]))  # chunk 0: intact, served
     with pytest.raises(CorruptArtifactError, match=r"shard-00001\.arrow.*pixel chunk 1 \(rows 341-599\) fails"):
         view.ranged.take(np.array([400]))
     # a larger read chunk is a whole number of checksum chunks: the damage is found however it is fetched
-    wide = cf.CacheReader(uri, read=ReadConfig(remote="range", range_chunk_bytes=4 << 20))
+    wide = CacheReader(uri, read=ReadConfig(remote="range", range_chunk_bytes=4 << 20))
     with pytest.raises(CorruptArtifactError, match="pixel chunk 1"):
         wide.view(1).ranged.take(np.array([0]))
 
@@ -86,7 +87,7 @@ def test_damage_outside_the_pixels_is_refused_before_it_is_parsed(s3, s3fs_clien
     make_cache(uri, 400, shape=SHAPE, shards=2, splits={"train": 0.5, "val": 0.5})
     info = cf.read_manifest(uri).shards[0]
     flip(s3fs_client, f"{uri[len('s3://'):]}/{info.path}", info.image_offset // 2)  # in the columns
-    reader = cf.CacheReader(uri, read=ReadConfig(remote="range"))
+    reader = CacheReader(uri, read=ReadConfig(remote="range"))
     with pytest.raises(CorruptArtifactError, match=r"shard-00000\.arrow' fails its checksum outside the pixels"):
         reader.view(0)
     reader.view(1)  # the other shard opens
@@ -168,7 +169,7 @@ def test_blocks_cut_at_chunks_fetch_each_chunk_once_by_range(s3, tmp_path):
 def test_chunk_split_counts_follow_the_rows(tmp_path):
     uri = str(tmp_path / "cache")
     make_cache(uri, 1500, shape=SHAPE, shards=2, splits={"train": 0.8, "val": 0.2})
-    reader = cf.CacheReader(uri)
+    reader = CacheReader(uri)
     for i, info in enumerate(reader.manifest.shards):
         split = reader.view(i).split.to_numpy(zero_copy_only=False)
         for name, per_chunk in info.chunk_split_counts.items():
@@ -183,7 +184,7 @@ def test_chunk_split_counts_follow_the_rows(tmp_path):
 def test_the_split_index_reads_masks_and_negative_indices_as_an_array_does(tmp_path):
     uri = str(tmp_path / "cache")
     make_cache(uri, 300, shape=(8, 8, 3), shards=3, splits={"train": 0.5, "val": 0.5})
-    reader = cf.CacheReader(uri)
+    reader = CacheReader(uri)
     index = SplitIndex(reader, "val")
     whole = full_scan(reader, "val")
     mask = np.zeros(len(index), bool)

@@ -12,6 +12,7 @@ import tracemalloc
 import numpy as np
 import pytest
 from dutycycle.engine.cache import format as cf
+from dutycycle.engine.cache.reader import CacheReader
 from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig
@@ -23,7 +24,7 @@ PLAIN = AugmentConfig(crop_padding=0, flip=False, normalize=False)
 # A child process opens the cache, reads every shard's pixels and prints its read statistics.
 READ_ALL = """
 import json, sys
-from dutycycle.engine.cache.format import CacheReader
+from dutycycle.engine.cache.reader import CacheReader
 from dutycycle.engine.cache.shards import ReadConfig
 r = CacheReader(sys.argv[1], read=ReadConfig(**json.loads(sys.argv[2])))
 total = sum(int(r.images(i).sum()) for i in range(r.num_shards))
@@ -74,7 +75,7 @@ def test_local_checksum_is_verified_once_per_node(tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    reader = cf.CacheReader(uri, read=ReadConfig(node_dir=node_dir))
+    reader = CacheReader(uri, read=ReadConfig(node_dir=node_dir))
     reader.images(1)
     with pytest.raises(CorruptArtifactError, match=r"shard-00002\.arrow.*fails its checksum"):
         reader.images(2)
@@ -128,13 +129,13 @@ def test_s3_node_copies_are_downloaded_and_verified_once_per_node(s3, tmp_path):
     assert again["sum"] == first[0]["sum"]
     # A small disk cache keeps the most recently used shards only.
     small = ReadConfig(remote="disk", node_dir=str(tmp_path / "small"), disk_cache_bytes=int(2.5 * max(sizes)))
-    reader = cf.CacheReader(uri, read=small)
+    reader = CacheReader(uri, read=small)
     for i in range(4):
         reader.images(i)
     kept = os.listdir(tmp_path / "small" / "shards")
     assert sorted(kept) == sorted(f"{cf.read_manifest(uri).shards[i].sha256}.arrow" for i in (2, 3))
     with pytest.raises(ConfigError, match="disk_cache_bytes"):
-        cf.CacheReader(uri, read=ReadConfig(remote="disk", node_dir=str(tmp_path / "tiny"), disk_cache_bytes=10)
+        CacheReader(uri, read=ReadConfig(remote="disk", node_dir=str(tmp_path / "tiny"), disk_cache_bytes=10)
                        ).images(0)
 
 
@@ -148,14 +149,14 @@ def test_s3_damaged_or_missing_shards_are_refused(s3, tmp_path):
     data = bytearray(fs.cat_file(path))
     data[len(data) // 2] ^= 0xFF
     fs.pipe_file(path, bytes(data))
-    reader = cf.CacheReader(uri, read=ReadConfig(remote="disk", node_dir=str(tmp_path / "node")))
+    reader = CacheReader(uri, read=ReadConfig(remote="disk", node_dir=str(tmp_path / "node")))
     reader.images(0)
     with pytest.raises(CorruptArtifactError, match=r"shard-00001\.arrow.*fails its checksum"):
         reader.images(1)
     assert not [f for f in os.listdir(tmp_path / "node" / "shards") if "tmp" in f]  # nothing half-landed
     fs.rm(path)
     for remote in ("disk", "range"):
-        reader = cf.CacheReader(uri, read=ReadConfig(remote=remote, node_dir=str(tmp_path / f"n-{remote}")))
+        reader = CacheReader(uri, read=ReadConfig(remote=remote, node_dir=str(tmp_path / f"n-{remote}")))
         with pytest.raises(CorruptArtifactError, match=r"shard-00001\.arrow.*is missing"):
             reader.images(1)
 

@@ -78,14 +78,15 @@ def _write_cache(uri):
 def test_cache_format_roundtrip_and_commit(tmp_path):
     import pyarrow as pa
     from dutycycle.engine.cache import format as cf
+    from dutycycle.engine.cache.reader import CacheReader
     from dutycycle.engine.errors import CorruptArtifactError, SourceError
 
     uri = str(tmp_path / "cache")
     imgs, m = _write_cache(uri)
     with pytest.raises(SourceError, match="manifest.json is missing"):
-        cf.CacheReader(uri)
+        CacheReader(uri)
     cf.commit(uri, m)
-    r = cf.CacheReader(uri)
+    r = CacheReader(uri)
     assert np.array_equal(np.concatenate([r.images(0), r.images(1)]), imgs)
     assert list(r.column(1, "sample_id")) == ["d", "e"]
     shard, row = r.locate(np.array([0, 2, 3, 4]))
@@ -99,16 +100,17 @@ def test_cache_format_roundtrip_and_commit(tmp_path):
     data[-100] ^= 0xFF
     p.write_bytes(bytes(data))
     with pytest.raises(CorruptArtifactError, match="shard-00001.arrow"):
-        cf.CacheReader(uri).images(1)
+        CacheReader(uri).images(1)
 
 
 def test_cache_format_on_s3(s3):
     from dutycycle.engine.cache import format as cf
+    from dutycycle.engine.cache.reader import CacheReader
 
     uri = f"{s3}/cache"
     imgs, m = _write_cache(uri)
     cf.commit(uri, m)
-    r = cf.CacheReader(uri)
+    r = CacheReader(uri)
     assert np.array_equal(r.images(1), imgs[3:])
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from dutycycle.engine.cache import format as cf
 from dutycycle.engine.cache import node
+from dutycycle.engine.cache.reader import CacheReader
 from dutycycle.engine.cache.remote import DiskCache
 from dutycycle.engine.cache.shards import ReadConfig, ReadStats
 from dutycycle.engine.errors import CorruptArtifactError, DutycycleError
@@ -132,7 +133,7 @@ def test_a_planted_verified_marker_does_not_vouch_for_a_corrupted_shard(tmp_path
         os.makedirs(os.path.dirname(marker))
         os.symlink(tmp_path / "elsewhere", marker)
     assert node.verify_once(shard, info.sha256, info.bytes, root) == (False, True)  # hashed again: refused
-    reader = cf.CacheReader(uri, read=ReadConfig(node_dir=root))
+    reader = CacheReader(uri, read=ReadConfig(node_dir=root))
     reader.images(0)
     with pytest.raises(CorruptArtifactError, match=r"shard-00001\.arrow.*fails its checksum"):
         reader.images(1)
@@ -172,7 +173,7 @@ def test_a_planted_split_index_is_rebuilt(tmp_path):
     uri, root = str(tmp_path / "cache"), node.node_dir(str(tmp_path / "node"))
     make_cache(uri, 120, shards=3, splits={"train": 0.75, "val": 0.25})
     as_older_cache(uri)  # a cache whose split index is scanned and kept in the node folder
-    reader = cf.CacheReader(uri, read=ReadConfig(node_dir=root))
+    reader = CacheReader(uri, read=ReadConfig(node_dir=root))
     honest = np.array(split_rows(reader, "val"))
     index = [os.path.join(root, "index", n) for n in os.listdir(os.path.join(root, "index"))]
     assert len(index) == 1 and node.trusted(index[0])

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from dutycycle.engine.cache.format import CacheReader
+from dutycycle.engine.cache.reader import CacheReader
 from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError
 from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig, budget

@@ -14,7 +14,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from dutycycle.engine.cache import format as cf
+from dutycycle.engine.cache.reader import CacheReader
 from dutycycle.loader.plan import partition_bounds
 
 from ..support.cachemaker import make_cache
@@ -85,7 +85,7 @@ def runs(tmp_path_factory):
 
 def partition_shards(cache: str) -> list[set[int]]:
     """The shards holding each canonical partition's training rows (what a node may open)."""
-    reader = cf.CacheReader(cache)
+    reader = CacheReader(cache)
     from dutycycle.loader.source import split_rows
 
     rows = np.asarray(split_rows(reader, "train"))

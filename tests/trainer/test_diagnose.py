@@ -55,6 +55,62 @@ def test_verdict_names_the_largest_wait_with_its_number_and_fix():
     assert "were not measured" in decide({"compute": {"samples_per_s": 1.0}}).headline
 
 
+def _noisy(data, comm, data_iv, comm_iv):
+    e2e = _e2e(data=data, comm=comm)
+    e2e["cache"]["intervals"] = {"data_wait_share": data_iv, "comm_share": comm_iv, "checkpoint_share": [0.0, 0.0]}
+    return {"end_to_end": e2e}
+
+
+def test_a_verdict_names_a_wait_only_beyond_its_noise():
+    # clear: data's whole interval is above the line and above communication's
+    v = decide(_noisy(0.40, 0.10, [0.35, 0.45], [0.08, 0.12]))
+    assert v.kind == "data-bound" and v.intervals["data"] == [0.35, 0.45]
+    # two waits whose intervals overlap above the line: level, both named with their numbers and remedies
+    v = decide(_noisy(0.26, 0.23, [0.21, 0.31], [0.19, 0.28]))
+    assert v.kind == "balanced", v
+    assert "data 26% (21%-31%) and communication 23% (19%-28%) within noise" in v.headline
+    assert "for data:" in v.fix and "for communication:" in v.fix
+    # the same point values with no noise (one measurement each) are ordered as before
+    assert decide(_noisy(0.26, 0.23, [0.26, 0.26], [0.23, 0.23])).kind == "data-bound"
+    # the largest wait straddles the line: it may be a wait or compute, and the verdict says so
+    v = decide(_noisy(0.18, 0.05, [0.12, 0.24], [0.04, 0.06]))
+    assert v.kind == "balanced" and "data 18% (12%-24%) and compute" in v.headline
+    # wholly below the line: compute-bound
+    assert decide(_noisy(0.15, 0.05, [0.12, 0.19], [0.04, 0.06])).kind == "compute-bound"
+
+
+def test_the_loader_shortfall_is_compared_with_both_intervals():
+    # a loader measured at 5.3k against a 7.0k ceiling is 24% short, but its interval reaches the ceiling's
+    e2e = _e2e(data=0.10)
+    findings = {"end_to_end": e2e, "compute": {"samples_per_s": 7000.0, "interval": [6500.0, 7400.0]},
+                "loader": {"cache": 5300.0, "intervals": {"cache": [4200.0, 6900.0]}}}
+    v = decide(findings)
+    # low: the loader's best against the ceiling's worst (no shortfall), so the wait measured end to end (10%)
+    assert v.kind == "balanced" and v.intervals["data"] == pytest.approx([0.10, 1 - 4200 / 7400])
+    # both measured tightly: the shortfall is real
+    findings["loader"]["intervals"]["cache"] = [5200.0, 5400.0]
+    findings["compute"]["interval"] = [6900.0, 7100.0]
+    v = decide(findings)
+    assert v.kind == "data-bound" and v.intervals["data"] == pytest.approx([1 - 5400 / 6900, 1 - 5200 / 7100])
+
+
+def test_noise_intervals_come_from_the_samples():
+    from dutycycle.trainer.diagnose import noise
+
+    # a share from per-step rows: a steady wait has a narrow interval, a wait in one step of ten a wide one
+    steps = [0.1] * 10
+    assert noise.ratio_interval([0.03] * 10, steps) == pytest.approx([0.3, 0.3])
+    lo, hi = noise.ratio_interval([0.0] * 9 + [0.09], steps)  # 9% overall; 3 resampled spikes make 27%
+    assert lo == 0.0 and 0.2 < hi < 0.35
+    # a rate from window medians: one window slowed tenfold by another process's burst does not move it
+    steady = noise.rate_with_interval([0.01] * 30, 32)
+    burst = noise.rate_with_interval([0.01] * 21 + [0.1] * 9, 32)  # 3 of 10 windows slowed
+    assert steady[0] == pytest.approx(3200) and burst[0] == pytest.approx(3200)
+    assert steady[1] == pytest.approx([3200, 3200]) and burst[1][0] < 3200 <= burst[1][1]
+    # bursts of a prefetching loader (three batches at once, then a wait) average out within a window
+    assert noise.rate_with_interval([0.0, 0.0, 0.03] * 5, 32)[0] == pytest.approx(3200)
+
+
 def test_memory_verdict_comes_first_and_names_the_stage_that_fits():
     rows = [{"zero_stage": s, "offload": o, "device_bytes": b, "fits": b <= 100}
             for s, o, b in ((0, False, 400), (1, False, 250), (1, True, 200), (2, False, 150), (2, True, 120),

@@ -24,6 +24,8 @@ from typing import Any
 
 from dutycycle.engine import io
 
+from . import noise
+
 
 @dataclass
 class Context:
@@ -61,6 +63,7 @@ def _short_run(ctx: Context, name: str, *overrides: str) -> dict:
     summary = train(cfg, local=cfg.parallel.num_workers == 1, quiet=True)
     rows = _steady_rows(run_dir)
     step_s = sum(r["step_s"] for r in rows) or 1e-9
+    steps = [r["step_s"] for r in rows]
     return {
         "workers": cfg.parallel.num_workers,
         "samples_per_s": cfg.data.global_batch_size * len(rows) / step_s,
@@ -68,6 +71,9 @@ def _short_run(ctx: Context, name: str, *overrides: str) -> dict:
         "data_wait_share": sum(r["data_wait"] for r in rows) / step_s,
         "comm_share": sum(r["comm"] for r in rows) / step_s,
         "checkpoint_share": sum(r["checkpoint"] for r in rows) / step_s,
+        # how far each share moves when the steps are resampled: the verdict compares shares beyond these
+        "intervals": {f"{k}_share": noise.ratio_interval([r[k] for r in rows], steps)
+                      for k in ("data_wait", "comm", "checkpoint")},
         "bytes_per_step": summary["parallel"]["traffic"]["bytes"] / max(1, summary["steps"]),
         "inter_node_bytes_per_step": summary["parallel"]["traffic"]["inter_node_bytes"] / max(1, summary["steps"]),
         "comm_exposed_measured": summary["parallel"]["comm_exposed_measured"],
@@ -151,7 +157,9 @@ def compute(ctx: Context) -> dict:
             times.append(time.perf_counter() - t)
         # the median step: a ceiling, so the steps another process's burst slowed down do not count
         rate = per_worker / statistics.median(times)
+        lo, hi = noise.median_interval([per_worker / t for t in times])
         out = {"samples_per_s_per_worker": rate, "samples_per_s": rate * workers, "workers": workers,
+               "interval": [lo * workers, hi * workers],
                "batch_per_worker": per_worker, "device": device.type, "threads": torch.get_num_threads(),
                "num_params": sum(p.numel() for p in model.parameters()), "mfu": None}
         if device.type == "cuda":
@@ -167,13 +175,21 @@ def compute(ctx: Context) -> dict:
 # ------------------------------------------------------------------------------------------------- 2 loader
 
 
-def _rate(it, batch_size: int, seconds: float, min_batches: int = 3) -> float:
-    n, t0 = 0, time.perf_counter()
+def _rate(it, batch_size: int, seconds: float, min_batches: int = noise.MIN_ITEMS) -> tuple[float, list[float]]:
+    """Samples per second of an iterator of batches, as the compute ceiling is measured: the median (of window
+    rates), so a burst of other work on the machine slows one window and not the figure; and its interval. A mean
+    here against a median ceiling read a busy machine's loader as 25% short of compute that it fed easily."""
+    it = iter(it)
+    next(it)  # the first batch carries the loader's start (opening, filling its prefetch): end_to_end counts that
+    durations, t0 = [], time.perf_counter()
+    last = t0
     for _ in it:
-        n += 1
-        if n >= min_batches and time.perf_counter() - t0 >= seconds:
+        now = time.perf_counter()
+        durations.append(now - last)
+        last = now
+        if len(durations) >= min_batches and now - t0 >= seconds:
             break
-    return n * batch_size / max(time.perf_counter() - t0, 1e-9)
+    return noise.rate_with_interval(durations, batch_size)
 
 
 def table_of(cfg) -> str | None:
@@ -194,7 +210,7 @@ def loader(ctx: Context) -> dict:
 
     cfg = ctx.cfg
     gbs = cfg.data.global_batch_size
-    out: dict[str, Any] = {"global_batch_size": gbs}
+    out: dict[str, Any] = {"global_batch_size": gbs, "intervals": {}}
     sources = []
     if cfg.data.source == "synthetic":
         sources.append(("synthetic", variant(cfg)))
@@ -206,12 +222,21 @@ def loader(ctx: Context) -> dict:
     seconds = ctx.seconds / (len(sources) + 1)
     for name, c in sources:
         train, _, _ = make_sources(c, World())
-        train.set_epoch(0)
-        out[name] = _rate(iter(train), gbs, seconds)
+        out[name], out["intervals"][name] = _rate(_epochs(train), gbs, seconds)
         if name in ("cache", "synthetic") and "in_ram" not in out:
-            out["in_ram"] = _rate(_in_ram_batches(train, gbs), gbs, seconds)
+            out["in_ram"], out["intervals"]["in_ram"] = _rate(_in_ram_batches(train, gbs), gbs, seconds)
     out["slow_ms"] = cfg.data.slow_ms
     return out
+
+
+def _epochs(source):
+    """Batches of one epoch after another, each epoch's start included as training meets it: a small split's epoch
+    can be shorter than a measuring loop, and one epoch alone was all prefetched batches, handed over at once."""
+    epoch = 0
+    while True:
+        source.set_epoch(epoch)
+        yield from source
+        epoch += 1
 
 
 def _in_ram_batches(source, gbs: int, hold: int = 8):
@@ -311,7 +336,10 @@ def checkpoint(ctx: Context) -> dict:
                          "checkpoint.every=2", f"checkpoint.async_save={str(mode == 'async').lower()}",
                          "checkpoint.resume=none", "ray.max_failures=0")
         stall = (run["summary"].get("checkpoint") or {}).get("stall_s", {})
-        out[mode] = {"stall_s_per_save": stall.get("mean", 0.0), "saves": len(stall.get("per_save", [])), **run}
+        saves = stall.get("per_save", [])
+        out[mode] = {"stall_s_per_save": stall.get("mean", 0.0), "saves": len(saves),
+                     "stall_interval": noise.ratio_interval(saves, [1.0] * len(saves)) if saves else [0.0, 0.0],
+                     **run}
     return out
 
 

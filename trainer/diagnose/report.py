@@ -120,6 +120,17 @@ def picture(findings: dict) -> bytes:
     return buf.getvalue()
 
 
+def _shares_table(v: dict) -> str:
+    """Each wait's share of the step with its 90% interval: what the verdict compared."""
+    if not v.get("shares"):
+        return ""
+    iv = v.get("intervals") or {}
+    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{s:.1%}</td><td>"
+                   + (f"{iv[k][0]:.1%} to {iv[k][1]:.1%}" if k in iv else "one measurement") + "</td></tr>"
+                   for k, s in sorted(v["shares"].items(), key=lambda kv: -kv[1]))
+    return ("<table><tr><th>wait</th><th>share of the step</th><th>90% interval</th></tr>" + rows + "</table>")
+
+
 def page(result: dict, png: bytes) -> str:
     v = result["verdict"]
     titles = {key: title for key, title, _ in EXPERIMENTS}
@@ -133,7 +144,7 @@ def page(result: dict, png: bytes) -> str:
         "</style></head><body>"
         f"<h1>dutycycle diagnose</h1><p>config: <code>{html.escape(result['config_name'])}</code></p>"
         f"<p class='verdict'><b>{html.escape(v['kind'])}</b>: {html.escape(v['headline'])}</p>"
-        f"<p>fix: {html.escape(v['fix'])}</p>"
+        f"<p>fix: {html.escape(v['fix'])}</p>{_shares_table(v)}"
         f"<table>{rows}</table><p><img alt='diagnosis' src='data:image/png;base64,{img}' width='100%'></p>"
         "<p>Every number is in diagnosis.json beside this page.</p></body></html>"
     )

@@ -6,24 +6,28 @@ The order of questions:
 1. memory: does the configured ZeRO stage's model state fit the per-rank budget at all? If not, nothing else
    matters yet: name the least-communicating stage (or offload) that fits.
 2. the waits of a running step, as shares of its time: data (waiting on the loader, end to end), communication
-   (exposed collectives at N workers), checkpoint (stall per save). The largest is the verdict when it exceeds
-   ``THRESHOLD``; otherwise the run is compute-bound, and the verdict says how close to the ceiling it runs.
+   (exposed collectives at N workers), checkpoint (stall per save). Each share carries a 90% interval from its
+   own samples (``noise``). The largest is the verdict when its whole interval lies above ``THRESHOLD`` and above
+   every other share's interval; when its interval lies below ``THRESHOLD`` the run is compute-bound (and the
+   verdict says how close to the ceiling it runs); otherwise the verdict is "balanced" and names the waits that
+   noise cannot tell apart, with their numbers, rather than flip between them from run to run.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 THRESHOLD = 0.2  # a wait taking a fifth of the step is worth removing before anything else
 
 
 @dataclass
 class Verdict:
-    kind: str  # memory-bound, data-bound, communication-bound, checkpoint-bound, compute-bound, unknown
+    kind: str  # memory-bound, data-bound, communication-bound, checkpoint-bound, balanced, compute-bound, unknown
     share: float | None  # the dominant wait's share of the step
     headline: str  # one line: "data-bound: 41% of each step waits on the loader; ..."
     fix: str  # the setting or command that addresses it
     shares: dict  # every measured wait share
+    intervals: dict = field(default_factory=dict)  # share name -> [low, high], its 90% interval
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,24 +76,38 @@ def decide(findings: dict) -> Verdict:
     ckpt = findings.get("checkpoint") or {}
     ceiling = (findings.get("compute") or {}).get("samples_per_s")
     loaders = findings.get("loader") or {}
-    shares = {}
+    shares: dict[str, float] = {}
+    iv: dict[str, list[float]] = {}  # each share's 90% interval; a figure without samples is its own interval
+
+    def put(name: str, value: float, interval: list[float] | None) -> None:
+        lo, hi = interval or (value, value)
+        if name in shares:  # two measures of one wait: the larger, bound by bound
+            value, lo, hi = max(value, shares[name]), max(lo, iv[name][0]), max(hi, iv[name][1])
+        shares[name], iv[name] = value, [lo, hi]
+
     if run:
+        got = run.get("intervals", {})
+        put("data", run["data_wait_share"], got.get("data_wait_share"))
         # Waiting on the loader understates it when decoding shares the cores with compute (CPU runs): decode
         # threads then slow forward/backward instead. So the loader alone is measured too, and the part of the
         # compute ceiling it cannot feed counts as data pressure.
         rate = loaders.get(e2e.get("configured"))
-        shortfall = max(0.0, 1.0 - rate / ceiling) if isinstance(rate, float) and ceiling else 0.0
-        shares["data"] = max(run["data_wait_share"], shortfall)
-        shares["communication"] = run["comm_share"]
-        shares["checkpoint"] = run.get("checkpoint_share", 0.0)
+        if isinstance(rate, float) and ceiling:
+            r_lo, r_hi = (loaders.get("intervals") or {}).get(e2e.get("configured")) or (rate, rate)
+            c_lo, c_hi = (findings.get("compute") or {}).get("interval") or (ceiling, ceiling)
+            put("data", max(0.0, 1.0 - rate / ceiling), [max(0.0, 1.0 - r_hi / c_lo), max(0.0, 1.0 - r_lo / c_hi)])
+        put("communication", run["comm_share"], got.get("comm_share"))
+        put("checkpoint", run.get("checkpoint_share", 0.0), got.get("checkpoint_share"))
     if many:
-        shares["communication"] = max(shares.get("communication", 0.0), many["comm_share"])
+        put("communication", many["comm_share"], many.get("intervals", {}).get("comm_share"))
     mode = "async" if ckpt.get("configured_async") else "sync"
     if ckpt.get("configured_every") and isinstance(ckpt.get(mode), dict) and run:
         # the configured cadence: one stall per `every` steps of the end-to-end step time
+        def cadence(stall: float) -> float:
+            return stall / (ckpt["configured_every"] * run["step_s"] + stall)
+
         stall = ckpt[mode]["stall_s_per_save"]
-        shares["checkpoint"] = max(shares.get("checkpoint", 0.0),
-                                   stall / (ckpt["configured_every"] * run["step_s"] + stall))
+        put("checkpoint", cadence(stall), [cadence(x) for x in ckpt[mode].get("stall_interval") or (stall, stall)])
     if not shares:
         failed = [k for k in ("end_to_end", "scaling") if "error" in (findings.get(k) or {})]
         if failed:
@@ -98,7 +116,8 @@ def decide(findings: dict) -> Verdict:
         return Verdict("unknown", None, "the waits of a running step were not measured (the end_to_end and scaling "
                        "experiments did not run)", "run dutycycle diagnose without --only, or with end_to_end", {})
     kind, share = max(shares.items(), key=lambda kv: kv[1])
-    if share < THRESHOLD:
+    lo, hi = iv[kind]
+    if hi < THRESHOLD:
         got = run.get("samples_per_s") if run else None
         frac = f" ({got / ceiling:.0%} of the compute ceiling of {_k(ceiling)} samples/s)" if got and ceiling else ""
         head = (f"compute-bound: no wait takes more than {share:.0%} of a step (data {shares.get('data', 0):.0%}, "
@@ -113,12 +132,36 @@ def decide(findings: dict) -> Verdict:
                      "they share the same compute")
             fix = ("workers that share one machine's cores do not add compute: put them on separate devices or nodes "
                    "(parallel.num_workers per node = its accelerators), or run one worker with all the cores")
-        return Verdict("compute-bound", share, head, fix, shares)
-    if kind == "data":
-        return _data(share, shares, e2e, run, loaders, ceiling)
-    if kind == "communication":
-        return _comm(share, shares, scaling)
-    return _checkpoint(share, shares, ckpt)
+        return Verdict("compute-bound", share, head, fix, shares, iv)
+
+    def named(k: str) -> Verdict:
+        if k == "data":
+            return _data(shares[k], shares, e2e, run, loaders, ceiling)
+        if k == "communication":
+            return _comm(shares[k], shares, scaling)
+        return _checkpoint(shares[k], shares, ckpt)
+
+    # another wait whose interval reaches this one's (and the line): noise cannot order them
+    rivals = [k for k in shares if k != kind and iv[k][1] >= max(lo, THRESHOLD)]
+    if lo >= THRESHOLD and not rivals:
+        v = named(kind)
+        v.intervals = iv
+        return v
+    return _balanced(kind, rivals, shares, iv, named)
+
+
+def _pct(share: float, interval: list[float]) -> str:
+    return f"{share:.0%} ({interval[0]:.0%}-{interval[1]:.0%})"
+
+
+def _balanced(kind: str, rivals: list[str], shares: dict, iv: dict, named) -> Verdict:
+    """No wait stands out beyond noise: say which ones are level, with their intervals, and each one's remedy."""
+    level = [f"{k} {_pct(shares[k], iv[k])}" for k in (kind, *rivals)]
+    if not rivals:  # the largest wait straddles the line: it may be a wait worth removing, or compute
+        level.append(f"compute (the line is {THRESHOLD:.0%})")
+    head = (f"balanced: {' and '.join(level)} within noise; a longer diagnosis (--budget-s) narrows the intervals")
+    fix = "; or ".join(f"for {k}: {named(k).fix}" for k in (kind, *rivals))
+    return Verdict("balanced", shares[kind], f"{head}; {fix}", fix, shares, iv)
 
 
 def _data(share, shares, e2e, run, loaders, ceiling) -> Verdict:

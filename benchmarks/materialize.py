@@ -18,12 +18,16 @@ Ratios: materialize over serial and over pool (target: at least 0.8 of the pool,
 
 Planning at scale, on a metadata-only table of ``--plan-rows`` rows (default 1,000,000; no images):
 
-- ``plan_daft``: what materialize runs before decoding (counts, one row per sample id in order, per-block
-  digests, the fingerprint): Daft queries that return O(blocks) values.
+- ``plan_daft``: what materialize runs before decoding (``engine.cache.selection``: one streaming Daft query
+  into buckets by sample-id prefix, then counts, one row per sample id numbered in order, per-block and per-shard
+  digests, bucket by bucket; the fingerprint).
+- ``plan_daft_large``: the same on a table of ``--plan-rows-large`` rows (default 10,000,000): time should grow
+  about linearly (``plan_seconds_large_over_small`` against ``plan_rows_large_over_small``) and the driver's
+  peak stay within 1 GB (target ``plan_large_peak_mb``).
 - ``plan_lists``: ``plan_rows``, the same selection and fingerprint as Python lists per row (what the raw
   loader needs, and how materialize planned before it moved to Daft).
-- ``plan_daft_ray`` (``--ray``): ``plan_daft`` on the Ray runner: the queries run in Ray workers, and the driver's
-  own peak memory is what stays O(blocks + shards).
+- ``plan_daft_ray`` (``--ray``): ``plan_daft`` on the Ray runner: the workers write the buckets (Parquet, staged
+  in a shared folder) and the driver numbers them one bucket at a time.
 
     python benchmarks/materialize.py --n 3000          # writes benchmarks/results/materialize.json
 """
@@ -163,6 +167,7 @@ def row_plan(table: str, how: str) -> dict[str, Any]:
 
 def _plan(table: str, how: str, runner: str) -> dict[str, Any]:
     from dutycycle.engine.cache import plan as mp
+    from dutycycle.engine.cache import selection
     from dutycycle.engine.cache.materialize import plan_rows
     from dutycycle.engine.runner import configure
     from dutycycle.engine.table import format as tf
@@ -177,9 +182,11 @@ def _plan(table: str, how: str, runner: str) -> dict[str, Any]:
         else:
             tm = tf.read_manifest(table)
             df = mp.table_frame(table, tm, None)
-            mp.counts(df, table, None)
-            blocks = mp.block_digests(mp.selected_frame(df), list(tm.classes))
-            fp, selected = mp.fingerprint([b[2] for b in blocks], list(tm.classes), spec, mp.decode_settings()), sum(b[1] for b in blocks)
+            with tempfile.TemporaryDirectory(prefix="plan-staging-") as staging, \
+                    selection.selected(df, classes=list(tm.classes), rows_per_shard=ROWS_PER_SHARD, runner=runner,
+                                       staging=staging, table_uri=table, where=None) as sel:
+                fp = mp.fingerprint([b[2] for b in sel.blocks], list(tm.classes), spec, mp.decode_settings())
+                selected = sel.selected
         seconds = time.perf_counter() - t0
     return {"rows": tf.read_manifest(table).num_rows, "selected": selected, "fingerprint": fp, "seconds": seconds,
             **mem.result()}
@@ -193,8 +200,10 @@ ROWS = {
     "plan_daft": lambda root, out: row_plan(str(out), "daft"),
     "plan_lists": lambda root, out: row_plan(str(out), "lists"),
     "plan_daft_ray": lambda root, out: row_plan(str(out), "daft-ray"),
+    "plan_daft_large": lambda root, out: row_plan(str(out), "daft"),
 }
-PLAN_ROWS = ("plan_daft", "plan_lists", "plan_daft_ray")
+PLAN_ROWS = ("plan_daft", "plan_lists", "plan_daft_ray", "plan_daft_large")
+PLAN_LARGE_PEAK_MB = 1024  # target: planning the large table (10M rows) within 1 GB of driver memory
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="processes per row; the median is reported")
     p.add_argument("--ray", action="store_true", help="add the Ray-runner row (starts a local Ray cluster)")
     p.add_argument("--plan-rows", type=int, default=1_000_000, help="rows of the planning table (0: skip)")
+    p.add_argument("--plan-rows-large", type=int, default=10_000_000,
+                   help="rows of the large planning table, for linearity and the 1 GB target (0: skip)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "materialize.json"))
     p.add_argument("--workdir", default=None, help="keep the images and table here")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)
@@ -219,15 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.workdir or tmp.name)
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    names = [n for n in ROWS if (args.ray or n not in ("ray", "plan_daft_ray")) and (n not in PLAN_ROWS or args.plan_rows)]
+    names = [n for n in ROWS if (args.ray or n not in ("ray", "plan_daft_ray")) and (n not in PLAN_ROWS or args.plan_rows)
+             and (n != "plan_daft_large" or args.plan_rows_large)]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     try:
         info = prepare(root, args.n)
         plan_table = prepare_plan_table(root, args.plan_rows) if args.plan_rows else ""
+        large_table = prepare_plan_table(root, args.plan_rows_large) if args.plan_rows_large else ""
         for k in range(args.repeat):
             for name in names:  # interleaved, so a neighbour's burst on this shared machine hits every row alike
                 with tempfile.TemporaryDirectory(prefix=f"out-{name}-", dir=root) as dest:
-                    where = plan_table if name in PLAN_ROWS else dest
+                    where = large_table if name == "plan_daft_large" else plan_table if name in PLAN_ROWS else dest
                     got, wall = run_row([__file__, "--row", name, "--data", str(root), "--dest", where], timeout=1800)
                 runs[name].append({**got, "process_wall_s": wall})
                 print(f"{name} #{k}: {json.dumps(got)[:200]}", file=sys.stderr)
@@ -266,15 +279,21 @@ def main(argv: list[str] | None = None) -> int:
             assert rows[name]["fingerprint"] == rows["plan_lists"]["fingerprint"], "the plans must agree"
             ratios[f"driver_memory_plan_lists_over_{name}"] = round(
                 rows["plan_lists"]["peak_rss_self_mb"] / rows[name]["peak_rss_self_mb"], 2)
+    if "seconds" in rows.get("plan_daft_large", {}) and "seconds" in rows.get("plan_daft", {}):
+        small, large = rows["plan_daft"], rows["plan_daft_large"]
+        ratios["plan_seconds_large_over_small"] = round(large["seconds"] / small["seconds"], 2)
+        ratios["plan_rows_large_over_small"] = round(large["rows"] / small["rows"], 2)
+        ratios["plan_large_peak_mb"] = large["peak_rss_self_mb"]
+        ratios.setdefault("met", {})["plan_large_peak_mb"] = large["peak_rss_self_mb"] <= PLAN_LARGE_PEAK_MB
     result = {
         "benchmark": "materialize",
         "config": {"n": args.n, "size": SIZE, "rows_per_shard": ROWS_PER_SHARD, "repeat": args.repeat,
-                   "plan_rows": args.plan_rows},
+                   "plan_rows": args.plan_rows, "plan_rows_large": args.plan_rows_large},
         "data": info,
         "machine": machine(),
         "rows": rows,
         "ratios": ratios,
-        "targets": TARGETS,
+        "targets": {**TARGETS, "plan_large_peak_mb_at_most": PLAN_LARGE_PEAK_MB},
         "total_s": round(time.perf_counter() - t0, 1),
     }
     write_result(args.out, result, ("rows", "ratios"))

@@ -23,6 +23,7 @@ from ..transform import TransformSpec
 from . import format as cf
 from . import plan as mp
 from . import udf
+from .selection import Selection
 
 Record = dict[str, Any]
 
@@ -33,12 +34,12 @@ def _log_record(log: Callable[[str], None], done: int, total: int, rec: Record) 
     log(f"shard {done}/{total} (#{rec['index']}): {rows} samples, {how}")
 
 
-def build_on_ray(sel, out: str, spec: TransformSpec, classes: list[str], cfg, num_shards: int,
+def build_on_ray(sel: Selection, out: str, spec: TransformSpec, classes: list[str], cfg, num_shards: int,
                  log: Callable[[str], None]) -> dict[int, Record]:
     import ray
     from daft import col
 
-    shards = mp.grouped(sel, cfg.rows_per_shard, "shard", ("sample_id", "uri", "label", "split"))
+    shards = mp.grouped(sel.frame(), cfg.rows_per_shard, "shard", ("sample_id", "uri", "label", "split"))
     # A few partitions per CPU keeps every CPU busy to the end without a task per shard (~50k for 100M images).
     cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else 1
     shards = shards.repartition(min(num_shards, 4 * max(1, cpus)), col("shard")).into_batches(1)
@@ -52,21 +53,7 @@ def build_on_ray(sel, out: str, spec: TransformSpec, classes: list[str], cfg, nu
     return records
 
 
-def _shard_digests(sel, rows_per_shard: int) -> dict[int, str]:
-    """Each shard's ``ids_digest`` (over its sorted sample ids), from one small Daft query."""
-    import daft
-    from daft import col
-
-    @daft.func(return_dtype=daft.DataType.string())
-    def digest(rows: list[dict]) -> str:
-        return udf.ids_digest(sorted(r["sample_id"] for r in rows))
-
-    g = mp.grouped(sel, rows_per_shard, "shard", ("sample_id",))
-    d = g.select(col("shard"), digest(col("rows")).alias("digest")).to_pydict()
-    return dict(zip(d["shard"], d["digest"], strict=True))
-
-
-def _already_built(sel, out: str, rows_per_shard: int) -> dict[int, Record]:
+def _already_built(digests: dict[int, str], out: str) -> dict[int, Record]:
     """Shards a previous run completed: a record that matches this plan and a shard that passes its checksum."""
     fs, path = io.filesystem(io.join(out, cf.SHARD_DIR))
     try:
@@ -76,13 +63,12 @@ def _already_built(sel, out: str, rows_per_shard: int) -> dict[int, Record]:
     present = sorted(int(n[6:11]) for n in names if n.startswith("shard-") and n.endswith(".json") and len(n) == 16)
     if not present:
         return {}
-    digests = _shard_digests(sel, rows_per_shard)
     with ThreadPoolExecutor(8) as pool:  # reading and hashing committed shards: I/O and hashlib, both GIL-free
         found = pool.map(lambda i: udf.completed(out, i, digests[i]) if i in digests else None, present)
         return {i: {**rec, "status": "resumed"} for i, rec in zip(present, found, strict=True) if rec is not None}
 
 
-def build_native(sel, out: str, spec: TransformSpec, classes: list[str], cfg, num_shards: int, selected: int,
+def build_native(sel: Selection, out: str, spec: TransformSpec, classes: list[str], cfg, num_shards: int, selected: int,
                  log: Callable[[str], None]) -> dict[int, Record]:
     import time
 
@@ -90,12 +76,12 @@ def build_native(sel, out: str, spec: TransformSpec, classes: list[str], cfg, nu
     from daft import col
 
     size = cfg.rows_per_shard
-    records = _already_built(sel, out, size)
+    records = _already_built(sel.shard_digests, out)
     for rec in records.values():
         _log_record(log, len(records), num_shards, rec)
     if len(records) == num_shards:
         return records
-    rows = sel.with_column("shard", (col("row") // size).cast(daft.DataType.int64()))
+    rows = sel.frame().with_column("shard", (col("row") // size).cast(daft.DataType.int64()))
     if records:
         rows = rows.where(~col("shard").is_in(list(records)))
     # Threads, not Daft's worker processes: PIL releases the GIL while decoding and resizing, and on a 2-CPU
@@ -103,7 +89,9 @@ def build_native(sel, out: str, spec: TransformSpec, classes: list[str], cfg, nu
     # 2.4 s): measured once while writing this, not a benchmark row. Threads also see memory://, which lives in
     # this process only.
     decode = udf.decode_udf(spec, cfg.batch_size, cfg.max_file_bytes, cfg.max_pixels, use_process=False)
-    rows = rows.sort("row").select("shard", "sample_id", "label", "split",
+    # no sort: the selection's files are in row order and the native runner keeps it (a reordered batch would
+    # only wait in `pending` below)
+    rows = rows.select("shard", "sample_id", "label", "split",
                                    decode(col("uri"), col("sample_id"), spec.to_json()).alias("out"))
     rows = rows.select("shard", "sample_id", "label", "split", col("out").get("image").alias("image"),
                        col("out").get("error").alias("error"))

@@ -45,12 +45,13 @@ from ..roots import OUTSIDE_ROOTS, SKIP_KEY, refusal, table_roots
 from ..runner import RUNNERS
 from ..table import format as tf
 from ..transform import TransformSpec
-from . import build
+from . import build, selection
 from . import format as cf
 from . import plan as mp
 from .reader import CacheReader
 
 DEFAULT_ROWS_PER_SHARD = 2048
+STAGING_DIR = ".plan"  # under the cache root: the Ray runner's planned selection, deleted after the build
 
 
 @dataclass(frozen=True)
@@ -135,17 +136,16 @@ def plan_rows(
     tm = manifest or tf.read_manifest(table_uri)
     roots = table_roots(tm, allowed_roots)
     df = mp.table_frame(table_uri, tm, where, roots)
-    n = mp.counts(df, table_uri, where)
-    t = mp.selected_frame(df).to_arrow().sort_by("row")
+    # streamed through this process whatever Daft's runner: every row ends up here anyway
+    with selection.selected(df, classes=list(tm.classes), rows_per_shard=DEFAULT_ROWS_PER_SHARD, runner="native",
+                            staging=None, table_uri=table_uri, where=where) as sel:
+        n = sel.counts
+        t = sel.table()
+        digests = [b[2] for b in sel.blocks]
     ids = t.column("sample_id").to_pylist()
     index = mp.label_index(list(tm.classes))
     labels = np.array([index.get(v, -1) for v in t.column("label").to_pylist()], np.int64)
     splits = [s or "" for s in t.column("split").to_pylist()]
-    digests = [
-        mp.rows_digest(zip(ids[lo : lo + mp.FINGERPRINT_BLOCK], labels[lo : lo + mp.FINGERPRINT_BLOCK],
-                           splits[lo : lo + mp.FINGERPRINT_BLOCK], strict=True))
-        for lo in range(0, len(ids), mp.FINGERPRINT_BLOCK)
-    ]
     good = n["rows"] - n["errors"] - n["outside"]
     return Plan(
         sample_ids=ids,
@@ -256,16 +256,25 @@ def materialize(
     if runner == "ray" and "memory" in (io.protocol(table), io.protocol(cache)):
         raise ConfigError("memory:// lives in one process; use --runner native or a shared location")
     df = mp.table_frame(table, tm, where, roots)
-    n = mp.counts(df, table, where)
+    # the selection is planned once (counts, numbering, digests) and kept on disk until the build is done
+    with selection.selected(df, classes=list(tm.classes), rows_per_shard=cfg.rows_per_shard, runner=runner,
+                            staging=io.join(cache, STAGING_DIR), table_uri=table, where=where) as sel:
+        return _build(sel, table, tm, cache, index_uri, spec, settings, roots, cfg, runner, log, t0)
+
+
+def _build(sel: selection.Selection, table: str, tm: tf.TableManifest, cache: str, index_uri: str,
+           spec: TransformSpec, settings: dict, roots: list[str], cfg: MaterializeConfig, runner: str,
+           log: Callable[[str], None], t0: float) -> MaterializeResult:
+    """From a planned selection to a committed cache (or the committed cache of the same fingerprint)."""
+    where = cfg.where
+    n = sel.counts
     if n["outside"]:
         log(f"materialize: {n['outside']} rows {OUTSIDE_ROOTS} skipped: "
             + refusal(n["outside_example"], roots))
     if runner == "ray" and n["memory"]:
         raise ConfigError("the table names memory:// images, which live in one process; use --runner native")
-    sel = mp.selected_frame(df)
-    blocks = mp.block_digests(sel, list(tm.classes))
-    selected = sum(b[1] for b in blocks)
-    fp = mp.fingerprint([b[2] for b in blocks], list(tm.classes), spec, settings)
+    selected = sel.selected
+    fp = mp.fingerprint([b[2] for b in sel.blocks], list(tm.classes), spec, settings)
     hit = _reuse(cache, fp, t0)
     if hit is not None:
         io.write_json_atomic(index_uri, {"fingerprint": fp})

@@ -1,9 +1,10 @@
 """Curation on a metadata table: stats, exact and near-duplicate removal, stratified sampling and splitting,
 and saving a subset with its lineage.
 
-Choosing which rows to keep is done by plain functions over small Python lists (metadata only, no pixels);
-the choice is applied back to the Daft DataFrame as a filter or a join, so a view stays lazy. The functions
-take and return DataFrames (and ``save`` a committed manifest): ``table.Table`` wraps them as views.
+The plain functions here (``choose_unique``, ``allocate``, ``split_rows``, ``size_bin``) define which rows a
+curation keeps, over Python lists; the DataFrame functions run the same choice as Daft queries
+(``queries.py``: windows, joins and group-bys), so a view stays lazy and only per-group results reach the driver.
+They take and return DataFrames (and ``save`` a committed manifest): ``table.Table`` wraps them as views.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import hashlib
 from typing import Any
 
 from ..errors import ConfigError, DestinationError
-from ..imageinfo import error_reason
 from . import format as tf
 from .commit import check_destination, write_version
 from .split import SPLIT_NAMES, parse_split
@@ -35,34 +35,43 @@ def size_bin(side: int) -> str:
 def _counts(df, key: str) -> dict[str, int]:
     from daft import col
 
-    out = df.groupby(key).agg(col("uri").count().alias("n")).to_pydict()
+    out = df.groupby(key).agg(col("uri").count("all").alias("n")).to_pydict()
     return dict(sorted((str(k), int(n)) for k, n in zip(out[key], out["n"], strict=True)))
 
 
+def _size_label():
+    """The ``size_bin`` of a row's longer side, as a Daft expression."""
+    from daft import col, lit
+    from daft.functions import when
+
+    side = when(col("width") > col("height"), col("width")).otherwise(col("height"))
+    label = None
+    for lo, hi in zip(SIZE_BINS, SIZE_BINS[1:], strict=False):
+        label = (when(side < hi, lit(f"{lo}-{hi - 1}")) if label is None else
+                 label.when(side < hi, lit(f"{lo}-{hi - 1}")))
+    return label.otherwise(lit(f">={SIZE_BINS[-1]}"))
+
+
 def stats(df) -> dict[str, Any]:
-    """Class balance and splits (readable rows), formats, a histogram of the longer side, errors per reason."""
+    """Class balance and splits (readable rows), formats, a histogram of the longer side, errors per reason: Daft
+    group-bys, so only the counts come back."""
     from daft import col
+    from daft.functions import split_part
 
     readable = df.where(col("error").is_null())
-    rows = df.select("width", "height", "error").to_pydict()
-    sizes: dict[str, int] = {}
-    errors: dict[str, int] = {}
-    for w, h, err in zip(rows["width"], rows["height"], rows["error"], strict=True):
-        if err is not None:
-            reason = error_reason(err)
-            errors[reason] = errors.get(reason, 0) + 1
-        elif w is not None and h is not None:
-            b = size_bin(max(w, h))
-            sizes[b] = sizes.get(b, 0) + 1
+    failed = df.where(col("error").not_null()).with_column("reason", split_part(col("error"), ":", 1))
+    errors = _counts(failed, "reason")  # ``imageinfo.error_reason``: the text up to the first colon
+    sized = readable.where(col("width").not_null() & col("height").not_null()).with_column("bin", _size_label())
     order = {size_bin(lo): i for i, lo in enumerate(SIZE_BINS)}
+    rows = df.count_rows()
     return {
-        "rows": len(rows["error"]),
-        "readable": len(rows["error"]) - sum(errors.values()),
+        "rows": rows,
+        "readable": rows - sum(errors.values()),
         "classes": _counts(readable, "label"),
         "splits": _counts(readable, "split"),
         "formats": _counts(readable, "format"),
-        "size_histogram": dict(sorted(sizes.items(), key=lambda kv: order.get(kv[0], 99))),
-        "errors": dict(sorted(errors.items())),
+        "size_histogram": dict(sorted(_counts(sized, "bin").items(), key=lambda kv: order.get(kv[0], 99))),
+        "errors": errors,
     }
 
 
@@ -122,17 +131,12 @@ def choose_unique(
     return kept
 
 
-def _keep_uris(df, uris: list[str]):
-    from daft import col
-
-    return df.where(col("uri").is_in(uris))
-
-
 def dedupe(df, exact: bool = True, near: bool = True, max_distance: int = 4):
-    """``df`` without exact duplicates (same content hash) and near duplicates (perceptual-hash distance)."""
-    rows = df.select("uri", "sample_id", "phash", "error").to_pylist()
-    kept = choose_unique(rows, exact=exact, near=near, max_distance=max_distance)
-    return _keep_uris(df, [r["uri"] for r in kept])
+    """``df`` without exact duplicates (same content hash) and near duplicates (perceptual-hash distance): the rows
+    ``choose_unique`` keeps, chosen by Daft queries (``queries.dedupe``)."""
+    from . import queries
+
+    return queries.dedupe(df, exact=exact, near=near, max_distance=max_distance, max_near=MAX_NEAR_DISTANCE)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -178,20 +182,25 @@ def sample(
         raise ConfigError(f"sample n={n} must be non-negative")
     if fraction is not None and not 0.0 <= fraction <= 1.0:
         raise ConfigError(f"sample fraction={fraction} must be between 0 and 1")
-    cols = ["uri"] + ([stratify_by] if stratify_by else [])
     if stratify_by and stratify_by not in df.column_names:
         raise ConfigError(f"stratify_by={stratify_by!r} is not a column; use one of {df.column_names}")
-    groups = _strata(df.select(*cols).to_pylist(), stratify_by)
+    from . import queries
+
+    return queries.sample(df, n, fraction, stratify_by, seed)
+
+
+def choose_sample(rows: list[dict], n: int | None, fraction: float | None, stratify_by: str | None,
+                  seed: int) -> list[str]:
+    """The URIs ``sample`` keeps: per stratum, the rows with the smallest ``_key(seed, uri)``, as many as
+    ``allocate`` gives the stratum. Pure function (the definition ``queries.sample`` is tested against)."""
+    groups = _strata(rows, stratify_by)
     counts = {k: len(v) for k, v in groups.items()}
-    if n is not None:
-        want = allocate(counts, n)
-    else:
-        want = allocate(counts, round(fraction * sum(counts.values())))
+    want = allocate(counts, n if n is not None else round(fraction * sum(counts.values())))
     keep = []
     for k, members in groups.items():
         members.sort(key=lambda r: _key(seed, r["uri"]))
         keep.extend(r["uri"] for r in members[: want[k]])
-    return _keep_uris(df, keep)
+    return keep
 
 
 def split_rows(rows: list[dict], fractions, seed: int, stratify_by: str | None) -> dict[str, str]:
@@ -216,14 +225,11 @@ def split_rows(rows: list[dict], fractions, seed: int, stratify_by: str | None) 
 
 def resplit(df, fractions="0.8,0.1,0.1", seed: int = 0, stratify_by: str | None = "label"):
     """``df`` with train/val/test reassigned so each stratum is split in the given fractions."""
-    import daft
-    from daft import col
+    from . import queries
 
-    cols = ["uri", "sample_id"] + ([stratify_by] if stratify_by and stratify_by != "sample_id" else [])
-    mapping = split_rows(df.select(*cols).to_pylist(), fractions, seed, stratify_by)
-    new = daft.from_pydict({"_uri": list(mapping), "_split": list(mapping.values())})
-    df = df.join(new, left_on=col("uri"), right_on=col("_uri"), how="inner")
-    return df.select(*[col("_split").alias("split") if c == "split" else col(c) for c in tf.SCHEMA.names])
+    if stratify_by and stratify_by not in df.column_names:
+        raise ConfigError(f"stratify_by={stratify_by!r} is not a column; use one of {df.column_names}")
+    return queries.resplit(df, fractions, seed, stratify_by, list(tf.SCHEMA.names))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 partitions, or Ray tasks), and only per-group results come back to the driver: counts per stratum, and the pairs
 of near-duplicate rows that the greedy choice must order.
 
-Each query gives the same rows as its definition in ``curate.py`` (plain functions over Python lists, kept as the
+Each query gives the same rows as its definition in ``choose.py`` (plain functions over Python lists, kept as the
 specification and tested against these):
 
 - ``dedupe``: the first row of each sample id in (readable first, then URI) order, by a window per sample id;
@@ -28,7 +28,7 @@ from .split import SPLIT_NAMES, parse_split
 def _sha_udf(seed: int):
     import daft
 
-    from .curate import _key
+    from .choose import _key
 
     @daft.func.batch(return_dtype=daft.DataType.string())
     def sha(values):
@@ -137,7 +137,7 @@ def dedupe(df, exact: bool = True, near: bool = True, max_distance: int = 4, max
     from daft import col
     from daft.functions import row_number
 
-    from .curate import _bands
+    from .choose import _bands
 
     if not 0 <= max_distance <= max_near:
         raise ConfigError(f"max_distance {max_distance} must be between 0 and {max_near}, e.g. 4")
@@ -160,7 +160,7 @@ def sample(df, n: int | None, fraction: float | None, stratify_by: str | None, s
     from daft import col
     from daft.functions import row_number
 
-    from .curate import allocate
+    from .choose import allocate
 
     counts = _counts(df, stratify_by)
     want = allocate(counts, n if n is not None else round(fraction * sum(counts.values())))

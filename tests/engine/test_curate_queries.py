@@ -10,7 +10,8 @@ import random
 import daft
 import pytest
 from dutycycle.engine.table import queries
-from dutycycle.engine.table.curate import choose_sample, choose_unique, split_rows, stats
+from dutycycle.engine.table.choose import choose_sample, choose_unique, split_rows
+from dutycycle.engine.table.curate import stats
 
 
 def _rows(n: int = 400, seed: int = 0) -> list[dict]:
@@ -74,7 +75,7 @@ def test_stats_counts_as_the_row_loop_would(table):
     from collections import Counter
 
     from dutycycle.engine.imageinfo import error_reason
-    from dutycycle.engine.table.curate import size_bin
+    from dutycycle.engine.table.choose import size_bin
 
     rows, df = table
     s = stats(df)

@@ -1,6 +1,10 @@
 """Loader benchmark: dutycycle's cache loader against an in-RAM upper bound and the loaders people use today.
 
-One run, one synthetic dataset (``dutycycle.engine.synth``), batch 256, 64x64x3 uint8 samples. Every row
+One run, one synthetic dataset (``dutycycle.engine.synth``), batch 256, 64x64x3 uint8 samples. The rows that
+read pre-transformed samples read a real-sized cache (``--samples``, default 300,000: about 3.7 GB in 300 shards
+of 1,000, more than a reader keeps open, so shards churn; ``loader_data.scaled_cache``) and its copies; the JPEG
+rows decode the ``--n`` files they were made from (timed over a few batches: decoding, not the data's size, sets
+their rate). Every row
 delivers the same thing, a dict with a uint8 ``image`` tensor [B, 3, 64, 64], ``label`` and ``sample_id``,
 and runs in its own process so its peak memory is its own. Rows (code in ``loader_rows.py`` and, for the two
 peers that need their own virtual environment, ``loader_peers.py``):
@@ -10,17 +14,19 @@ peers that need their own virtual environment, ``loader_peers.py``):
    a node). Every dutycycle row hands out uint8 (``normalize=False``, no crop or flip; ``loader_rows.PLAIN``), as
    the peers do, so it is not the default ``AugmentConfig`` (which normalizes to float32, and then ``auto`` adds a
    prefetch thread).
+   ``auto-cold`` is the same with the cache dropped from the page cache before every epoch (read from disk);
    ``thread`` (the same with a prefetch thread), ``memory`` (opt-in: the split copied into RAM) and ``ray``
    (Ray read tasks) are reported alongside, and ``s3-range`` / ``s3-disk`` read the same cache from a local
    S3-compatible server (moto) by range or through node-local copies: their time to first batch is from a
    cold node (nothing downloaded yet).
-2. ``ram-bound``: the split in one array in RAM, the loader's plan, one ``np.take`` per batch into a fresh
-   array: the loader's gather without the files, its upper bound. ``interleaved`` runs ``dutycycle-auto`` and
+2. ``ram-bound``: the split in one array in RAM, the loader's own plan and its own gather (``source._RowSpan``)
+   into a fresh array per batch: the loader without the files, its upper bound (the product beating it by more
+   than noise would mean the bound is wrong). ``interleaved`` runs ``dutycycle-auto`` and
    ``ram-bound`` in one process, alternating epochs, so both see the same load; the ratio comes from it.
 3. Peers that decode JPEGs: ``torch-jpeg`` (torch DataLoader, 2 workers, PIL) and ``ray-images`` (Ray Data
    ``read_images`` + ``map_batches``).
 4. Peers that read the same pre-transformed samples: ``ray-parquet`` (Ray Data over a Parquet copy),
-   ``daft-parquet`` (Daft ``to_torch_dataloader``), ``webdataset`` (tar shards, 2 workers), ``mds`` (MosaicML
+   ``daft-parquet`` (Daft ``to_arrow_iter``, batches cut to 256 and the Ray row's zero-copy Arrow collate), ``webdataset`` (tar shards, 2 workers), ``mds`` (MosaicML
    Streaming, 2 workers) and ``litdata`` (LitData, 2 workers), the last two in their own venv.
 
 Targets, same run: ``dutycycle-auto`` >= 0.8x ``ram-bound``, >= 2x each peer of group 4, >= 10x each of group 3.
@@ -29,7 +35,7 @@ first batch runs from constructing the loader (a Ray row starts its local Ray, 2
 per row: resident (``peak_rss_mb``, which counts memory-mapped cache pages in every process that maps them)
 and private (``peak_private_mb``, without mapped files and shared memory).
 
-    python benchmarks/loader.py                 # full run, about 6-8 minutes on 2 cores (+2 for the peers' venv)
+    python benchmarks/loader.py                 # full run, about 25 minutes on 2 cores (data made once per --workdir)
     python benchmarks/loader.py --quick --no-peers-venv --out /tmp/loader.json
 """
 
@@ -58,17 +64,19 @@ VENV_ROWS = {"mds", "litdata"}  # rows run by loader_peers.py in the peers' venv
 ROWS: dict[str, tuple[str, str]] = {
     "dutycycle-auto": ("1", "dutycycle CacheLoader, auto mode, uint8 out (normalize=False, like the peers): "
                             "memory-mapped shards read in place"),
+    "dutycycle-auto-cold": ("1", "dutycycle CacheLoader, auto mode, the cache dropped from the page cache before "
+                                 "every epoch: read from disk"),
     "dutycycle-thread": ("1", "dutycycle CacheLoader, thread mode: mapped shards, prefetch thread"),
     "dutycycle-memory": ("1", "dutycycle CacheLoader, opt-in memory mode: the split copied into RAM"),
     "dutycycle-ray": ("1", "dutycycle CacheLoader, ray mode: Ray read tasks"),
     "dutycycle-s3-range": ("1", "dutycycle CacheLoader, s3:// cache on moto, ranged reads"),
     "dutycycle-s3-disk": ("1", "dutycycle CacheLoader, s3:// cache on moto, node-local copies"),
-    "ram-bound": ("2", "split in RAM, the loader's plan and np.take gather (upper bound)"),
+    "ram-bound": ("2", "split in RAM as one array, the loader's own plan and gather (upper bound)"),
     "interleaved": ("2", "dutycycle-auto and ram-bound alternating epochs in one process"),
     "torch-jpeg": ("3", "torch DataLoader, 2 workers, PIL decode + resize of files"),
     "ray-images": ("3", "Ray Data read_images + map_batches resize"),
     "ray-parquet": ("4", "Ray Data read_parquet (cache as Parquet) + iter_torch_batches"),
-    "daft-parquet": ("4", "Daft to_torch_dataloader over the cache as Parquet"),
+    "daft-parquet": ("4", "Daft read_parquet + to_arrow_iter over the cache as Parquet, the Ray Data row's collate"),
     "webdataset": ("4", "WebDataset tar shards of pre-transformed samples, 2 workers"),
     "mds": ("4", "MosaicML Streaming (MDS) of pre-transformed samples, 2 workers (own venv)"),
     "litdata": ("4", "LitData StreamingDataLoader of pre-transformed samples, 2 workers (own venv)"),
@@ -171,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(HERE / "results" / "loader.json"))
     p.add_argument("--n", type=int, default=None, help="number of synthetic images (default 6000, 600 with --quick)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="samples in the cache the reading rows use (default 300,000: about 3.7 GB in 300 shards; "
+                        "0 with --quick: the n materialized images)")
     p.add_argument("--quick", action="store_true", help="a tiny run for the smoke test (n=600, short timing)")
     p.add_argument("--min-seconds", type=float, default=None, help="steady-state seconds per row")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " + ", ".join(ROWS))
@@ -182,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     n = args.n or (600 if args.quick else 6000)
+    samples = args.samples if args.samples is not None else (0 if args.quick else 300_000)
     min_seconds = args.min_seconds if args.min_seconds is not None else (0.2 if args.quick else 4.0)
 
     if args.row:
@@ -199,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from benchmarks.loader_data import prepare
 
-        info = prepare(root, n, direct=args.quick)
+        info = prepare(root, n, direct=args.quick, samples=samples)
         print(f"data ready in {root} ({n} images): {info}", file=sys.stderr)
         python = peers_python(Path(args.peers_venv)) if any(r in VENV_ROWS for r in names) else None
         groups = process_groups(names, args.quick)
@@ -228,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = summarize(rows)
     result = {
         "benchmark": "loader",
-        "config": {"n": n, "batch_size": 256, "sample_shape": [3, 64, 64], "min_seconds": min_seconds,
+        "config": {"n": n, "samples": samples, "batch_size": 256, "sample_shape": [3, 64, 64], "min_seconds": min_seconds,
                    "quick": args.quick, "primary": PRIMARY, "targets_by_group": TARGETS,
                    "one_process_per_row": not args.quick},
         "data": info,

@@ -18,19 +18,21 @@ import numpy as np
 SIZE = 64
 SEED = 0
 SHARD_ROWS = 2048  # the materializer's default rows per shard
+SCALE_SHARD_ROWS = 1000  # rows per shard of the scaled cache: 300k samples make 300 shards, past max_open_shards
 
 
-def prepare(root: Path, n: int, direct: bool = False) -> dict[str, Any]:
-    """Write the images, the dutycycle cache and its copies under ``root`` once (reused when ``n`` matches).
+def prepare(root: Path, n: int, direct: bool = False, samples: int = 0) -> dict[str, Any]:
+    """Write the images, the dutycycle cache and its copies under ``root`` once (reused when the arguments match).
 
     The cache is made the way users make it (``ingest`` + ``materialize``) unless ``direct`` (``--quick``):
     then the engine's transform decodes every file and the engine's cache writer (``write_cache``) writes it, the
-    same pixels in less time.
+    same pixels in less time. With ``samples``, the cache every reading row uses is scaled up to that many samples
+    (``scaled_cache``) in shards of ``SCALE_SHARD_ROWS``; the JPEG rows still decode the ``n`` files.
     """
     info_path = root / "data.json"
     if info_path.exists():
         info = json.loads(info_path.read_text())
-        if info["n"] == n and info.get("direct") == direct:
+        if info["n"] == n and info.get("direct") == direct and info.get("samples", 0) == samples:
             return info
     from dutycycle.engine.synth import synthesize
 
@@ -46,6 +48,9 @@ def prepare(root: Path, n: int, direct: bool = False) -> dict[str, Any]:
             print(f"materialize failed ({type(e).__name__}: {e}); writing the cache directly", file=sys.stderr)
     if cache is None:
         cache, writer = direct_cache(root / "cache-direct", list_files(root / "images")), "write_cache (direct)"
+    if samples:
+        cache = scaled_cache(cache, root / "cache-scaled", samples)
+        writer += f", scaled to {samples} samples (scaled_cache)"
     t_cache = time.perf_counter() - t0
     write_parquet_copy(cache, root / "parquet")
     arrays = cache_arrays(cache)  # read once for both copies
@@ -53,6 +58,7 @@ def prepare(root: Path, n: int, direct: bool = False) -> dict[str, Any]:
     write_raw_arrays(arrays, root / "raw.npz")
     info = {
         "n": n,
+        "samples": samples,
         "cache": cache,
         "formats": summary["formats"],
         "image_bytes": summary["bytes"],
@@ -97,6 +103,31 @@ def direct_cache(cache: Path, files: list[tuple[str, int]]) -> str:
                 classes=sorted({rel.split("/")[0] for rel, _ in files}), rows_per_shard=SHARD_ROWS,
                 layout=spec.layout, spec=spec.to_dict(), source=str(images_dir), fingerprint=f"bench-{len(files)}-{SEED}")
     return str(cache)
+
+
+def scaled_cache(source: str, out: Path, samples: int) -> str:
+    """A cache of ``samples`` samples from the materialized one: copy k of sample i is its pixels with every byte
+    XOR k (distinct content, the same statistics), id ``sha256(k:id)``, in shards of ``SCALE_SHARD_ROWS``, all ``train``
+    (every peer reads every row). Real-sized: several GB, more shards than a reader keeps open (``max_open_shards``)."""
+    import hashlib
+
+    from dutycycle.engine.cache.reader import CacheReader
+    from dutycycle.engine.cache.write import write_cache
+
+    images, labels, ids = cache_arrays(source)
+    reader = CacheReader(source)
+    reps = -(-samples // len(images))
+    pixels = np.empty((samples, *images.shape[1:]), np.uint8)
+    new_ids, new_labels = [], np.empty(samples, np.int64)
+    for k in range(reps):
+        lo, hi = k * len(images), min(samples, (k + 1) * len(images))
+        np.bitwise_xor(images[: hi - lo], np.uint8(k % 256), out=pixels[lo:hi])
+        new_ids += [hashlib.sha256(f"{k}:{i}".encode()).hexdigest()[:32] for i in ids[: hi - lo]]
+        new_labels[lo:hi] = labels[: hi - lo]
+    write_cache(str(out), new_ids, new_labels, ["train"] * samples, pixels, classes=list(reader.manifest.classes),
+                rows_per_shard=SCALE_SHARD_ROWS, layout=reader.manifest.layout, spec=reader.manifest.spec,
+                source=source, fingerprint=f"bench-scaled-{samples}-{SEED}")
+    return str(out)
 
 
 def cache_arrays(cache: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -2,9 +2,8 @@
 peers installed with the ``bench`` extra (torch DataLoader + PIL, Ray Data, Daft, WebDataset).
 
 Every row delivers the same thing: a dict with a uint8 ``image`` tensor [B, 3, 64, 64], ``label`` and
-``sample_id``. ``ram-bound`` is written as the loader's own gather is: the split in one array in RAM, the
-loader's plan (the same block + window shuffle, so the same memory locality), and per batch one ``np.take``
-into a fresh preallocated array, labels and ids taken the same way.
+``sample_id``. ``ram-bound`` is the loader's own plan and gather over the split in one array in RAM (its upper
+bound); ``daft-parquet`` reads Daft's ``to_arrow_iter`` with the collate the ``ray-parquet`` row gives Ray Data.
 """
 
 from __future__ import annotations
@@ -71,9 +70,24 @@ def _set_epoch(loader, e):
     return loader
 
 
+def evict(folder: Path) -> None:
+    """Drop ``folder``'s files from the page cache (``POSIX_FADV_DONTNEED``), so the next reads come from disk."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def row_dutycycle(data: Path, mode: str, min_seconds: float) -> dict[str, Any]:
+    """``mode``: a loader mode; ``auto-cold`` is ``auto`` with the cache's pages dropped from the page cache
+    before every epoch (the cache larger than the RAM a node can spare)."""
     from dutycycle.loader import CacheLoader
 
+    cold = mode == "auto-cold"
+    mode = "auto" if cold else mode
     built = []
 
     def open_loader():
@@ -81,30 +95,48 @@ def row_dutycycle(data: Path, mode: str, min_seconds: float) -> dict[str, Any]:
                                  config=loader_config(mode, memory_fraction=1.0)))
         return built[-1]
 
+    def epoch(loader, e):
+        if cold:
+            evict(Path(cache_uri(data)))
+        return _set_epoch(loader, e)
+
     if mode != "ray":
-        result = measure(open_loader, _set_epoch, min_seconds=min_seconds, check=check_batch)
-        return {**result, "execution": built[0].execution}
-    with local_ray() as startup:
-        result = measure(open_loader, _set_epoch, min_seconds=min_seconds, check=check_batch)
-    return {**result, "execution": built[0].execution, "ray_start_s": round(startup, 2)}
+        result = measure(open_loader, epoch, min_seconds=min_seconds, check=check_batch)
+    else:
+        with local_ray() as startup:
+            result = measure(open_loader, epoch, min_seconds=min_seconds, check=check_batch)
+        result["ray_start_s"] = round(startup, 2)
+    loader = built[0]
+    gatherer = getattr(loader, "_gatherer", None)
+    shards = loader.reader.num_shards
+    if gatherer is not None and mode != "ray":  # Ray mode gathers in its tasks' processes
+        # warm-up batch included: opens over every batch this loader read
+        result["shard_opens_per_batch"] = round(gatherer.opens / (result["batches_timed"] + 1), 3)
+    return {**result, "execution": loader.execution, "shards": shards}
 
 
 class RamBound:
-    """The split in RAM, batched by the loader's plan with the loader's gather: the in-RAM upper bound."""
+    """The split in RAM as one array, batched by the loader's own plan and gathered with the loader's own gather
+    (``source._RowSpan``, one element copy per sample): the in-RAM upper bound. The product reads the same plan
+    from memory-mapped shards with the same gather, so it cannot beat this by more than noise."""
 
     def __init__(self, cache: str):
-        from dutycycle.engine.cache.reader import CacheReader
+        from dutycycle.loader import CacheLoader
+        from dutycycle.loader.source import _RowSpan
 
         self.images, self.labels, self.ids = cache_arrays(cache)
-        self.fingerprint = CacheReader(cache).fingerprint
+        self.planner = CacheLoader(cache, "train", 0, 1, loader_config("auto"))  # its plan only
+        self.span = _RowSpan(1, int(np.prod(self.images.shape[1:])))
+        self.span.add(0, self.images)
 
     def epoch(self, e: int):
         import torch
-        from dutycycle.loader.plan import plan_epoch
 
-        for idx in plan_epoch(len(self.labels), SEED, e, self.fingerprint, BATCH, True):
-            out = np.empty((len(idx), *self.images.shape[1:]), np.uint8)
-            self.images.take(idx, axis=0, out=out, mode="clip")  # mode="clip": straight into `out`, no temporary
+        plan = self.planner.rank_plan(e)
+        shard = np.zeros(BATCH, np.int64)
+        for step in range(len(plan)):
+            idx = plan.indices(step)
+            out = self.span.gather(shard[: len(idx)], idx).reshape(len(idx), *self.images.shape[1:])
             yield {"image": to_nchw(out), "label": torch.from_numpy(self.labels.take(idx)),
                    "sample_id": self.ids.take(idx).tolist()}
 
@@ -222,27 +254,47 @@ def row_torch_jpeg(data: Path, min_seconds: float) -> dict[str, Any]:
     return measure(open_loader, lambda dl, e: dl, min_seconds=min_seconds, max_batches=SLOW_BATCHES, check=check_batch)
 
 
+def collate_arrow(batch) -> dict[str, Any]:
+    """An Arrow batch of the cache's columns -> tensors, the pixels viewed straight from the fixed-size-binary
+    buffer (no copy): what the Ray Data and Daft rows both hand to torch."""
+    import torch
+
+    col = batch.column("image")
+    col = col.combine_chunks() if hasattr(col, "combine_chunks") else col
+    n = len(col)
+    flat = np.frombuffer(col.buffers()[1], dtype=np.uint8)[col.offset * SIZE * SIZE * 3 :]
+    pixels = flat[: n * SIZE * SIZE * 3].reshape(n, SIZE, SIZE, 3)
+    labels = batch.column("label").to_numpy()
+    return {"image": to_nchw(pixels), "label": torch.from_numpy(labels),
+            "sample_id": batch.column("sample_id").to_pylist()}
+
+
 def _ray_parquet_collate():
     from ray.data.collate_fn import ArrowBatchCollateFn
 
     class CacheCollate(ArrowBatchCollateFn):
-        """Arrow batch -> tensors, the pixels viewed straight from the fixed-size-binary buffer."""
-
         def __call__(self, batch):
-            import torch
-
-            col = batch.column("image").combine_chunks()
-            n = len(col)
-            flat = np.frombuffer(col.buffers()[1], dtype=np.uint8)[col.offset * SIZE * SIZE * 3 :]
-            pixels = flat[: n * SIZE * SIZE * 3].reshape(n, SIZE, SIZE, 3)
-            labels = batch.column("label").to_numpy()
-            return {
-                "image": to_nchw(pixels),
-                "label": torch.from_numpy(labels),
-                "sample_id": batch.column("sample_id").to_pylist(),
-            }
+            return collate_arrow(batch)
 
     return CacheCollate()
+
+
+def rebatch(tables, size: int):
+    """Arrow record batches of any sizes -> tables of exactly ``size`` rows (the last short one dropped, as
+    ``drop_last``): slices are zero-copy; only a batch that spans two inputs is concatenated."""
+    import pyarrow as pa
+
+    held, count = [], 0
+    for t in tables:
+        t = t if isinstance(t, pa.Table) else pa.Table.from_batches([t])
+        held.append(t)
+        count += len(t)
+        while count >= size:
+            whole = pa.concat_tables(held) if len(held) > 1 else held[0]
+            out = whole.slice(0, size)
+            yield out.combine_chunks() if out.column(0).num_chunks > 1 else out
+            rest = whole.slice(size)
+            held, count = ([rest] if len(rest) else []), len(rest)
 
 
 def row_ray_parquet(data: Path, min_seconds: float) -> dict[str, Any]:
@@ -301,15 +353,15 @@ def row_ray_images(data: Path, min_seconds: float) -> dict[str, Any]:
 
 
 def row_daft_parquet(data: Path, min_seconds: float) -> dict[str, Any]:
+    """Daft's documented streaming path, ``to_arrow_iter``, cut into batches of 256 and handed to torch with the
+    Ray Data row's zero-copy collate."""
     import daft
 
     def open_loader():
-        df = daft.read_parquet(str(data / "parquet" / "*.parquet")).select("image", "label", "sample_id")
-        return df.to_torch_dataloader(batch_size=BATCH, prefetch_count=4)
+        return daft.read_parquet(str(data / "parquet" / "*.parquet")).select("image", "label", "sample_id")
 
-    def epoch(dl, e):
-        for b in dl:
-            yield {"image": to_nchw(from_fixed_binary(b["image"])), "label": b["label"], "sample_id": b["sample_id"]}
+    def epoch(df, e):
+        return (collate_arrow(t) for t in rebatch(df.to_arrow_iter(), BATCH))
 
     return measure(open_loader, epoch, min_seconds=min_seconds, check=check_batch)
 

@@ -100,6 +100,7 @@ class ShardGatherer:
         self._pixels, self._labels, self._ids = _RowSpan(n, per), _RowSpan(n, 8), None
         self._ranged = 0  # open shards read by range (not memory-mapped): then no span serves a batch
         self._odd_ids = 0  # open shards whose ids are not ASCII of the spans' one width
+        self.opens = 0  # shard views opened, reopens included: past max_open_shards this counts the churn
         self._lock = threading.Lock()  # the spans change while shards open and close
 
     @property
@@ -112,6 +113,7 @@ class ShardGatherer:
 
     def _add(self, s: int, view: ShardView) -> None:
         self._open[s] = view
+        self.opens += 1
         if view.pixels is None:
             self._ranged += 1
             return

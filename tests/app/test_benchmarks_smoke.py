@@ -13,7 +13,7 @@ from ..support import REPO
 
 BENCH = REPO / "benchmarks" / "loader.py"
 ROWS = {
-    "dutycycle-auto", "dutycycle-thread", "dutycycle-memory", "dutycycle-ray", "dutycycle-s3-range",
+    "dutycycle-auto", "dutycycle-auto-cold", "dutycycle-thread", "dutycycle-memory", "dutycycle-ray", "dutycycle-s3-range",
     "dutycycle-s3-disk", "ram-bound", "interleaved", "torch-jpeg", "ray-parquet", "ray-images", "daft-parquet",
     "webdataset",
 }  # mds and litdata run in a venv the benchmark makes (a 2-minute install): not in the test suite
@@ -28,7 +28,7 @@ def test_loader_benchmark_quick(tmp_path):
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "DAFT_ANALYTICS_ENABLED": "0"}
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--quick", "--no-peers-venv", "--n", "300", "--min-seconds", "0",
-         "--out", str(out), "--workdir", str(tmp_path / "data")],
+         "--samples", "2500", "--out", str(out), "--workdir", str(tmp_path / "data")],
         capture_output=True, text=True, env=env, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -43,6 +43,9 @@ def test_loader_benchmark_quick(tmp_path):
         assert r["samples_per_s"] > 0 and r["time_to_first_batch_s"] > 0 and r["peak_rss_mb"] > 0, (name, r)
         assert 0 < r["peak_private_mb"]  # (never above peak_rss_mb: PeakRSS takes it from the same samples)
     assert rows["dutycycle-auto"]["execution"] == "auto: memory-mapped shards, caller thread"
+    # the reading rows read the scaled cache (3 shards of 1,000 rows), and the loader counted its shard opens
+    assert result["data"]["samples"] == 2500 and rows["dutycycle-auto"]["shards"] == 3
+    assert 0 < rows["dutycycle-auto"]["shard_opens_per_batch"] <= 3
     assert 0 < rows["dutycycle-s3-range"]["bytes_fetched"]
     ratios = {r["name"]: r for r in result["ratios"]}
     assert set(ratios) == RATIOS and all(r["value"] > 0 for r in ratios.values())

@@ -258,12 +258,17 @@ class RaySection:
     # Ray Train restarts the whole worker group this many times after a worker dies; the restarted workers resume
     # from the last committed checkpoint (checkpoint.resume = "auto"). 0 = a failed worker fails the run.
     max_failures: int = 0
+    # how long a worker group may wait for its placement (all workers' resources at once) before the run fails
+    # with a named reason; Ray Train's own default retries such a group forever. Raise it on an autoscaling
+    # cluster, where nodes take minutes to join.
+    start_timeout_s: float = 120.0
 
     def check(self, where: str) -> None:
         _one_of(f"{where}.placement_strategy", self.placement_strategy,
                 ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"))
         _one_of(f"{where}.log_level", self.log_level, ("DEBUG", "INFO", "WARNING", "ERROR"))
         _not_negative(where, self, "max_failures")
+        _positive(where, self, "start_timeout_s")
 
 
 @dataclass

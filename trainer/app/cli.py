@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     except DutycycleError as e:
         print(f"dutycycle {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C; or SIGTERM, which a diagnosis turns into one carrying ``signum``
         print(f"dutycycle {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", 2)
     except BrokenPipeError:
         # `dutycycle plan | head`: the reader left; stop quietly, as Unix tools do. Point stdout at /dev/null so
         # the interpreter's final flush does not raise the same error again (Python's documented recipe).

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from dutycycle.trainer.configtree import add_overrides
 
@@ -78,9 +80,22 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         raise ConfigError(f"--budget-s {args.budget_s} must be positive, e.g. --budget-s 300")
     cfg = load_config(args.config, args.overrides)
     out = args.out or io.join(cfg.run.dir, "diagnose")
-    diagnose(cfg, out=out, budget_s=args.budget_s, memory_budget_mb=args.memory_budget_mb,
-             only=[x for x in args.only.split(",") if x] or None, config_name=args.config)
-    return 0
+    from dutycycle.trainer.diagnose import run
+
+    try:
+        diagnose(cfg, out=out, budget_s=args.budget_s, memory_budget_mb=args.memory_budget_mb,
+                 only=[x for x in args.only.split(",") if x] or None, config_name=args.config)
+        code = 0
+    except run.Interrupted as e:
+        print("dutycycle diagnose: interrupted", file=sys.stderr)
+        code = 128 + e.signum
+    if run.leftovers():
+        # an abandoned experiment's threads would hold the interpreter's exit until they end: the report is
+        # written and its Ray work stopped, so end the process now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

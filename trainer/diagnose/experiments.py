@@ -187,7 +187,10 @@ def _rate(it, batch_size: int, seconds: float, min_batches: int = noise.MIN_ITEM
         now = time.perf_counter()
         durations.append(now - last)
         last = now
-        if len(durations) >= min_batches and now - t0 >= seconds:
+        # enough windows for a median once the time share is spent; a loader so slow that a few batches fill
+        # thrice the share stops there (fewer windows, a wider interval) rather than overrun the budget
+        if now - t0 >= seconds and (len(durations) >= min_batches or
+                                    (now - t0 >= 3 * seconds and len(durations) >= noise.PER_WINDOW)):
             break
     return noise.rate_with_interval(durations, batch_size)
 

@@ -1,8 +1,18 @@
 """Run the experiments within a time budget, one progress line each; a failed experiment is reported and the
-others still run; then decide and write the report."""
+others still run; then decide and write the report.
+
+The budget is kept, not hoped for: each experiment runs in a worker thread while this thread waits at most for
+what is left of the budget. One that overruns (a worker group that never starts, a hung collective) is abandoned
+with a named reason: the Ray work this process started is stopped, which ends its training run, and the next
+experiment starts. Ctrl-C (SIGINT) or SIGTERM stops the experiment in flight the same way, writes the report of
+what was measured so far, and ends the command (exit 130 or 143, from the CLI). Running the experiments off the
+main thread also keeps Ray Train from taking over SIGINT while it trains.
+"""
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 import traceback
 
@@ -12,14 +22,86 @@ from .experiments import EXPERIMENTS, Context
 from .report import describe, write
 from .verdict import decide
 
+GRACE_S = 10.0  # how long an abandoned experiment's thread is given to notice that its Ray work is gone
+ABANDONED: list[threading.Thread] = []  # experiments stopped at a deadline or a signal whose threads still run
+
+
+def leftovers() -> bool:
+    """Whether an abandoned experiment still runs (with threads of its own, a loader's prefetch, that the
+    interpreter would wait for at exit): the CLI then ends the process itself once the report is written."""
+    return any(t.is_alive() for t in ABANDONED)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM during a diagnosis (a KeyboardInterrupt: nothing catches it by accident, and the CLI
+    exits with 128 + ``signum``)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Overran(Exception):
+    pass
+
+
+def _stop_ray_work() -> None:
+    """End the training runs this process started: disconnecting the driver ends its Ray job, and with it the
+    job's actors (Ray Train's controller and workers); a local cluster this process started stops too."""
+    try:
+        import ray
+    except ImportError:
+        return
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _run_bounded(fn, ctx: Context, seconds: float):
+    """``fn(ctx)`` in a worker thread, waited for at most ``seconds``; its exception is raised here."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn(ctx)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            box["error"] = e
+
+    worker = threading.Thread(target=target, name="dutycycle-diagnose-experiment", daemon=True)
+    worker.start()
+    end = time.perf_counter() + seconds
+    try:
+        # in short waits: a signal may land on another thread, and Python runs its handler only when this (the
+        # main) thread next runs bytecode; one long join would hold Ctrl-C until the experiment ended
+        while worker.is_alive() and time.perf_counter() < end:
+            worker.join(min(0.2, max(0.0, end - time.perf_counter())))
+    except BaseException:  # Interrupted, KeyboardInterrupt: stop the experiment's Ray work, then go
+        _stop_ray_work()
+        worker.join(GRACE_S)
+        ABANDONED.append(worker)
+        raise
+    if worker.is_alive():
+        _stop_ray_work()
+        worker.join(GRACE_S)
+        ABANDONED.append(worker)
+        raise _Overran(f"stopped at its deadline: the budget had {seconds:.0f} s left for it (raise --budget-s; "
+                       "a worker group waiting for resources or a hung collective also ends here)")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _on_signal(signum, frame):
+    raise Interrupted(signum)
+
 
 def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float | None = None,
              only: list[str] | None = None, say=print, config_name: str = "") -> dict:
     """Diagnose ``cfg`` (a TrainConfig); write ``diagnosis.json/.png/.html`` under ``out``; return the result.
 
     ``budget_s`` bounds the whole diagnosis: measuring loops get a share of it and short training runs take
-    fewer steps when it is small; an experiment that would start after the budget is spent is skipped (said so).
-    ``only``: run just these experiments (names as in ``experiments.EXPERIMENTS``)."""
+    fewer steps when it is small; each experiment may use what is left of it and is stopped there; one that would
+    start after the budget is spent is skipped (said so). ``only``: run just these experiments (names as in
+    ``experiments.EXPERIMENTS``). Raises ``Interrupted`` on SIGINT or SIGTERM, after writing the report."""
     from dutycycle.engine.errors import ConfigError
 
     names = [k for k, _, _ in EXPERIMENTS]
@@ -36,24 +118,43 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
     chosen = [(k, t, f) for k, t, f in EXPERIMENTS if not only or k in only]
     deadline = time.perf_counter() + budget_s
     findings = ctx.results  # later experiments read earlier ones' results (scaling reads end_to_end)
-    for i, (key, title, fn) in enumerate(chosen, 1):
-        tag = f"[diagnose] {i}/{len(chosen)} {title}"
-        if time.perf_counter() > deadline:
-            res = {"skipped": f"the budget of {budget_s:.0f} s was spent (raise --budget-s)"}
-        else:
-            say(f"{tag} ...")
-            t0 = time.perf_counter()
-            try:
-                res = fn(ctx)
-            except Exception as e:  # noqa: BLE001 - one experiment's failure is reported; the others still run
-                res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
-            res["seconds"] = time.perf_counter() - t0
-        findings[key] = res
-        say(f"{tag}: {describe(key, res)}")
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_signal) if main else None
+    interrupted: Interrupted | None = None
+    try:
+        for i, (key, title, fn) in enumerate(chosen, 1):
+            tag = f"[diagnose] {i}/{len(chosen)} {title}"
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                res = {"skipped": f"the budget of {budget_s:.0f} s was spent (raise --budget-s)"}
+            else:
+                say(f"{tag} ...")
+                t0 = time.perf_counter()
+                try:
+                    res = _run_bounded(fn, ctx, left)
+                except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through _on_signal
+                    interrupted = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+                    res = {"error": f"interrupted by {interrupted}: stopped with what was measured so far"}
+                except _Overran as e:
+                    res = {"error": f"TimeoutError: {e}"}
+                except Exception as e:  # noqa: BLE001 - one experiment's failure is reported; the others still run
+                    res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+                res["seconds"] = time.perf_counter() - t0
+            findings[key] = res
+            say(f"{tag}: {describe(key, res)}")
+            if interrupted is not None:
+                break
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     verdict = decide(findings)
     result = {"config_name": config_name, "budget_s": budget_s, "findings": findings,
               "verdict": verdict.to_dict()}
+    if interrupted is not None:
+        result["interrupted"] = str(interrupted)
     result["files"] = write(out, result)
     say(f"[diagnose] verdict: {verdict.headline}")
     say(f"[diagnose] report: {result['files']['html']}")
+    if interrupted is not None:
+        raise interrupted
     return result

@@ -180,6 +180,13 @@ def train_ray(cfg: TrainConfig) -> dict:
 
     # dutycycle's commits decide where a run resumes: a damaged Ray Train record must not stop the start
     set_aside_damaged_run_state(storage, cfg.run.name)
+    from .fits import alive_nodes, check_fits
+
+    per_worker = scaling_config(cfg, gpu).resources_per_worker
+    if not cfg.ray.address:  # a cluster this process started (or joined on this machine) does not grow
+        check_fits(cfg, alive_nodes(), per_worker)
+    # Ray Train reads the start timeout from the driver's environment and passes it to its controller
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.ray.start_timeout_s)
     trainer = TorchTrainer(
         _ray_train_fn,
         train_loop_config={"config": cfg.to_dict(), "run_dir": cfg.run.dir, "use_gpu": gpu},
@@ -188,20 +195,46 @@ def train_ray(cfg: TrainConfig) -> dict:
         # a dead worker restarts the whole group up to ray.max_failures times; the new workers resume from the
         # last commit. Ray Train keeps pointers to dutycycle's commits (checkpoint/raytrain.py), as many as we keep.
         run_config=RunConfig(name=cfg.run.name, storage_path=storage, logging_config=LoggingConfig(cfg.ray.log_level),
-                             failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+                             # a group that cannot be placed within ray.start_timeout_s ends the run (Ray
+                             # Train's default retries it forever)
+                             failure_config=FailureConfig(max_failures=cfg.ray.max_failures,
+                                                          controller_failure_limit=0),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
     )
     try:
         result = trainer.fit()
     except Exception as e:
-        user = _user_error(e)
+        user = _user_error(e) or _start_error(e, cfg, per_worker)
         if user is not None:  # a bad config or a diverged loss inside a worker: say it plainly
             raise user from None
         raise
     if result.error is not None:
-        raise result.error
+        raise _start_error(result.error, cfg, per_worker) or result.error
     # through Ray Train's result and storage, not the driver's disk (rank 0 may have run on another node)
     return results_from(cfg, result)
+
+
+def _start_error(err: BaseException, cfg: TrainConfig, per_worker: dict):
+    """A worker group that never started, as a dutycycle error naming the request and the wait; None otherwise."""
+    from dutycycle.engine.errors import ConfigError
+
+    from .fits import describe_nodes, request_text
+
+    exc, seen = err, 0
+    while exc is not None and seen < 10:
+        if type(exc).__name__ == "WorkerGroupStartupTimeoutError":
+            try:
+                from .fits import alive_nodes
+
+                nodes = describe_nodes(alive_nodes())
+            except Exception:  # noqa: BLE001 - the message names what it can
+                nodes = "nodes unknown"
+            return ConfigError(f"{request_text(cfg, per_worker)} was not placed within ray.start_timeout_s = "
+                               f"{cfg.ray.start_timeout_s:g} s (the cluster now: {nodes}); free or add resources, "
+                               "lower the request, or raise ray.start_timeout_s on a cluster that autoscales")
+        exc = getattr(exc, "cause", None) or exc.__cause__
+        seen += 1
+    return None
 
 
 def _user_error(err: BaseException):

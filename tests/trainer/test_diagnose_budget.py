@@ -1,0 +1,109 @@
+"""``dutycycle diagnose`` keeps its budget and its signals: a worker group that cannot be placed is refused at once
+with the request and the cluster named, an experiment that overruns is stopped at the deadline with a named reason
+(and the others still run), and SIGINT / SIGTERM end the command with 130 / 143 after writing what was measured.
+
+The signal and deadline cases run the CLI in a subprocess (one worker, no Ray): stopping an overrunning experiment
+ends the Ray work of its process, which must not be the test session's shared cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from dutycycle.engine.errors import ConfigError
+from dutycycle.trainer.config import load_config
+from dutycycle.trainer.diagnose import diagnose
+from dutycycle.trainer.launch.fits import check_fits, workers_that_fit
+
+BASE = ["data.source=synthetic", "data.size=8", "data.synthetic_samples=128", "data.global_batch_size=16",
+        "data.eval_batch_size=16", "model.width=8", "optim.warmup_steps=1", "run.log_every=0"]
+
+
+def test_workers_that_fit_count_whole_workers_per_node():
+    nodes = [{"CPU": 2.0}, {"CPU": 5.0, "GPU": 1.0}]
+    assert workers_that_fit(nodes, {"CPU": 2}, "PACK") == 1 + 2
+    assert workers_that_fit(nodes, {"CPU": 2}, "STRICT_PACK") == 2
+    assert workers_that_fit(nodes, {"CPU": 2}, "STRICT_SPREAD") == 2
+    assert workers_that_fit(nodes, {"CPU": 1, "GPU": 1}, "SPREAD") == 1
+    assert workers_that_fit(nodes, {"CPU": 0.5}, "PACK") == 4 + 10
+    cfg = load_config(None, [*BASE, "parallel.num_workers=2", "parallel.cpus_per_worker=8"])
+    with pytest.raises(ConfigError, match=r"parallel.cpus_per_worker = 8 CPUs.*2 nodes \(2 CPU; 5 CPU, 1 GPU\), "
+                                          r"room for 0 such workers"):
+        check_fits(cfg, nodes, {"CPU": 8})
+    check_fits(cfg, nodes, {"CPU": 2})  # 3 fit: no error
+
+
+@pytest.mark.ray
+def test_a_group_that_cannot_be_placed_is_named_in_the_diagnosis_at_once(ray_cluster, tmp_path):
+    # 2 workers of 8 CPUs on the session's 2-CPU cluster: Ray Train would wait for them forever
+    cfg = load_config(None, [*BASE, f"run.dir={tmp_path / 'run'}", "parallel.num_workers=2",
+                             "parallel.cpus_per_worker=8"])
+    t0 = time.perf_counter()
+    out = diagnose(cfg, out=str(tmp_path / "d"), budget_s=120, only=["end_to_end", "scaling"], say=lambda _: None)
+    took = time.perf_counter() - t0
+    for key in ("end_to_end", "scaling"):
+        err = out["findings"][key]["error"]
+        assert err.startswith("ConfigError") and "parallel.cpus_per_worker = 8 CPUs" in err and "room for 0" in err
+    assert out["verdict"]["kind"] == "unknown"
+    assert took < 100, took  # refused before any wait (Ray Train's own start timeout is 60 s, retried forever)
+
+
+def _cli(tmp_path, budget_s: float, *overrides: str) -> subprocess.Popen:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "DAFT_ANALYTICS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    config = tmp_path / "c.toml"
+    config.write_text("# every setting comes from --set\n")
+    sets = [a for kv in (*BASE, f"run.dir={tmp_path / 'run'}", *overrides) for a in ("--set", kv)]
+    args = [sys.executable, "-m", "dutycycle.trainer", "diagnose", str(config), "--out", str(tmp_path / "d"),
+            "--only", "compute,end_to_end", "--budget-s", str(budget_s), *sets]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 120) -> str:
+    seen, t0 = [], time.time()
+    while time.time() - t0 < timeout:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    proc.kill()
+    raise AssertionError(f"never printed {text!r}: {''.join(seen)[-2000:]}")
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_the_diagnosis_and_writes_what_was_measured(tmp_path, sig, code):
+    # the loader sleeps 2 s per batch: the end-to-end run is in flight when the signal comes
+    proc = _cli(tmp_path, 300, "data.slow_ms=2000")
+    _wait_for(proc, "2/2 end to end ...")
+    proc.send_signal(sig)
+    try:
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, rest[-3000:]
+    saved = json.loads((tmp_path / "d" / "diagnosis.json").read_text())
+    assert saved["interrupted"] == signal.Signals(sig).name
+    assert "samples_per_s" in saved["findings"]["compute"]  # measured before the signal, kept
+    assert "interrupted by" in saved["findings"]["end_to_end"]["error"]
+
+
+def test_an_experiment_past_the_deadline_is_stopped_with_a_reason(tmp_path):
+    # 30 s per batch: the end-to-end run cannot finish inside a 20 s budget
+    proc = _cli(tmp_path, 20, "data.slow_ms=30000")
+    t0 = time.time()
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    saved = json.loads((tmp_path / "d" / "diagnosis.json").read_text())
+    assert "stopped at its deadline" in saved["findings"]["end_to_end"]["error"]
+    assert "verdict" in saved
+    # the budget, plus the grace an abandoned experiment gets and the process's own start (imports)
+    assert time.time() - t0 < 20 + 10 + 40, out[-2000:]

@@ -37,6 +37,8 @@ def register(subparsers) -> None:
     g.add_argument("--memory-budget-mb", type=float, default=None,
                    help="memory per rank to check the model state against (default: the device's)")
     g.add_argument("--only", default="", help="comma-separated experiments to run (default: all)")
+    g.add_argument("--scale", type=int, default=None,
+                   help="project the failures wait to this many workers (default: parallel.num_workers)")
     g.set_defaults(func=cmd_diagnose)
 
     d = subparsers.add_parser(
@@ -78,13 +80,15 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     if args.budget_s <= 0:
         raise ConfigError(f"--budget-s {args.budget_s} must be positive, e.g. --budget-s 300")
+    if args.scale is not None and args.scale < 1:
+        raise ConfigError(f"--scale {args.scale} must be a worker count, e.g. --scale 16384")
     cfg = load_config(args.config, args.overrides)
     out = args.out or io.join(cfg.run.dir, "diagnose")
     from dutycycle.trainer.diagnose import run
 
     try:
         diagnose(cfg, out=out, budget_s=args.budget_s, memory_budget_mb=args.memory_budget_mb,
-                 only=[x for x in args.only.split(",") if x] or None, config_name=args.config)
+                 only=[x for x in args.only.split(",") if x] or None, config_name=args.config, scale=args.scale)
         code = 0
     except run.Interrupted as e:
         print("dutycycle diagnose: interrupted", file=sys.stderr)

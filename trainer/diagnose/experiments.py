@@ -11,6 +11,7 @@ so (``{"applicable": False, "why": ...}``); one that fails raises, and the runne
 5. scaling   1 vs N workers at the configured ZeRO stage, fp32 and with quantized collectives
 6. checkpoint the step's stall per save, synchronous and asynchronous (when checkpoints are configured)
 7. memory    model-state bytes per rank for every ZeRO stage and offload setting, against the device budget
+8. failures  a save's stall and a restart's cost, measured; lost work and ETTR at N workers, modelled
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Context:
     steps: int = 12  # optimizer steps of each short training run
     memory_budget_bytes: int | None = None  # per rank; None = the device's memory (GPU) or the host's share (CPU)
     results: dict = field(default_factory=dict)  # earlier experiments' results (scaling reads compute, ...)
+    scale: int | None = None  # --scale: the worker count failures are projected to (None: the configured one)
     cache: dict = field(default_factory=dict)  # what several experiments need, computed once (see _once)
 
 
@@ -60,7 +62,9 @@ def _short_run(ctx: Context, name: str, *overrides: str) -> dict:
     cfg = variant(ctx.cfg, f"run.dir={run_dir}", f"run.max_steps={ctx.steps}", "run.eval_every=0",
                   "run.eval_max_batches=1", "run.log_every=0", "run.report=false", "run.save_model=false",
                   f"run.name=diagnose-{name}", *overrides)
+    t0 = time.perf_counter()
     summary = train(cfg, local=cfg.parallel.num_workers == 1, quiet=True)
+    launched = time.perf_counter() - t0
     rows = _steady_rows(run_dir)
     step_s = sum(r["step_s"] for r in rows) or 1e-9
     steps = [r["step_s"] for r in rows]
@@ -77,6 +81,8 @@ def _short_run(ctx: Context, name: str, *overrides: str) -> dict:
         "bytes_per_step": summary["parallel"]["traffic"]["bytes"] / max(1, summary["steps"]),
         "inter_node_bytes_per_step": summary["parallel"]["traffic"]["inter_node_bytes"] / max(1, summary["steps"]),
         "comm_exposed_measured": summary["parallel"]["comm_exposed_measured"],
+        # before the first step and after the last: worker group start, model build, teardown
+        "launch_s": max(0.0, launched - summary["wall_s"]),
         "summary": {k: summary.get(k) for k in ("steps", "samples_per_s", "data_wait_fraction", "comm_fraction",
                                                  "goodput", "checkpoint")},
     }
@@ -346,6 +352,39 @@ def checkpoint(ctx: Context) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------------ 8 failures
+
+
+def failures(ctx: Context) -> dict:
+    """What a failure costs this run, measured, and what failures cost at the configured (or ``--scale``)
+    worker count, modelled (``failures.py``): a short run that commits every other step (the stall per save,
+    in the configured mode), then the same run started again, which resumes from its newest commit as a
+    restarted worker group does (the restart: launch to the first step, restore included)."""
+    from . import failures as fm
+
+    cfg = ctx.cfg
+    mode = str(cfg.checkpoint.async_save).lower()
+    common = (*_synthetic(ctx), f"checkpoint.dir={io.join(ctx.workdir, 'fail-ckpt')}", "checkpoint.every=2",
+              f"checkpoint.async_save={mode}", "ray.max_failures=0")
+    first = _short_run(ctx, "fail-first", *common, "checkpoint.resume=none")
+    again = _short_run(ctx, "fail-again", *common, "checkpoint.resume=auto", f"run.max_steps={ctx.steps + 2}")
+    saved = first["summary"].get("checkpoint") or {}
+    resumed = (again["summary"].get("checkpoint") or {}).get("resumed") or {}
+    if not resumed:
+        raise RuntimeError("the second run did not resume from the first one's commit")
+    costs = fm.FailureCosts(save_s=(saved.get("stall_s") or {}).get("mean", 0.0),
+                            restart_s=again["launch_s"] + resumed.get("restore_s", 0.0), step_s=first["step_s"],
+                            rate_per_worker_hour=cfg.checkpoint.failures_per_worker_hour)
+    workers = ctx.scale or cfg.parallel.num_workers
+    out = {"measured": {"save_s": costs.save_s, "launch_s": again["launch_s"],
+                        "restore_s": resumed.get("restore_s", 0.0), "restart_s": costs.restart_s,
+                        "step_s": costs.step_s, "async": cfg.checkpoint.async_save},
+           "configured_every": cfg.checkpoint.every,
+           **fm.assess(costs, workers, cfg.checkpoint.every)}
+    out["to_reach_97"] = fm.to_reach(0.97, costs, workers)
+    return out
+
+
 # -------------------------------------------------------------------------------------------------- 7 memory
 
 
@@ -404,5 +443,6 @@ EXPERIMENTS = (
     ("h2d", "host-to-device", h2d),
     ("scaling", "scaling", scaling),
     ("checkpoint", "checkpoint stall", checkpoint),
-    ("memory", "memory per rank", memory),
+    ("memory", "memory per rank", memory),  # before failures: instant, and it decides first
+    ("failures", "failures and recovery", failures),
 )

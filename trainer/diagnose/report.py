@@ -49,6 +49,13 @@ def describe(key: str, res: dict) -> str:
     if key == "checkpoint":
         return (f"stall per save {res['sync']['stall_s_per_save']:.3f} s synchronous, "
                 f"{res['async']['stall_s_per_save']:.3f} s asynchronous")
+    if key == "failures":
+        m = res["measured"]
+        return (f"save stall {m['save_s']:.3f} s, restart {m['restart_s']:.1f} s (launch {m['launch_s']:.1f} s + "
+                f"restore {m['restore_s']:.2f} s); at {res['workers']:,} workers: a failure every "
+                f"{res['mtbf_s'] / 3600:,.1f} h, {res['lost_s_per_hour']:.0f} s lost per hour, ETTR {res['ettr']:.1%}"
+                + (f", {res['ettr_recommended']:.1%} at checkpoint.every = {res['recommended_every']}"
+                   if res.get("recommended_every") else ""))
     if key == "memory":
         mine = res["configured"]
         from .verdict import _mb

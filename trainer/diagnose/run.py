@@ -95,13 +95,15 @@ def _on_signal(signum, frame):
 
 
 def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float | None = None,
-             only: list[str] | None = None, say=print, config_name: str = "") -> dict:
+             only: list[str] | None = None, say=print, config_name: str = "", scale: int | None = None) -> dict:
     """Diagnose ``cfg`` (a TrainConfig); write ``diagnosis.json/.png/.html`` under ``out``; return the result.
 
     ``budget_s`` bounds the whole diagnosis: measuring loops get a share of it and short training runs take
     fewer steps when it is small; each experiment may use what is left of it and is stopped there; one that would
     start after the budget is spent is skipped (said so). ``only``: run just these experiments (names as in
-    ``experiments.EXPERIMENTS``). Raises ``Interrupted`` on SIGINT or SIGTERM, after writing the report."""
+    ``experiments.EXPERIMENTS``). ``scale``: the worker count the failures experiment projects to (what it costs
+    to lose work on a cluster of that size; the other shares are measured at the configured count). Raises
+    ``Interrupted`` on SIGINT or SIGTERM, after writing the report."""
     from dutycycle.engine.errors import ConfigError
 
     names = [k for k, _, _ in EXPERIMENTS]
@@ -114,7 +116,7 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
         out = os.path.abspath(out)
     ctx = Context(cfg=cfg, workdir=io.join(out, "runs"), seconds=max(1.0, min(5.0, budget_s / 40)),
                   steps=12 if budget_s >= 180 else 8,
-                  memory_budget_bytes=int(memory_budget_mb * 2**20) if memory_budget_mb else None)
+                  memory_budget_bytes=int(memory_budget_mb * 2**20) if memory_budget_mb else None, scale=scale)
     chosen = [(k, t, f) for k, t, f in EXPERIMENTS if not only or k in only]
     deadline = time.perf_counter() + budget_s
     findings = ctx.results  # later experiments read earlier ones' results (scaling reads end_to_end)
@@ -150,6 +152,11 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
     verdict = decide(findings)
     result = {"config_name": config_name, "budget_s": budget_s, "findings": findings,
               "verdict": verdict.to_dict()}
+    if scale:
+        from .failures import MODEL
+
+        result["projection"] = {"workers": scale, "shares": ["failures"], "model": MODEL,
+                                "measured_at": cfg.parallel.num_workers}
     if interrupted is not None:
         result["interrupted"] = str(interrupted)
     result["files"] = write(out, result)

@@ -6,7 +6,8 @@ The order of questions:
 1. memory: does the configured ZeRO stage's model state fit the per-rank budget at all? If not, nothing else
    matters yet: name the least-communicating stage (or offload) that fits.
 2. the waits of a running step, as shares of its time: data (waiting on the loader, end to end), communication
-   (exposed collectives at N workers), checkpoint (stall per save). Each share carries a 90% interval from its
+   (exposed collectives at N workers), checkpoint (stall per save), failures (work done again and restarts at
+   the modelled worker count, ``failures.py``). Each share carries a 90% interval from its
    own samples (``noise``). The largest is the verdict when its whole interval lies above ``THRESHOLD`` and above
    every other share's interval; when its interval lies below ``THRESHOLD`` the run is compute-bound (and the
    verdict says how close to the ceiling it runs); otherwise the verdict is "balanced" and names the waits that
@@ -22,7 +23,7 @@ THRESHOLD = 0.2  # a wait taking a fifth of the step is worth removing before an
 
 @dataclass
 class Verdict:
-    kind: str  # memory-bound, data-bound, communication-bound, checkpoint-bound, balanced, compute-bound, unknown
+    kind: str  # memory-, data-, communication-, checkpoint-, failure-bound, balanced, compute-bound, unknown
     share: float | None  # the dominant wait's share of the step
     headline: str  # one line: "data-bound: 41% of each step waits on the loader; ..."
     fix: str  # the setting or command that addresses it
@@ -108,6 +109,9 @@ def decide(findings: dict) -> Verdict:
 
         stall = ckpt[mode]["stall_s_per_save"]
         put("checkpoint", cadence(stall), [cadence(x) for x in ckpt[mode].get("stall_interval") or (stall, stall)])
+    fails = findings.get("failures") or {}
+    if fails.get("failure_share") is not None:  # redone work and restarts at the modelled worker count
+        put("failures", fails["failure_share"], None)
     if not shares:
         failed = [k for k in ("end_to_end", "scaling") if "error" in (findings.get(k) or {})]
         if failed:
@@ -139,6 +143,8 @@ def decide(findings: dict) -> Verdict:
             return _data(shares[k], shares, e2e, run, loaders, ceiling)
         if k == "communication":
             return _comm(shares[k], shares, scaling)
+        if k == "failures":
+            return _failures(shares[k], shares, fails)
         return _checkpoint(shares[k], shares, ckpt)
 
     # another wait whose interval reaches this one's (and the line): noise cannot order them
@@ -200,6 +206,18 @@ def _comm(share, shares, scaling) -> Verdict:
         fix = ("accumulate more micro-batches per exchange (data.micro_batches), use a lower ZeRO stage if memory "
                "allows, or quantized collectives (parallel.quant_grads = 'int8')")
     return Verdict("communication-bound", share, f"{head}; {fix}", fix, shares)
+
+
+def _failures(share, shares, fails) -> Verdict:
+    n, every, best = fails["workers"], fails.get("configured_every"), fails.get("recommended_every")
+    head = (f"failure-bound: at {n:,} workers a failure comes every {fails['mtbf_s'] / 3600:.1f} h and costs "
+            f"{fails['lost_s_per_failure']:.0f} s of work done again and restart, {share:.0%} of the time "
+            f"(ETTR {fails['ettr']:.1%}{f' with checkpoint.every = {every}' if every else ', no checkpoints'})")
+    fix = (f"commit every {best} steps (checkpoint.every = {best}): projected ETTR {fails['ettr_recommended']:.1%}"
+           if best and best != every else "faster restarts and saves (see the failures experiment)")
+    if fails.get("ettr_recommended", 1.0) < 0.97 and fails.get("to_reach_97"):
+        fix += f"; {fails['to_reach_97']}"
+    return Verdict("failure-bound", share, f"{head}; {fix}", fix, shares)
 
 
 def _checkpoint(share, shares, ckpt) -> Verdict:

@@ -25,6 +25,42 @@ def _link(uri: str | None, text: str) -> str:
     return f"<a href='{html.escape(uri)}'>{html.escape(text)}</a>"
 
 
+def wire_formats(q: dict) -> str:
+    """A run's collective wire formats as a phrase ("int8 gradients in blocks of 256, no error feedback")."""
+    names = {32: "fp32", 8: "int8", 4: "int4"}
+    grads, weights = q.get("grads_bits", 32), q.get("weights_bits", 32)
+    parts = [f"{names.get(grads, grads)} gradients" + (f" in blocks of {q.get('block')}" if grads < 32 else "")]
+    if weights < 32:
+        parts.append(f"{names.get(weights, weights)} weight gathers")
+    if grads < 32:
+        parts.append("error feedback" if q.get("error_feedback") else "no error feedback")
+        if q.get("two_hop"):
+            parts.append("two hops (inside the node, then across)")
+    elif q.get("grads_all_to_all"):
+        parts.append("exchanged by all-to-all")
+    return ", ".join(parts)
+
+
+def readable(key: str, value) -> str:
+    """A recorded value as a person reads it: seconds with units, no None, no float or dict reprs."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if key.endswith("_s"):
+            return f"{value:.1f} s" if value >= 10 else f"{value:.3g} s"
+        return f"{value:,.3g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{label(k)} {readable(k, v)}" for k, v in value.items())
+    return str(value)
+
+
+def label(key: str) -> str:
+    """A recorded key as words: ``recovery_s`` -> "recovery" (its value carries the unit)."""
+    return (key[:-2] if key.endswith("_s") else key).replace("_", " ")
+
+
 def _rows(pairs) -> str:
     return "".join(f"<tr><td>{html.escape(str(k))}</td><td>{v}</td></tr>" for k, v in pairs)
 
@@ -41,13 +77,13 @@ def write(out: str, result: dict) -> str:
         ("validation accuracy", f"{s['val_accuracy']:.1%}"),
         ("steps, samples/s", f"{s['steps']}, {s['samples_per_s']:.0f}"),
         ("workers, ZeRO stage", f"{s['world_size']}, {par.get('zero_stage')}"),
-        ("gradient exchange", e(str(par.get("quantization", {})))),
+        ("gradient exchange", e(wire_formats(par.get("quantization", {})))),
         ("bytes sent per step per rank", f"{sum(par.get('traffic_per_step', {}).values()) / 2**20:.2f} MB"),
-        ("checkpoints committed", e(str(ck.get("committed")))),
+        ("checkpoints committed", e(readable("committed", ck.get("committed")))),
         ("stall per save (mean)", f"{ck.get('stall_s', {}).get('mean', 0) * 1000:.0f} ms" if ck else "-"),
         ("goodput", f"{s['goodput']:.0%}"),
     ])
-    rec_rows = _rows((k.replace("_", " "), e(str(v))) for k, v in rec.items()) if rec else \
+    rec_rows = _rows((label(k), e(readable(k, v))) for k, v in rec.items()) if rec else \
         "<tr><td colspan=2>no failure was injected</td></tr>"
     verdict = dg.get("verdict", {})
     body = (
@@ -62,8 +98,8 @@ def write(out: str, result: dict) -> str:
         f"<h2>Training</h2><table>{train_rows}</table><h3>Where the time went (mean per rank)</h3>"
         f"<table>{time_rows}</table>{_img(s.get('report'))}"
         f"<h2>Failure and recovery</h2><table>{rec_rows}</table>"
-        f"<h2>Diagnosis</h2><p class='verdict'><b>{e(verdict.get('kind', 'not run'))}</b>: "
-        f"{e(verdict.get('headline', ''))}</p>"
+        # the headline starts with the kind ("data-bound: ...") and ends with the fix: said once
+        f"<h2>Diagnosis</h2><p class='verdict'>{e(verdict.get('headline', 'not run'))}</p>"
         f"<p>{_link((dg.get('files') or {}).get('html'), 'the full diagnosis')}</p>"
         f"{_img((dg.get('files') or {}).get('png'))}</body></html>"
     )

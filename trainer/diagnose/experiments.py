@@ -318,7 +318,8 @@ def scaling(ctx: Context) -> dict:
                      "parallel.offload=none", "parallel.quant_weights=none", "parallel.quant_grads=none",
                      "parallel.hpz=false", "parallel.error_feedback=false")
     many = _short_run(ctx, f"scale-{n}", *synth)
-    out = {"workers": n, "zero_stage": cfg.parallel.zero_stage, "one": one, "many": many,
+    out = {"workers": n, "zero_stage": cfg.parallel.zero_stage, "quant_grads": cfg.parallel.quant_grads,
+           "one": one, "many": many,
            "speedup": many["samples_per_s"] / one["samples_per_s"]}
     out["efficiency"] = out["speedup"] / n
     quant = ["parallel.quant_grads=int8"] + (["parallel.quant_weights=int8"] if cfg.parallel.zero_stage == 3 else [])

@@ -150,8 +150,8 @@ def page(result: dict, png: bytes) -> str:
         "border-bottom:1px solid #ddd;vertical-align:top}.verdict{font-size:1.2em;padding:1em;background:#f4f4f4}"
         "</style></head><body>"
         f"<h1>dutycycle diagnose</h1><p>config: <code>{html.escape(result['config_name'])}</code></p>"
-        f"<p class='verdict'><b>{html.escape(v['kind'])}</b>: {html.escape(v['headline'])}</p>"
-        f"<p>fix: {html.escape(v['fix'])}</p>{_shares_table(v)}"
+        # the headline starts with the kind and ends with the fix: each said once
+        f"<p class='verdict'>{html.escape(v['headline'])}</p>{_shares_table(v)}"
         f"<table>{rows}</table><p><img alt='diagnosis' src='data:image/png;base64,{img}' width='100%'></p>"
         "<p>Every number is in diagnosis.json beside this page.</p></body></html>"
     )

@@ -202,9 +202,15 @@ def _comm(share, shares, scaling) -> Verdict:
         fix = (f"set {', '.join(s.replace('=', ' = ') for s in q['settings'])} (and parallel.zero_stage = "
                f"{q['zero_stage']}): measured {q['comm_share']:.0%} of the step in communication, "
                f"{q['samples_per_s'] / max(many.get('samples_per_s', 1e-9), 1e-9):.2f}x the samples/s")
-    else:
-        fix = ("accumulate more micro-batches per exchange (data.micro_batches), use a lower ZeRO stage if memory "
-               "allows, or quantized collectives (parallel.quant_grads = 'int8')")
+    else:  # remedies the run does not already use
+        fix = ("accumulate more micro-batches per exchange (data.micro_batches) or use a lower ZeRO stage if memory "
+               "allows")
+        now = scaling.get("quant_grads", "none")
+        if now == "none":
+            fix += ", or quantized collectives (parallel.quant_grads = 'int8')"
+        elif now == "int8":
+            fix += ("; gradients are already int8: int4 halves them again (parallel.quant_grads = 'int4' with "
+                    "parallel.error_feedback = true)")
     return Verdict("communication-bound", share, f"{head}; {fix}", fix, shares)
 
 

@@ -1,0 +1,30 @@
+"""The pages' words for recorded values: wire formats as phrases, seconds with units, no program reprs; and the
+scanner the page tests use finds what it should."""
+
+from __future__ import annotations
+
+from dutycycle.trainer.app.demo_report import readable, wire_formats
+
+from ..support.pages import raw_values
+
+
+def test_wire_formats_read_as_phrases():
+    assert wire_formats({"grads_bits": 8, "weights_bits": 32, "block": 256, "error_feedback": False}) == \
+        "int8 gradients in blocks of 256, no error feedback"
+    assert wire_formats({"grads_bits": 4, "weights_bits": 8, "block": 64, "error_feedback": True,
+                         "two_hop": True}) == \
+        "int4 gradients in blocks of 64, int8 weight gathers, error feedback, two hops (inside the node, then across)"
+    assert wire_formats({"grads_bits": 32, "weights_bits": 32, "grads_all_to_all": True}) == \
+        "fp32 gradients, exchanged by all-to-all"
+
+
+def test_recorded_values_read_with_units():
+    assert readable("recovery_s", 15.163434147000771) == "15.2 s"
+    assert readable("error", None) == "-" and readable("resumed", True) == "yes"
+    assert readable("ratio", 0.123456) == "0.123" and readable("steps_lost", 20) == "20"
+    assert readable("stall", {"mean_s": 0.0081, "saves": 3}) == "mean 0.0081 s, saves 3"
+
+
+def test_the_scanner_finds_program_values_and_skips_images():
+    assert raw_values("<td>None</td>") and raw_values("<td>{'a': 1}</td>") and raw_values("<td>15.163434147</td>")
+    assert not raw_values("<td>15.2 s</td><img src='data:image/png;base64,Tm9uZQNone0.1234567'>")

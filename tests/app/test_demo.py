@@ -46,6 +46,10 @@ def test_demo_small_runs_end_to_end_from_the_built_wheel(tmp_path, wheel):
     assert rec["killed_pid"] and rec["error"] is None, rec
     assert rec["resumed_from_step"] >= 4 and rec["resumed_from_step"] % 4 == 0 and rec["recovery_s"] > 0
     assert summary["checkpoint"]["resumed"]["step"] == rec["resumed_from_step"]
+    # the job's account covers the killed attempt too: steps trained again and the downtime, in goodput's divisor
+    job = summary["job"]
+    assert job["attempts"] == 2 and job["steps_redone"] == summary["checkpoint"]["resumed"]["steps_lost"] > 0
+    assert job["failures_s"] > 0 and summary["goodput"] == job["goodput"]
     steps = [json.loads(ln)["step"] for ln in (out / "run" / "metrics.jsonl").read_text().splitlines()
              if '"loss"' in ln]
     assert steps == list(range(1, 17))  # lost steps trained again, none twice
@@ -54,6 +58,7 @@ def test_demo_small_runs_end_to_end_from_the_built_wheel(tmp_path, wheel):
     assert (out / "diagnose" / "diagnosis.html").exists()
     page = (out / "demo.html").read_text()
     assert "Failure and recovery" in page and demo["diagnosis"]["verdict"]["kind"] in page
+    assert "lost to failures" in page and "steps trained again" in page
     # written for a person: no None, dict or float reprs; the verdict's kind said once, not "x-bound: x-bound:"
     from ..support.pages import raw_values
 

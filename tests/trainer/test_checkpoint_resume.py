@@ -40,6 +40,14 @@ def test_resume_after_a_crash_is_bit_identical_in_one_process(tmp_path, monkeypa
     assert b["checkpoint"]["resumed"]["step"] == 8
     assert b["checkpoint"]["resumed"]["steps_lost"] == 2  # log_every = 1: steps 9 and 10 had reached the log
     assert b["weights_sha256"] == a["weights_sha256"]
+    # the job's account covers both attempts: the two steps trained again and the downtime are their own figure,
+    # and goodput divides by the whole job's time (one attempt: its own figures)
+    job = b["job"]
+    assert job["attempts"] == 2 and job["steps_redone"] == 2 and job["redone_s"] > 0 and job["down_s"] >= 0
+    assert job["failures_s"] == pytest.approx(job["redone_s"] + job["down_s"])
+    assert job["wall_s"] > b["wall_s"] + job["failures_s"]  # and the first attempt's 8 kept steps
+    assert b["goodput"] == job["goodput"] and job["failures_fraction"] == pytest.approx(job["failures_s"] / job["wall_s"])
+    assert a["job"]["attempts"] == 1 and a["goodput"] == pytest.approx(a["goodput_attempt"])
     # the continued steps' losses are the uninterrupted run's, bit for bit; the lost steps' rows were replaced
     la = {r["step"]: r["loss"] for r in rows(tmp_path / "a") if "loss" in r}
     lb = [(r["step"], r["loss"]) for r in rows(tmp_path / "b") if "loss" in r]

@@ -61,6 +61,14 @@ def label(key: str) -> str:
     return (key[:-2] if key.endswith("_s") else key).replace("_", " ")
 
 
+def _lost(job: dict) -> str:
+    if job.get("attempts", 1) < 2:
+        return "nothing: one attempt"
+    return (f"{job['failures_s']:.1f} s ({job['failures_fraction']:.0%} of the job's "
+            f"{job['wall_s']:.0f} s): {job['steps_redone']} steps trained again ({job['redone_s']:.1f} s) and "
+            f"{job['down_s']:.1f} s from the failed attempt's last step to the restarted one")
+
+
 def _rows(pairs) -> str:
     return "".join(f"<tr><td>{html.escape(str(k))}</td><td>{v}</td></tr>" for k, v in pairs)
 
@@ -81,7 +89,8 @@ def write(out: str, result: dict) -> str:
         ("bytes sent per step per rank", f"{sum(par.get('traffic_per_step', {}).values()) / 2**20:.2f} MB"),
         ("checkpoints committed", e(readable("committed", ck.get("committed")))),
         ("stall per save (mean)", f"{ck.get('stall_s', {}).get('mean', 0) * 1000:.0f} ms" if ck else "-"),
-        ("goodput", f"{s['goodput']:.0%}"),
+        ("goodput (the whole job, every attempt)", f"{s['goodput']:.0%}"),
+        ("lost to failures", _lost(s.get("job") or {})),
     ])
     rec_rows = _rows((label(k), e(readable(k, v))) for k, v in rec.items()) if rec else \
         "<tr><td colspan=2>no failure was injected</td></tr>"

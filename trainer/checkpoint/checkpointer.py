@@ -174,7 +174,8 @@ class Checkpointer:
         restored = self._load(selected, strategy, optimizer, source, saved)
         steps_lost = self.writer.resume_from(restored.step) if self.writer is not None else 0
         self.restored = {"step": restored.step, "uri": selected.uri, "restore_s": time.perf_counter() - t0,
-                         "steps_lost": steps_lost, "fallbacks": selected.fallbacks}
+                         "steps_lost": steps_lost, "fallbacks": selected.fallbacks,
+                         **((self.writer.failure or {}) if self.writer is not None else {})}
         if self.writer is not None:
             self.writer.log({"step": restored.step, "event": "resume", **self.restored})
         if self.rank == 0:

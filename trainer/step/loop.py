@@ -449,7 +449,7 @@ def _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info, w
         steps=steps, samples=log.samples, first_loss=log.first_loss, final_loss=log.last_loss, val_accuracy=val[0],
         val_loss=val[1], wall_s=wall, per_rank_totals=per_rank_totals, world_size=world,
         device=str((ctx.device or torch.device("cpu")).type), num_params=num_params, flops_per_sample=fps,
-        peak_flops_per_device=peak,
+        peak_flops_per_device=peak, rows=log.writer.rows if log.writer.enabled else None,
         extra={
             "epochs": epochs, "steps_per_epoch": steps_per_epoch, "global_batch_size": cfg.data.global_batch_size,
             "micro_batches": cfg.data.micro_batches, "data_source": cfg.data.source,

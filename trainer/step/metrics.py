@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from dutycycle.engine import io
 
@@ -42,6 +43,8 @@ class MetricsWriter:
         self.rows: list[dict] = []
         self._f = None  # opened at the first row, so an earlier attempt's file is there until then
         self._mode = "w"
+        self.started = time.time()  # this attempt's start, wall clock: the end of a failure's downtime
+        self.failure: dict | None = None  # what the failure before this attempt cost (``resume_from``)
 
     def _open(self) -> None:
         if self._f is None and self.enabled and self.local:
@@ -59,6 +62,17 @@ class MetricsWriter:
             return 0
         lost = max([r["step"] - step for r in rows if "loss" in r], default=0)
         self.rows = [r for r in rows if r.get("step", 0) <= step]
+        redone = [r for r in rows if "loss" in r and r["step"] > step]
+        kept = [r for r in self.rows if "loss" in r]
+        last_alive = max((r["time"] for r in rows if "time" in r), default=None)
+        # the failed attempt's cost: its steps after the commit (trained again) and the time from its last row to
+        # this attempt's start (the failure, the restart); with what the attempts before kept, for the job's goodput
+        self.failure = {
+            "steps_redone": len(redone),
+            "redone_s": sum(r.get("step_s", 0.0) for r in redone),
+            "down_s": max(0.0, self.started - last_alive) if last_alive is not None else None,
+            "kept_useful_s": sum(sum(r.get(k, 0.0) for k in USEFUL) for r in kept),
+        }
         # replaced in one atomic write, then appended to: a crash here leaves the old file or the new one
         io.write_bytes_atomic(self.uri, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
         if self._f is not None:
@@ -71,6 +85,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._open()
+        row = {**row, "time": round(time.time(), 3)}  # wall clock: a later attempt measures a failure from it
         self.rows.append(row)
         if self._f is not None:
             self._f.write(json.dumps(row) + "\n")
@@ -111,9 +126,12 @@ def read_metrics(run_dir: str, *, live: bool = False) -> list[dict]:
 def summarize(*, steps: int, samples: int, first_loss: float | None, final_loss: float | None,
               val_accuracy: float | None, val_loss: float | None, wall_s: float, per_rank_totals: list[dict],
               world_size: int, device: str, num_params: int, flops_per_sample: float | None = None,
-              peak_flops_per_device: float | None = None, extra: dict | None = None) -> dict:
+              peak_flops_per_device: float | None = None, extra: dict | None = None,
+              rows: list[dict] | None = None) -> dict:
     """The run summary. ``per_rank_totals`` holds each rank's phase seconds; the breakdown is their mean, and
-    ``max`` shows the slowest rank per phase (a straggler shows up as max >> mean)."""
+    ``max`` shows the slowest rank per phase (a straggler shows up as max >> mean). ``rows``: the metrics rows
+    (rank 0's), from which ``job`` accounts every attempt; ``goodput`` is the job's, over its whole wall time
+    (``goodput_attempt``: this attempt's alone)."""
     mean = {k: sum(t.get(k, 0.0) for t in per_rank_totals) / len(per_rank_totals) for k in ALL_PHASES}
     mx = {k: max(t.get(k, 0.0) for t in per_rank_totals) for k in ALL_PHASES}
     # "other" is whatever the named phases do not cover, over the whole loop's wall time
@@ -139,10 +157,36 @@ def summarize(*, steps: int, samples: int, first_loss: float | None, final_loss:
         "comm_fraction": bd["fractions"]["comm"],
         "mfu": None,
     }
+    summary["goodput_attempt"] = summary["goodput"]
+    if rows is not None:
+        useful_s = sum(bd["seconds"][k] for k in USEFUL)
+        summary["job"] = job_account(rows, wall_s, useful_s)
+        summary["goodput"] = summary["job"]["goodput"]
     if flops_per_sample and peak_flops_per_device:
         summary["mfu"] = flops_per_sample * samples / train_s / (peak_flops_per_device * world_size)
     summary.update(extra or {})
     return summary
+
+
+def job_account(rows: list[dict], wall_s: float, useful_s: float, now: float | None = None) -> dict:
+    """Every attempt of a run, from the rows its metrics keep: the failures' cost (steps trained again, and the
+    downtime from a failed attempt's last row to the next attempt's start; the restore is inside the attempt's
+    own time), the job's wall time (from the first kept step's start to ``now``) and its goodput (useful time of
+    the kept steps of every attempt over that wall time). One attempt: its own figures."""
+    resumes = [r for r in rows if r.get("event") == "resume" and r.get("down_s") is not None]
+    if not resumes:
+        return {"attempts": 1, "wall_s": wall_s, "failures_s": 0.0, "redone_s": 0.0, "down_s": 0.0,
+                "steps_redone": 0, "failures_fraction": 0.0, "goodput": useful_s / wall_s if wall_s > 0 else 0.0}
+    redone = sum(r["redone_s"] for r in resumes)
+    down = sum(r["down_s"] for r in resumes)
+    starts = [r["time"] - r.get("step_s", 0.0) for r in rows if "loss" in r and "time" in r]
+    now = time.time() if now is None else now
+    wall = max(wall_s, now - min(starts)) if starts else wall_s
+    useful = useful_s + resumes[-1].get("kept_useful_s", 0.0)  # the latest resume kept every earlier step
+    return {"attempts": 1 + len(resumes), "wall_s": wall, "failures_s": redone + down, "redone_s": redone,
+            "down_s": down, "steps_redone": sum(r["steps_redone"] for r in resumes),
+            "failures_fraction": (redone + down) / wall if wall > 0 else 0.0,
+            "goodput": useful / wall if wall > 0 else 0.0}
 
 
 def format_breakdown(summary: dict) -> str:

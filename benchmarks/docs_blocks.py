@@ -95,6 +95,24 @@ def diagnose_example(results: dict) -> str:
                         source("diagnose_example")])
 
 
+def diagnose_stability(results: dict) -> str:
+    d = results_file(results, "diagnose_stability")
+    c = d["config"]
+    rows = []
+    for k, r in enumerate(d["runs"], 1):
+        if "kind" not in r:
+            rows.append([str(k), "failed", "-", secs(r["wall_s"])])
+            continue
+        iv = r.get("intervals", {})
+        shares = ", ".join(f"{name} {pct(v)}" + (f" ({pct(iv[name][0])}-{pct(iv[name][1])})" if name in iv else "")
+                           for name, v in sorted(r["shares"].items(), key=lambda kv: -kv[1]))
+        rows.append([str(k), r["kind"], shares, secs(r["wall_s"])])
+    line = (f"`dutycycle diagnose {c['config']} --budget-s {c['budget_s']:g}`, {c['runs']} runs one after another: "
+            f"{'the same kind every time' if d['same_kind'] else 'the kind changed between runs'}.")
+    return "\n\n".join([para(line), table(["run", "verdict", "shares (90% interval)", "wall time"], rows),
+                         source("diagnose_stability")])
+
+
 def ingest(results: dict) -> str:
     d = results_file(results, "ingest")
     cols = ["ingest_no_phash", "ingest_phash", "pil_decode_1proc", "pil_decode_pool"]
@@ -269,6 +287,7 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "demo-run": demo_run,
     "demo-verdict": demo_verdict,
     "diagnose-example": diagnose_example,
+    "diagnose-stability": diagnose_stability,
     "ingest": ingest,
     "materialize": materialize,
     "cache-formats": cache_formats,

@@ -154,6 +154,11 @@ def test_local_run_learns_and_writes_outputs(tmp_path):
     assert 0.0 <= summary["val_accuracy"] <= 1.0 and all(r["val_samples"] > 0 for r in evals)
     fr = summary["time_breakdown"]["fractions"]
     assert sum(fr.values()) == pytest.approx(1.0, abs=1e-6)
+    # every second under a name: the per-step phases and the one-time ones (restore, each epoch's loader start,
+    # the final save), "other" only the rest
+    from dutycycle.trainer.step.timing import ACCOUNT
+
+    assert set(fr) == set(ACCOUNT) and summary["time_breakdown"]["seconds"]["loader_start"] > 0
     assert summary["goodput"] == pytest.approx(fr["forward_backward"] + fr["optimizer"])
     assert summary["mfu"] is None  # CPU: no peak to compare against
     assert json.loads((run / "config.json").read_text())["run"]["max_steps"] == 24

@@ -37,6 +37,8 @@ def register(subparsers) -> None:
     g.add_argument("--memory-budget-mb", type=float, default=None,
                    help="memory per rank to check the model state against (default: the device's)")
     g.add_argument("--only", default="", help="comma-separated experiments to run (default: all)")
+    g.add_argument("--verify", action="store_true",
+                   help="run the top remedy's settings as a short run and report measured against predicted")
     g.add_argument("--scale", type=int, default=None,
                    help="project the failures wait to this many workers (default: parallel.num_workers)")
     g.set_defaults(func=cmd_diagnose)
@@ -88,7 +90,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     try:
         diagnose(cfg, out=out, budget_s=args.budget_s, memory_budget_mb=args.memory_budget_mb,
-                 only=[x for x in args.only.split(",") if x] or None, config_name=args.config, scale=args.scale)
+                 only=[x for x in args.only.split(",") if x] or None, config_name=args.config, scale=args.scale, verify=args.verify)
         code = 0
     except run.Interrupted as e:
         print("dutycycle diagnose: interrupted", file=sys.stderr)

@@ -175,7 +175,8 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
               "report": summary.get("report"), "cache": res.uri, "contact_sheet": sheet, "summary": summary,
               "training": {k: summary.get(k) for k in ("steps", "samples_per_s", "val_loss", "goodput", "job",
                                                         "data_wait_fraction", "comm_fraction", "time_breakdown")},
-              "recovery": recovery, "diagnosis": {"verdict": diagnosis["verdict"], "files": diagnosis["files"]}}
+              "recovery": recovery, "diagnosis": {"verdict": diagnosis["verdict"], "files": diagnosis["files"],
+                            "remedies": diagnosis.get("remedies", [])}}
     from .demo_report import write
 
     result["html"] = write(out, result)

@@ -69,6 +69,14 @@ def _lost(job: dict) -> str:
             f"{job['down_s']:.1f} s from the failed attempt's last step to the restarted one")
 
 
+def _top_remedy(found: list[dict]) -> str:
+    if not found:
+        return ""
+    r = found[0]
+    return (f"<p>Top remedy: <code>{html.escape(' '.join('--set ' + x for x in r['set']))}</code>, predicted "
+            f"{r['predicted_samples_per_s']:,.0f} samples/s ({html.escape(r['from'])}).</p>")
+
+
 def _rows(pairs) -> str:
     return "".join(f"<tr><td>{html.escape(str(k))}</td><td>{v}</td></tr>" for k, v in pairs)
 
@@ -109,6 +117,7 @@ def write(out: str, result: dict) -> str:
         f"<h2>Failure and recovery</h2><table>{rec_rows}</table>"
         # the headline starts with the kind ("data-bound: ...") and ends with the fix: said once
         f"<h2>Diagnosis</h2><p class='verdict'>{e(verdict.get('headline', 'not run'))}</p>"
+        f"{_top_remedy(dg.get('remedies') or [])}"
         f"<p>{_link((dg.get('files') or {}).get('html'), 'the full diagnosis')}</p>"
         f"{_img((dg.get('files') or {}).get('png'))}</body></html>"
     )

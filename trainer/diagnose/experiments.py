@@ -54,7 +54,7 @@ def _once(ctx: Context, key: str, make):
     return ctx.cache[key]
 
 
-def _short_run(ctx: Context, name: str, *overrides: str) -> dict:
+def short_run(ctx: Context, name: str, *overrides: str) -> dict:
     """A short training run of the config (its launcher: Ray Train, or this process for one worker)."""
     from dutycycle.trainer.launch.train import train
 
@@ -270,10 +270,10 @@ def _in_ram_batches(source, gbs: int, hold: int = 8):
 def end_to_end(ctx: Context) -> dict:
     """Short runs of the config as it is (and from raw, when a table is known): where the step's time goes."""
     cfg = ctx.cfg
-    out = {"configured": cfg.data.source, cfg.data.source: _short_run(ctx, f"e2e-{cfg.data.source}")}
+    out = {"configured": cfg.data.source, cfg.data.source: short_run(ctx, f"e2e-{cfg.data.source}")}
     table = _once(ctx, "table", lambda: table_of(cfg))
     if cfg.data.source == "cache" and table:
-        out["raw"] = _short_run(ctx, "e2e-raw", "data.source=raw", f"data.table={table}")
+        out["raw"] = short_run(ctx, "e2e-raw", "data.source=raw", f"data.table={table}")
     return out
 
 
@@ -314,10 +314,10 @@ def scaling(ctx: Context) -> dict:
     if n == 1:
         return {"applicable": False, "why": "parallel.num_workers = 1: nothing to scale"}
     synth = _synthetic(ctx)
-    one = _short_run(ctx, "scale-1", *synth, "parallel.num_workers=1", "parallel.zero_stage=0",
+    one = short_run(ctx, "scale-1", *synth, "parallel.num_workers=1", "parallel.zero_stage=0",
                      "parallel.offload=none", "parallel.quant_weights=none", "parallel.quant_grads=none",
                      "parallel.hpz=false", "parallel.error_feedback=false")
-    many = _short_run(ctx, f"scale-{n}", *synth)
+    many = short_run(ctx, f"scale-{n}", *synth)
     out = {"workers": n, "zero_stage": cfg.parallel.zero_stage, "quant_grads": cfg.parallel.quant_grads,
            "one": one, "many": many,
            "speedup": many["samples_per_s"] / one["samples_per_s"]}
@@ -326,7 +326,7 @@ def scaling(ctx: Context) -> dict:
     stage = max(1, cfg.parallel.zero_stage)
     already = cfg.parallel.quant_grads != "none"
     if not already:
-        q = _short_run(ctx, f"scale-{n}-int8", *synth, f"parallel.zero_stage={stage}", *quant)
+        q = short_run(ctx, f"scale-{n}-int8", *synth, f"parallel.zero_stage={stage}", *quant)
         out["quantized"] = {"zero_stage": stage, "settings": quant, **q,
                             "speedup": q["samples_per_s"] / one["samples_per_s"]}
     return out
@@ -342,7 +342,7 @@ def checkpoint(ctx: Context) -> dict:
     synth = _synthetic(ctx)
     out: dict[str, Any] = {"configured_every": cfg.checkpoint.every, "configured_async": cfg.checkpoint.async_save}
     for mode in ("sync", "async"):
-        run = _short_run(ctx, f"ckpt-{mode}", *synth, f"checkpoint.dir={io.join(ctx.workdir, 'ckpt-' + mode)}",
+        run = short_run(ctx, f"ckpt-{mode}", *synth, f"checkpoint.dir={io.join(ctx.workdir, 'ckpt-' + mode)}",
                          "checkpoint.every=2", f"checkpoint.async_save={str(mode == 'async').lower()}",
                          "checkpoint.resume=none", "ray.max_failures=0")
         stall = (run["summary"].get("checkpoint") or {}).get("stall_s", {})
@@ -367,8 +367,8 @@ def failures(ctx: Context) -> dict:
     mode = str(cfg.checkpoint.async_save).lower()
     common = (*_synthetic(ctx), f"checkpoint.dir={io.join(ctx.workdir, 'fail-ckpt')}", "checkpoint.every=2",
               f"checkpoint.async_save={mode}", "ray.max_failures=0")
-    first = _short_run(ctx, "fail-first", *common, "checkpoint.resume=none")
-    again = _short_run(ctx, "fail-again", *common, "checkpoint.resume=auto", f"run.max_steps={ctx.steps + 2}")
+    first = short_run(ctx, "fail-first", *common, "checkpoint.resume=none")
+    again = short_run(ctx, "fail-again", *common, "checkpoint.resume=auto", f"run.max_steps={ctx.steps + 2}")
     saved = first["summary"].get("checkpoint") or {}
     resumed = (again["summary"].get("checkpoint") or {}).get("resumed") or {}
     if not resumed:

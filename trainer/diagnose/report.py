@@ -138,6 +138,21 @@ def _shares_table(v: dict) -> str:
     return ("<table><tr><th>wait</th><th>share of the step</th><th>90% interval</th></tr>" + rows + "</table>")
 
 
+def _remedies_table(result: dict) -> str:
+    """Each remedy as settings, the rate predicted from the measured components and, after --verify, measured."""
+    found = result.get("remedies") or []
+    if not found:
+        return ""
+    rows = "".join(
+        f"<tr><td>{html.escape(r['for'])}</td><td><code>{html.escape(' '.join('--set ' + x for x in r['set']))}"
+        f"</code></td><td>{r['predicted_samples_per_s']:,.0f}</td><td>"
+        + (f"{r['measured_samples_per_s']:,.0f} ({r['measured_over_predicted']:.2f}x)" if "measured_samples_per_s"
+           in r else html.escape(r.get("verify_error", "not run (--verify runs the first)")))
+        + f"</td><td>{html.escape(r['from'])}</td></tr>" for r in found)
+    return ("<h2>Remedies</h2><table><tr><th>wait</th><th>change</th><th>predicted samples/s</th>"
+            "<th>measured samples/s</th><th>predicted from</th></tr>" + rows + "</table>")
+
+
 def page(result: dict, png: bytes) -> str:
     v = result["verdict"]
     titles = {key: title for key, title, _ in EXPERIMENTS}
@@ -151,7 +166,7 @@ def page(result: dict, png: bytes) -> str:
         "</style></head><body>"
         f"<h1>dutycycle diagnose</h1><p>config: <code>{html.escape(result['config_name'])}</code></p>"
         # the headline starts with the kind and ends with the fix: each said once
-        f"<p class='verdict'>{html.escape(v['headline'])}</p>{_shares_table(v)}"
+        f"<p class='verdict'>{html.escape(v['headline'])}</p>{_shares_table(v)}{_remedies_table(result)}"
         f"<table>{rows}</table><p><img alt='diagnosis' src='data:image/png;base64,{img}' width='100%'></p>"
         "<p>Every number is in diagnosis.json beside this page.</p></body></html>"
     )

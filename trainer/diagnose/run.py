@@ -18,7 +18,9 @@ import traceback
 
 from dutycycle.engine import io
 
-from .experiments import EXPERIMENTS, Context
+from .experiments import EXPERIMENTS, Context, short_run
+from .remedies import remedies
+from .remedies import verify as check_remedy
 from .report import describe, write
 from .verdict import decide
 
@@ -95,14 +97,16 @@ def _on_signal(signum, frame):
 
 
 def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float | None = None,
-             only: list[str] | None = None, say=print, config_name: str = "", scale: int | None = None) -> dict:
+             only: list[str] | None = None, say=print, config_name: str = "", scale: int | None = None,
+             verify: bool = False) -> dict:
     """Diagnose ``cfg`` (a TrainConfig); write ``diagnosis.json/.png/.html`` under ``out``; return the result.
 
     ``budget_s`` bounds the whole diagnosis: measuring loops get a share of it and short training runs take
     fewer steps when it is small; each experiment may use what is left of it and is stopped there; one that would
     start after the budget is spent is skipped (said so). ``only``: run just these experiments (names as in
     ``experiments.EXPERIMENTS``). ``scale``: the worker count the failures experiment projects to (what it costs
-    to lose work on a cluster of that size; the other shares are measured at the configured count). Raises
+    to lose work on a cluster of that size; the other shares are measured at the configured count). ``verify``:
+    run the top remedy's settings as a short run and record its measured rate beside the predicted one. Raises
     ``Interrupted`` on SIGINT or SIGTERM, after writing the report."""
     from dutycycle.engine.errors import ConfigError
 
@@ -150,8 +154,22 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
         if main:
             signal.signal(signal.SIGTERM, previous)
     verdict = decide(findings)
+    found = remedies(findings, verdict.kind)
+    for r in found:
+        say(f"[diagnose] remedy for {r['for']}: --set {' --set '.join(r['set'])}: predicted "
+            f"{r['predicted_samples_per_s']:,.0f} samples/s ({r['from']})")
+    if verify and found and interrupted is None:
+        try:
+            found[0] = _run_bounded(lambda c: check_remedy(c, found[0], short_run), ctx,
+                                    max(60.0, deadline - time.perf_counter()))
+            say(f"[diagnose] verified: {found[0]['measured_samples_per_s']:,.0f} samples/s measured against "
+                f"{found[0]['predicted_samples_per_s']:,.0f} predicted ({found[0]['measured_over_predicted']:.2f}x)")
+        except KeyboardInterrupt as e:
+            interrupted = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+        except Exception as e:  # noqa: BLE001 - the diagnosis stands; the check is reported as failed
+            found[0] = {**found[0], "verify_error": f"{type(e).__name__}: {e}"}
     result = {"config_name": config_name, "budget_s": budget_s, "findings": findings,
-              "verdict": verdict.to_dict()}
+              "verdict": verdict.to_dict(), "remedies": found}
     if scale:
         from .failures import MODEL
 

@@ -301,8 +301,10 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     sampler = MemorySampler()
     eval_totals = 0.0
     n_evals = 0
+    once = {"restore": 0.0, "loader_start": 0.0, "final_save": 0.0}  # timing.ONE_TIME, outside the steps
     t_start = time.perf_counter()
     restored = checkpointer.restore(strategy, optimizer, train_src)
+    once["restore"] += time.perf_counter() - t_start
     step, epoch = (restored.step, restored.epoch) if restored else (0, 0)
     first_step = step
     val_acc = val_loss = None
@@ -326,8 +328,10 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     def run_steps() -> None:
         nonlocal step, epoch
         while step < total:
+            t0 = time.perf_counter()
             train_src.set_epoch(epoch)
             it = iter(train_src)
+            once["loader_start"] += time.perf_counter() - t0
             while step < total:
                 timer.start_step()
                 with timer.phase("data_wait", host=True):
@@ -366,17 +370,22 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
                 run_steps()
                 break
             except TrainingDiverged as err:  # roll back to the last commit (or raise, per checkpoint.on_nonfinite)
+                t0 = time.perf_counter()
                 restored = checkpointer.recover(err, strategy, optimizer, train_src)
+                once["restore"] += time.perf_counter() - t0
                 step, epoch = restored.step, restored.epoch
         run_eval()
+        t_final = time.perf_counter()
         checkpointer.finalize()
     finally:
         checkpointer.close()
+    once["final_save"] += time.perf_counter() - t_final  # the last save, its background write, the close
     wall = time.perf_counter() - t_start
 
     summary = _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, info=info, wall=wall,
                          eval_s=eval_totals, steps=step, epochs=epoch, steps_per_epoch=steps_per_epoch,
-                         num_params=num_params, precision=precision, fps=fps, peak=peak, val=(val_acc, val_loss))
+                         num_params=num_params, precision=precision, fps=fps, peak=peak, val=(val_acc, val_loss),
+                         once=once)
     summary["checkpoint"] = checkpointer.summary()
     summary["health"] = health
     from dutycycle.trainer.cluster.world import all_gather
@@ -394,7 +403,7 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
 
 
 def _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info, wall, eval_s, steps, epochs,
-               steps_per_epoch, num_params, precision, fps, peak, val) -> dict:
+               steps_per_epoch, num_params, precision, fps, peak, val, once) -> dict:
     """Gather per-rank totals and memory, write the consolidated model, build the summary (every rank calls
     this: it holds collectives)."""
     import torch
@@ -449,7 +458,7 @@ def _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info, w
         steps=steps, samples=log.samples, first_loss=log.first_loss, final_loss=log.last_loss, val_accuracy=val[0],
         val_loss=val[1], wall_s=wall, per_rank_totals=per_rank_totals, world_size=world,
         device=str((ctx.device or torch.device("cpu")).type), num_params=num_params, flops_per_sample=fps,
-        peak_flops_per_device=peak, rows=log.writer.rows if log.writer.enabled else None,
+        peak_flops_per_device=peak, rows=log.writer.rows if log.writer.enabled else None, one_time=once,
         extra={
             "epochs": epochs, "steps_per_epoch": steps_per_epoch, "global_batch_size": cfg.data.global_batch_size,
             "micro_batches": cfg.data.micro_batches, "data_source": cfg.data.source,

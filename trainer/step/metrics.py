@@ -15,7 +15,7 @@ import time
 
 from dutycycle.engine import io
 
-from .timing import ALL_PHASES, USEFUL, breakdown
+from .timing import ACCOUNT, ALL_PHASES, ONE_TIME, USEFUL, breakdown
 
 # Peak dense bf16 tensor FLOP/s per GPU, for model FLOP utilization (vendor datasheets, no sparsity).
 PEAK_BF16_FLOPS = {
@@ -127,17 +127,18 @@ def summarize(*, steps: int, samples: int, first_loss: float | None, final_loss:
               val_accuracy: float | None, val_loss: float | None, wall_s: float, per_rank_totals: list[dict],
               world_size: int, device: str, num_params: int, flops_per_sample: float | None = None,
               peak_flops_per_device: float | None = None, extra: dict | None = None,
-              rows: list[dict] | None = None) -> dict:
+              rows: list[dict] | None = None, one_time: dict | None = None) -> dict:
     """The run summary. ``per_rank_totals`` holds each rank's phase seconds; the breakdown is their mean, and
     ``max`` shows the slowest rank per phase (a straggler shows up as max >> mean). ``rows``: the metrics rows
     (rank 0's), from which ``job`` accounts every attempt; ``goodput`` is the job's, over its whole wall time
     (``goodput_attempt``: this attempt's alone)."""
     mean = {k: sum(t.get(k, 0.0) for t in per_rank_totals) / len(per_rank_totals) for k in ALL_PHASES}
     mx = {k: max(t.get(k, 0.0) for t in per_rank_totals) for k in ALL_PHASES}
-    # "other" is whatever the named phases do not cover, over the whole loop's wall time
-    named = sum(v for k, v in mean.items() if k != "other")
+    # "other" is whatever the named phases (per step, and once per run: ``one_time``, rank 0's) do not cover
+    once = {k: float((one_time or {}).get(k, 0.0)) for k in ONE_TIME}
+    named = sum(v for k, v in mean.items() if k != "other") + sum(once.values())
     mean["other"] = max(0.0, wall_s - named)
-    bd = breakdown(mean, wall_s)
+    bd = breakdown({**mean, **once}, wall_s, ACCOUNT)
     train_s = max(wall_s - mean["eval"], 1e-9)
     summary = {
         "steps": steps,
@@ -192,5 +193,6 @@ def job_account(rows: list[dict], wall_s: float, useful_s: float, now: float | N
 def format_breakdown(summary: dict) -> str:
     """A few lines a person reads at the end of a run."""
     bd = summary["time_breakdown"]
-    parts = [f"{k} {bd['seconds'][k]:.1f}s ({bd['fractions'][k]:.0%})" for k in ALL_PHASES if bd["seconds"][k] > 0]
+    parts = [f"{k} {bd['seconds'][k]:.1f}s ({bd['fractions'][k]:.0%})" for k in ACCOUNT
+             if bd["seconds"].get(k, 0) > 0]
     return "time: " + ", ".join(parts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dutycycle.engine import io
 
 from .metrics import read_metrics
-from .timing import ALL_PHASES
+from .timing import ACCOUNT
 
 COLORS = {
     "data_wait": "#d62728",
@@ -15,6 +15,9 @@ COLORS = {
     "optimizer": "#98df8a",
     "checkpoint": "#9467bd",
     "eval": "#8c564b",
+    "restore": "#e377c2",
+    "loader_start": "#ff9896",
+    "final_save": "#c5b0d5",
     "other": "#c7c7c7",
 }
 
@@ -49,7 +52,7 @@ def write_report(run_dir: str) -> str:
 
     seconds = summary["time_breakdown"]["seconds"]
     bottom = 0.0
-    for phase in ALL_PHASES:
+    for phase in ACCOUNT:
         v = seconds.get(phase, 0.0)
         if v <= 0:
             continue

@@ -10,6 +10,10 @@ Phases (seconds per step, per rank):
   eval              validation passes
   other             the rest of the step's wall time (logging, metric reduction, Python)
 
+and once per run, outside the steps (``ONE_TIME``): ``restore`` (resuming from a commit, and rollbacks),
+``loader_start`` (each epoch's loader start: its plan, its first reads), ``final_save`` (the last save and the
+wait for a background write to commit).
+
 On CPU each phase is a monotonic-clock interval; every phase boundary is a synchronous point (CPU kernels and
 gloo collectives return when done), so the intervals are honest. ``comm`` is *exposed* communication: the time
 the step waited on collectives that computation did not hide (parallel/comm.py measures it and the loop moves
@@ -24,6 +28,10 @@ from contextlib import contextmanager
 
 PHASES = ("data_wait", "h2d", "forward_backward", "comm", "optimizer", "checkpoint", "eval")
 ALL_PHASES = (*PHASES, "other")
+# Once per run (or per epoch), outside any step: what a short run pays and a long one amortizes. Named so that
+# "other" holds only what is left (logging, metric reduction, Python between the phases).
+ONE_TIME = ("restore", "loader_start", "final_save")
+ACCOUNT = (*PHASES, *ONE_TIME, "other")  # the run's whole wall time, every second under one name
 # Phases that do the model's useful work: goodput is their share of wall time.
 USEFUL = ("forward_backward", "optimizer")
 
@@ -145,8 +153,8 @@ def gather_stats(values):
     return out.view(-1, *t.shape).cpu()
 
 
-def breakdown(totals: dict[str, float], wall: float) -> dict[str, dict[str, float]]:
-    """Seconds and fractions of ``wall`` per phase."""
-    seconds = {k: float(totals.get(k, 0.0)) for k in ALL_PHASES}
+def breakdown(totals: dict[str, float], wall: float, names=ALL_PHASES) -> dict[str, dict[str, float]]:
+    """Seconds and fractions of ``wall`` per phase (``names``)."""
+    seconds = {k: float(totals.get(k, 0.0)) for k in names}
     fractions = {k: (v / wall if wall > 0 else 0.0) for k, v in seconds.items()}
     return {"seconds": seconds, "fractions": fractions}

@@ -184,7 +184,8 @@ def _plan(table: str, how: str, runner: str) -> dict[str, Any]:
             df = mp.table_frame(table, tm, None)
             with tempfile.TemporaryDirectory(prefix="plan-staging-") as staging, \
                     selection.selected(df, classes=list(tm.classes), rows_per_shard=ROWS_PER_SHARD, runner=runner,
-                                       staging=staging, table_uri=table, where=None) as sel:
+                                       staging=staging, table_uri=table, where=None,
+                                       rows=tm.num_rows) as sel:
                 fp = mp.fingerprint([b[2] for b in sel.blocks], list(tm.classes), spec, mp.decode_settings())
                 selected = sel.selected
         seconds = time.perf_counter() - t0

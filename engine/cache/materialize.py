@@ -138,7 +138,7 @@ def plan_rows(
     df = mp.table_frame(table_uri, tm, where, roots)
     # streamed through this process whatever Daft's runner: every row ends up here anyway
     with selection.selected(df, classes=list(tm.classes), rows_per_shard=DEFAULT_ROWS_PER_SHARD, runner="native",
-                            staging=None, table_uri=table_uri, where=where) as sel:
+                            staging=None, table_uri=table_uri, where=where, rows=tm.num_rows) as sel:
         n = sel.counts
         t = sel.table()
         digests = [b[2] for b in sel.blocks]
@@ -258,7 +258,8 @@ def materialize(
     df = mp.table_frame(table, tm, where, roots)
     # the selection is planned once (counts, numbering, digests) and kept on disk until the build is done
     with selection.selected(df, classes=list(tm.classes), rows_per_shard=cfg.rows_per_shard, runner=runner,
-                            staging=io.join(cache, STAGING_DIR), table_uri=table, where=where) as sel:
+                            staging=io.join(cache, STAGING_DIR), table_uri=table, where=where,
+                            rows=tm.num_rows) as sel:
         return _build(sel, table, tm, cache, index_uri, spec, settings, roots, cfg, runner, log, t0)
 
 

@@ -5,7 +5,7 @@ without running the table query twice.
 Two passes, each holding one batch or one bucket in memory:
 
 1. **Bucket** (one streaming Daft query over the table, ``where`` and the roots check included): every row goes to
-   the bucket of its sample id's first two bytes. A bucket's ids all sort before the next bucket's, so buckets in
+   the bucket of its sample id's first byte, or first two bytes past a million rows (``bucket_width``). A bucket's ids all sort before the next bucket's, so buckets in
    key order are the sample-id order, and numbering needs only per-bucket counts and their prefix sums. On the
    native runner the rows stream into this process and are appended to one Arrow file per bucket in a local
    temporary folder; on the Ray runner the workers write them as Parquet partitioned by bucket under the cache
@@ -14,8 +14,8 @@ Two passes, each holding one batch or one bucket in memory:
    keep the good rows inside the roots, one per sample id (the smallest URI when content repeats); number them
    from a running offset; write them as the selection's Parquet files; feed the block and shard digests.
 
-Sample ids are content hashes (hex), so the 256 buckets hold about equal shares: 10M rows make buckets of ~40k.
-A table of other ids is planned correctly, only with unequal buckets.
+Sample ids are content hashes (hex), so the 16 or 256 buckets hold about equal shares: 10M rows make buckets of
+~40k. A table of other ids is planned correctly, only with unequal buckets.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ SELECTED = ("sample_id", "uri", "label", "split", "row")
 MAX_OPEN = 512  # bucket files open at once while bucketing (ids of any alphabet can make up to 65,536 buckets)
 
 
-def bucket_of(ids) -> np.ndarray:
-    """The bucket of each id: its first two UTF-8 bytes as a big-endian number (a missing byte counts as 0), so
-    bucket order is byte order, the order Arrow sorts strings in. A null id (an error row) goes to bucket 0."""
+def bucket_of(ids, width: int = 2) -> np.ndarray:
+    """The bucket of each id: its first ``width`` (1 or 2) UTF-8 bytes as a big-endian number (a missing byte
+    counts as 0), so bucket order is byte order, the order Arrow sorts strings in. A null id (an error row) goes
+    to bucket 0."""
     import pyarrow as pa
 
     a = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
@@ -52,12 +53,18 @@ def bucket_of(ids) -> np.ndarray:
     data = a.buffers()[2]
     data = np.frombuffer(data, np.uint8) if data is not None and data.size else np.zeros(1, np.uint8)
     starts, lengths = np.minimum(offsets[:-1], len(data) - 1), np.diff(offsets)
-    first = np.where(lengths >= 1, data[starts], 0).astype(np.int32)
-    second = np.where(lengths >= 2, data[np.minimum(starts + 1, len(data) - 1)], 0).astype(np.int32)
-    key = first * 256 + second
+    key = np.where(lengths >= 1, data[starts], 0).astype(np.int32)
+    if width == 2:
+        key = key * 256 + np.where(lengths >= 2, data[np.minimum(starts + 1, len(data) - 1)], 0).astype(np.int32)
     if a.null_count:
         key[~np.asarray(a.is_valid())] = 0
     return key
+
+
+def bucket_width(rows: int) -> int:
+    """Bytes of the id that pick a bucket: one (16 buckets of hex ids) up to a million rows, two (256) above, so
+    a bucket holds at most about 60k rows of a small table and a small table is not cut into 256 files."""
+    return 1 if rows <= 1_000_000 else 2
 
 
 class _Digests:
@@ -154,18 +161,18 @@ def _selected_types():
 # ------------------------------------------------------------------------------------------------ 1 bucket
 
 
-def _bucket_udf():
+def _bucket_udf(width: int):
     import daft
     import pyarrow as pa
 
     @daft.func.batch(return_dtype=daft.DataType.int32())
     def bucket(ids):
-        return pa.array(bucket_of(ids.to_arrow()), pa.int32())
+        return pa.array(bucket_of(ids.to_arrow(), width), pa.int32())
 
     return bucket
 
 
-def _bucket_native(df, folder: str) -> dict[int, list[str]]:
+def _bucket_native(df, folder: str, width: int) -> dict[int, list[str]]:
     """Stream the rows into this process; append each to its bucket's Arrow file under ``folder``."""
     import pyarrow as pa
 
@@ -176,7 +183,7 @@ def _bucket_native(df, folder: str) -> dict[int, list[str]]:
             t = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
             if not len(t):
                 continue
-            key = bucket_of(t.column("sample_id"))
+            key = bucket_of(t.column("sample_id"), width)
             order = np.argsort(key, kind="stable")
             key = key[order]
             t = t.take(pa.array(order))
@@ -197,11 +204,11 @@ def _bucket_native(df, folder: str) -> dict[int, list[str]]:
     return parts
 
 
-def _bucket_ray(df, folder: str) -> dict[int, list[str]]:
+def _bucket_ray(df, folder: str, width: int) -> dict[int, list[str]]:
     """The workers write the rows as Parquet partitioned by bucket under ``folder`` (Hive-style ``bucket=K``)."""
     from daft import col
 
-    written = df.with_column("bucket", _bucket_udf()(col("sample_id"))).write_parquet(
+    written = df.with_column("bucket", _bucket_udf(width)(col("sample_id"))).write_parquet(
         folder, partition_cols=["bucket"], io_config=io.daft_io_config()).to_pydict()
     parts: dict[int, list[str]] = {}
     for path in written["path"]:
@@ -234,6 +241,55 @@ def _read_bucket(paths: list[str]):
 
 
 # ------------------------------------------------------------------------------------------------ 2 number
+
+
+class _SelectedWriter:
+    """The numbered rows, bucket after bucket, as Parquet files of up to ``FILE_ROWS`` rows in row groups of
+    about ``GROUP_ROWS``: a bucket of a small table holds a dozen rows, and 256 files of a dozen rows made the
+    build's scan cost more than the build (3,000 rows: 5.2 s against 3.0 s for the hand-written loop)."""
+
+    GROUP_ROWS, FILE_ROWS = 65_536, 1 << 20
+
+    def __init__(self, folder: str):
+        self.folder, self.files = folder, []
+        self.fs, self.base = io.filesystem(folder)
+        self.fs.makedirs(self.base, exist_ok=True)
+        self._held, self._held_rows, self._writer, self._fh, self._file_rows = [], 0, None, None, 0
+
+    def add(self, table) -> None:
+        self._held.append(table)
+        self._held_rows += len(table)
+        if self._held_rows >= self.GROUP_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self._held:
+            return
+        group = pa.concat_tables(self._held).combine_chunks()
+        self._held, self._held_rows = [], 0
+        if self._writer is None:
+            name = f"part-{len(self.files):05d}.parquet"
+            self._fh = self.fs.open(f"{self.base}/{name}", "wb")
+            self._writer = pq.ParquetWriter(self._fh, group.schema)
+            self.files.append(io.join(self.folder, name))
+        self._writer.write_table(group)
+        self._file_rows += len(group)
+        if self._file_rows >= self.FILE_ROWS:
+            self._end_file()
+
+    def _end_file(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._fh.close()
+            self._writer, self._fh, self._file_rows = None, None, 0
+
+    def close(self) -> list[str]:
+        self._flush()
+        self._end_file()
+        return self.files
 
 
 def _count(t) -> dict[str, Any]:
@@ -286,12 +342,12 @@ def _lines(t, classes: list[str]):
 
 
 def select(df, *, classes: list[str], rows_per_shard: int, runner: str, staging: str | None,
-           table_uri: str, where: str | None) -> Selection:
+           table_uri: str, where: str | None, rows: int | None = None) -> Selection:
     """Plan the selection of ``df`` (``plan.table_frame``): bucket it, then number and digest it bucket by bucket.
     ``staging``: a shared folder for the Ray runner's files (ignored on the native runner, which uses a local
-    temporary folder). The caller closes the result (its files are deleted)."""
+    temporary folder). ``rows``: the table's row count, if known (it picks the bucket width). The caller closes
+    the result (its files are deleted)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     cleanup = []
     if runner == "ray":
@@ -302,13 +358,14 @@ def select(df, *, classes: list[str], rows_per_shard: int, runner: str, staging:
         root = tempfile.mkdtemp(prefix="dutycycle-plan-")
         cleanup.append(lambda: shutil.rmtree(root, ignore_errors=True))
     sel = Selection([], {}, [], {}, rows_per_shard, root, cleanup)
+    width = bucket_width(rows) if rows is not None else 2
     try:
         try:
             if runner == "ray":
-                parts = _bucket_ray(df, io.join(root, "buckets"))
+                parts = _bucket_ray(df, io.join(root, "buckets"), width)
             else:
                 os.makedirs(os.path.join(root, "buckets"))
-                parts = _bucket_native(df, os.path.join(root, "buckets"))
+                parts = _bucket_native(df, os.path.join(root, "buckets"), width)
         except Exception as e:
             if where and not isinstance(e, OSError):
                 raise ConfigError(f"--where {where!r} failed on table {table_uri!r} ({mp.first_line(e)}); "
@@ -317,8 +374,7 @@ def select(df, *, classes: list[str], rows_per_shard: int, runner: str, staging:
         counts = {"rows": 0, "errors": 0, "outside": 0, "memory": 0, "outside_example": None}
         blocks, shards = _Digests(mp.FINGERPRINT_BLOCK, True), _Digests(rows_per_shard, False)
         offset = 0
-        fs, base = io.filesystem(io.join(root, "selected"))
-        fs.makedirs(base, exist_ok=True)
+        out = _SelectedWriter(io.join(root, "selected"))
         for k in sorted(parts):
             t = _read_bucket(parts[k])
             c = _count(t)
@@ -334,10 +390,8 @@ def select(df, *, classes: list[str], rows_per_shard: int, runner: str, staging:
             block_lines, id_lines = _lines(good, classes)
             blocks.feed(block_lines)
             shards.feed(id_lines)
-            path = f"{base}/{k:05d}.parquet"
-            with fs.open(path, "wb") as fh:
-                pq.write_table(good, fh)
-            sel.files.append(io.join(root, "selected", f"{k:05d}.parquet"))
+            out.add(good)
+        sel.files = out.close()
         sel.counts = counts
         sel.blocks = blocks.finish()
         sel.shard_digests = {i: d for i, _, d in shards.finish()}

@@ -46,8 +46,9 @@ def _expected(rows: list[dict], rows_per_shard: int, block: int):
     return sel, blocks, shards
 
 
-@pytest.mark.parametrize("max_open", [selection.MAX_OPEN, 3])
-def test_the_selection_matches_the_row_by_row_definitions(tmp_path, monkeypatch, max_open):
+@pytest.mark.parametrize(("max_open", "hint"), [(selection.MAX_OPEN, None), (3, None), (selection.MAX_OPEN, 700)])
+def test_the_selection_matches_the_row_by_row_definitions(tmp_path, monkeypatch, max_open, hint):
+    # rows=None: buckets by two bytes of the id (256 for hex ids); a known small table: by one (16)
     # 3 open bucket files at most: buckets are closed and reopened as new parts, and read back whole
     monkeypatch.setattr(selection, "MAX_OPEN", max_open)
     # blocks of 50 rows (the real 65,536 would need a table that large): block and shard boundaries then fall
@@ -58,7 +59,7 @@ def test_the_selection_matches_the_row_by_row_definitions(tmp_path, monkeypatch,
     tm = tf.read_manifest(table)
     want, blocks, shards = _expected(rows, 13, 50)
     with selection.selected(mp.table_frame(table, tm, None), classes=CLASSES, rows_per_shard=13, runner="native",
-                            staging=None, table_uri=table, where=None) as sel:
+                            staging=None, table_uri=table, where=None, rows=hint) as sel:
         got = sel.table()
         staged = sel.staging
         assert os.path.isdir(staged)
@@ -78,11 +79,13 @@ def test_bucket_order_is_byte_order():
     import pyarrow as pa
 
     ids = ["", "0", "00", "0a", "a", "b0", "z", "é", "日本", None]
-    keys = selection.bucket_of(pa.array(ids, pa.string()))
-    present = [(k, s) for k, s in zip(keys.tolist(), ids, strict=True) if s is not None]
-    assert [s for _, s in sorted(present, key=lambda p: p[0])] == sorted((s for s in ids if s is not None),
-                                                                        key=str.encode)
-    assert keys[-1] == 0  # a null id (an error row) lands in bucket 0
+    for width in (1, 2):
+        keys = selection.bucket_of(pa.array(ids, pa.string()), width)
+        present = [(k, s) for k, s in zip(keys.tolist(), ids, strict=True) if s is not None]
+        # sorting by bucket (stable) then by id within a bucket is the ids' byte order
+        ordered = sorted(present, key=lambda p: (p[0], p[1].encode()))
+        assert [s for _, s in ordered] == sorted((s for s in ids if s is not None), key=str.encode)
+        assert keys[-1] == 0  # a null id (an error row) lands in bucket 0
 
 
 def test_a_plan_that_fails_leaves_nothing_behind(tmp_path):

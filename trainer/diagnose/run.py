@@ -58,6 +58,16 @@ def _stop_ray_work() -> None:
         ray.shutdown()
 
 
+def _ray_from_main_thread(cfg) -> None:
+    """Start (or join) Ray here, in the main thread, before an experiment's thread would: Ray's local daemons die
+    with the thread that started them (a parent-death signal is per thread on Linux), so a cluster started by one
+    experiment's thread was gone when the next experiment needed it."""
+    if cfg.parallel.num_workers > 1:
+        from dutycycle.trainer.launch.train import init_ray
+
+        init_ray(cfg)
+
+
 def _run_bounded(fn, ctx: Context, seconds: float):
     """``fn(ctx)`` in a worker thread, waited for at most ``seconds``; its exception is raised here."""
     box: dict = {}
@@ -137,6 +147,8 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
                 say(f"{tag} ...")
                 t0 = time.perf_counter()
                 try:
+                    if main:
+                        _ray_from_main_thread(cfg)
                     res = _run_bounded(fn, ctx, left)
                 except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through _on_signal
                     interrupted = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
@@ -160,6 +172,8 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
             f"{r['predicted_samples_per_s']:,.0f} samples/s ({r['from']})")
     if verify and found and interrupted is None:
         try:
+            if main:
+                _ray_from_main_thread(cfg)
             found[0] = _run_bounded(lambda c: check_remedy(c, found[0], short_run), ctx,
                                     max(60.0, deadline - time.perf_counter()))
             say(f"[diagnose] verified: {found[0]['measured_samples_per_s']:,.0f} samples/s measured against "

@@ -28,8 +28,8 @@ from .results import report_results, results_from, runtime_env
 
 
 def resolve_run_dir(cfg: TrainConfig) -> str:
-    """Local run and checkpoint locations become absolute (Ray workers run elsewhere, and Ray Train storage needs
-    absolute paths)."""
+    """Local run, checkpoint and data locations become absolute (Ray workers run in another directory, and Ray
+    Train storage needs absolute paths)."""
     if io.protocol(cfg.run.dir) == "file":
         cfg.run.dir = os.path.abspath(cfg.run.dir)
     c = cfg.checkpoint
@@ -39,6 +39,11 @@ def resolve_run_dir(cfg: TrainConfig) -> str:
         cfg.ray.storage_path = os.path.abspath(cfg.ray.storage_path)
     if c.resume not in ("auto", "none") and io.protocol(c.resume) == "file":
         c.resume = os.path.abspath(c.resume)
+    d = cfg.data  # `data.cache = "dutycycle-demo/cache"` means this directory's, not a Ray worker's
+    for name in ("cache", "table"):
+        value = getattr(d, name)
+        if value and io.protocol(value) == "file":
+            setattr(d, name, os.path.abspath(value))
     return cfg.run.dir
 
 

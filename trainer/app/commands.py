@@ -95,9 +95,10 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     except run.Interrupted as e:
         print("dutycycle diagnose: interrupted", file=sys.stderr)
         code = 128 + e.signum
-    if run.leftovers():
-        # an abandoned experiment's threads would hold the interpreter's exit until they end: the report is
-        # written and its Ray work stopped, so end the process now
+    if code or run.leftovers():
+        # an abandoned or interrupted experiment leaves threads (a loader's prefetch, native thread pools) that
+        # would hold the interpreter's exit, or abort it ("terminate called without an active exception"): the
+        # report is written and the Ray work stopped, so end the process now, with the signal's code
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

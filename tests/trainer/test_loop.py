@@ -173,7 +173,7 @@ def test_local_run_learns_and_writes_outputs(tmp_path):
 
     plain = build_model(cfg.model, 3, 4, 16)
     plain.load_state_dict(load_file(run / "model.safetensors"))
-    from dutycycle.trainer.step.loop import weights_digest
+    from dutycycle.trainer.step.summary import weights_digest
 
     assert weights_digest(plain.state_dict()) == summary["weights_sha256"]
 

@@ -319,6 +319,7 @@ def scaling(ctx: Context) -> dict:
                      "parallel.hpz=false", "parallel.error_feedback=false")
     many = short_run(ctx, f"scale-{n}", *synth)
     out = {"workers": n, "zero_stage": cfg.parallel.zero_stage, "quant_grads": cfg.parallel.quant_grads,
+           "quant_block": cfg.parallel.quant_block,
            "one": one, "many": many,
            "speedup": many["samples_per_s"] / one["samples_per_s"]}
     out["efficiency"] = out["speedup"] / n
@@ -394,8 +395,8 @@ def memory(ctx: Context) -> dict:
     offload, from the model's parameter count and the formulas the tests check; and the budget they must fit."""
     import torch
     from dutycycle.trainer.parallel.plan import expected_held, make_plan
-    from dutycycle.trainer.step.loop import _optimizer_state_tensors
     from dutycycle.trainer.step.models import build_model
+    from dutycycle.trainer.step.summary import optimizer_state_tensors
 
     cfg = ctx.cfg
     info = _data_info(ctx)
@@ -404,7 +405,7 @@ def memory(ctx: Context) -> dict:
     gpu = torch.cuda.is_available() and cfg.parallel.use_gpu != "false"
     master = 8 if cfg.run.precision == "fp64" else 4
     compute = 2 if (cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and gpu)) else master
-    optim_bytes = (_optimizer_state_tensors(cfg.optim) or 2) * master
+    optim_bytes = (optimizer_state_tensors(cfg.optim) or 2) * master
     budget, source = ctx.memory_budget_bytes, "--memory-budget-mb"
     if budget is None:
         budget, source = device_budget(gpu, w)

@@ -42,7 +42,7 @@ def comm_remedy(findings: dict) -> dict | None:
     many, q = scaling.get("many"), scaling.get("quantized")
     if not many or not q:
         return None
-    block = 256
+    block = scaling.get("quant_block", 256)  # parallel.quant_block: one fp32 scale per block
     ratio = (8 + 32 / block) / 32  # int8 elements and one fp32 scale per block, against fp32
     run = _run(findings)
     # the configured data's end-to-end run when it exchanges (what --verify runs), else the synthetic one

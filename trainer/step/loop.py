@@ -26,7 +26,6 @@ last commit, and leave the offending global batch out), after which the steps co
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import time
@@ -36,7 +35,7 @@ from typing import Any
 from dutycycle.engine.errors import DutycycleError, TrainingDiverged
 
 from .steplog import StepLog
-from .timing import ALL_PHASES
+from .summary import summarize_run
 
 
 @dataclass
@@ -382,7 +381,7 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     once["final_save"] += time.perf_counter() - t_final  # the last save, its background write, the close
     wall = time.perf_counter() - t_start
 
-    summary = _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, info=info, wall=wall,
+    summary = summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, info=info, wall=wall,
                          eval_s=eval_totals, steps=step, epochs=epoch, steps_per_epoch=steps_per_epoch,
                          num_params=num_params, precision=precision, fps=fps, peak=peak, val=(val_acc, val_loss),
                          once=once)
@@ -400,98 +399,6 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
         io.write_json_atomic(io.join(ctx.run_dir, "summary.json"), summary)
     ctx.state = {"strategy": strategy, "model": strategy.module, "optimizer": optimizer}
     return summary
-
-
-def _summarize(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info, wall, eval_s, steps, epochs,
-               steps_per_epoch, num_params, precision, fps, peak, val, once) -> dict:
-    """Gather per-rank totals and memory, write the consolidated model, build the summary (every rank calls
-    this: it holds collectives)."""
-    import torch
-    from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, zero_formula
-    from dutycycle.trainer.parallel.state import full_state_dict, to_safetensors
-
-    from .timing import gather_stats
-
-    world = ctx.world_size
-    totals = dict(timer.totals)
-    totals["eval"] = totals.get("eval", 0.0) + eval_s
-    per_rank = gather_stats([totals[k] for k in ALL_PHASES])
-    per_rank_totals = [dict(zip(ALL_PHASES, row.tolist(), strict=True)) for row in per_rank]
-    held_keys = ("params", "grads", "optimizer", "residuals")
-    held = gather_stats([sampler.peak[k] for k in held_keys])
-    full = full_state_dict(strategy)  # a collective; rank 0 gets the tensors
-    if ctx.rank == 0 and ctx.run_dir and cfg.run.save_model:
-        from dutycycle.engine import io
-
-        io.write_bytes_atomic(io.join(ctx.run_dir, "model.safetensors"), to_safetensors(full))
-
-    plan = strategy.plan
-    master = torch.finfo(strategy.compute_dtype).bits // 8
-    compute = 2 if precision == "bf16" and plan.fsdp else master
-    state_per_param = _optimizer_state_tensors(cfg.optim)
-    optim_bytes = None if state_per_param is None else state_per_param * master
-    # FSDP2 gathers parameters in the compute dtype (bf16 under mixed precision) and reduces gradients in its
-    # reduce dtype (fp32 there, the master's otherwise); DDP all-reduces the fp32 gradients autocast leaves
-    gathered_bytes, reduced_bytes = num_params * compute, num_params * master
-    traffic = strategy.meter.traffic["train"]
-    parallel = {
-        "zero_stage": plan.zero_stage, "strategy": strategy.name, "offload": cfg.parallel.offload,
-        "micro_batches": plan.micro_batches, "reduce_every_micro_step": plan.reduce_every_micro_step,
-        "reshard_after_forward": plan.reshard_after_forward, "units": strategy.units, "precision": precision,
-        "quantization": dataclasses.asdict(strategy.quant),
-        "node_ids": list(strategy.meter.topology.node_ids),  # each rank's node, as observed
-        "comm_exposed_measured": strategy.meter.host_timing,
-        "traffic": traffic.to_dict(),
-        "traffic_per_step": {k: v / max(1, steps) for k, v in traffic.per_kind_bytes().items()},
-        "expected_traffic_per_step": expected_traffic(plan, gathered_bytes, reduced_bytes),
-        "eval_traffic": strategy.meter.traffic["eval"].to_dict(),
-    }
-    memory = {
-        "held_per_rank": [dict(zip(held_keys, r.tolist(), strict=True)) for r in held],
-        "expected": expected_held(plan, num_params, master, compute, master, optim_bytes or 0,
-                                  residual_bytes=4 if plan.fsdp and strategy.quant.error_feedback else 0),
-        "zero_formula": zero_formula(plan.zero_stage, num_params, world, compute, master, optim_bytes or 0),
-        "optimizer_formula_known": optim_bytes is not None,
-        "cuda_peak_bytes": sampler.cuda_peak(ctx.device),
-    }
-    return M.summarize(
-        steps=steps, samples=log.samples, first_loss=log.first_loss, final_loss=log.last_loss, val_accuracy=val[0],
-        val_loss=val[1], wall_s=wall, per_rank_totals=per_rank_totals, world_size=world,
-        device=str((ctx.device or torch.device("cpu")).type), num_params=num_params, flops_per_sample=fps,
-        peak_flops_per_device=peak, rows=log.writer.rows if log.writer.enabled else None, one_time=once,
-        extra={
-            "epochs": epochs, "steps_per_epoch": steps_per_epoch, "global_batch_size": cfg.data.global_batch_size,
-            "micro_batches": cfg.data.micro_batches, "data_source": cfg.data.source,
-            "data_fingerprint": info.fingerprint, "parallel": parallel, "memory": memory,
-            "threads_per_worker": torch.get_num_threads(),
-            "weights_sha256": weights_digest(full) if ctx.rank == 0 else None,
-            **ctx.info,
-        },
-    )
-
-
-def _optimizer_state_tensors(optim) -> int | None:
-    """Full-size state tensors per parameter (the ``step`` scalars aside), for the formula; None for factored
-    state (adafactor), not a multiple of the parameter count."""
-    from .optim import OPTIMIZERS
-
-    spec = OPTIMIZERS[optim.name]
-    if spec.state is None:
-        return None
-    return spec.state + int(spec.momentum and optim.momentum > 0)
-
-
-def weights_digest(state: dict) -> str:
-    """sha256 over a consolidated state dict's tensors: equal digests mean bit-identical weights."""
-    import hashlib
-
-    import torch
-
-    h = hashlib.sha256()
-    for name, p in sorted(state.items()):
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _broadcast_parameters(model, world_size: int) -> None:

@@ -58,9 +58,19 @@ def demo_run(results: dict) -> str:
          ["validation loss", f"{tr['val_loss']:.3g}"],
          ["optimizer steps", count(tr["steps"])],
          ["samples/s (the resumed attempt)", rate(tr["samples_per_s"])],
-         ["goodput", pct(tr["goodput"])]]
+         ["goodput of the training loop (every attempt's kept steps)", pct(tr["goodput"])]]
         + [[f"share of the step: {labels.get(k, k)}", pct(fr[k])] for k in order],
     )
+    launch = tr.get("launch")
+    if launch:  # every second from launch to exit under a name (trainer/launch/account.py)
+        from dutycycle.trainer.launch.account import LAUNCH_ONE_TIME, NAMES, STEP_PHASES
+
+        sec, lfr = launch["seconds"], launch["fractions"]
+        rows = [[f"per step: {NAMES[k]}", secs(sec[k]), pct(lfr[k], 1)] for k in STEP_PHASES]
+        rows += [[f"once: {NAMES[k]}", secs(sec[k]), pct(lfr[k], 1)] for k in LAUNCH_ONE_TIME]
+        rows += [["other (the residue)", secs(sec["other"]), pct(lfr["other"], 1)],
+                 ["the job, from launch to exit", secs(launch["wall_s"]), "100%"]]
+        training += "\n\n" + table(["the job's time", "seconds", "share"], rows)
     recovery = table(
         ["recovery", "value"],
         [["rank killed (SIGKILL)", f"rank {rc['killed_rank']} after step {rc['killed_at_step']}"],

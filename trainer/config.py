@@ -262,6 +262,11 @@ class RaySection:
     # with a named reason; Ray Train's own default retries such a group forever. Raise it on an autoscaling
     # cluster, where nodes take minutes to join.
     start_timeout_s: float = 120.0
+    # how often Ray Train's controller polls the workers. Each ray.train.report (a commit's pointer, an
+    # evaluation's metrics, the final results) is taken from a worker at one poll, so at Ray's default (2 s) a
+    # run's reports queue up and its end waits about 2 s per report still queued (14 s of a 16-step demo). One
+    # status call per worker per interval: raise it for runs of hundreds of workers.
+    health_check_interval_s: float = 0.5
 
     def check(self, where: str) -> None:
         _one_of(f"{where}.placement_strategy", self.placement_strategy,
@@ -269,6 +274,7 @@ class RaySection:
         _one_of(f"{where}.log_level", self.log_level, ("DEBUG", "INFO", "WARNING", "ERROR"))
         _not_negative(where, self, "max_failures")
         _positive(where, self, "start_timeout_s")
+        _positive(where, self, "health_check_interval_s")
 
 
 @dataclass

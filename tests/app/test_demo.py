@@ -50,6 +50,13 @@ def test_demo_small_runs_end_to_end_from_the_built_wheel(tmp_path, wheel):
     job = summary["job"]
     assert job["attempts"] == 2 and job["steps_redone"] == summary["checkpoint"]["resumed"]["steps_lost"] > 0
     assert job["failures_s"] > 0 and summary["goodput"] == job["goodput"]
+    # every second from launch to exit under a name, the failure included; "other" the residue under 5%
+    launch = summary["launch"]
+    assert sum(launch["seconds"].values()) == pytest.approx(launch["wall_s"], rel=1e-9)
+    assert launch["fractions"]["other"] < 0.05, launch["seconds"]
+    assert launch["attempts"] == 2 and launch["seconds"]["failures"] > 0
+    assert launch["failures"]["redone_s"] == pytest.approx(job["redone_s"])
+    assert "job: " in text and "from launch to exit" in text
     steps = [json.loads(ln)["step"] for ln in (out / "run" / "metrics.jsonl").read_text().splitlines()
              if '"loss"' in ln]
     assert steps == list(range(1, 17))  # lost steps trained again, none twice
@@ -60,10 +67,33 @@ def test_demo_small_runs_end_to_end_from_the_built_wheel(tmp_path, wheel):
     assert "Failure and recovery" in page and demo["diagnosis"]["verdict"]["kind"] in page
     assert "lost to failures" in page and "steps trained again" in page
     # written for a person: no None, dict or float reprs; the verdict's kind said once, not "x-bound: x-bound:"
-    from ..support.pages import raw_values
+    from ..support.pages import raw_values, unresolved
 
-    for html_page in (page, (out / "diagnose" / "diagnosis.html").read_text()):
+    diagnosis = json.loads((out / "diagnose" / "diagnosis.json").read_text())
+    for html_page, folder in ((page, out), ((out / "diagnose" / "diagnosis.html").read_text(), out / "diagnose"),
+                              ((out / "contact_sheet.html").read_text(), out)):
         assert not raw_values(html_page), raw_values(html_page)
+        assert not unresolved(html_page, folder), unresolved(html_page, folder)
+    # the pages show the summary's and the diagnosis's figures, under the names they have there
+    import html as _html
+
+    assert f"{launch['wall_s']:.1f} s from launch to exit" in page
+    for k, v in launch["seconds"].items():
+        if v > 0:
+            assert f"{v:.2f} s ({launch['fractions'][k]:.1%})" in page, k
+    stall = summary["checkpoint"]["stall_s"]
+    assert f"{stall['total']:.2f} s over {summary['checkpoint']['saves']} saves" in page
+    verdict = diagnosis["verdict"]["headline"]
+    assert verdict == demo["diagnosis"]["verdict"]["headline"]
+    assert page.count(_html.escape(verdict)) == 1
+    assert (out / "diagnose" / "diagnosis.html").read_text().count(_html.escape(verdict)) == 1
+    from PIL import Image
+
+    with Image.open(out / "run" / "report.png") as png:
+        title, subtitle = png.text["Title"], png.text["Description"]
+    assert f"{summary['steps']} steps, {summary['samples_per_s']:.0f} samples/s" in title
+    assert f"{launch['wall_s']:.0f} s launch to exit (goodput {launch['goodput']:.0%})" == subtitle
+    for html_page in (page, (out / "diagnose" / "diagnosis.html").read_text()):
         kind = demo["diagnosis"]["verdict"]["kind"]
         assert f"{kind}: {kind}" not in html_page
     # 16 steps of a tiny CNN: no accuracy target, but the value must be a real accuracy over real val samples

@@ -28,3 +28,26 @@ def test_recorded_values_read_with_units():
 def test_the_scanner_finds_program_values_and_skips_images():
     assert raw_values("<td>None</td>") and raw_values("<td>{'a': 1}</td>") and raw_values("<td>15.163434147</td>")
     assert not raw_values("<td>15.2 s</td><img src='data:image/png;base64,Tm9uZQNone0.1234567'>")
+
+
+def test_a_panel_with_nothing_measured_says_why_instead_of_empty_axes():
+    import matplotlib.pyplot as plt
+    from dutycycle.trainer.diagnose.report import figure
+
+    fig = figure({"compute": {"samples_per_s": 900.0, "samples_per_s_per_worker": 450.0, "workers": 2,
+                              "device": "cpu"},
+                  "memory": {"skipped": "the budget was spent (3 s left of 60 s)"}})
+    rates, waits, memory = ([t.get_text() for t in ax.texts] for ax in fig.axes)
+    plt.close(fig)
+    assert not rates  # the compute ceiling was measured: drawn, not explained
+    assert "end to end" in " ".join(waits).lower() and "not run" in " ".join(waits)
+    assert "skipped: the budget was spent (3 s left of 60 s)" in " ".join(memory).replace("\n", " ")
+
+
+def test_the_link_checker_finds_what_a_browser_could_not_open(tmp_path):
+    from ..support.pages import unresolved
+
+    (tmp_path / "here.html").write_text("x")
+    png = "data:image/png;base64,iVBORw0KGgo="  # the PNG signature
+    page = f"<a href='here.html'>a</a><img src='{png}'><a href='gone.html'>b</a><img src='data:image/png;base64,AAAA'>"
+    assert unresolved(page, tmp_path) == ["gone.html", "data:image/png;base64,AAAA"]

@@ -264,6 +264,10 @@ def test_the_optimizer_waits_for_a_slow_snapshot_and_the_wait_is_stall(tmp_path,
     b = cw.train(cw.small_cfg(tmp_path / "b", "run.max_steps=10", "checkpoint.every=4"))
     assert b["checkpoint"]["committed"] == [4, 8, 10]
     assert b["time_breakdown"]["seconds"]["checkpoint"] >= 2 * 0.7
+    # one name, one number: the checkpointer's stall is the loop's "checkpoint" phase (one rank: its mean), up to
+    # the few microseconds between the timer's clock reads and the save call's
+    assert b["checkpoint"]["stall_s"]["total"] == pytest.approx(b["time_breakdown"]["seconds"]["checkpoint"],
+                                                                abs=5e-3)
     monkeypatch.setattr(StateDictStager, "stage", slow)
     (tmp_path / "b" / "checkpoints" / "step-00000010" / "manifest.json").unlink()  # resume from step 8
     c = cw.train(cw.small_cfg(tmp_path / "b", "run.max_steps=10", "checkpoint.every=4"))

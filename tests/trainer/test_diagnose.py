@@ -42,6 +42,11 @@ def test_verdict_names_the_largest_wait_with_its_number_and_fix():
         "workers": 2, "speedup": 0.9, "zero_stage": 2, "many": {"comm_share": 0.3, "bytes_per_step": 235_714,
                                                                 "samples_per_s": 100.0}}})
     assert "230 KB sent per step" in v.headline, v.headline
+    # without the scaling experiment (the --small demo skips it) the fix still knows the run's own settings:
+    # never "quantized collectives" to a run already exchanging int8
+    v = decide({"end_to_end": _e2e(comm=0.35)}, {"quant_grads": "int8"})
+    assert v.kind == "communication-bound" and "quant_grads = 'int8'" not in v.fix and "int4" in v.fix, v.fix
+    assert "quant_grads = 'int8'" in decide({"end_to_end": _e2e(comm=0.35)}, {"quant_grads": "none"}).fix
 
     v = decide({"end_to_end": _e2e(ckpt=0.3), "checkpoint": {"sync": {"stall_s_per_save": 1.2},
                                                               "async": {"stall_s_per_save": 0.05}}})

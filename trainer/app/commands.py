@@ -70,6 +70,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
           f"val accuracy {acc:.3f}, {summary['samples_per_s']:.0f} samples/s, world size {summary['world_size']}")
     print(format_breakdown(summary))
+    if summary.get("launch"):
+        from dutycycle.trainer.launch.account import format_job
+
+        print(format_job(summary["launch"]))
     print(f"run directory: {cfg.run.dir}" + (f"\nreport: {summary['report']}" if summary.get("report") else ""))
     return 0
 

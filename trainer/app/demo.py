@@ -146,12 +146,11 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
     acc = summary["val_accuracy"]
     _say(f"final validation accuracy: {acc:.1%} ({summary['steps']} steps, {summary['samples_per_s']:.0f} samples/s, "
          f"world size {summary['world_size']})")
-    _say(format_breakdown(summary))
-    job = summary.get("job") or {}
-    _say(f"goodput {summary['goodput']:.0%} of the whole job ({job.get('attempts', 1)} attempts, "
-         f"{job.get('failures_fraction', 0.0):.1%} lost to failures); in the last attempt data wait "
-         f"{summary['data_wait_fraction']:.1%}, communication {summary['comm_fraction']:.1%}, checkpoint stall "
-         f"{summary['time_breakdown']['fractions']['checkpoint']:.1%}")
+    _say("training loop " + format_breakdown(summary))
+    if summary.get("launch"):
+        from dutycycle.trainer.launch.account import format_job
+
+        _say(format_job(summary["launch"]))
     if recovery:
         if recovery.get("recovery_s") is not None:
             _say(f"recovery: rank {recovery['killed_rank']} (pid {recovery['killed_pid']}) killed at step "
@@ -173,7 +172,7 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
     _say("stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in stages.items()) + f"; total {total:.0f}s")
     result = {"val_accuracy": acc, "total_s": total, "stages": stages, "run_dir": run_dir,
               "report": summary.get("report"), "cache": res.uri, "contact_sheet": sheet, "summary": summary,
-              "training": {k: summary.get(k) for k in ("steps", "samples_per_s", "val_loss", "goodput", "job",
+              "training": {k: summary.get(k) for k in ("steps", "samples_per_s", "val_loss", "goodput", "job", "launch",
                                                         "data_wait_fraction", "comm_fraction", "time_breakdown")},
               "recovery": recovery, "diagnosis": {"verdict": diagnosis["verdict"], "files": diagnosis["files"],
                             "remedies": diagnosis.get("remedies", [])}}

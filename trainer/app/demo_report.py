@@ -19,9 +19,12 @@ def _img(uri: str | None) -> str:
     return f"<p><img alt='{html.escape(os.path.basename(uri))}' src='data:image/png;base64,{data}' width='100%'></p>"
 
 
-def _link(uri: str | None, text: str) -> str:
+def _link(uri: str | None, text: str, base: str = "") -> str:
+    """A link; a local file under ``base`` (the page's folder) is linked relative to it, so the folder can move."""
     if not uri:
         return html.escape(text)
+    if base and io.protocol(uri) == "file" and io.protocol(base) == "file":
+        uri = os.path.relpath(uri, base)
     return f"<a href='{html.escape(uri)}'>{html.escape(text)}</a>"
 
 
@@ -53,6 +56,8 @@ def readable(key: str, value) -> str:
         return f"{value:,.3g}"
     if isinstance(value, dict):
         return ", ".join(f"{label(k)} {readable(k, v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(readable(key, v) for v in value) or "none"
     return str(value)
 
 
@@ -61,12 +66,49 @@ def label(key: str) -> str:
     return (key[:-2] if key.endswith("_s") else key).replace("_", " ")
 
 
-def _lost(job: dict) -> str:
-    if job.get("attempts", 1) < 2:
+def _lost(launch: dict) -> str:
+    if launch.get("attempts", 1) < 2:
         return "nothing: one attempt"
-    return (f"{job['failures_s']:.1f} s ({job['failures_fraction']:.0%} of the job's "
-            f"{job['wall_s']:.0f} s): {job['steps_redone']} steps trained again ({job['redone_s']:.1f} s) and "
-            f"{job['down_s']:.1f} s from the failed attempt's last step to the restarted one")
+    f = launch["failures"]
+    return (f"{launch['seconds']['failures']:.1f} s: {f['redone_s']:.1f} s of steps trained again, "
+            f"{f['restart_s']:.1f} s to notice the failure and restart")
+
+
+def checkpoint_rows(s: dict) -> list[tuple[str, str]]:
+    """A checkpoint's three costs, each under its own name: the loop's stall (rank 0's, as the summary's
+    ``checkpoint.stall_s``), the writes in the background, and the wait for the last save at the end."""
+    ck = s.get("checkpoint") or {}
+    if not ck.get("saves"):
+        return [("checkpoints", "none")]
+    st = ck["stall_s"]
+    final = s["time_breakdown"]["seconds"].get("final_save", 0.0)  # the job's account carries the same figure
+    return [("checkpoint stall in the loop (rank 0)",
+             f"{st['total']:.2f} s over {ck['saves']} saves, {st['mean'] * 1000:.0f} ms each"),
+            ("checkpoint writes in the background", f"{ck.get('write_s_total', 0.0):.2f} s"),
+            ("final save and its wait", f"{final:.2f} s")]
+
+
+def time_tables(s: dict) -> str:
+    """Where the time went: from launch to exit when the job's account is there (per step apart from once),
+    else the training loop's (mean per rank)."""
+    from dutycycle.trainer.launch.account import LAUNCH_ONE_TIME, NAMES, STEP_PHASES
+
+    if not s.get("launch"):
+        bd = s["time_breakdown"]
+        rows = _rows((NAMES.get(k, k), f"{v:.1f} s ({bd['fractions'][k]:.0%})") for k, v in bd["seconds"].items()
+                     if v > 0)
+        return f"<h3>Where the training loop's time went (mean per rank)</h3><table>{rows}</table>"
+    a = s["launch"]
+    sec, fr = a["seconds"], a["fractions"]
+
+    def rows(names) -> str:
+        return _rows((NAMES[k], f"{sec[k]:.2f} s ({fr[k]:.1%})") for k in names if sec[k] > 0)
+
+    return (f"<h3>Where the time went: {a['wall_s']:.1f} s from launch to exit</h3>"
+            f"<table><tr><th colspan=2>per step ({a['per_step_s']:.1f} s: what a longer run pays more of; "
+            f"mean per rank)</th></tr>{rows(STEP_PHASES)}"
+            f"<tr><th colspan=2>once ({a['one_time_s']:.1f} s: what a short run pays)</th></tr>"
+            f"{rows(LAUNCH_ONE_TIME)}<tr><th colspan=2>the rest</th></tr>{rows(['other'])}</table>")
 
 
 def _top_remedy(found: list[dict]) -> str:
@@ -85,9 +127,7 @@ def write(out: str, result: dict) -> str:
     s, rec, dg = result["summary"], result.get("recovery") or {}, result.get("diagnosis") or {}
     e = html.escape
     stages = _rows((k, f"{v:.1f} s") for k, v in result["stages"].items())
-    bd = s["time_breakdown"]
-    time_rows = _rows((k, f"{bd['seconds'][k]:.1f} s ({bd['fractions'][k]:.0%})") for k in bd["seconds"]
-                      if bd["seconds"][k] > 0)
+    time_html = time_tables(s)
     par, ck = s.get("parallel", {}), s.get("checkpoint") or {}
     train_rows = _rows([
         ("validation accuracy", f"{s['val_accuracy']:.1%}"),
@@ -96,11 +136,11 @@ def write(out: str, result: dict) -> str:
         ("gradient exchange", e(wire_formats(par.get("quantization", {})))),
         ("bytes sent per step per rank", f"{sum(par.get('traffic_per_step', {}).values()) / 2**20:.2f} MB"),
         ("checkpoints committed", e(readable("committed", ck.get("committed")))),
-        ("stall per save (mean)", f"{ck.get('stall_s', {}).get('mean', 0) * 1000:.0f} ms" if ck else "-"),
-        ("goodput (the whole job, every attempt)", f"{s['goodput']:.0%}"),
-        ("lost to failures", _lost(s.get("job") or {})),
+        *checkpoint_rows(s),
+        *(([("goodput, launch to exit", f"{s['launch']['goodput']:.0%}"),
+            ("lost to failures", e(_lost(s["launch"])))]) if s.get("launch") else []),
     ])
-    rec_rows = _rows((label(k), e(readable(k, v))) for k, v in rec.items()) if rec else \
+    rec_rows = _rows((label(k), e(readable(k, v))) for k, v in rec.items() if v is not None) if rec else \
         "<tr><td colspan=2>no failure was injected</td></tr>"
     verdict = dg.get("verdict", {})
     body = (
@@ -110,15 +150,14 @@ def write(out: str, result: dict) -> str:
         "<h1>dutycycle demo</h1>"
         f"<p>total {result['total_s']:.0f} s. Artifacts under <code>{e(out)}</code>.</p>"
         f"<h2>Data</h2><table>{stages}</table>"
-        f"<p>{_link(result.get('contact_sheet'), 'contact sheet of the curated table')} &middot; cache "
+        f"<p>{_link(result.get('contact_sheet'), 'contact sheet of the curated table', out)} &middot; cache "
         f"<code>{e(result.get('cache', ''))}</code></p>"
-        f"<h2>Training</h2><table>{train_rows}</table><h3>Where the time went (mean per rank)</h3>"
-        f"<table>{time_rows}</table>{_img(s.get('report'))}"
+        f"<h2>Training</h2><table>{train_rows}</table>{time_html}{_img(s.get('report'))}"
         f"<h2>Failure and recovery</h2><table>{rec_rows}</table>"
         # the headline starts with the kind ("data-bound: ...") and ends with the fix: said once
         f"<h2>Diagnosis</h2><p class='verdict'>{e(verdict.get('headline', 'not run'))}</p>"
         f"{_top_remedy(dg.get('remedies') or [])}"
-        f"<p>{_link((dg.get('files') or {}).get('html'), 'the full diagnosis')}</p>"
+        f"<p>{_link((dg.get('files') or {}).get('html'), 'the full diagnosis', out)}</p>"
         f"{_img((dg.get('files') or {}).get('png'))}</body></html>"
     )
     uri = io.join(out, "demo.html")

@@ -59,6 +59,7 @@ class Checkpointer:
                                async_save=c.async_save, device=self.device, on_phase=on_phase)
         self.skipped: set[tuple[int, int]] = set()
         self.stalls: list[float] = []
+        self.report_s = 0.0  # reporting commits (Ray Train's barrier): inside a stall or the final save's wait
         self.commits: list[Commit] = []
         self.restored: dict | None = None
         self.events: list[dict] = []  # rollbacks and skips
@@ -74,6 +75,9 @@ class Checkpointer:
         """Save as ``step`` if one is due (the loop has written step ``step``'s metrics row)."""
         if not self.due(step):
             return False
+        # the loop's stall is all of this call (the rows flushed, the state gathered, the previous save waited for
+        # and reported, the snapshot started), so this figure and the step timer's "checkpoint" are one number
+        t0 = time.perf_counter()
         if self.writer is not None:
             self.writer.flush()  # the rows up to this step, durable before any commit of it
         from dutycycle.trainer.parallel import residuals
@@ -92,9 +96,9 @@ class Checkpointer:
             strategy={"name": strategy.name, "zero_stage": plan.zero_stage,
                       **({"residuals": comm_layout} if comm_layout else {})})
         tensors = {"model": model_sd, "optim": optim_sd, **residuals.state_dict(strategy, self.rank)}
-        stall, commit = self.saver.save(step, tensors, state, capture_rng(self.device))
-        self.stalls.append(stall)
+        _, commit = self.saver.save(step, tensors, state, capture_rng(self.device))
         self._committed(commit)
+        self.stalls.append(time.perf_counter() - t0)
         return True
 
     def account(self, timer) -> None:
@@ -131,7 +135,9 @@ class Checkpointer:
             self.writer.log({"step": commit.step, "checkpoint_committed": commit.uri, "bytes": commit.bytes,
                              "snapshot_s": commit.snapshot_s, "write_s": commit.write_s, "commit_s": commit.commit_s})
         if self.on_commit is not None:  # every rank, in step order (Ray Train: a report is a barrier)
+            t0 = time.perf_counter()
             self.on_commit(commit.step, commit.uri)
+            self.report_s += time.perf_counter() - t0
 
     def _wait(self) -> None:
         if self.saver is not None:
@@ -259,7 +265,8 @@ class Checkpointer:
                         "max": max(self.stalls, default=0.0), "total": sum(self.stalls), "per_save": self.stalls},
             "waited_for_previous_save": self.saver.stalled_on_previous if self.saver else 0,
             "snapshot_s_mean": sum(c.snapshot_s for c in commits) / len(commits) if commits else 0.0,
-            "write_s_mean": write_s / len(commits) if commits else 0.0,
+            "write_s_mean": write_s / len(commits) if commits else 0.0, "write_s_total": write_s,
+            "report_s": self.report_s,
             "bytes_per_save": written / len(commits) if commits else 0,
             "write_mb_per_s": written / write_s / 1e6 if write_s > 0 else None,
             "resumed": self.restored, "nonfinite": self.events,

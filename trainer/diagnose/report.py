@@ -67,10 +67,23 @@ def describe(key: str, res: dict) -> str:
 
 
 def picture(findings: dict) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig = figure(findings)
+    buf = _io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def figure(findings: dict):
+    """The diagnosis picture as a matplotlib figure: rates, waits per run, model state per ZeRO stage; a panel
+    with nothing measured says why."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     from dutycycle.trainer.step.report import (
         COLORS,  # the run report's colours: a wait looks the same in both pictures
     )
@@ -89,7 +102,10 @@ def picture(findings: dict) -> bytes:
     if rates:
         a.barh(list(rates), list(rates.values()), color="#1f77b4")
         a.set_xscale("log")
-    a.set(title="samples/s", xlabel="samples/s (log)")
+        a.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # minor labels overlap on a log axis
+        a.set(title="samples/s", xlabel="samples/s (log)")
+    else:
+        _missing(a, "samples/s", findings, ("compute", "loader", "end_to_end"))
 
     runs = {}
     for k in ("cache", "raw", "synthetic"):
@@ -102,6 +118,8 @@ def picture(findings: dict) -> bytes:
         if "quantized" in sc:
             runs[f"{sc['workers']} workers, quantized"] = sc["quantized"]
     names = list(runs)
+    if not names:
+        _missing(b, "waits, share of the step", findings, ("end_to_end", "scaling"))
     left = [0.0] * len(names)
     for share, color, label in (("data_wait_share", COLORS["data_wait"], "data wait"),
                                 ("comm_share", COLORS["comm"], "communication"),
@@ -109,22 +127,42 @@ def picture(findings: dict) -> bytes:
         values = [runs[n].get(share, 0.0) for n in names]
         b.barh(names, values, left=left, color=color, label=label)
         left = [x + v for x, v in zip(left, values, strict=True)]
-    b.set(title="waits, share of the step", xlim=(0, 1))
-    b.legend(fontsize=8)
+    if names:
+        b.set(title="waits, share of the step", xlim=(0, 1))
+        b.legend(fontsize=8)
 
     mem = findings.get("memory", {})
     if "rows" in mem:
         labels = [f"{r['zero_stage']}{'+off' if r['offload'] else ''}" for r in mem["rows"]]
-        c.bar(labels, [r["device_bytes"] / 2**20 for r in mem["rows"]],
-              color=["#2ca02c" if r["fits"] else "#d62728" for r in mem["rows"]])
-        c.axhline(mem["budget_bytes"] / 2**20, color="k", ls="--", label="budget per rank")
-        c.legend(fontsize=8)
-    c.set(title="model state per rank by ZeRO stage", ylabel="MB")
+        from .verdict import _mb
+
+        held = [r["device_bytes"] / 2**20 for r in mem["rows"]]
+        bars = c.bar(labels, held, color=["#2ca02c" if r["fits"] else "#d62728" for r in mem["rows"]])
+        c.bar_label(bars, [_mb(r["device_bytes"]) for r in mem["rows"]], fontsize=7)
+        budget = mem["budget_bytes"] / 2**20
+        title = "model state per rank by ZeRO stage"
+        if budget <= 20 * max(held, default=0.0):
+            c.axhline(budget, color="k", ls="--", label="budget per rank")
+            c.legend(fontsize=8)
+        else:  # a line that far above would flatten every bar to nothing
+            title += f"\n(budget per rank {_mb(mem['budget_bytes'])}, off the scale)"
+        c.set(title=title, ylabel="MB")
+    else:
+        _missing(c, "model state per rank by ZeRO stage", findings, ("memory",))
     fig.tight_layout()
-    buf = _io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return buf.getvalue()
+    return fig
+
+
+def _missing(ax, title: str, findings: dict, keys: tuple[str, ...]) -> None:
+    """A panel whose experiments gave nothing to draw says why (skipped, failed, not run), not empty axes."""
+    import textwrap
+
+    titles = {key: t for key, t, _ in EXPERIMENTS}
+    why = [f"{titles.get(k, k)}: " + (describe(k, findings[k]) if k in findings else "not run") for k in keys]
+    ax.set_axis_off()
+    ax.set_title(title)
+    ax.text(0.5, 0.5, "\n".join(textwrap.fill(w, 48) for w in why), ha="center", va="center", fontsize=9,
+            color="#555555", transform=ax.transAxes)
 
 
 def _shares_table(v: dict) -> str:

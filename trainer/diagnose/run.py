@@ -165,7 +165,7 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-    verdict = decide(findings)
+    verdict = decide(findings, {"quant_grads": cfg.parallel.quant_grads})
     found = remedies(findings, verdict.kind)
     for r in found:
         say(f"[diagnose] remedy for {r['for']}: --set {' --set '.join(r['set'])}: predicted "

@@ -62,8 +62,10 @@ def memory_verdict(mem: dict) -> Verdict | None:
     return Verdict("memory-bound", None, f"{head}; {fix}", fix, {})
 
 
-def decide(findings: dict) -> Verdict:
-    """``findings``: experiment name -> its result dict (or ``{"error": ...}``)."""
+def decide(findings: dict, settings: dict | None = None) -> Verdict:
+    """``findings``: experiment name -> its result dict (or ``{"error": ...}``). ``settings``: the diagnosed
+    config's own values the fixes depend on (``quant_grads``), so a fix is never one already in effect even when
+    the experiment that records it (scaling) did not run."""
     mem = findings.get("memory") or {}
     if "configured" in mem:
         v = memory_verdict(mem)
@@ -72,7 +74,7 @@ def decide(findings: dict) -> Verdict:
 
     e2e = findings.get("end_to_end") or {}
     run = e2e.get(e2e.get("configured", ""), {}) if "error" not in e2e else {}
-    scaling = findings.get("scaling") or {}
+    scaling = {**(settings or {}), **(findings.get("scaling") or {})}
     many = scaling.get("many") if scaling.get("applicable", True) and "error" not in scaling else None
     ckpt = findings.get("checkpoint") or {}
     ceiling = (findings.get("compute") or {}).get("samples_per_s")

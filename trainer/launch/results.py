@@ -1,11 +1,11 @@
 """How a run's results reach the driver on a real cluster, and how Ray's log stays readable.
 
 **Results.** On a multi-node cluster the driver cannot read files rank 0 wrote to its own node's disk. So at the
-end of training rank 0 draws ``report.png`` where it ran, then reports the run's small result files
-(``summary.json``, ``config.json``, ``metrics.jsonl``, ``report.png``, ``health.json``) to Ray Train as the run's
+end of training rank 0 reports the run's small result files
+(``summary.json``, ``config.json``, ``metrics.jsonl``, ``health.json``) to Ray Train as the run's
 last checkpoint; Ray Train copies it into ``RunConfig.storage_path`` (``ray.storage_path``: a shared folder or
 ``s3://``), and the driver reads it from ``Result.checkpoint``, filling in its own view of ``run.dir`` when that
-is a different disk. The checkpoint also holds the pointer to the last committed training checkpoint
+is a different disk, and draws ``report.png`` there once it has closed the job's time account. The checkpoint also holds the pointer to the last committed training checkpoint
 (checkpoint/raytrain.py), so ``checkpoint_uri(result.checkpoint)`` keeps working. ``model.safetensors`` stays in
 ``run.dir`` (it can be large); the summary names it.
 
@@ -32,7 +32,7 @@ import tempfile
 
 from dutycycle.engine import io
 
-RESULT_FILES = ("summary.json", "config.json", "metrics.jsonl", "report.png", "health.json")
+RESULT_FILES = ("summary.json", "config.json", "metrics.jsonl", "health.json")
 SUMMARY_KEY = "dutycycle_results"  # in the metrics of the final report: marks the results checkpoint
 RAY_WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 
@@ -65,11 +65,6 @@ def report_results(cfg, run_dir: str, summary: dict, rank: int, last_commit: dic
     if rank != 0:
         ray.train.report({}, checkpoint=None)
         return
-    if cfg.run.report:
-        from dutycycle.trainer.step.report import write_report
-
-        summary["report"] = write_report(run_dir)
-        io.write_json_atomic(io.join(run_dir, "summary.json"), summary)
     with tempfile.TemporaryDirectory(prefix="dutycycle-results-") as d:
         for name in RESULT_FILES:
             uri = io.join(run_dir, name)

@@ -55,29 +55,52 @@ def prepare_run(cfg: TrainConfig, quiet: bool = False) -> str:
     return run_dir
 
 
-def finish_run(cfg: TrainConfig) -> dict:
-    summary = io.read_json(io.join(cfg.run.dir, "summary.json"))
+def finish_run(cfg: TrainConfig, launched: float | None = None, fit_called: float | None = None,
+               summary: dict | None = None) -> dict:
+    """The driver's end of a run: the job's time account closed and written into ``summary.json``
+    (``summary["launch"]``, launch/account.py, when the launch time is known), then ``report.png`` drawn from it
+    (its drawing time, after the account closed, is ``summary["report_draw_s"]``)."""
+    import time
+
+    uri = io.join(cfg.run.dir, "summary.json")
+    summary = io.read_json(uri) if summary is None else summary
+    if launched is not None and "attempt" in summary:
+        from dutycycle.trainer.step.metrics import read_metrics
+
+        from .account import job_time
+
+        summary["launch"] = job_time(summary, read_metrics(cfg.run.dir), launched=launched, fit_called=fit_called,
+                                     closed=time.time())
+    io.write_json_atomic(uri, summary)
     if cfg.run.report:
         from dutycycle.trainer.step.report import write_report
 
+        t0 = time.perf_counter()
         summary["report"] = write_report(cfg.run.dir)
+        summary["report_draw_s"] = time.perf_counter() - t0
+        io.write_json_atomic(uri, summary)
     return summary
 
 
 def train(cfg: TrainConfig, local: bool = False, quiet: bool = False) -> dict:
     """Run training as configured and return the summary. ``local=True`` runs in this process with no Ray
     (one worker)."""
+    import time
+
+    launched = time.time()
     prepare_run(cfg, quiet=quiet)
     if local:
-        return train_local(cfg)
-    return train_ray(cfg)
+        return train_local(cfg, launched=launched)
+    return train_ray(cfg, launched=launched)
 
 
 # --------------------------------------------------------------------------------------------------- local
 
 
-def train_local(cfg: TrainConfig) -> dict:
+def train_local(cfg: TrainConfig, launched: float | None = None) -> dict:
     """One worker, this process, no Ray and no process group."""
+    import time
+
     import torch
 
     if cfg.parallel.num_workers != 1:
@@ -90,8 +113,8 @@ def train_local(cfg: TrainConfig) -> dict:
     gpu = use_gpu(cfg, torch.cuda.device_count())
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     set_threads(cfg, 1)
-    train_worker(cfg, WorkerContext(rank=0, world_size=1, device=device, run_dir=cfg.run.dir))
-    return finish_run(cfg)
+    train_worker(cfg, WorkerContext(rank=0, world_size=1, device=device, run_dir=cfg.run.dir, started=time.time()))
+    return finish_run(cfg, launched)
 
 
 # ----------------------------------------------------------------------------------------------- Ray Train
@@ -99,6 +122,9 @@ def train_local(cfg: TrainConfig) -> dict:
 
 def _ray_train_fn(payload: dict) -> None:
     """Runs in every Ray Train worker. Ray Train has already set up the process group (gloo or nccl)."""
+    import time
+
+    started = time.time()  # launch/account.py: the end of the worker start
     import ray
     import ray.train
     import ray.train.torch
@@ -133,9 +159,12 @@ def _ray_train_fn(payload: dict) -> None:
         last_commit.update(step=step, uri=uri)
         report_commit(step, uri)
 
-    summary = train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, report=ray.train.report,
+    def report(metrics: dict) -> None:  # an evaluation's metrics: the barrier only, the hand-over in the background
+        ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+
+    summary = train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, report=report,
                                               run_dir=payload["run_dir"], info=info, on_commit=on_commit,
-                                              node_labels=[w["node"] for w in where]))
+                                              node_labels=[w["node"] for w in where], started=started))
     report_results(cfg, payload["run_dir"], summary, rank, last_commit or None)
 
 
@@ -170,8 +199,10 @@ def scaling_config(cfg: TrainConfig, gpu: bool):
     )
 
 
-def train_ray(cfg: TrainConfig) -> dict:
+def train_ray(cfg: TrainConfig, launched: float | None = None) -> dict:
     """Run on Ray Train's TorchTrainer with ``parallel.num_workers`` workers."""
+    import time
+
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -192,6 +223,7 @@ def train_ray(cfg: TrainConfig) -> dict:
         check_fits(cfg, alive_nodes(), per_worker)
     # Ray Train reads the start timeout from the driver's environment and passes it to its controller
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.ray.start_timeout_s)
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(cfg.ray.health_check_interval_s)
     trainer = TorchTrainer(
         _ray_train_fn,
         train_loop_config={"config": cfg.to_dict(), "run_dir": cfg.run.dir, "use_gpu": gpu},
@@ -206,6 +238,7 @@ def train_ray(cfg: TrainConfig) -> dict:
                                                           controller_failure_limit=0),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
     )
+    fit_called = time.time()
     try:
         result = trainer.fit()
     except Exception as e:
@@ -216,7 +249,7 @@ def train_ray(cfg: TrainConfig) -> dict:
     if result.error is not None:
         raise _start_error(result.error, cfg, per_worker) or result.error
     # through Ray Train's result and storage, not the driver's disk (rank 0 may have run on another node)
-    return results_from(cfg, result)
+    return finish_run(cfg, launched, fit_called, summary=results_from(cfg, result))
 
 
 def _start_error(err: BaseException, cfg: TrainConfig, per_worker: dict):

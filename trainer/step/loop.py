@@ -50,6 +50,7 @@ class WorkerContext:
     node_labels: list | None = None
     state: dict | None = None  # filled with {"strategy", "model", "optimizer"} at the end (in-process callers, tests)
     on_commit: Any = None  # callable(step, uri), every rank, after a checkpoint commits (Ray Train: report it)
+    started: float | None = None  # wall clock when the launcher entered this worker (launch/account.py)
 
 
 class NoCheckpoint:
@@ -256,6 +257,12 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     from .optim import make_optimizer
     from .timing import StepTimer
 
+    now = time.time()
+    started = ctx.started if ctx.started is not None else now
+    # launch/account.py: the attempt's one-time phases before the loop, in seconds; "worker_init" is the
+    # launcher's part (imports, its own gathers) between entering the worker and this call
+    setup = {"worker_init": max(0.0, now - started)}
+    t_phase = time.perf_counter()
     # where every rank runs, as the ranks report it (a collective), and what that layout allows
     world = observe(ctx.rank, ctx.world_size, cfg.parallel.node_size, labels=ctx.node_labels)
     check_layout(world, cfg.parallel)
@@ -267,8 +274,12 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
         from dutycycle.trainer.cluster.health import preflight
 
         health = preflight(world.rank, world.size, device, cfg.run.health_timeout_s, ctx.run_dir)
+    setup["health_check"] = time.perf_counter() - t_phase
+    t_phase = time.perf_counter()
     torch.manual_seed(cfg.run.seed)
     train_src, val_src, info = make_sources(cfg, world)
+    setup["data_open"] = time.perf_counter() - t_phase
+    t_phase = time.perf_counter()
     model = build_model(cfg.model, info.channels, info.num_classes, info.size).to(device)
     if precision == "fp64":
         model = model.double()
@@ -302,8 +313,12 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     n_evals = 0
     once = {"restore": 0.0, "loader_start": 0.0, "final_save": 0.0}  # timing.ONE_TIME, outside the steps
     t_start = time.perf_counter()
+    setup["model_build"] = t_start - t_phase
+    attempt = {"started": started, "setup": setup, "loop_started": time.time()}
     restored = checkpointer.restore(strategy, optimizer, train_src)
     once["restore"] += time.perf_counter() - t_start
+    # every attempt's record, kept across restarts (its step is where it began): the job's account reads them
+    writer.log({"step": restored.step if restored else 0, "event": "attempt", **attempt})
     step, epoch = (restored.step, restored.epoch) if restored else (0, 0)
     first_step = step
     val_acc = val_loss = None
@@ -391,6 +406,8 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
 
     summary["data_reads"] = all_gather(train_src.reads(), world.size)  # each rank's shards: what locality gave
     writer.close()
+    # after the loop: the summary gathered and the model written (the write of summary.json itself is left out)
+    summary["attempt"] = {**attempt, "loop_s": wall, "results_s": time.perf_counter() - t_start - wall}
     if world.rank == 0 and ctx.run_dir:
         from dutycycle.engine import io
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dutycycle.engine import io
 
 from .metrics import read_metrics
-from .timing import ACCOUNT
+from .timing import ACCOUNT, JOB_ONE_TIME, PHASES
 
 COLORS = {
     "data_wait": "#d62728",
@@ -19,6 +19,9 @@ COLORS = {
     "loader_start": "#ff9896",
     "final_save": "#c5b0d5",
     "other": "#c7c7c7",
+    # the job's one-time phases (launch/account.py)
+    "ray_start": "#393b79", "worker_start": "#5254a3", "health_check": "#6b6ecf", "data_open": "#9c9ede",
+    "model_build": "#637939", "failures": "#843c39", "results": "#bd9e39", "teardown": "#e7ba52",
 }
 
 
@@ -50,33 +53,49 @@ def write_report(run_dir: str) -> str:
     ax_acc.set(xlabel="step", ylabel="accuracy", title="validation accuracy", ylim=(0, 1.02))
     ax_acc.grid(alpha=0.3)
 
-    seconds = summary["time_breakdown"]["seconds"]
-    bottom = 0.0
-    for phase in ACCOUNT:
-        v = seconds.get(phase, 0.0)
-        if v <= 0:
-            continue
-        ax_time.bar([0], [v], bottom=[bottom], color=COLORS[phase], label=f"{phase} {v:.1f}s")
-        bottom += v
-    ax_time.set_xticks([0], [f"{summary['world_size']} worker(s), mean per rank"])
-    ax_time.set(ylabel="seconds", title=f"time (goodput {summary['goodput']:.0%})")
-    ax_time.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _time_panel(ax_time, summary)
 
     acc = summary.get("val_accuracy")
-    fig.suptitle(
-        f"{summary['steps']} steps, {summary['samples_per_s']:.0f} samples/s"
-        + (f", final val accuracy {acc:.1%}" if acc is not None else "")
-        + checkpoint_line(summary.get("checkpoint") or {})
-    )
+    title = (f"{summary['steps']} steps, {summary['samples_per_s']:.0f} samples/s"
+             + (f", final val accuracy {acc:.1%}" if acc is not None else "")
+             + checkpoint_line(summary.get("checkpoint") or {}))
+    fig.suptitle(title)
     fig.tight_layout()
     import io as _io
 
     buf = _io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
+    # the titles as text too (PNG tEXt): what the picture says, readable without looking at it
+    fig.savefig(buf, format="png", dpi=100,
+                metadata={"Title": title.replace("\n", "; "), "Description": ax_time.get_title()})
     plt.close(fig)
     uri = io.join(run_dir, "report.png")
     io.write_bytes_atomic(uri, buf.getvalue())
     return uri
+
+
+def _time_panel(ax, summary: dict) -> None:
+    """Stacked bars of where the time went: with the job's account (``summary["launch"]``), per step apart from
+    once (launch to exit); without it, the training loop's account. Every figure is the summary's."""
+    launch = summary.get("launch")
+    if launch:
+        seconds = launch["seconds"]
+        bars = [("per step", [*PHASES, "other"]), ("once", list(JOB_ONE_TIME))]
+        title = f"{launch['wall_s']:.0f} s launch to exit (goodput {launch['goodput']:.0%})"
+    else:
+        seconds = summary["time_breakdown"]["seconds"]
+        bars = [(f"{summary['world_size']} worker(s), mean per rank", list(ACCOUNT))]
+        title = f"training loop (goodput {summary['goodput']:.0%})"
+    for x, (_, names) in enumerate(bars):
+        bottom = 0.0
+        for phase in names:
+            v = seconds.get(phase, 0.0)
+            if v <= 0:
+                continue
+            ax.bar([x], [v], bottom=[bottom], color=COLORS.get(phase, "#7f7f7f"), label=f"{phase} {v:.1f}s")
+            bottom += v
+    ax.set_xticks(range(len(bars)), [name for name, _ in bars])
+    ax.set(ylabel="seconds", title=title)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def checkpoint_line(ck: dict) -> str:
@@ -84,7 +103,7 @@ def checkpoint_line(ck: dict) -> str:
     parts = []
     if ck.get("saves"):
         mbps = ck.get("write_mb_per_s")
-        parts.append(f"{ck['saves']} checkpoints, stall {ck['stall_s']['mean'] * 1000:.0f} ms/save"
+        parts.append(f"{ck['saves']} checkpoints, loop stall {ck['stall_s']['mean'] * 1000:.0f} ms/save (rank 0)"
                      + (f", write {mbps:.0f} MB/s" if mbps else ""))
     resumed = ck.get("resumed")
     if resumed:

@@ -32,6 +32,9 @@ ALL_PHASES = (*PHASES, "other")
 # "other" holds only what is left (logging, metric reduction, Python between the phases).
 ONE_TIME = ("restore", "loader_start", "final_save")
 ACCOUNT = (*PHASES, *ONE_TIME, "other")  # the run's whole wall time, every second under one name
+# The job's one-time phases around the loop, from launch to exit, in the order they happen (launch/account.py)
+JOB_ONE_TIME = ("ray_start", "worker_start", "health_check", "data_open", "model_build", *ONE_TIME,
+                "failures", "results", "teardown")
 # Phases that do the model's useful work: goodput is their share of wall time.
 USEFUL = ("forward_backward", "optimizer")
 

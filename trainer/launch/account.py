@@ -1,0 +1,112 @@
+"""The job's time account, from launch to exit: every second under one name.
+
+The step loop accounts for its own wall time (step/timing.py: the per-step phases, and ``restore``,
+``loader_start`` and ``final_save`` once). Around it a run also pays for starting, setting up and stopping, and
+for every failure. Those are measured at their boundaries, on the wall clock, by the driver and by rank 0:
+
+    ray_start      launch -> Ray Train's fit called: config checked, Ray started or joined, placement checked
+    worker_start   fit called -> the first attempt's rank 0 in the training loop's code: the worker group placed
+                   and started, the process group joined, the launcher's imports and placement gather
+    health_check   topology observed, layout and checkpoint place checked, the pre-flight collectives
+    data_open      the loader's sources opened (the cache's index, the split, the plan)
+    model_build    model built, broadcast, wrapped for its strategy; optimizer, checkpointer and timers made
+    (the loop)     step/timing.ACCOUNT: per step, and restore, loader_start, final_save once
+    failures       from the first attempt's loop start to the last attempt's, less the steps the job kept from
+                   the earlier attempts: steps trained again, the time to notice the failure, the restart
+    results        after the loop: the summary gathered, the model written (rank 0)
+    teardown       the results reported to Ray Train, the workers stopped, the results read by the driver
+    other          what none of them covers: the loop's own "other" and the gaps inside the setup
+
+Per-step phases are what scales with a longer run; the rest is what a short run pays once (``ONE_TIME``). The
+account closes by construction (its parts are intervals between measured boundaries), so ``other`` is a real
+residue, not a plug. On one machine every timestamp is one clock; across nodes rank 0's clock and the driver's
+differ by their synchronisation error (milliseconds under NTP), and a negative interval is clamped at zero.
+"""
+
+from __future__ import annotations
+
+from dutycycle.trainer.step.timing import JOB_ONE_TIME, ONE_TIME, PHASES, USEFUL
+
+LAUNCH_ONE_TIME = JOB_ONE_TIME  # one-time phases of the whole job, in the order they happen
+STEP_PHASES = PHASES  # per step: what a longer run pays proportionally more of
+JOB_ACCOUNT = (*PHASES, *JOB_ONE_TIME, "other")
+# how the pages name each phase
+NAMES = {
+    "data_wait": "waiting for data", "h2d": "copy to the device", "forward_backward": "forward and backward",
+    "comm": "exposed communication", "optimizer": "optimizer step", "checkpoint": "checkpoint stall",
+    "eval": "evaluation", "ray_start": "Ray start", "worker_start": "worker start", "health_check": "health check",
+    "data_open": "data open", "model_build": "model build", "restore": "restore", "loader_start": "loader start",
+    "final_save": "final save and its wait", "failures": "lost to failures", "results": "results",
+    "teardown": "teardown", "other": "other",
+}
+
+
+def job_time(summary: dict, rows: list[dict], *, launched: float, fit_called: float | None,
+             closed: float) -> dict:
+    """``{"wall_s", "seconds", "fractions", "one_time", "per_step"}`` for the job whose last attempt wrote
+    ``summary`` (with its ``attempt`` record) and whose metrics rows are ``rows``. ``launched``: when the driver
+    began; ``fit_called``: when it handed the run to Ray Train (None in-process: no Ray, no start of its own);
+    ``closed``: now, the account's end."""
+    last = summary["attempt"]
+    attempts = [r for r in rows if r.get("event") == "attempt"] or [last]
+    first = min(attempts, key=lambda r: r["started"])
+    loop = summary["time_breakdown"]["seconds"]
+    sec = dict.fromkeys(JOB_ACCOUNT, 0.0)
+    sec["ray_start"] = max(0.0, (fit_called or launched) - launched)
+    sec["worker_start"] = max(0.0, first["started"] - (fit_called or launched)) + first["setup"].get("worker_init", 0)
+    for name in ("health_check", "data_open", "model_build"):
+        sec[name] = float(first["setup"].get(name, 0.0))
+    for name in (*PHASES, *ONE_TIME, "other"):
+        sec[name] += float(loop.get(name, 0.0))
+    kept = _kept_earlier(rows, before=last["started"]) if first is not last else {}
+    for name, v in kept.items():
+        sec[name] += v
+    sec["failures"] = max(0.0, last["loop_started"] - first["loop_started"] - sum(kept.values()))
+    sec["results"] = max(0.0, float(last.get("results_s", 0.0)))
+    sec["teardown"] = max(0.0, closed - (last["loop_started"] + last["loop_s"] + sec["results"]))
+    wall = max(closed - launched, 1e-9)
+    # the loop's "other" is in already; the residue the boundaries leave (the gaps inside the setup) joins it
+    sec["other"] += max(0.0, wall - sum(sec.values()))
+    redone = min(sec["failures"], float((summary.get("job") or {}).get("redone_s", 0.0)))
+    return {
+        "wall_s": wall,
+        "seconds": sec,
+        "fractions": {k: v / wall for k, v in sec.items()},
+        "per_step_s": sum(sec[k] for k in PHASES),
+        "one_time_s": sum(sec[k] for k in LAUNCH_ONE_TIME),
+        "attempts": len(attempts),
+        # failures in two parts: the steps trained again, and the rest (noticing the failure, the restart)
+        "failures": {"redone_s": redone, "restart_s": sec["failures"] - redone},
+        # the useful work (every kept step's forward, backward and optimizer) over the whole job's wall time
+        "goodput": sum(sec[k] for k in USEFUL) / wall,
+    }
+
+
+def format_job(launch: dict) -> str:
+    """The account in a few lines a person reads at the end of a run."""
+    sec, wall = launch["seconds"], launch["wall_s"]
+
+    def part(names) -> str:
+        return ", ".join(f"{k} {sec[k]:.1f}s" for k in names if sec[k] >= 0.05) or "none"
+
+    return (f"job: {wall:.1f} s from launch to exit, goodput {launch['goodput']:.0%}\n"
+            f"  per step, {launch['per_step_s']:.1f} s: {part(PHASES)}\n"
+            f"  once, {launch['one_time_s']:.1f} s: {part(LAUNCH_ONE_TIME)}\n"
+            f"  other {sec['other']:.2f} s ({sec['other'] / wall:.1%})")
+
+
+def _kept_earlier(rows: list[dict], *, before: float) -> dict:
+    """The phases of the steps (and evaluations) that earlier attempts trained and the job kept: the rows from
+    before the last attempt began that a resume did not drop."""
+    out = dict.fromkeys((*PHASES, "other"), 0.0)
+    for r in rows:
+        if r.get("time", before) >= before:
+            continue
+        if "loss" in r:
+            parts = {k: float(r.get(k, 0.0)) for k in PHASES}
+            for k, v in parts.items():
+                out[k] += v
+            out["other"] += max(0.0, float(r.get("step_s", 0.0)) - sum(parts.values()))
+        elif "eval_s" in r:
+            out["eval"] += float(r["eval_s"])
+    return out

@@ -123,6 +123,35 @@ def diagnose_stability(results: dict) -> str:
                          source("diagnose_stability")])
 
 
+def diagnose_accuracy(results: dict) -> str:
+    d = results_file(results, "diagnose_accuracy")
+    c = d["config"]
+    rows = []
+    for r in d["cases"]:
+        shares = [x["share"] for x in r["runs"] if x.get("share") is not None]
+        measured = f"{pct(min(shares))} to {pct(max(shares))}" if shares else "-"
+        expected = pct(r["expected_share"]) if r["expected_share"] is not None else "-"
+        err = r["largest_share_error_points"]
+        ratios = [x["verified"]["measured_over_predicted"] for x in r["runs"] if "verified" in x]
+        kinds = sorted({x.get("kind", "failed") for x in r["runs"]})
+        right = f"{r['hits']} of {r['of']}" if r["of"] else f"a prediction case ({', '.join(kinds)})"
+        rest = r.get("rest_of_step_vs_baseline")
+        waits = [x["wait_error_ms"] for x in r["runs"] if "wait_error_ms" in x]
+        accounted = f"{min(waits):+.1f} to {max(waits):+.1f} ms" if waits else "-"
+        rows.append([r["cause"], r["strength"], right, expected, measured,
+                     f"{err:.1f}" if err is not None else "-", accounted, f"{rest:.2f}x" if rest else "-",
+                     f"{sum(abs(x - 1) <= 0.15 for x in ratios)} of {len(ratios)} within 15% "
+                     f"({min(ratios):.2f}x to {max(ratios):.2f}x)" if ratios else "-"])
+    line = (f"`python benchmarks/diagnose_accuracy.py --repeats {c['repeats']}"
+            + (" --verify" if c.get("verify") else "") + f"`: {c['workers']} worker, the demo's config and cache; "
+            f"baseline step {secs(d['baseline']['step_s'])}, whole benchmark {secs(d['total_s'])}.")
+    return "\n\n".join([para(line), table(["cause", "strength", "right cause", "injected share", "measured share",
+                                              "largest error (points)", "wait accounted - injected, per step",
+                                              "rest of the step / baseline step",
+                                              "measured / predicted"], rows),
+                         source("diagnose_accuracy")])
+
+
 def ingest(results: dict) -> str:
     d = results_file(results, "ingest")
     cols = ["ingest_no_phash", "ingest_phash", "pil_decode_1proc", "pil_decode_pool"]
@@ -299,6 +328,7 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "demo-verdict": demo_verdict,
     "diagnose-example": diagnose_example,
     "diagnose-stability": diagnose_stability,
+    "diagnose-accuracy": diagnose_accuracy,
     "ingest": ingest,
     "materialize": materialize,
     "cache-formats": cache_formats,

@@ -197,6 +197,9 @@ class ParallelSection:
     activation_checkpointing: bool = False
     cpus_per_worker: float = 1.0  # Ray CPU reservation per training worker
     threads_per_worker: int = 0  # torch intra-op threads; 0 = cores / workers on this node
+    # fault injection (to test the diagnosis, as data.slow_ms does for the loader): every optimizer step's gradient
+    # exchange waits this much longer, as on a slower link; counted as exposed communication, at any world size
+    inject_comm_ms: float = 0.0
 
     @property
     def grads_all_to_all(self) -> bool:
@@ -215,7 +218,7 @@ class ParallelSection:
                               f"= {self.quant_grads!r} is exchanged by all-to-all); use \"auto\" or quant_grads = "
                               "\"none\"")
         _positive(where, self, "num_workers")
-        _not_negative(where, self, "cpus_per_worker")
+        _not_negative(where, self, "cpus_per_worker", "inject_comm_ms")
         _one_of(f"{where}.zero_stage", self.zero_stage, (0, 1, 2, 3))
         if self.offload != "none" and self.zero_stage == 0:
             raise ConfigError(f"{where}.offload = {self.offload!r} needs sharded optimizer state; "

@@ -220,3 +220,31 @@ def test_scale_benchmark_quick(tmp_path):
     rows = {r["name"]: r for r in data["rows"]}
     assert rows["partitioned"]["block_size"] == 0
     assert data["range_amplification"] <= rows["partitioned-blocks-64"]["range_amplification"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_diagnose_accuracy_benchmark_quick(tmp_path):
+    """benchmarks/diagnose_accuracy.py: a baseline, then each injected cause named, on a tiny cache; one run per
+    strength of two causes (the full matrix takes half an hour)."""
+    from dutycycle.engine import TransformSpec, materialize
+
+    from ..support.tablemaker import make_shapes_table
+
+    table, _ = make_shapes_table(str(tmp_path / "t"), n=160)
+    cache = materialize(table, str(tmp_path / "cache"), TransformSpec(size=16), runner="native").uri
+    out = tmp_path / "accuracy.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "diagnose_accuracy.py"), "--cache", cache,
+                           "--repeats", "1", "--causes", "comm,memory", "--budget-s", "40",
+                           "--set", "data.global_batch_size=32", "--set", "model.width=8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "DAFT_ANALYTICS_ENABLED": "0"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    cases = {(c["cause"], c["strength"]): c for c in data["cases"]}
+    assert {cause for cause, _ in cases} == {"comm", "memory"} and len(cases) == 4
+    for c in cases.values():
+        assert c["of"] == 1 and c["hits"] == 1, c["runs"]  # the injected cause is the one named
+    comm = [c for c in data["cases"] if c["cause"] == "comm"]
+    # the wait was accounted as injected: the exchange's sleep, every step, within a millisecond
+    assert all(abs(r["wait_error_ms"]) < 1.0 for c in comm for r in c["runs"])

@@ -51,3 +51,22 @@ def test_the_link_checker_finds_what_a_browser_could_not_open(tmp_path):
     png = "data:image/png;base64,iVBORw0KGgo="  # the PNG signature
     page = f"<a href='here.html'>a</a><img src='{png}'><a href='gone.html'>b</a><img src='data:image/png;base64,AAAA'>"
     assert unresolved(page, tmp_path) == ["gone.html", "data:image/png;base64,AAAA"]
+
+
+def test_verified_remedies_are_drawn_against_their_predictions():
+    import matplotlib.pyplot as plt
+    from dutycycle.trainer.diagnose.report import figure
+
+    checked = [{"for": "checkpoint", "set": ["checkpoint.async_save=true"], "predicted_samples_per_s": 100.0,
+                "measured_samples_per_s": 93.0, "measured_over_predicted": 0.93},
+               {"for": "data", "set": ["data.source=cache"], "predicted_samples_per_s": 50.0}]  # not verified
+    fig = figure({}, checked)
+    try:
+        assert len(fig.axes) == 4
+        labels = [t.get_text() for t in fig.axes[3].texts]
+        assert labels == ["0.93x"] and "measured / predicted" in fig.axes[3].get_title()
+    finally:
+        plt.close(fig)
+    fig = figure({}, checked[1:])  # nothing verified: no fourth panel
+    assert len(fig.axes) == 3
+    plt.close(fig)

@@ -60,6 +60,19 @@ def test_a_failure_costs_what_the_job_did_not_keep():
     assert sum(sec.values()) == pytest.approx(40.0)
 
 
+def test_the_first_steps_extra_time_is_warm_up_not_a_step_cost():
+    setup = {"health_check": 0.0, "data_open": 0.0, "model_build": 0.0}
+    attempt = {"step": 0, "event": "attempt", "started": 10.0, "setup": setup, "loop_started": 10.0, "time": 10.0}
+    rows = [attempt] + [{"step": i, "loss": 1.0, "step_s": 1.0 if i > 1 else 1.4, "forward_backward": 0.5,
+                         "optimizer": 0.1 if i > 1 else 0.5, "time": 10.0 + i} for i in range(1, 6)]
+    loop = {"forward_backward": 2.5, "optimizer": 0.9, "other": 2.0}
+    s = _summary(loop, started=10.0, loop_started=10.0, loop_s=5.4, setup=setup, results_s=0.0)
+    a = job_time(s, rows, launched=10.0, fit_called=None, closed=15.4)
+    assert a["seconds"]["warmup"] == pytest.approx(0.4)  # step 1's optimizer beyond the median step's
+    assert a["seconds"]["optimizer"] == pytest.approx(0.5) and a["seconds"]["forward_backward"] == 2.5
+    assert sum(a["seconds"].values()) == pytest.approx(5.4)
+
+
 def test_a_local_run_accounts_for_every_second(tmp_path):
     """A real run in this process: the summary's account closes, and "other" is a residue of under 5%."""
     from dutycycle.trainer.launch.train import train

@@ -227,3 +227,26 @@ def test_compute_bound_workers_that_do_not_scale_are_named():
                                                           "zero_stage": 2, "many": {"comm_share": 0.17}}})
     assert v.kind == "compute-bound" and "2 workers reach only 0.75x of one" in v.headline
     assert "do not add compute" in v.fix
+
+
+def test_a_diagnosis_written_again_into_its_folder_measures_afresh(tmp_path):
+    """Its short runs commit checkpoints in their run folders; written again into the same folder, a run must not
+    resume from the last one's commit (it would train nothing and report the old rows)."""
+    cfg = _cfg(tmp_path / "run", "data.source=synthetic", "data.size=16", "checkpoint.every=4")
+    for _ in range(2):
+        out = diagnose(cfg, out=str(tmp_path / "d"), budget_s=30, only=["end_to_end"])
+        summary = out["findings"]["end_to_end"]["synthetic"]["summary"]
+        assert summary["checkpoint"]["committed"] and summary["checkpoint"]["resumed"] is None
+
+
+def test_an_injected_exchange_delay_is_exposed_communication_and_named_as_injected(tmp_path):
+    """parallel.inject_comm_ms (fault injection, for testing the diagnosis) shows as communication in the step
+    account, at one worker too, and the verdict's fix is to remove it rather than a remedy for a real link."""
+    from dutycycle.trainer.launch.train import train
+
+    cfg = _cfg(tmp_path / "run", "data.source=synthetic", "data.size=16", "run.max_steps=5",
+               "parallel.inject_comm_ms=40")
+    s = train(cfg, local=True, quiet=True)
+    assert s["time_breakdown"]["seconds"]["comm"] >= 5 * 0.040  # every step's sleep, moved out of forward
+    v = decide({"end_to_end": _e2e(comm=0.5)}, {"quant_grads": "none", "inject_comm_ms": 40.0})
+    assert v.kind == "communication-bound" and "remove parallel.inject_comm_ms" in v.fix, v.fix

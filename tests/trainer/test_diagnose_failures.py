@@ -70,5 +70,6 @@ def test_the_failures_experiment_measures_a_save_and_a_restart(tmp_path):
     assert m["save_s"] > 0 and m["restore_s"] > 0 and m["launch_s"] >= 0
     assert m["restart_s"] == pytest.approx(m["launch_s"] + m["restore_s"])
     assert f["workers"] == 16384 and 0 < f["ettr"] <= 1 and f["recommended_every"] >= 1
-    assert out["projection"]["workers"] == 16384 and out["projection"]["shares"] == ["failures"]
+    assert out["projection"]["workers"] == 16384 and out["projection"]["shares"] == out["verdict"]["shares"]
+    assert "one worker" in out["projection"]["models"]["communication"]  # nothing exchanged to scale
     assert "failures" in out["verdict"]["shares"]

@@ -112,11 +112,13 @@ def time_tables(s: dict) -> str:
 
 
 def _top_remedy(found: list[dict]) -> str:
+    from dutycycle.trainer.diagnose.remedies import predicted_text
+
     if not found:
         return ""
     r = found[0]
     return (f"<p>Top remedy: <code>{html.escape(' '.join('--set ' + x for x in r['set']))}</code>, predicted "
-            f"{r['predicted_samples_per_s']:,.0f} samples/s ({html.escape(r['from'])}).</p>")
+            f"{html.escape(predicted_text(r))} ({html.escape(r['from'])}).</p>")
 
 
 def _rows(pairs) -> str:

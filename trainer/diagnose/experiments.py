@@ -59,9 +59,11 @@ def short_run(ctx: Context, name: str, *overrides: str) -> dict:
     from dutycycle.trainer.launch.train import train
 
     run_dir = io.join(ctx.workdir, name)
+    # never a resume unless asked (the failures experiment asks): a diagnosis written again into the same folder
+    # would otherwise resume each run from its last commit and train nothing, reporting the old rows
     cfg = variant(ctx.cfg, f"run.dir={run_dir}", f"run.max_steps={ctx.steps}", "run.eval_every=0",
                   "run.eval_max_batches=1", "run.log_every=0", "run.report=false", "run.save_model=false",
-                  f"run.name=diagnose-{name}", *overrides)
+                  f"run.name=diagnose-{name}", "checkpoint.resume=none", *overrides)
     t0 = time.perf_counter()
     summary = train(cfg, local=cfg.parallel.num_workers == 1, quiet=True)
     launched = time.perf_counter() - t0
@@ -83,6 +85,7 @@ def short_run(ctx: Context, name: str, *overrides: str) -> dict:
         "comm_exposed_measured": summary["parallel"]["comm_exposed_measured"],
         # before the first step and after the last: worker group start, model build, teardown
         "launch_s": max(0.0, launched - summary["wall_s"]),
+        "held_per_rank": (summary.get("memory") or {}).get("held_per_rank", []),  # model state each rank held
         "summary": {k: summary.get(k) for k in ("steps", "samples_per_s", "data_wait_fraction", "comm_fraction",
                                                  "goodput", "checkpoint")},
     }
@@ -338,13 +341,17 @@ def scaling(ctx: Context) -> dict:
 
 def checkpoint(ctx: Context) -> dict:
     """Stall per save, synchronous and asynchronous, from short runs that save every other step (synthetic data of
-    the same shape, so the loader does not blur the stall)."""
+    the same shape, so the loader does not blur the stall) to the configured checkpoint storage."""
     cfg = ctx.cfg
     synth = _synthetic(ctx)
-    out: dict[str, Any] = {"configured_every": cfg.checkpoint.every, "configured_async": cfg.checkpoint.async_save}
+    out: dict[str, Any] = {"configured_every": cfg.checkpoint.every, "configured_async": cfg.checkpoint.async_save,
+                           "every": 2}
+    # the storage the run saves to (a folder of its own there), when one is configured: a save's stall is mostly
+    # that storage's write time
+    where = cfg.checkpoint.dir or ctx.workdir
     for mode in ("sync", "async"):
-        run = short_run(ctx, f"ckpt-{mode}", *synth, f"checkpoint.dir={io.join(ctx.workdir, 'ckpt-' + mode)}",
-                         "checkpoint.every=2", f"checkpoint.async_save={str(mode == 'async').lower()}",
+        run = short_run(ctx, f"ckpt-{mode}", *synth, f"checkpoint.dir={io.join(where, 'diagnose-ckpt-' + mode)}",
+                         f"checkpoint.every={out['every']}", f"checkpoint.async_save={str(mode == 'async').lower()}",
                          "checkpoint.resume=none", "ray.max_failures=0")
         stall = (run["summary"].get("checkpoint") or {}).get("stall_s", {})
         saves = stall.get("per_save", [])

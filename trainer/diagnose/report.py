@@ -12,6 +12,7 @@ import json
 from dutycycle.engine import io
 
 from .experiments import EXPERIMENTS
+from .remedies import measured_text, predicted_text
 
 
 def describe(key: str, res: dict) -> str:
@@ -66,19 +67,19 @@ def describe(key: str, res: dict) -> str:
     return json.dumps(res)[:200]
 
 
-def picture(findings: dict) -> bytes:
+def picture(findings: dict, found: list[dict] | None = None) -> bytes:
     import matplotlib.pyplot as plt
 
-    fig = figure(findings)
+    fig = figure(findings, found)
     buf = _io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
     plt.close(fig)
     return buf.getvalue()
 
 
-def figure(findings: dict):
-    """The diagnosis picture as a matplotlib figure: rates, waits per run, model state per ZeRO stage; a panel
-    with nothing measured says why."""
+def figure(findings: dict, found: list[dict] | None = None):
+    """The diagnosis picture as a matplotlib figure: rates, waits per run, model state per ZeRO stage, and,
+    once --verify ran a remedy, its prediction beside what it measured; a panel with nothing measured says why."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,7 +89,11 @@ def figure(findings: dict):
         COLORS,  # the run report's colours: a wait looks the same in both pictures
     )
 
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
+    checked = [r for r in found or [] if "measured_over_predicted" in r]
+    fig, axes = plt.subplots(1, 4 if checked else 3, figsize=(20 if checked else 15, 4.2))
+    a, b, c = axes[:3]
+    if checked:
+        _remedy_bars(axes[3], checked)
     rates = {}
     comp, load, e2e = findings.get("compute", {}), findings.get("loader", {}), findings.get("end_to_end", {})
     if "samples_per_s" in comp:
@@ -153,6 +158,28 @@ def figure(findings: dict):
     return fig
 
 
+def _remedy_bars(ax, checked: list[dict]) -> None:
+    """Each verified remedy: predicted and measured, as a ratio to the prediction (one scale for rates and
+    bytes), with the figures on the bars."""
+    names = [f"{r['for']}: {' '.join(r['set'])}" for r in checked]
+    ys = range(len(checked))
+    ax.barh([y + 0.2 for y in ys], [1.0] * len(checked), height=0.4, color="#c7c7c7", label="predicted")
+    bars = ax.barh([y - 0.2 for y in ys], [r["measured_over_predicted"] for r in checked], height=0.4,
+                   color="#1f77b4", label="measured (--verify)")
+    ax.bar_label(bars, [f"{r['measured_over_predicted']:.2f}x" for r in checked], fontsize=8)
+    ax.set_yticks(list(ys), [textwrap_short(n) for n in names], fontsize=8)
+    ax.axvspan(0.85, 1.15, color="#2ca02c", alpha=0.08)  # within 15% of the prediction
+    ax.set(title="remedies: measured / predicted", xlim=(0, max(1.6, *(r["measured_over_predicted"] * 1.15
+                                                                     for r in checked))))
+    ax.legend(fontsize=7, loc="lower right")
+
+
+def textwrap_short(text: str, width: int = 28) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width)[:3])
+
+
 def _missing(ax, title: str, findings: dict, keys: tuple[str, ...]) -> None:
     """A panel whose experiments gave nothing to draw says why (skipped, failed, not run), not empty axes."""
     import textwrap
@@ -183,12 +210,11 @@ def _remedies_table(result: dict) -> str:
         return ""
     rows = "".join(
         f"<tr><td>{html.escape(r['for'])}</td><td><code>{html.escape(' '.join('--set ' + x for x in r['set']))}"
-        f"</code></td><td>{r['predicted_samples_per_s']:,.0f}</td><td>"
-        + (f"{r['measured_samples_per_s']:,.0f} ({r['measured_over_predicted']:.2f}x)" if "measured_samples_per_s"
-           in r else html.escape(r.get("verify_error", "not run (--verify runs the first)")))
+        f"</code></td><td>{html.escape(predicted_text(r))}</td><td>"
+        + html.escape(measured_text(r) or r.get("verify_error", "not run (--verify runs the first)"))
         + f"</td><td>{html.escape(r['from'])}</td></tr>" for r in found)
-    return ("<h2>Remedies</h2><table><tr><th>wait</th><th>change</th><th>predicted samples/s</th>"
-            "<th>measured samples/s</th><th>predicted from</th></tr>" + rows + "</table>")
+    return ("<h2>Remedies</h2><table><tr><th>wait</th><th>change</th><th>predicted</th>"
+            "<th>measured (--verify)</th><th>predicted from</th></tr>" + rows + "</table>")
 
 
 def page(result: dict, png: bytes) -> str:
@@ -211,7 +237,7 @@ def page(result: dict, png: bytes) -> str:
 
 
 def write(out: str, result: dict) -> dict[str, str]:
-    png = picture(result["findings"])
+    png = picture(result["findings"], result.get("remedies"))
     paths = {"json": io.join(out, "diagnosis.json"), "png": io.join(out, "diagnosis.png"),
              "html": io.join(out, "diagnosis.html")}
     io.write_bytes_atomic(paths["png"], png)

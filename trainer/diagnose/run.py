@@ -19,7 +19,7 @@ import traceback
 from dutycycle.engine import io
 
 from .experiments import EXPERIMENTS, Context, short_run
-from .remedies import remedies
+from .remedies import measured_text, predicted_text, remedies
 from .remedies import verify as check_remedy
 from .report import describe, write
 from .verdict import decide
@@ -165,19 +165,21 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-    verdict = decide(findings, {"quant_grads": cfg.parallel.quant_grads})
+    verdict = decide(findings, {"quant_grads": cfg.parallel.quant_grads, "inject_comm_ms": cfg.parallel.inject_comm_ms,
+                                "scale": scale, "workers": cfg.parallel.num_workers,
+                                "zero_stage": cfg.parallel.zero_stage})
     found = remedies(findings, verdict.kind)
     for r in found:
         say(f"[diagnose] remedy for {r['for']}: --set {' --set '.join(r['set'])}: predicted "
-            f"{r['predicted_samples_per_s']:,.0f} samples/s ({r['from']})")
+            f"{predicted_text(r)} ({r['from']})")
     if verify and found and interrupted is None:
         try:
             if main:
                 _ray_from_main_thread(cfg)
             found[0] = _run_bounded(lambda c: check_remedy(c, found[0], short_run), ctx,
                                     max(60.0, deadline - time.perf_counter()))
-            say(f"[diagnose] verified: {found[0]['measured_samples_per_s']:,.0f} samples/s measured against "
-                f"{found[0]['predicted_samples_per_s']:,.0f} predicted ({found[0]['measured_over_predicted']:.2f}x)")
+            say(f"[diagnose] verified: {measured_text(found[0])} measured against {predicted_text(found[0])} "
+                "predicted")
         except KeyboardInterrupt as e:
             interrupted = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
         except Exception as e:  # noqa: BLE001 - the diagnosis stands; the check is reported as failed
@@ -185,10 +187,13 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
     result = {"config_name": config_name, "budget_s": budget_s, "findings": findings,
               "verdict": verdict.to_dict(), "remedies": found}
     if scale:
-        from .failures import MODEL
+        from .projection import models
 
-        result["projection"] = {"workers": scale, "shares": ["failures"], "model": MODEL,
-                                "measured_at": cfg.parallel.num_workers}
+        # the verdict's shares are these workers'; each wait's model says how it was carried there
+        many = (findings.get("scaling") or {}).get("many")
+        comm_at = findings["scaling"]["workers"] if many else cfg.parallel.num_workers
+        result["projection"] = {"workers": scale, "measured_at": cfg.parallel.num_workers,
+                                "shares": verdict.shares, "models": models(comm_at)}
     if interrupted is not None:
         result["interrupted"] = str(interrupted)
     result["files"] = write(out, result)

@@ -65,7 +65,16 @@ def memory_verdict(mem: dict) -> Verdict | None:
 def decide(findings: dict, settings: dict | None = None) -> Verdict:
     """``findings``: experiment name -> its result dict (or ``{"error": ...}``). ``settings``: the diagnosed
     config's own values the fixes depend on (``quant_grads``), so a fix is never one already in effect even when
-    the experiment that records it (scaling) did not run."""
+    the experiment that records it (scaling) did not run; and with ``scale`` (``--scale N``), ``workers`` and
+    ``zero_stage``, every share is projected to N workers (``projection.py``) before the verdict is drawn."""
+    v = _decide(findings, settings)
+    s = settings or {}
+    if s.get("scale") and s["scale"] != s.get("workers", 1) and v.shares:
+        v.headline += f" [shares projected from {s.get('workers', 1)} to {s['scale']:,} workers]"
+    return v
+
+
+def _decide(findings: dict, settings: dict | None) -> Verdict:
     mem = findings.get("memory") or {}
     if "configured" in mem:
         v = memory_verdict(mem)
@@ -74,7 +83,8 @@ def decide(findings: dict, settings: dict | None = None) -> Verdict:
 
     e2e = findings.get("end_to_end") or {}
     run = e2e.get(e2e.get("configured", ""), {}) if "error" not in e2e else {}
-    scaling = {**(settings or {}), **(findings.get("scaling") or {})}
+    own = {k: v for k, v in (settings or {}).items() if k in ("quant_grads", "inject_comm_ms")}
+    scaling = {**own, **(findings.get("scaling") or {})}
     many = scaling.get("many") if scaling.get("applicable", True) and "error" not in scaling else None
     ckpt = findings.get("checkpoint") or {}
     ceiling = (findings.get("compute") or {}).get("samples_per_s")
@@ -114,6 +124,14 @@ def decide(findings: dict, settings: dict | None = None) -> Verdict:
     fails = findings.get("failures") or {}
     if fails.get("failure_share") is not None:  # redone work and restarts at the modelled worker count
         put("failures", fails["failure_share"], None)
+    settings = settings or {}
+    scale, workers = settings.get("scale"), settings.get("workers", 1)
+    if scale and scale != workers and shares:  # --scale: every wait at N workers, each by its model
+        from .projection import project
+
+        shares, iv = project(shares, iv, measured_at=workers,
+                                comm_measured_at=scaling.get("workers") if many else workers, workers=scale,
+                                zero_stage=settings.get("zero_stage", 0))
     if not shares:
         failed = [k for k in ("end_to_end", "scaling") if "error" in (findings.get(k) or {})]
         if failed:
@@ -126,9 +144,10 @@ def decide(findings: dict, settings: dict | None = None) -> Verdict:
     if hi < THRESHOLD:
         got = run.get("samples_per_s") if run else None
         frac = f" ({got / ceiling:.0%} of the compute ceiling of {_k(ceiling)} samples/s)" if got and ceiling else ""
-        head = (f"compute-bound: no wait takes more than {share:.0%} of a step (data {shares.get('data', 0):.0%}, "
-                f"communication {shares.get('communication', 0):.0%}, checkpoint {shares.get('checkpoint', 0):.0%})"
-                f"; it trains at {_k(got)} samples/s{frac}")
+        waits = ", ".join(f"{k} {shares[k]:.0%}" for k in ("data", "communication", "checkpoint", "failures")
+                          if k in shares)
+        head = (f"compute-bound: no wait takes more than {share:.0%} of a step ({waits}); it trains at "
+                f"{_k(got)} samples/s{frac}")
         fix = "a faster model step (larger batch per worker, bf16 on GPU, more devices) is what shortens this run"
         if many and scaling.get("efficiency", 1.0) < 0.7:
             # the workers wait on nothing, yet N of them barely beat one: they share the compute itself (on CPU,
@@ -200,10 +219,12 @@ def _comm(share, shares, scaling) -> Verdict:
         head += (f" at {n} workers (speedup {scaling['speedup']:.2f}x over 1 worker; {sent} sent per step "
                  f"per rank at ZeRO stage {scaling['zero_stage']})")
     q = scaling.get("quantized")
-    if q:
+    if q and not scaling.get("inject_comm_ms"):
         fix = (f"set {', '.join(s.replace('=', ' = ') for s in q['settings'])} (and parallel.zero_stage = "
                f"{q['zero_stage']}): measured {q['comm_share']:.0%} of the step in communication, "
                f"{q['samples_per_s'] / max(many.get('samples_per_s', 1e-9), 1e-9):.2f}x the samples/s")
+    elif scaling.get("inject_comm_ms"):
+        fix = "remove parallel.inject_comm_ms (the exchange is slowed on purpose)"
     else:  # remedies the run does not already use
         fix = ("accumulate more micro-batches per exchange (data.micro_batches) or use a lower ZeRO stage if memory "
                "allows")

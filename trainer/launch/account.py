@@ -10,6 +10,8 @@ for every failure. Those are measured at their boundaries, on the wall clock, by
     health_check   topology observed, layout and checkpoint place checked, the pre-flight collectives
     data_open      the loader's sources opened (the cache's index, the split, the plan)
     model_build    model built, broadcast, wrapped for its strategy; optimizer, checkpointer and timers made
+    warmup         each attempt's first step beyond the median step, per phase (lazy initialization: optimizer
+                   state, allocations, the loader's first batch): taken out of the per-step phases
     (the loop)     step/timing.ACCOUNT: per step, and restore, loader_start, final_save once
     failures       from the first attempt's loop start to the last attempt's, less the steps the job kept from
                    the earlier attempts: steps trained again, the time to notice the failure, the restart
@@ -35,7 +37,8 @@ NAMES = {
     "data_wait": "waiting for data", "h2d": "copy to the device", "forward_backward": "forward and backward",
     "comm": "exposed communication", "optimizer": "optimizer step", "checkpoint": "checkpoint stall",
     "eval": "evaluation", "ray_start": "Ray start", "worker_start": "worker start", "health_check": "health check",
-    "data_open": "data open", "model_build": "model build", "restore": "restore", "loader_start": "loader start",
+    "data_open": "data open", "model_build": "model build", "warmup": "first-step warm-up", "restore": "restore",
+    "loader_start": "loader start",
     "final_save": "final save and its wait", "failures": "lost to failures", "results": "results",
     "teardown": "teardown", "other": "other",
 }
@@ -61,6 +64,10 @@ def job_time(summary: dict, rows: list[dict], *, launched: float, fit_called: fl
     kept = _kept_earlier(rows, before=last["started"]) if first is not last else {}
     for name, v in kept.items():
         sec[name] += v
+    for k, v in _warmup(rows, attempts).items():  # each attempt's first step: what it took beyond a typical one
+        moved = min(v, sec[k])
+        sec[k] -= moved
+        sec["warmup"] += moved
     sec["failures"] = max(0.0, last["loop_started"] - first["loop_started"] - sum(kept.values()))
     sec["results"] = max(0.0, float(last.get("results_s", 0.0)))
     sec["teardown"] = max(0.0, closed - (last["loop_started"] + last["loop_s"] + sec["results"]))
@@ -93,6 +100,27 @@ def format_job(launch: dict) -> str:
             f"  per step, {launch['per_step_s']:.1f} s: {part(PHASES)}\n"
             f"  once, {launch['one_time_s']:.1f} s: {part(LAUNCH_ONE_TIME)}\n"
             f"  other {sec['other']:.2f} s ({sec['other'] / wall:.1%})")
+
+
+def _warmup(rows: list[dict], attempts: list[dict]) -> dict:
+    """Per phase, how much longer each attempt's first step took than the median step (lazy initialization:
+    the optimizer's state, the allocator, the loader's first batch), for the first steps the rows keep."""
+    import statistics
+
+    steps = [r for r in rows if "loss" in r and "time" in r]
+    if len(steps) < 3:
+        return {}
+    median = {k: statistics.median(float(r.get(k, 0.0)) for r in steps) for k in PHASES}
+    starts = sorted(a["loop_started"] for a in attempts)
+    out = dict.fromkeys(PHASES, 0.0)
+    for i, begin in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else float("inf")
+        mine = [r for r in steps if begin <= r["time"] < end]
+        if mine:
+            head = min(mine, key=lambda r: r["step"])
+            for k in PHASES:
+                out[k] += max(0.0, float(head.get(k, 0.0)) - median[k])
+    return out
 
 
 def _kept_earlier(rows: list[dict], *, before: float) -> dict:

@@ -1,13 +1,13 @@
 """How a run's results reach the driver on a real cluster, and how Ray's log stays readable.
 
 **Results.** On a multi-node cluster the driver cannot read files rank 0 wrote to its own node's disk. So at the
-end of training rank 0 reports the run's small result files
-(``summary.json``, ``config.json``, ``metrics.jsonl``, ``health.json``) to Ray Train as the run's
-last checkpoint; Ray Train copies it into ``RunConfig.storage_path`` (``ray.storage_path``: a shared folder or
-``s3://``), and the driver reads it from ``Result.checkpoint``, filling in its own view of ``run.dir`` when that
-is a different disk, and draws ``report.png`` there once it has closed the job's time account. The checkpoint also holds the pointer to the last committed training checkpoint
-(checkpoint/raytrain.py), so ``checkpoint_uri(result.checkpoint)`` keeps working. ``model.safetensors`` stays in
-``run.dir`` (it can be large); the summary names it.
+end of training rank 0 reports the run's small result files (``summary.json``, ``config.json``,
+``metrics.jsonl``, ``health.json``) to Ray Train as the run's last checkpoint; Ray Train copies it into
+``RunConfig.storage_path`` (``ray.storage_path``: a shared folder or ``s3://``), and the driver reads it from
+``Result.checkpoint``, filling in its own view of ``run.dir`` when that is a different disk, and draws
+``report.png`` there once it has closed the job's time account. The checkpoint also holds the pointer to the last
+committed training checkpoint (checkpoint/raytrain.py), so ``checkpoint_uri(result.checkpoint)`` keeps working.
+``model.safetensors`` stays in ``run.dir`` (it can be large); the summary names it.
 
 **Logs.** Ray Train V2 wraps ``print`` in its workers and also lets the original through, so every line of rank 0
 came out twice (``RAY_TRAIN_ENABLE_PRINT_PATCH=0`` keeps the plain print). Its placement-group cleaner asks Ray's

@@ -160,13 +160,16 @@ def grad_norm(strategy):
 
 
 def optimizer_step(strategy, optimizer, x, y, *, micro_batches: int, timer, autocast, grad_clip: float,
-                   lr: float, sampler=None):
+                   lr: float, sampler=None, inject_comm_s: float = 0.0):
     """One full optimizer step on this rank's batch. Returns ``(loss, grad_norm)``: the rank's mean loss and the
     global gradient norm before clipping (device tensors). The norm is computed without clipping too
     (``grad_clip`` = 0), so that the step log's non-finite check catches an infinite or NaN gradient at the step
     that made it, not at the next step's NaN loss (which would blame, and skip, the wrong batch)."""
     with timer.phase("forward_backward"):
         loss = forward_backward(strategy, x, y, micro_batches, autocast, sampler)
+        if inject_comm_s:  # parallel.inject_comm_ms: a slower link, on purpose
+            time.sleep(inject_comm_s)
+            strategy.meter.add_blocked(inject_comm_s)
     timer.move("forward_backward", "comm", strategy.meter.take_blocked())
     with timer.phase("optimizer"):
         norm = strategy.clip_grad_norm_(grad_clip) if grad_clip > 0 else grad_norm(strategy)
@@ -358,7 +361,8 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
                 lr = lr_at(step, total, cfg.optim)
                 loss, grad_norm = optimizer_step(strategy, optimizer, x, y, micro_batches=cfg.data.micro_batches,
                                                  timer=timer, autocast=autocast, grad_clip=cfg.optim.grad_clip,
-                                                 lr=lr, sampler=sampler if step == first_step else None)
+                                                 lr=lr, sampler=sampler if step == first_step else None,
+                                                 inject_comm_s=cfg.parallel.inject_comm_ms / 1000.0)
                 checkpointer.account(timer)
                 step += 1
                 log.add(step, epoch, lr, loss, int(y.shape[0]), timer.end_step(), grad_norm, batch=index,

@@ -21,7 +21,7 @@ COLORS = {
     "other": "#c7c7c7",
     # the job's one-time phases (launch/account.py)
     "ray_start": "#393b79", "worker_start": "#5254a3", "health_check": "#6b6ecf", "data_open": "#9c9ede",
-    "model_build": "#637939", "failures": "#843c39", "results": "#bd9e39", "teardown": "#e7ba52",
+    "model_build": "#637939", "warmup": "#8c6d31", "failures": "#843c39", "results": "#bd9e39", "teardown": "#e7ba52",
 }
 
 

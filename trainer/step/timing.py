@@ -33,7 +33,7 @@ ALL_PHASES = (*PHASES, "other")
 ONE_TIME = ("restore", "loader_start", "final_save")
 ACCOUNT = (*PHASES, *ONE_TIME, "other")  # the run's whole wall time, every second under one name
 # The job's one-time phases around the loop, from launch to exit, in the order they happen (launch/account.py)
-JOB_ONE_TIME = ("ray_start", "worker_start", "health_check", "data_open", "model_build", *ONE_TIME,
+JOB_ONE_TIME = ("ray_start", "worker_start", "health_check", "data_open", "model_build", "warmup", *ONE_TIME,
                 "failures", "results", "teardown")
 # Phases that do the model's useful work: goodput is their share of wall time.
 USEFUL = ("forward_backward", "optimizer")

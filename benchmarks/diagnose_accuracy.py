@@ -1,0 +1,230 @@
+"""Does ``dutycycle diagnose`` name the cause that is there? Each cause is injected at two strengths into the
+demo's config, and the diagnosis is run again and again on it: how often does the verdict name the injected
+cause, and how far is the measured share from the injected one?
+
+    python benchmarks/diagnose_accuracy.py --cache dutycycle-demo/cache/<fingerprint> --repeats 10
+
+The injections (each documented as fault injection in the config, or a measurement setting):
+
+    data         data.slow_ms = k x the step time: the step sleeps for its batch; its share is k / (1 + k); and
+                 the raw path decoding in the step (the remedy, the cache, is what --verify runs)
+    comm         parallel.inject_comm_ms = k x the step time: the exchange waits longer; its share is k / (1 + k)
+    checkpoint   synchronous saves every 2 steps to a path throttled (benchmarks/throttle.py) so that a save
+                 writes for k x the step time; its share is (k + s) / (2 + k + s), s the unthrottled stall in steps
+    memory       --memory-budget-mb = f x the configured stage's model state (f < 1): it cannot fit
+    failures     checkpoint.failures_per_worker_hour set so the modelled loss is a share p of the time (from the
+                 baseline's measured save, restore and restart): the verdict must say failure-bound
+
+Every run is one worker, in this process (no Ray: a diagnosis in about 20 s), with only the experiments the
+verdict needs for that cause. A baseline diagnosis first measures the step time, the checkpoint's bytes and
+stall, the model state and the failure costs the strengths are set from. Where the verdict names a remedy with a
+prediction, ``--verify`` runs it and the run records measured against predicted.
+
+Writes ``benchmarks/results/diagnose_accuracy.json``: per case the strength, the expected share, per run the
+kind, the measured share and (verified) the prediction's ratio; per case the hits out of the runs and the largest
+share error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __name__ == "__main__":  # run as `python benchmarks/diagnose_accuracy.py`: the siblings import as `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import machine, write_result  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+KIND = {"data": "data-bound", "comm": "communication-bound", "checkpoint": "checkpoint-bound",
+        "memory": "memory-bound", "failures": "failure-bound"}
+SHARE = {"data": "data", "comm": "communication", "checkpoint": "checkpoint"}  # verdict.shares keys
+BASE_ONLY = ["compute", "loader", "end_to_end"]
+ONLY = {"data": BASE_ONLY, "comm": BASE_ONLY, "checkpoint": [*BASE_ONLY, "checkpoint"],
+        "memory": [*BASE_ONLY, "memory"], "failures": [*BASE_ONLY, "failures"]}
+
+
+def diagnose_once(config: str, overrides: list[str], out: Path, only: list[str], budget_s: float,
+                  memory_budget_mb: float | None = None, verify: bool = False) -> dict:
+    from dutycycle.trainer.config import load_config
+    from dutycycle.trainer.diagnose import diagnose
+
+    cfg = load_config(config, overrides)
+    t0 = time.perf_counter()
+    d = diagnose(cfg, out=str(out), budget_s=budget_s, only=only, memory_budget_mb=memory_budget_mb,
+                 verify=verify, say=lambda m: None, config_name=config)
+    d["wall_s"] = time.perf_counter() - t0
+    return d
+
+
+def baseline(config: str, common: list[str], tmp: Path, budget_s: float) -> dict:
+    d = diagnose_once(config, common, tmp / "baseline", ["compute", "loader", "end_to_end", "checkpoint", "memory",
+                                                         "failures"], budget_s * 2)
+    f = d["findings"]
+    run = f["end_to_end"][f["end_to_end"]["configured"]]
+    sync = f["checkpoint"]["sync"]
+    from dutycycle.trainer.config import load_config
+    from dutycycle.trainer.diagnose.experiments import table_of
+
+    return {"step_s": run["step_s"], "kind": d["verdict"]["kind"], "shares": d["verdict"]["shares"],
+            "table": table_of(load_config(config, common)),
+            "save_bytes": sync["summary"]["checkpoint"]["bytes_per_save"],
+            "sync_stall_s": sync["stall_s_per_save"], "state_bytes": f["memory"]["configured"]["device_bytes"],
+            "failure_costs": f["failures"]["measured"], "wall_s": d["wall_s"]}
+
+
+def failure_rate_for(share: float, base: dict) -> float:
+    """The per-worker-hour rate whose modelled loss is ``share`` of the time, from the measured costs (one
+    worker, every 2 steps, as the injected config)."""
+    from dutycycle.trainer.diagnose import failures as fm
+
+    m = base["failure_costs"]
+
+    def modelled(rate: float) -> float:
+        costs = fm.FailureCosts(save_s=m["save_s"], restart_s=m["restart_s"], step_s=m["step_s"],
+                                rate_per_worker_hour=rate)
+        return fm.assess(costs, 1, 2)["failure_share"]
+
+    lo, hi = 1e-3, 1e7
+    for _ in range(80):  # the share grows with the rate: bisect on a log scale
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if modelled(mid) < share else (lo, mid)
+    return (lo * hi) ** 0.5
+
+
+def cases(base: dict, tmp: Path) -> list[dict]:
+    """Each cause at two strengths: the settings, and the share the injection fixes (None where it does not)."""
+    c = base["step_s"]
+    out = []
+    for k in (2.0, 4.0):
+        out.append({"cause": "data", "strength": f"loader period {k:g}x the step", "set": [f"data.slow_ms={k * c * 1e3:.0f}"],
+                    "expected_share": k / (1 + k), "injected_s_per_step": round(k * c * 1e3) / 1e3})
+    if base.get("table"):  # the raw path decoding in the step: data-bound, and the cache is the remedy to verify
+        # a prediction case: whether the demo's small images make it data-bound depends on the machine
+        out.append({"cause": "data", "strength": "raw decode in the step (loader_mode = sync)",
+                    "set": ["data.source=raw", f"data.table={base['table']}", "data.loader_mode=sync"],
+                    "expected_share": None, "prediction_only": True})
+    for k in (0.5, 2.0):
+        out.append({"cause": "comm", "strength": f"exchange delay {k:g}x the step",
+                    "set": [f"parallel.inject_comm_ms={k * c * 1e3:.0f}"], "expected_share": k / (1 + k),
+                    "injected_s_per_step": round(k * c * 1e3) / 1e3})
+    s = base["sync_stall_s"] / c
+    for k in (1.0, 3.0):
+        mb_s = base["save_bytes"] / (k * c) / 1e6
+        out.append({"cause": "checkpoint", "strength": f"a save writes {k:g}x the step", "throttle_mb_s": mb_s,
+                    "set": ["checkpoint.every=2", "checkpoint.async_save=false", "checkpoint.resume=none"],
+                    "expected_share": (k + s) / (2 + k + s), "injected_s_per_step": (k * c + base["sync_stall_s"]) / 2})
+    for f in (0.5, 0.9):
+        out.append({"cause": "memory", "strength": f"budget {f:g}x the model state",
+                    "memory_budget_mb": f * base["state_bytes"] / 2**20, "set": [], "expected_share": None})
+    for p in (0.3, 0.6):
+        rate = failure_rate_for(p, base)
+        out.append({"cause": "failures", "strength": f"modelled loss {p:.0%} of the time",
+                    "set": [f"checkpoint.failures_per_worker_hour={rate:.6g}", "checkpoint.every=2"],
+                    "expected_share": None})
+    return [{**c, "index": i} for i, c in enumerate(out)]
+
+
+def run_case(config: str, common: list[str], case: dict, tmp: Path, repeats: int, budget_s: float,
+             verify: bool, base_step: float) -> dict:
+    name = f"{case['cause']}-{case['index']}"
+    runs = []
+    for i in range(repeats):
+        sets = list(case["set"])
+        env_before = dict(os.environ)
+        if "throttle_mb_s" in case:  # the checkpoint path, paced (benchmarks/throttle.py)
+            from benchmarks import throttle
+
+            os.environ[throttle.RATE_ENV] = f"{case['throttle_mb_s']:.6g}"
+            throttle._LINK = None  # the link reads its rate once
+            sets.append(f"checkpoint.dir=throttled://{tmp}/ckpt-{name}-{i}")
+        try:
+            d = diagnose_once(config, [*common, *sets], tmp / f"{name}-{i}", ONLY[case["cause"]],
+                              budget_s, case.get("memory_budget_mb"), verify)
+        except Exception as e:  # noqa: BLE001 - recorded: a run that fails is a miss, with its reason
+            runs.append({"error": f"{type(e).__name__}: {e}"[:500]})
+            continue
+        finally:
+            os.environ.clear()
+            os.environ.update(env_before)
+        v = d["verdict"]
+        r = {"kind": v["kind"], "wall_s": round(d["wall_s"], 1)}
+        if not case.get("prediction_only"):
+            r["hit"] = v["kind"] == KIND[case["cause"]]
+        e2e = d["findings"].get("end_to_end") or {}
+        run = e2e.get(e2e.get("configured", ""), {}) if "error" not in e2e else {}
+        if run:  # the step as this run measured it: what the compute took beside the injection
+            r["step_s"] = run["step_s"]
+        key = SHARE.get(case["cause"])
+        if key:
+            r["share"] = v["shares"].get(key)
+            if case["expected_share"] is not None and r["share"] is not None:
+                r["share_error_points"] = 100 * abs(r["share"] - case["expected_share"])
+            if "injected_s_per_step" in case and "step_s" in r and r["share"] is not None:
+                # the accounting itself: the wait measured per step against the seconds injected per step
+                r["wait_error_ms"] = 1e3 * (r["share"] * r["step_s"] - case["injected_s_per_step"])
+        for rem in d.get("remedies") or []:
+            if "measured_samples_per_s" in rem:
+                r["verified"] = {"for": rem["for"], "set": rem["set"], "predicted": rem["predicted_samples_per_s"],
+                                 "measured": rem["measured_samples_per_s"],
+                                 "measured_over_predicted": rem["measured_over_predicted"]}
+        runs.append(r)
+        print(f"  {case['cause']} ({case['strength']}) run {i}: {r.get('kind')}, share {r.get('share')}",
+              file=sys.stderr)
+    errors = [r["share_error_points"] for r in runs if "share_error_points" in r]
+    # what the step spent beside the injected wait, against the baseline's step: when it grows, a share set from the
+    # baseline's step reads low (a core that sleeps between steps, as the injected waits make it, runs slower)
+    rest = sorted(r["step_s"] * (1 - r["share"]) for r in runs if "step_s" in r and r.get("share") is not None)
+    counted = [] if case.get("prediction_only") else runs
+    return {**case, "runs": runs, "hits": sum(r.get("hit", False) for r in counted), "of": len(counted),
+            "largest_share_error_points": max(errors) if errors else None,
+            "rest_of_step_vs_baseline": rest[len(rest) // 2] / base_step if rest and base_step else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=str(HERE.parent / "configs" / "demo.toml"))
+    p.add_argument("--cache", required=True, help="the demo's cache (dutycycle demo makes one)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=120.0)
+    p.add_argument("--causes", default=",".join(KIND))
+    p.add_argument("--verify", action="store_true", help="also run each verdict's top remedy (slower)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run (after the cache and the worker count)")
+    p.add_argument("--out", default=str(HERE / "results" / "diagnose_accuracy.json"))
+    args = p.parse_args(argv)
+    from benchmarks import throttle
+
+    throttle.register()  # the throttled:// protocol, in this process (every run is in it)
+
+    common = [f"data.cache={os.path.abspath(args.cache)}", "parallel.num_workers=1", "ray.max_failures=0",
+              *args.overrides]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="dc-bench-accuracy-") as d:
+        tmp = Path(d)
+        base = baseline(args.config, common, tmp, args.budget_s)
+        print(f"baseline: step {base['step_s']:.3f} s, {base['kind']}", file=sys.stderr)
+        wanted = set(args.causes.split(","))
+        rows = [run_case(args.config, common, case, tmp, args.repeats, args.budget_s, args.verify, base["step_s"])
+                for case in cases(base, tmp) if case["cause"] in wanted]
+    result = {
+        "benchmark": "diagnose_accuracy",
+        "config": {"config": os.path.relpath(args.config, HERE.parent), "overrides": args.overrides,
+                   "repeats": args.repeats, "budget_s": args.budget_s, "workers": 1,
+                   "verify": args.verify},
+        "machine": machine(),
+        "baseline": base,
+        "cases": rows,
+        "right_cause": {f"{r['cause']}: {r['strength']}": f"{r['hits']}/{r['of']}" for r in rows if r["of"]},
+        "total_s": round(time.perf_counter() - t0, 1),
+    }
+    write_result(args.out, result, ("right_cause",))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -135,10 +135,11 @@ def run_case(config: str, common: list[str], case: dict, tmp: Path, repeats: int
     runs = []
     for i in range(repeats):
         sets = list(case["set"])
-        env_before = dict(os.environ)
+        rate_before = None
         if "throttle_mb_s" in case:  # the checkpoint path, paced (benchmarks/throttle.py)
             from benchmarks import throttle
 
+            rate_before = os.environ.get(throttle.RATE_ENV)
             os.environ[throttle.RATE_ENV] = f"{case['throttle_mb_s']:.6g}"
             throttle._LINK = None  # the link reads its rate once
             sets.append(f"checkpoint.dir=throttled://{tmp}/ckpt-{name}-{i}")
@@ -149,8 +150,13 @@ def run_case(config: str, common: list[str], case: dict, tmp: Path, repeats: int
             runs.append({"error": f"{type(e).__name__}: {e}"[:500]})
             continue
         finally:
-            os.environ.clear()
-            os.environ.update(env_before)
+            if "throttle_mb_s" in case:  # the pace of the next case is its own
+                from benchmarks import throttle
+
+                if rate_before is None:
+                    os.environ.pop(throttle.RATE_ENV, None)
+                else:
+                    os.environ[throttle.RATE_ENV] = rate_before
         v = d["verdict"]
         r = {"kind": v["kind"], "wall_s": round(d["wall_s"], 1)}
         if not case.get("prediction_only"):

@@ -63,11 +63,12 @@ def demo_run(results: dict) -> str:
     )
     launch = tr.get("launch")
     if launch:  # every second from launch to exit under a name (trainer/launch/account.py)
-        from dutycycle.trainer.launch.account import LAUNCH_ONE_TIME, NAMES, STEP_PHASES
+        from dutycycle.trainer.launch.account import NAMES
+        from dutycycle.trainer.step.timing import JOB_ONE_TIME, PHASES
 
         sec, lfr = launch["seconds"], launch["fractions"]
-        rows = [[f"per step: {NAMES[k]}", secs(sec[k]), pct(lfr[k], 1)] for k in STEP_PHASES]
-        rows += [[f"once: {NAMES[k]}", secs(sec[k]), pct(lfr[k], 1)] for k in LAUNCH_ONE_TIME]
+        rows = [[f"per step: {NAMES[k]}", secs(sec[k]), pct(lfr[k], 1)] for k in PHASES]
+        rows += [[f"once: {NAMES[k]}", secs(sec[k]), pct(lfr[k], 1)] for k in JOB_ONE_TIME]
         rows += [["other (the residue)", secs(sec["other"]), pct(lfr["other"], 1)],
                  ["the job, from launch to exit", secs(launch["wall_s"]), "100%"]]
         training += "\n\n" + table(["the job's time", "seconds", "share"], rows)

@@ -250,3 +250,14 @@ def test_an_injected_exchange_delay_is_exposed_communication_and_named_as_inject
     assert s["time_breakdown"]["seconds"]["comm"] >= 5 * 0.040  # every step's sleep, moved out of forward
     v = decide({"end_to_end": _e2e(comm=0.5)}, {"quant_grads": "none", "inject_comm_ms": 40.0})
     assert v.kind == "communication-bound" and "remove parallel.inject_comm_ms" in v.fix, v.fix
+
+
+def test_the_checkpoint_experiment_measures_the_configured_storage_and_leaves_nothing_there(tmp_path):
+    storage = tmp_path / "ckpt"
+    cfg = _cfg(tmp_path / "run", "data.source=synthetic", "data.size=16", "checkpoint.every=4",
+               f"checkpoint.dir={storage}")
+    out = diagnose(cfg, out=str(tmp_path / "d"), budget_s=30, only=["checkpoint"])
+    f = out["findings"]["checkpoint"]
+    assert f["sync"]["summary"]["checkpoint"]["dir"] == str(storage / "diagnose-ckpt-sync")  # where it saved
+    assert f["sync"]["saves"] > 0 and f["async"]["saves"] > 0
+    assert not storage.exists() or not any(storage.iterdir())  # and it cleaned up after itself

@@ -91,7 +91,8 @@ def checkpoint_rows(s: dict) -> list[tuple[str, str]]:
 def time_tables(s: dict) -> str:
     """Where the time went: from launch to exit when the job's account is there (per step apart from once),
     else the training loop's (mean per rank)."""
-    from dutycycle.trainer.launch.account import LAUNCH_ONE_TIME, NAMES, STEP_PHASES
+    from dutycycle.trainer.launch.account import NAMES
+    from dutycycle.trainer.step.timing import JOB_ONE_TIME, PHASES
 
     if not s.get("launch"):
         bd = s["time_breakdown"]
@@ -106,9 +107,9 @@ def time_tables(s: dict) -> str:
 
     return (f"<h3>Where the time went: {a['wall_s']:.1f} s from launch to exit</h3>"
             f"<table><tr><th colspan=2>per step ({a['per_step_s']:.1f} s: what a longer run pays more of; "
-            f"mean per rank)</th></tr>{rows(STEP_PHASES)}"
+            f"mean per rank)</th></tr>{rows(PHASES)}"
             f"<tr><th colspan=2>once ({a['one_time_s']:.1f} s: what a short run pays)</th></tr>"
-            f"{rows(LAUNCH_ONE_TIME)}<tr><th colspan=2>the rest</th></tr>{rows(['other'])}</table>")
+            f"{rows(JOB_ONE_TIME)}<tr><th colspan=2>the rest</th></tr>{rows(['other'])}</table>")
 
 
 def _top_remedy(found: list[dict]) -> str:

@@ -350,9 +350,17 @@ def checkpoint(ctx: Context) -> dict:
     # that storage's write time
     where = cfg.checkpoint.dir or ctx.workdir
     for mode in ("sync", "async"):
-        run = short_run(ctx, f"ckpt-{mode}", *synth, f"checkpoint.dir={io.join(where, 'diagnose-ckpt-' + mode)}",
-                         f"checkpoint.every={out['every']}", f"checkpoint.async_save={str(mode == 'async').lower()}",
-                         "checkpoint.resume=none", "ray.max_failures=0")
+        folder = io.join(where, "diagnose-ckpt-" + mode)
+        try:
+            run = short_run(ctx, f"ckpt-{mode}", *synth, f"checkpoint.dir={folder}",
+                            f"checkpoint.every={out['every']}",
+                            f"checkpoint.async_save={str(mode == 'async').lower()}", "checkpoint.resume=none",
+                            "ray.max_failures=0")
+        finally:
+            if cfg.checkpoint.dir:  # the user's storage keeps nothing of the diagnosis
+                fs, path = io.filesystem(folder)
+                if fs.exists(path):
+                    fs.rm(path, recursive=True)
         stall = (run["summary"].get("checkpoint") or {}).get("stall_s", {})
         saves = stall.get("per_save", [])
         out[mode] = {"stall_s_per_save": stall.get("mean", 0.0), "saves": len(saves),

@@ -38,6 +38,12 @@ def factors(*, measured_at: int, comm_measured_at: int, workers: int, zero_stage
             "checkpoint": shrink if zero_stage >= 1 else 1.0}
 
 
+def comm_measured_at(findings: dict, workers: int) -> int:
+    """The worker count the communication share came from: the scaling experiment's, when it ran."""
+    scaling = findings.get("scaling") or {}
+    return scaling["workers"] if scaling.get("many") and "error" not in scaling else workers
+
+
 def models(comm_measured_at: int) -> dict[str, str]:
     """Which model carried each wait to the projected count."""
     out = dict(MODELS)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .verdict import _mb
+
 
 def _run(findings: dict) -> dict:
     e2e = findings.get("end_to_end") or {}
@@ -132,10 +134,6 @@ def measured_text(r: dict) -> str | None:
     if "measured_samples_per_s" in r:
         return f"{r['measured_samples_per_s']:,.0f} samples/s ({r['measured_over_predicted']:.2f}x)"
     return None
-
-
-def _mb(n: float) -> str:
-    return f"{n / 2**20:,.1f} MB" if n >= 2**20 else f"{n / 2**10:,.0f} KB"
 
 
 def verify(ctx, remedy: dict, short_run) -> dict:

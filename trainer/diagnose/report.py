@@ -8,6 +8,7 @@ import base64
 import html
 import io as _io
 import json
+import textwrap
 
 from dutycycle.engine import io
 
@@ -167,23 +168,19 @@ def _remedy_bars(ax, checked: list[dict]) -> None:
     bars = ax.barh([y - 0.2 for y in ys], [r["measured_over_predicted"] for r in checked], height=0.4,
                    color="#1f77b4", label="measured (--verify)")
     ax.bar_label(bars, [f"{r['measured_over_predicted']:.2f}x" for r in checked], fontsize=8)
-    ax.set_yticks(list(ys), [textwrap_short(n) for n in names], fontsize=8)
+    ax.set_yticks(list(ys), [_short(n) for n in names], fontsize=8)
     ax.axvspan(0.85, 1.15, color="#2ca02c", alpha=0.08)  # within 15% of the prediction
     ax.set(title="remedies: measured / predicted", xlim=(0, max(1.6, *(r["measured_over_predicted"] * 1.15
                                                                      for r in checked))))
     ax.legend(fontsize=7, loc="lower right")
 
 
-def textwrap_short(text: str, width: int = 28) -> str:
-    import textwrap
-
+def _short(text: str, width: int = 28) -> str:
     return "\n".join(textwrap.wrap(text, width)[:3])
 
 
 def _missing(ax, title: str, findings: dict, keys: tuple[str, ...]) -> None:
     """A panel whose experiments gave nothing to draw says why (skipped, failed, not run), not empty axes."""
-    import textwrap
-
     titles = {key: t for key, t, _ in EXPERIMENTS}
     why = [f"{titles.get(k, k)}: " + (describe(k, findings[k]) if k in findings else "not run") for k in keys]
     ax.set_axis_off()

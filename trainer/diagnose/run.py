@@ -187,13 +187,11 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
     result = {"config_name": config_name, "budget_s": budget_s, "findings": findings,
               "verdict": verdict.to_dict(), "remedies": found}
     if scale:
-        from .projection import models
+        from .projection import comm_measured_at, models
 
         # the verdict's shares are these workers'; each wait's model says how it was carried there
-        many = (findings.get("scaling") or {}).get("many")
-        comm_at = findings["scaling"]["workers"] if many else cfg.parallel.num_workers
-        result["projection"] = {"workers": scale, "measured_at": cfg.parallel.num_workers,
-                                "shares": verdict.shares, "models": models(comm_at)}
+        result["projection"] = {"workers": scale, "measured_at": cfg.parallel.num_workers, "shares": verdict.shares,
+                                "models": models(comm_measured_at(findings, cfg.parallel.num_workers))}
     if interrupted is not None:
         result["interrupted"] = str(interrupted)
     result["files"] = write(out, result)

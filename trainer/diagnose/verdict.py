@@ -127,11 +127,10 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
     settings = settings or {}
     scale, workers = settings.get("scale"), settings.get("workers", 1)
     if scale and scale != workers and shares:  # --scale: every wait at N workers, each by its model
-        from .projection import project
+        from .projection import comm_measured_at, project
 
-        shares, iv = project(shares, iv, measured_at=workers,
-                                comm_measured_at=scaling.get("workers") if many else workers, workers=scale,
-                                zero_stage=settings.get("zero_stage", 0))
+        shares, iv = project(shares, iv, measured_at=workers, comm_measured_at=comm_measured_at(findings, workers),
+                             workers=scale, zero_stage=settings.get("zero_stage", 0))
     if not shares:
         failed = [k for k in ("end_to_end", "scaling") if "error" in (findings.get(k) or {})]
         if failed:

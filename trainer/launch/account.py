@@ -29,8 +29,6 @@ from __future__ import annotations
 
 from dutycycle.trainer.step.timing import JOB_ONE_TIME, ONE_TIME, PHASES, USEFUL
 
-LAUNCH_ONE_TIME = JOB_ONE_TIME  # one-time phases of the whole job, in the order they happen
-STEP_PHASES = PHASES  # per step: what a longer run pays proportionally more of
 JOB_ACCOUNT = (*PHASES, *JOB_ONE_TIME, "other")
 # how the pages name each phase
 NAMES = {
@@ -46,7 +44,8 @@ NAMES = {
 
 def job_time(summary: dict, rows: list[dict], *, launched: float, fit_called: float | None,
              closed: float) -> dict:
-    """``{"wall_s", "seconds", "fractions", "one_time", "per_step"}`` for the job whose last attempt wrote
+    """``{"wall_s", "seconds", "fractions", "per_step_s", "one_time_s", "attempts", "failures", "goodput"}`` for
+    the job whose last attempt wrote
     ``summary`` (with its ``attempt`` record) and whose metrics rows are ``rows``. ``launched``: when the driver
     began; ``fit_called``: when it handed the run to Ray Train (None in-process: no Ray, no start of its own);
     ``closed``: now, the account's end."""
@@ -61,7 +60,7 @@ def job_time(summary: dict, rows: list[dict], *, launched: float, fit_called: fl
         sec[name] = float(first["setup"].get(name, 0.0))
     for name in (*PHASES, *ONE_TIME, "other"):
         sec[name] += float(loop.get(name, 0.0))
-    kept = _kept_earlier(rows, before=last["started"]) if first is not last else {}
+    kept = _kept_earlier(rows, before=last["started"])  # nothing when there was one attempt
     for name, v in kept.items():
         sec[name] += v
     for k, v in _warmup(rows, attempts).items():  # each attempt's first step: what it took beyond a typical one
@@ -80,7 +79,7 @@ def job_time(summary: dict, rows: list[dict], *, launched: float, fit_called: fl
         "seconds": sec,
         "fractions": {k: v / wall for k, v in sec.items()},
         "per_step_s": sum(sec[k] for k in PHASES),
-        "one_time_s": sum(sec[k] for k in LAUNCH_ONE_TIME),
+        "one_time_s": sum(sec[k] for k in JOB_ONE_TIME),
         "attempts": len(attempts),
         # failures in two parts: the steps trained again, and the rest (noticing the failure, the restart)
         "failures": {"redone_s": redone, "restart_s": sec["failures"] - redone},
@@ -98,7 +97,7 @@ def format_job(launch: dict) -> str:
 
     return (f"job: {wall:.1f} s from launch to exit, goodput {launch['goodput']:.0%}\n"
             f"  per step, {launch['per_step_s']:.1f} s: {part(PHASES)}\n"
-            f"  once, {launch['one_time_s']:.1f} s: {part(LAUNCH_ONE_TIME)}\n"
+            f"  once, {launch['one_time_s']:.1f} s: {part(JOB_ONE_TIME)}\n"
             f"  other {sec['other']:.2f} s ({sec['other'] / wall:.1%})")
 
 

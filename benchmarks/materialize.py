@@ -169,6 +169,7 @@ def _plan(table: str, how: str, runner: str) -> dict[str, Any]:
     from dutycycle.engine.cache import plan as mp
     from dutycycle.engine.cache import selection
     from dutycycle.engine.cache.materialize import plan_rows
+    from dutycycle.engine.roots import table_roots
     from dutycycle.engine.runner import configure
     from dutycycle.engine.table import format as tf
 
@@ -183,7 +184,7 @@ def _plan(table: str, how: str, runner: str) -> dict[str, Any]:
             tm = tf.read_manifest(table)
             df = mp.table_frame(table, tm, None)
             with tempfile.TemporaryDirectory(prefix="plan-staging-") as staging, \
-                    selection.selected(df, classes=list(tm.classes), rows_per_shard=ROWS_PER_SHARD, runner=runner,
+                    selection.selected(df, roots=table_roots(tm), classes=list(tm.classes), rows_per_shard=ROWS_PER_SHARD, runner=runner,
                                        staging=staging, table_uri=table, where=None,
                                        rows=tm.num_rows) as sel:
                 fp = mp.fingerprint([b[2] for b in sel.blocks], list(tm.classes), spec, mp.decode_settings())

@@ -135,9 +135,9 @@ def plan_rows(
     rows outside the table's source roots and ``allowed_roots`` left out and counted."""
     tm = manifest or tf.read_manifest(table_uri)
     roots = table_roots(tm, allowed_roots)
-    df = mp.table_frame(table_uri, tm, where, roots)
+    df = mp.table_frame(table_uri, tm, where)
     # streamed through this process whatever Daft's runner: every row ends up here anyway
-    with selection.selected(df, classes=list(tm.classes), rows_per_shard=DEFAULT_ROWS_PER_SHARD, runner="native",
+    with selection.selected(df, roots=roots, classes=list(tm.classes), rows_per_shard=DEFAULT_ROWS_PER_SHARD, runner="native",
                             staging=None, table_uri=table_uri, where=where, rows=tm.num_rows) as sel:
         n = sel.counts
         t = sel.table()
@@ -255,9 +255,9 @@ def materialize(
     runner = configure(cfg.runner, cfg.ray_address)
     if runner == "ray" and "memory" in (io.protocol(table), io.protocol(cache)):
         raise ConfigError("memory:// lives in one process; use --runner native or a shared location")
-    df = mp.table_frame(table, tm, where, roots)
+    df = mp.table_frame(table, tm, where)
     # the selection is planned once (counts, numbering, digests) and kept on disk until the build is done
-    with selection.selected(df, classes=list(tm.classes), rows_per_shard=cfg.rows_per_shard, runner=runner,
+    with selection.selected(df, roots=roots, classes=list(tm.classes), rows_per_shard=cfg.rows_per_shard, runner=runner,
                             staging=io.join(cache, STAGING_DIR), table_uri=table, where=where,
                             rows=tm.num_rows) as sel:
         return _build(sel, table, tm, cache, index_uri, spec, settings, roots, cfg, runner, log, t0)

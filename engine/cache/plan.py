@@ -1,9 +1,9 @@
 """The plan of a materialization: which rows (the table as a Daft query), how they are digested, and the
 fingerprint. Selecting, numbering and digesting the rows is ``selection.py``'s, in one pass.
 
-- ``table_frame``: the table's committed Parquet files (only the columns the cache needs), filtered by ``where``,
-  with ``outside``: whether a row's URI lies outside the table's source roots (``engine.roots``), so that a
-  crafted table cannot make materialize or the raw loader read ``/etc/passwd`` or another user's files.
+- ``table_frame``: the table's committed Parquet files (only the columns the cache needs), filtered by ``where``.
+  The selection adds ``outside``: whether a row's URI lies outside the table's source roots (``engine.roots``), so
+  that a crafted table cannot make materialize or the raw loader read ``/etc/passwd`` or another user's files.
 - The selection: the good rows inside the roots, one per sample id (the row with the smallest URI when the same
   content appears twice), numbered ``row`` = 0, 1, ... in sample-id order. Shard ``i`` holds rows
   ``[i * rows_per_shard, (i + 1) * rows_per_shard)``; fingerprint block ``b`` rows ``[b * B, (b + 1) * B)``.
@@ -20,7 +20,7 @@ import json
 from collections.abc import Iterable
 
 from ..errors import ConfigError
-from ..roots import RootCheck, table_roots
+from ..roots import RootCheck
 from ..table import format as tf
 from ..transform import TransformSpec
 from . import format as cf
@@ -34,7 +34,7 @@ def first_line(e: BaseException) -> str:
     return lines[0][:200] if lines else type(e).__name__
 
 
-def _outside_udf(roots: list[str]):
+def outside_udf(roots: list[str]):
     import daft
 
     check = RootCheck(roots)
@@ -48,9 +48,8 @@ def _outside_udf(roots: list[str]):
     return outside
 
 
-def table_frame(table_uri: str, manifest: tf.TableManifest, where: str | None, roots: list[str] | None = None):
-    """A lazy Daft DataFrame of the table's rows (``COLUMNS`` plus ``outside``), filtered by ``where``. ``roots``:
-    where rows may point (default: the roots the table records, ``roots.table_roots``)."""
+def table_frame(table_uri: str, manifest: tf.TableManifest, where: str | None):
+    """A lazy Daft DataFrame of the table's rows (``COLUMNS``), filtered by ``where``."""
     import daft
 
     from ..table.table import read_dataframe
@@ -64,10 +63,7 @@ def table_frame(table_uri: str, manifest: tf.TableManifest, where: str | None, r
             raise ConfigError(
                 f"--where {where!r} is not a valid filter ({first_line(e)}); use SQL like \"split = 'train'\""
             ) from e
-    from daft import col
-
-    roots = table_roots(manifest) if roots is None else roots
-    return df.select(*COLUMNS).with_column("outside", _outside_udf(roots)(col("uri")))
+    return df.select(*COLUMNS)
 
 
 def grouped(sel, size: int, key: str, fields: Iterable[str]):

@@ -9,10 +9,13 @@ import hashlib
 import os
 import tempfile
 
+import pyarrow.parquet as pq
 import pytest
 from dutycycle.engine.cache import plan as mp
 from dutycycle.engine.cache import selection
 from dutycycle.engine.cache.udf import ids_digest
+from dutycycle.engine.errors import CorruptArtifactError
+from dutycycle.engine.roots import table_roots
 from dutycycle.engine.table import format as tf
 
 from ..support.tablemaker import CLASSES, write_table
@@ -46,7 +49,7 @@ def _expected(rows: list[dict], rows_per_shard: int, block: int):
     return sel, blocks, shards
 
 
-@pytest.mark.parametrize(("max_open", "hint"), [(selection.MAX_OPEN, None), (3, None), (selection.MAX_OPEN, 700)])
+@pytest.mark.parametrize(("max_open", "hint"), [(selection.MAX_OPEN, None), (3, None), (selection.MAX_OPEN, 705)])
 def test_the_selection_matches_the_row_by_row_definitions(tmp_path, monkeypatch, max_open, hint):
     # rows=None: buckets by two bytes of the id (256 for hex ids); a known small table: by one (16)
     # 3 open bucket files at most: buckets are closed and reopened as new parts, and read back whole
@@ -58,7 +61,7 @@ def test_the_selection_matches_the_row_by_row_definitions(tmp_path, monkeypatch,
     table = write_table(str(tmp_path / "t"), rows, roots=["/data"])
     tm = tf.read_manifest(table)
     want, blocks, shards = _expected(rows, 13, 50)
-    with selection.selected(mp.table_frame(table, tm, None), classes=CLASSES, rows_per_shard=13, runner="native",
+    with selection.selected(mp.table_frame(table, tm, None), roots=table_roots(tm), classes=CLASSES, rows_per_shard=13, runner="native",
                             staging=None, table_uri=table, where=None, rows=hint) as sel:
         got = sel.table()
         staged = sel.staging
@@ -88,6 +91,18 @@ def test_bucket_order_is_byte_order():
         assert keys[-1] == 0  # a null id (an error row) lands in bucket 0
 
 
+def test_a_data_file_replaced_after_the_commit_is_named_not_planned(tmp_path):
+    # a valid Parquet file of fewer rows under a committed name: every read succeeds, the count does not
+    table = write_table(str(tmp_path / "t"), _rows(20), roots=["/data"])
+    tm = tf.read_manifest(table)
+    uri = tf.file_uris(table, tm)[0]
+    t = pq.read_table(uri)
+    pq.write_table(t.slice(0, len(t) - 3), uri)
+    with pytest.raises(CorruptArtifactError, match=f"records {tm.num_rows} rows.*gave {tm.num_rows - 3}"):
+        selection.select(mp.table_frame(table, tm, None), roots=table_roots(tm), classes=CLASSES, rows_per_shard=4,
+                         runner="native", staging=None, table_uri=table, where=None, rows=tm.num_rows)
+
+
 def test_a_plan_that_fails_leaves_nothing_behind(tmp_path):
     table = write_table(str(tmp_path / "t"), _rows(20), roots=["/data"])
     tm = tf.read_manifest(table)
@@ -98,7 +113,7 @@ def test_a_plan_that_fails_leaves_nothing_behind(tmp_path):
     temp = tempfile.gettempdir()
     before = set(os.listdir(temp))
     with pytest.raises(Exception) as e:
-        selection.select(df, classes=CLASSES, rows_per_shard=4, runner="native", staging=None, table_uri=table,
+        selection.select(df, roots=table_roots(tm), classes=CLASSES, rows_per_shard=4, runner="native", staging=None, table_uri=table,
                          where=None)
     assert not isinstance(e.value, AssertionError)
     assert not [n for n in set(os.listdir(temp)) - before if n.startswith("dutycycle-plan-")]

@@ -44,7 +44,10 @@ save every 3 steps the earlier run measured 0.72x), and the save at the last ste
 waits for it), so with N saves the best an asynchronous save can do is about 1/N of synchronous. On this 2-core machine the background write competes with training for the
 cores, so the step after an asynchronous save is slower than the row's median step; both are reported (compare
 them within a row: across rows the shared machine's load moves step times more). Differences of wall times are
-noisy here: a small or negative cost says the checkpoints cost less than the machine's noise.
+noisy here (one async row cost 9.1 s in one invocation and 19.8 s in the next), so every row runs ``--repeats``
+times (default 3) in rounds, each round's costs taken against its own ``none`` row, and the rows report the
+median of each figure with every round's loop wall and cost in ``runs``; a small or negative cost says the
+checkpoints cost less than the machine's noise.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -136,6 +140,7 @@ def metrics(run_dir: Path) -> list[dict]:
 def run_row(mode: str, args, workdir: Path) -> dict:
     run_dir = workdir / mode
     config = write_config(workdir / f"{mode}.toml", run_dir, args, mode)
+    settle()
     t0 = time.perf_counter()
     cpu0 = _children_cpu_s()
     proc = launch(config, args, workdir / f"{mode}.throttle" if throttled(mode) else None)
@@ -170,6 +175,14 @@ def run_row(mode: str, args, workdir: Path) -> dict:
     }
 
 
+def settle() -> None:
+    """Flush the page cache's dirty pages before a row starts: a local-disk row leaves GBs of checkpoints to be
+    written back, and the kernel's writeback then took CPU from whichever row ran next (async-throttled, run after
+    them, measured 38-59 s of loop wall from one invocation to the next)."""
+    os.sync()
+    time.sleep(1.0)
+
+
 def _children_cpu_s() -> float:
     """CPU seconds of every child process waited for so far (a launch's tree once it has exited)."""
     import resource
@@ -188,6 +201,27 @@ def add_overheads(rows: list[dict]) -> None:
         r["overhead_steps_s"] = r["steps_s_sum"] - none["steps_s_sum"]
         r["overhead_process_s"] = r["process_wall_s"] - none["process_wall_s"]
         r["overhead_cpu_s"] = r["cpu_s"] - none["cpu_s"]  # what the saves cost in CPU, all threads together
+
+
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per mode: the median of each figure over the rounds (each round's costs were taken against its own
+    ``none`` row: the machine's load moves whole runs by seconds, and a cost is a difference of two runs), with
+    every round's loop wall and cost kept in ``runs``. A row that failed in any round is that round's error."""
+    out = []
+    for i, first in enumerate(rounds[0]):
+        same = [rows[i] for rows in rounds]
+        failed = next((r for r in same if "error" in r), None)
+        if failed is not None:
+            out.append(failed)
+            continue
+        row = dict(first)
+        for key, value in first.items():
+            values = [r.get(key) for r in same]
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and None not in values:
+                row[key] = statistics.median(values)
+        row["runs"] = {key: [r[key] for r in same] for key in ("loop_wall_s", "overhead_s") if key in first}
+        out.append(row)
+    return out
 
 
 def compute_ratios(rows: list[dict]) -> dict:
@@ -295,33 +329,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--throttle-backing", default="/dev/shm" if os.access("/dev/shm", os.W_OK) else "",
                    help="where the throttled path's bytes land (default /dev/shm: memory, as a network store's leave "
                         "the machine; '' = the temporary folder on disk, which adds the disk's own cost)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="rounds of every row (each round's costs against its own `none`; rows report medians): "
+                        "3, or 1 with --quick")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--quick", action="store_true", help="a tiny ViT and few steps: seconds, for the smoke test")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.depth, args.heads, args.size, args.batch, args.steps, args.every = 32, 2, 2, 8, 4, 8, 3
+    args.repeats = args.repeats or (1 if args.quick else 3)
     if args.throttle_mb_s is None:
         args.throttle_mb_s = 10.0 if args.quick else 200.0
-    rows = []
+    rounds = []
     with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory(
             prefix="dc-throttled-", dir=args.throttle_backing or None) as throttle_root:
-        workdir = Path(d)
-        args.throttle_root = throttle_root
-        for mode in [m for m in ROWS if m in args.rows]:
-            r = run_row(mode, args, workdir)
-            rows.append(r)
-            print(f"{mode}: " + ("error\n" + r["error"] if "error" in r else
-                                 f"stall/save {r['stall_s_per_save']:.3f} s, write {r['write_mb_per_s'] or 0:.0f} MB/s, "
-                                 f"median step {r['step_s_median'] or 0:.2f} s, loop wall {r['loop_wall_s']:.2f} s"),
-                  flush=True)
+        for k in range(args.repeats):
+            # a fresh run folder and throttled folder each round: a row must never resume the last round's commits
+            workdir = Path(d) / f"round{k}"
+            workdir.mkdir()
+            args.throttle_root = os.path.join(throttle_root, f"round{k}")
+            rows = []
+            for mode in [m for m in ROWS if m in args.rows]:
+                r = run_row(mode, args, workdir)
+                rows.append(r)
+                shutil.rmtree(workdir / mode / "checkpoints", ignore_errors=True)  # GBs a later row would share
+                print(f"round {k + 1}/{args.repeats} {mode}: " + (
+                    "error\n" + r["error"] if "error" in r else
+                    f"stall/save {r['stall_s_per_save']:.3f} s, write {r['write_mb_per_s'] or 0:.0f} MB/s, "
+                    f"median step {r['step_s_median'] or 0:.2f} s, loop wall {r['loop_wall_s']:.2f} s"), flush=True)
+            add_overheads(rows)
+            rounds.append(rows)
+            shutil.rmtree(args.throttle_root, ignore_errors=True)  # ~2.7 GB of commits in memory per round
+        rows = merge_rounds(rounds)
         if "recovery" in args.rows:
-            r = recovery_row(args, workdir)
+            r = recovery_row(args, Path(d))
             rows.append(r)
             print("recovery: " + ("error\n" + r["error"] if "error" in r else
                                   f"{r['recovery_s']:.1f} s from the kill to the first resumed step "
                                   f"(restore {r['restore_s']:.2f} s, {r['steps_lost']} steps lost)"), flush=True)
-    add_overheads(rows)
     ratios = compute_ratios(rows)
     result = {
         "benchmark": "checkpoint",

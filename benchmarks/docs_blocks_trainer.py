@@ -253,6 +253,14 @@ def checkpoint(results: dict) -> str:
     wall = "loop_wall_s" if loop else "process_wall_s"
     base = rows["none"][wall]
     throttled = [n for n in shown if n.endswith("-throttled")]
+    repeats = s.get("repeats") or 1
+
+    def cost_of(name: str) -> float:
+        # with rounds, the median of each round's cost against its own no-checkpoint run (not a difference of
+        # medians); results from before rounds have one run of each
+        r = rows[name]
+        return r["overhead_s"] if loop and repeats > 1 and "overhead_s" in r else r[wall] - base
+
     caption = (f"A ViT of {saved['num_params'] / 1e6:.1f}M parameters at {s['ranks']} ranks, ZeRO stage {s['stage']}, "
                f"AdamW fp32 ({nbytes(saved['bytes_per_save'])} of model and optimizer state per save), a save every "
                f"{s['every']} steps over {s['steps']} steps, through the torchrun launcher.")
@@ -263,6 +271,9 @@ def checkpoint(results: dict) -> str:
                 + ("over the training loop (steps, final evaluation and the wait for the last save to commit; "
                    "process start-up left out)." if loop else
                    "over the whole torchrun process (start-up included: these results predate the loop's wall time)."))
+    if repeats > 1:
+        caption += (f" Every row ran {repeats} times in rounds; each figure is the median over the rounds, and a cost "
+                    "the median of each round's cost against that round's run without checkpoints.")
     body = []
     for name in shown:
         r = rows[name]
@@ -271,13 +282,13 @@ def checkpoint(results: dict) -> str:
                      f"{r['write_mb_per_s'] * 1e6 / 2**20:.0f} MiB/s" if has else "-",
                      nbytes(r["bytes_per_save"]) if has else "-", secs(r["step_s_median"]),
                      secs(r["step_s_median_after_save"]) if has else "-", secs(r[wall]),
-                     _signed_secs(r[wall] - base) if has else "-"])
+                     _signed_secs(cost_of(name)) if has else "-"])
     headers = ["save mode", "stall per save", "write throughput", "bytes per save", "median step",
                "median step after a save", "run wall (training loop)" if loop else "run wall (whole process)",
                "end-to-end cost"]
     ratio = d["ratios"]
     target = d["target"]
-    cost = {n: rows[n][wall] - base for n in shown if n != "none"}
+    cost = {n: cost_of(n) for n in shown if n != "none"}
     facts = [
         ["asynchronous stall over synchronous stall", f"{times(ratio['async_stall_vs_sync'])} "
                                                       f"(target {times(target['async_stall_vs_sync'])})"],

@@ -6,7 +6,7 @@ Modules, in the order a save and a resume go through them:
 - ``checkpointer.py``: what the step loop calls (when to save, resume, non-finite recovery, the summary);
 - ``saver.py``: the async policy (at most one save in flight), the commit protocol and retention;
 - ``storage.py``: DCP save/load through fsspec, checksums while writing, loads that run no pickle;
-- ``manifest.py``: the commit record (sizes and sha256 of every file), step directories, removal;
+- ``manifest.py``: the commit record (sizes and BLAKE3 checksums of every file), step directories, removal;
 - ``state.py``: the trainer state saved beside the tensors (step, loader, RNG, config, lineage), JSON;
 - ``resume.py``: which checkpoint to continue from (newest that verifies, loudly falling back) and loading it;
 - ``raytrain.py``: commits reported to Ray Train as pointer checkpoints.

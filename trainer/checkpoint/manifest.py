@@ -1,4 +1,5 @@
-"""The commit record of a checkpoint: ``manifest.json``, written last, naming every file with its size and sha256.
+"""The commit record of a checkpoint: ``manifest.json``, written last, naming every file with its size and checksum
+(BLAKE3; commits written before it carry sha256, and still verify).
 
 A checkpoint is one directory per step, ``CHECKPOINT_DIR/step-00000012/``::
 
@@ -15,6 +16,11 @@ manifest first, so a removal that is interrupted leaves an ignored directory, ne
 
 A file name read from a manifest is data: it must be a plain name inside the step directory (no separators, no
 ``..``), or the checkpoint is refused.
+
+Why BLAKE3: every byte of a save is hashed while it is written, on the core the save shares with training. On this
+2-core machine sha256 hashed 0.98 GB/s and BLAKE3 4.1 GB/s (one thread, 256 MB), and a background write of 330 MB
+took 0.68 CPU-seconds with sha256 against 0.37 with BLAKE3 (the rest is the copy into storage). It stays a
+cryptographic hash, so a checksum means what sha256 meant: the bytes are the ones written.
 """
 
 from __future__ import annotations
@@ -37,12 +43,35 @@ DIGEST = sealed.MANIFEST_DIGEST  # the manifest's checksum of its own content (e
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
 _CHUNK = 8 * 1024**2
+ALGORITHM = "blake3"  # what new commits record
+ALGORITHMS = ("blake3", "sha256")  # what a manifest may record (sha256: commits written before BLAKE3)
+
+
+def hasher(algorithm: str = ALGORITHM):
+    """A new hash object (``update``, ``hexdigest``) of ``algorithm``."""
+    if algorithm == "blake3":
+        from blake3 import blake3
+
+        return blake3()
+    assert algorithm == "sha256", algorithm
+    return hashlib.sha256()
 
 
 @dataclass
 class FileRecord:
     size: int
-    sha256: str
+    digest: str  # hex
+    algorithm: str = ALGORITHM
+
+    def to_json(self) -> dict:
+        return {"size": self.size, self.algorithm: self.digest}
+
+    @classmethod
+    def from_json(cls, rec: dict) -> FileRecord:
+        algorithm = next((a for a in ALGORITHMS if a in rec), None)
+        if algorithm is None:
+            raise KeyError(f"a checksum ({' or '.join(ALGORITHMS)})")
+        return cls(int(rec["size"]), str(rec[algorithm]), algorithm)
 
 
 @dataclass
@@ -58,7 +87,7 @@ class Manifest:
         """Plain JSON, with ``manifest_sha256``: the sha256 of the rest, so a manifest changed after its commit
         (a flipped digit in a size, a step, a timing) is refused rather than trusted."""
         d = asdict(self)
-        d["files"] = {k: asdict(v) for k, v in sorted(self.files.items())}
+        d["files"] = {k: v.to_json() for k, v in sorted(self.files.items())}
         return sealed.seal(d)
 
     @classmethod
@@ -70,7 +99,7 @@ class Manifest:
             files = {}
             for name, rec in d["files"].items():
                 check_name(name, where)
-                files[name] = FileRecord(int(rec["size"]), str(rec["sha256"]))
+                files[name] = FileRecord.from_json(rec)
             return cls(step=int(d["step"]), world_size=int(d["world_size"]), files=files, format=d["format"],
                        created=float(d.get("created", 0.0)), info=dict(d.get("info", {})))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -161,18 +190,18 @@ def write_manifest(step_uri: str, manifest: Manifest) -> None:
 # ------------------------------------------------------------------------------------------------- checksums
 
 
-def file_digest(uri: str) -> FileRecord:
+def file_digest(uri: str, algorithm: str = ALGORITHM) -> FileRecord:
     fs, path = io.filesystem(uri)
-    h, size = hashlib.sha256(), 0
+    h, size = hasher(algorithm), 0
     with fs.open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
             size += len(chunk)
-    return FileRecord(size, h.hexdigest())
+    return FileRecord(size, h.hexdigest(), algorithm)
 
 
 def verify_files(step_uri: str, manifest: Manifest, names: list[str]) -> list[str]:
-    """Check ``names`` (a share of the manifest's files) against their recorded size and sha256; returns one
+    """Check ``names`` (a share of the manifest's files) against their recorded size and checksum; returns one
     message per problem, each naming the file."""
     fs, root = io.filesystem(step_uri)
     fs.invalidate_cache(root)
@@ -188,10 +217,10 @@ def verify_files(step_uri: str, manifest: Manifest, names: list[str]) -> list[st
         if size != want.size:
             problems.append(f"{name} is {size} bytes but {MANIFEST} says {want.size} (truncated or overwritten)")
             continue
-        got = file_digest(uri)
-        if got.sha256 != want.sha256:
-            problems.append(f"{name} has sha256 {got.sha256[:16]}... but {MANIFEST} says {want.sha256[:16]}... "
-                            "(corrupted)")
+        got = file_digest(uri, want.algorithm)
+        if got.digest != want.digest:
+            problems.append(f"{name} has {want.algorithm} {got.digest[:16]}... but {MANIFEST} says "
+                            f"{want.digest[:16]}... (corrupted)")
     return problems
 
 

@@ -1,7 +1,7 @@
 """Choosing a checkpoint to continue from, verifying it, and loading it into a parallelized model.
 
 Selection (``checkpoint.resume = "auto"``): rank 0 lists the step directories, newest first; each is a candidate
-only with a manifest. The ranks verify a candidate together (each checks the sizes and sha256 of every W-th file
+only with a manifest. The ranks verify a candidate together (each checks the sizes and checksums of every W-th file
 of the manifest) and agree on the verdict; the first candidate that verifies is loaded. A candidate that fails
 is reported loudly, naming the file and what is wrong with it, and the next older commit is tried. A directory
 without a manifest (a killed save, a hand-made folder) is skipped quietly: it was never a checkpoint.

@@ -9,7 +9,7 @@
       ── background thread, its own gloo group ─────────────────────────────────────────────────────────────
       write: dcp.save of the snapshot into step-N/       every rank its shard, hashed while written; rank 0
                                                          writes DCP's index once every rank has written
-      commit: gather sizes + sha256 (+ RNG) at rank 0;   rank 0 writes trainer_state.json, then manifest.json:
+      commit: gather sizes + checksums (+ RNG) at 0;   rank 0 writes trainer_state.json, then manifest.json:
                                                          the checkpoint exists from this moment
       retention: rank 0 deletes commits beyond the newest K, and torn directories older than the commit
 
@@ -155,15 +155,15 @@ class Saver:
         files = write_state(state, uri, self.group)
         t1 = time.perf_counter()
         self.on_phase("commit")
-        gathered = self._gather({"files": {k: [r.size, r.sha256] for k, r in files.items()}, "rng": rng})
+        gathered = self._gather({"files": {k: [r.size, r.digest] for k, r in files.items()}, "rng": rng})
         error = None
         total = 0
         if self.rank == 0:
             try:
                 records = {}
                 for part in gathered:
-                    for name, (size, sha) in part["files"].items():
-                        records[mf.check_name(name, uri)] = mf.FileRecord(size, sha)
+                    for name, (size, digest) in part["files"].items():
+                        records[mf.check_name(name, uri)] = mf.FileRecord(size, digest)
                 trainer_state.rng = [part["rng"] for part in gathered]
                 records[mf.TRAINER_STATE] = _write_json(io.join(uri, mf.TRAINER_STATE), trainer_state.to_json())
                 total = sum(r.size for r in records.values())
@@ -200,9 +200,10 @@ class Saver:
 
 
 def _write_json(uri: str, obj) -> mf.FileRecord:
-    import hashlib
     import json
 
     data = json.dumps(obj, indent=1, sort_keys=True).encode()
     io.write_bytes_atomic(uri, data)
-    return mf.FileRecord(len(data), hashlib.sha256(data).hexdigest())
+    h = mf.hasher()
+    h.update(data)
+    return mf.FileRecord(len(data), h.hexdigest())

@@ -5,7 +5,7 @@ the index (``.metadata``) once every rank's write has finished, and a load at an
 needs. Added here, each at a public seam of DCP's storage classes:
 
 - **Checksums while writing.** Every stream DCP writes through is hashed as it goes, so when ``dcp.save`` returns
-  each rank knows the size and sha256 of its own files without reading them back (on an object store a read-back
+  each rank knows the size and checksum of its own files without reading them back (on an object store a read-back
   would download the checkpoint again).
 - **Loads run no pickle.** DCP's ``.metadata`` is a pickle, and DCP's default load planner unpickles non-tensor
   values (optimizer hyperparameters) with the weights-only guard off. Rank 0 also writes the index as JSON
@@ -19,7 +19,6 @@ This module touches one private torch class, ``torch.distributed.checkpoint._fss
 
 from __future__ import annotations
 
-import hashlib
 import io as _io
 import json
 import os
@@ -43,7 +42,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .manifest import METADATA_JSON, FileRecord, check_name, read_json_bounded
+from .manifest import METADATA_JSON, FileRecord, check_name, hasher, read_json_bounded
 
 # dcp.save/load in one process with no process group say so on every call; that is the intended use here
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -57,7 +56,7 @@ class _HashingStream(_io.RawIOBase):
 
     def __init__(self, raw):
         super().__init__()
-        self.raw, self.sha, self.size = raw, hashlib.sha256(), 0
+        self.raw, self.hash, self.size = raw, hasher(), 0
 
     def writable(self) -> bool:
         return True
@@ -66,7 +65,7 @@ class _HashingStream(_io.RawIOBase):
         view = memoryview(b).cast("B")
         n = self.raw.write(view)
         n = len(view) if n is None else n
-        self.sha.update(view[:n])
+        self.hash.update(view[:n])
         self.size += n
         return n
 
@@ -89,7 +88,7 @@ class _HashingStream(_io.RawIOBase):
 
 
 class _HashingFileSystem(FileSystem):
-    """FsspecWriter's file system with every written file's size and sha256 recorded by base name."""
+    """FsspecWriter's file system with every written file's size and checksum recorded by base name."""
 
     def __init__(self, records: dict[str, FileRecord]):
         super().__init__()
@@ -104,7 +103,7 @@ class _HashingFileSystem(FileSystem):
         with super().create_stream(path, mode) as stream:
             hashing = _HashingStream(stream)
             yield hashing
-        self.records[os.path.basename(os.fspath(path))] = FileRecord(hashing.size, hashing.sha.hexdigest())
+        self.records[os.path.basename(os.fspath(path))] = FileRecord(hashing.size, hashing.hash.hexdigest())
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)
@@ -139,7 +138,7 @@ class _Writer(FsspecWriter):
 
 def write_state(state: dict, uri: str, process_group=None) -> dict[str, FileRecord]:
     """``dcp.save`` of ``state`` into the directory ``uri`` (every rank calls it; ``process_group`` carries DCP's
-    planning collectives). Returns the files this rank wrote (rank 0: also the indexes) with sizes and sha256."""
+    planning collectives). Returns the files this rank wrote (rank 0: also the indexes) with sizes and checksums."""
     writer = _Writer(uri)
     with _no_zip_crc32():
         dcp.save(state, storage_writer=writer, process_group=process_group)
@@ -149,7 +148,7 @@ def write_state(state: dict, uri: str, process_group=None) -> dict[str, FileReco
 @contextmanager
 def _no_zip_crc32():
     """DCP writes each tensor with ``torch.save``, whose zip container checksums every record with CRC32. The
-    manifest's sha256 (taken while writing) already covers every byte, and resume verifies it before any load,
+    manifest's checksum (taken while writing) already covers every byte, and resume verifies it before any load,
     so the CRC is a second checksum of the same bytes: 0.24 of 0.68 CPU-seconds per 336 MB on a 2-core machine,
     taken from training while an asynchronous save runs. ``torch.load`` reads such files (it does not check the
     CRC). The switch is process-wide; nothing else in the trainer calls ``torch.save``."""

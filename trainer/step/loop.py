@@ -248,6 +248,8 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
 
     ``parallelize_fn`` (same signature as ``parallel.apply.parallelize``) replaces how the model is wrapped:
     benchmarks use it to run a baseline strategy through the same loop."""
+    import faulthandler
+
     import torch
     from dutycycle.trainer.checkpoint.manifest import check_shared, checkpoint_root
     from dutycycle.trainer.cluster.topology import check_layout, observe
@@ -260,6 +262,8 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     from .optim import make_optimizer
     from .timing import StepTimer
 
+    if not faulthandler.is_enabled():  # a rank that dies of a signal (SIGSEGV in a collective) names its stack
+        faulthandler.enable()
     now = time.time()
     started = ctx.started if ctx.started is not None else now
     # launch/account.py: the attempt's one-time phases before the loop, in seconds; "worker_init" is the

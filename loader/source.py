@@ -94,13 +94,13 @@ class ShardGatherer:
         self.reader = reader
         self.shape = tuple(reader.manifest.shape)
         self.num_samples = reader.num_samples
-        self.max_open = reader.read_config.max_open_shards
+        self.max_open = reader.read_config.open_limit(reader.mapped)
         self._open: OrderedDict[int, ShardView] = OrderedDict()
         n, per = reader.num_shards, reader.manifest.sample_bytes
         self._pixels, self._labels, self._ids = _RowSpan(n, per), _RowSpan(n, 8), None
         self._ranged = 0  # open shards read by range (not memory-mapped): then no span serves a batch
         self._odd_ids = 0  # open shards whose ids are not ASCII of the spans' one width
-        self.opens = 0  # shard views opened, reopens included: past max_open_shards this counts the churn
+        self.opens = 0  # shard views opened, reopens included: past the open limit this counts the churn
         self._lock = threading.Lock()  # the spans change while shards open and close
 
     @property

@@ -24,7 +24,7 @@ from .shards import ReadConfig, ReadStats, ShardView, open_mapped, view_of_table
 class CacheReader:
     """Read-only access to a committed cache, one ``ShardView`` per open shard (see ``shards``): local shards are
     memory-mapped in place, remote ones read by range or from a node-local copy; a shard's sha256 is checked
-    once per node, not on every open (``read.verify``). At most ``read.max_open_shards`` views stay open."""
+    once per node, not on every open (``read.verify``). At most ``read.open_limit(mapped)`` views stay open."""
 
     def __init__(self, uri: str, verify: bool = True, read: ReadConfig | None = None, stats: ReadStats | None = None):
         self.uri = resolve(uri)  # a committed cache folder, or a cache root holding one
@@ -82,7 +82,7 @@ class CacheReader:
                 return got
             got = self._open_view(i)
             self._views[i] = got
-            while len(self._views) > self.read_config.max_open_shards:
+            while len(self._views) > self.read_config.open_limit(self.mapped):
                 self._views.popitem(last=False)  # a caller still holding the view keeps its memory map alive
             return got
 

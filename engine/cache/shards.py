@@ -42,7 +42,13 @@ class ReadConfig:
     disk_cache_bytes: int | None = None  # node-local copies of remote shards; None: half the folder's free space
     range_chunk_bytes: int = 1 << 20  # pixels fetched per ranged request (rounded to whole rows)
     range_cache_bytes: int = 64 << 20  # fetched pixel chunks kept per reader (a batch's chunks always fit)
-    max_open_shards: int = 256  # shard views kept open per reader (memory maps, or ids and labels when ranged)
+    # Shard views kept open per reader; None: MAPPED_OPEN (8192) when shards are memory-mapped, RANGED_OPEN (256)
+    # when read by range (a ranged view holds its ids and labels in the heap). A mapped view holds no file
+    # descriptor (the map outlives it) and no heap, only one of the kernel's vm.max_map_count mappings (65,530 by
+    # default per process); reopening one maps the shard afresh, and every row read from it page-faults again. At
+    # 256 mapped views over a 300-shard cache that churn (0.2 faults a sample) held the loader to 226k samples/s
+    # against 464k with every view kept open (benchmarks/loader.py's cache, uint8 batches of 256).
+    max_open_shards: int | None = None
 
     def __post_init__(self):
         if self.verify not in VERIFY:
@@ -51,11 +57,23 @@ class ReadConfig:
             raise ConfigError(f"ReadConfig.remote={self.remote!r} is invalid; use one of {', '.join(REMOTE)}")
         for name in ("range_chunk_bytes", "range_cache_bytes", "max_open_shards"):
             v = getattr(self, name)
+            if v is None and name == "max_open_shards":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"ReadConfig.{name}={v!r} is invalid; use an integer >= 1")
         v = self.disk_cache_bytes
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ConfigError(f"ReadConfig.disk_cache_bytes={v!r} is invalid; use an integer >= 1 or None")
+
+
+    def open_limit(self, mapped: bool) -> int:
+        """How many shard views a reader keeps open: ``max_open_shards``, or by default by how shards are read."""
+        if self.max_open_shards is not None:
+            return self.max_open_shards
+        return MAPPED_OPEN if mapped else RANGED_OPEN
+
+
+MAPPED_OPEN, RANGED_OPEN = 8192, 256  # ReadConfig.open_limit's defaults (see max_open_shards)
 
 
 @dataclass

@@ -184,6 +184,28 @@ def test_gather_any_rows_in_any_order(cache):
             gatherer.read(np.array(bad))
 
 
+def test_mapped_shards_stay_open_past_the_ranged_limit(tmp_path):
+    """By default a mapped view is kept for the reader's life (a reopened map page-faults every row again): two
+    epochs over 300 shards open each shard once. By range, the default keeps 256 views (they hold ids in the
+    heap), and a set ``max_open_shards`` applies to both."""
+    from dutycycle.engine.cache import shards as sh
+
+    from ..support.cachemaker import make_cache
+
+    uri = str(tmp_path / "many")
+    make_cache(uri, 600, shape=(2, 2, 3), shards=300)
+    loader = CacheLoader(uri, "train", 0, 1, LoaderConfig(global_batch_size=64, seed=0, mode="auto",
+                                                          block_size=2, window=64,
+                                                          augment=AugmentConfig(normalize=False)))
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        assert sum(len(b["label"]) for b in loader) == 576
+    assert loader.reader.num_shards == 300 and loader._gatherer.opens == 300
+    assert ReadConfig().open_limit(mapped=True) == sh.MAPPED_OPEN > 300
+    assert ReadConfig().open_limit(mapped=False) == sh.RANGED_OPEN == 256
+    assert ReadConfig(max_open_shards=7).open_limit(mapped=True) == 7
+
+
 def test_ids_of_varying_width_take_the_per_shard_path(tmp_path):
     """Ids that are not all one width (or not ASCII) cannot be gathered as fixed-width bytes: same results."""
     from dutycycle.engine.cache import format as cf

@@ -21,7 +21,7 @@ shuffled as one), the baseline.
 - **Range reads** (``range_amplification``): each rank of the first node replays its epoch through a chunk cache
   like the product's ranged reader (``ReadConfig.range_chunk_bytes`` chunks, least recently used dropped beyond
   ``range_cache_bytes``), chunks of a batch fetched together; bytes fetched per byte of the samples used. And the
-  shard views a reader reopens per batch beyond ``max_open_shards`` (``reopens_per_batch``).
+  shard views a ranged reader reopens per batch beyond its open limit (``reopens_per_batch``).
 - **Shuffle quality** at ``--quality-samples``, two epochs: ``batchmate_repeat`` is the share of a sample's
   batch-mates in epoch 0 that are its batch-mates again in epoch 1 (a true permutation gives about
   ``(B - 1) / (N - 1)``), and ``label_entropy_bits`` the mean per-batch entropy of labels drawn uniformly over
@@ -336,8 +336,9 @@ def main() -> None:
     args.block_size = args.block_size or LoaderConfig.block_size
     args.window = args.window or LoaderConfig.window
     read = ReadConfig()
+    # the replay is of a ranged reader: its default open limit is the ranged one
     args.chunk_bytes, args.cache_bytes, args.max_open_shards = (read.range_chunk_bytes, read.range_cache_bytes,
-                                                                read.max_open_shards)
+                                                                read.open_limit(mapped=False))
     args.chunk_rows = max(1, args.chunk_bytes // args.sample_bytes)  # as materialize records and the reader fetches
     if args.world_size % args.ranks_per_node:
         raise SystemExit(f"--world-size {args.world_size} is not a multiple of --ranks-per-node {args.ranks_per_node}")

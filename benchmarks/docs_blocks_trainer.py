@@ -256,10 +256,10 @@ def checkpoint(results: dict) -> str:
     repeats = s.get("repeats") or 1
 
     def cost_of(name: str) -> float:
-        # with rounds, the median of each round's cost against its own no-checkpoint run (not a difference of
-        # medians); results from before rounds have one run of each
+        # the benchmark's own cost (with rounds: the median of each round's cost against that round's run without
+        # checkpoints, not a difference of medians); results without it have only the whole process's wall
         r = rows[name]
-        return r["overhead_s"] if loop and repeats > 1 and "overhead_s" in r else r[wall] - base
+        return r["overhead_s"] if loop and "overhead_s" in r else r[wall] - base
 
     caption = (f"A ViT of {saved['num_params'] / 1e6:.1f}M parameters at {s['ranks']} ranks, ZeRO stage {s['stage']}, "
                f"AdamW fp32 ({nbytes(saved['bytes_per_save'])} of model and optimizer state per save), a save every "

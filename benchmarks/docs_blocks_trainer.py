@@ -117,6 +117,7 @@ ZEROPP_LABELS = {"stage3": "nothing (gloo's reduce-scatter)",
                  "stage3+qgZ-int8": "qgZ (int8 gradients, two hops)",
                  "stage3+hpZ": "hpZ (backward gathers inside the node)",
                  "stage3+qwZ+qgZ-int8+hpZ": "qwZ + int8 qgZ + hpZ",
+                 "stage3 hybrid": "hybrid sharding: 2 replica groups of 2, fp32 (`parallel.replicate = 2`)",
                  "stage3 no overlap": "nothing, blocking all-gathers",
                  "stage3+qwZ+qgZ-int8+hpZ no overlap": "qwZ + int8 qgZ + hpZ, blocking all-gathers"}
 ZEROPP_ALL = "stage3+qwZ+qgZ-int8+hpZ"
@@ -325,3 +326,34 @@ def checkpoint(results: dict) -> str:
     ])
     return "\n\n".join([para(caption), table(headers, body), table(["measured", "value"], facts), recovery,
                         source("checkpoint")])
+
+
+# what each layout of the ZeRO++ run serves: making the run fit (state per rank) or making it faster (traffic)
+LAYOUT_ROWS = {"stage3": ("stage 3, flat", "fitting: state / W"),
+               "stage3+qwZ+qgZ-int8+hpZ": ("stage 3 + qwZ + int8 qgZ + hpZ", "speed, keeping stage 3's fit: "
+                                           "quantized bytes across nodes"),
+               "stage3 hybrid": ("stage 3, hybrid (2 groups of 2)", "speed, in fp32: state / S, more than "
+                                 "flat; only a gradient-shard all-reduce crosses nodes")}
+
+
+def _model_state(r: dict) -> float:
+    return max(sum(h[k] for k in ("params", "grads", "optimizer")) for h in r["held_per_rank"])
+
+
+def layouts(results: dict) -> str:
+    """Which setting serves fitting and which serves speed, from the ZeRO++ run's rows (one model, one link)."""
+    d = results_file(results, "zeropp")
+    speed = d["speed"]
+    by = {r["name"]: r for r in speed["rows"]}
+    flat = by["stage3"]
+    body = [[label, serves, nbytes(_model_state(by[name])), times(_model_state(by[name]) / _model_state(flat)),
+             nbytes(by[name]["inter_node_bytes_per_step"]), secs(by[name]["step_s_median"]),
+             times(flat["step_s_median"] / by[name]["step_s_median"])]
+            for name, (label, serves) in LAYOUT_ROWS.items()]
+    caption = (f"Measured in the ZeRO++ run below ({by['stage3']['num_params'] / 1e6:.1f}M-parameter ViT, 4 ranks "
+               f"as two nodes of 2, a {gbit(speed['rate_gbit'])} link): model state held per rank (parameters, "
+               "gradients, optimizer state; the largest rank) and bytes each rank sends across nodes per step. "
+               "Offload (`parallel.offload`) serves fitting on a GPU only, moving state to host memory: its rows "
+               "are the ZeRO benchmark's (one node).")
+    return "\n\n".join([para(caption), table(["layout", "serves", "state per rank", "vs flat", "across nodes per "
+                                                "step", "step", "speed-up"], body), source("zeropp")])

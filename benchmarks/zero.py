@@ -165,6 +165,7 @@ def worker(args) -> None:
         f"optim.warmup_steps={max(2, args.steps // 20)}", f"data.augment.flip={str(args.model == 'cnn').lower()}",
         f"parallel.quant_weights={args.quant_weights}", f"parallel.quant_grads={args.quant_grads}",
         f"parallel.hpz={str(args.hpz).lower()}", f"parallel.node_size={args.node_size}",
+        f"parallel.replicate={args.replicate}",
         f"parallel.error_feedback={str(args.error_feedback).lower()}", f"data.micro_batches={args.micro}",
         f"parallel.reduce_scatter={args.reduce_scatter}", f"parallel.overlap={str(not args.no_overlap).lower()}",
     ])
@@ -288,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant-weights", default="none", help=argparse.SUPPRESS)
     p.add_argument("--quant-grads", default="none", help=argparse.SUPPRESS)
     p.add_argument("--hpz", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--replicate", type=int, default=1, help=argparse.SUPPRESS)  # hybrid sharding's groups
     p.add_argument("--error-feedback", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--reduce-scatter", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--no-overlap", action="store_true", help=argparse.SUPPRESS)

@@ -15,7 +15,9 @@
    nodes. Headline: each row's speed-up over the *better* of the two fp32 rows, so that quantization's own gain
    is not credited with the algorithm change (``..._vs_stage3`` keeps the ratio against gloo's reduce-scatter).
    Targets: qwZ + int8 qgZ + hpZ at least 2x faster than stage 3 alone; overlap's exposed communication share at
-   most 0.7x of the blocking gathers' at equal step work.
+   most 0.7x of the blocking gathers' at equal step work. The ``stage3 hybrid`` row is the fp32 alternative to
+   quantization: hybrid sharding (``parallel.replicate = 2``: stage 3 inside each node, one all-reduce of the
+   gradient shards across), against which the figures set memory held per rank beside step time.
 2. Convergence (no root needed): the demo's CNN on 32x32 shape images, 2 ranks on loopback, stage 3, the same
    steps and batches: fp32, qwZ + int8 qgZ, qwZ + int4 qgZ, and int4 with error feedback. Figures: validation
    loss and accuracy, and their ratio to fp32 (int8 is expected within 1.05x loss and 1 point of accuracy on
@@ -52,6 +54,7 @@ SPEED_ROWS = {  # name -> worker flags (all at stage 3, node size 2)
     "stage3+qwZ+qgZ-int8+hpZ": ALL_THREE,
     "stage3 no overlap": ["--no-overlap"],
     "stage3+qwZ+qgZ-int8+hpZ no overlap": [*ALL_THREE, "--no-overlap"],
+    "stage3 hybrid": ["--replicate", "2"],
 }
 FP32_ROWS = ("stage3", "stage3 fp32 all-to-all")
 CONVERGENCE_ROWS = {
@@ -110,6 +113,16 @@ def speed(args, workdir: str) -> dict:
         if on and off and off["exposed_comm_share"] > 0:
             ratios[f"{name}_exposed_comm_share_overlap_vs_blocking"] = \
                 on["exposed_comm_share"] / off["exposed_comm_share"]
+    hybrid, quant, flat = by.get("stage3 hybrid"), by.get("stage3+qwZ+qgZ-int8+hpZ"), by.get("stage3")
+    if hybrid and quant and flat:  # the fp32 alternative to quantization: step, bytes across nodes, state held
+        def held(r):
+            return max(sum(h[k] for k in ("params", "grads", "optimizer")) for h in r["held_per_rank"])
+
+        ratios["hybrid_step_vs_qwZ+qgZ-int8+hpZ"] = hybrid["step_s_median"] / quant["step_s_median"]
+        ratios["hybrid_inter_node_bytes_vs_qwZ+qgZ-int8+hpZ"] = \
+            hybrid["inter_node_bytes_per_step"] / quant["inter_node_bytes_per_step"]
+        ratios["hybrid_held_per_rank_vs_stage3"] = held(hybrid) / held(flat)
+        ratios["qwZ+qgZ-int8+hpZ_held_per_rank_vs_stage3"] = held(quant) / held(flat)
     return {"rate_gbit": args.rate, "rows": rows, "ratios": ratios}
 
 
@@ -155,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", nargs="+", default=[], choices=[*SPEED_ROWS, *CONVERGENCE_ROWS],
                    help="run only these rows (default: all)")
     p.add_argument("--out", default=str(HERE / "results" / "zeropp.json"))
+    p.add_argument("--merge", action="store_true",
+                   help="keep the part skipped (speed or convergence) from the existing --out file")
     args = p.parse_args(argv)
     if args.quick:
         vars(args).update(VIT_QUICK)
@@ -168,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
             result["speed"] = speed(args, workdir)
         if not args.skip_convergence:
             result["convergence"] = convergence(args, workdir)
+    if args.merge and Path(args.out).exists():
+        old = json.loads(Path(args.out).read_text())
+        for part in ("speed", "convergence"):
+            if part not in result and part in old:
+                result[part] = old[part]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v.get("ratios", v) for k, v in result.items() if k in ("speed", "convergence")}, indent=2))

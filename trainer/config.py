@@ -187,6 +187,13 @@ class ParallelSection:
     reduce_scatter: str = "auto"
     error_feedback: bool = False  # keep each rank's gradient quantization error and send it with the next step
     hpz: bool = False  # stage 3: reshard to a node-sized group after forward (parallel.node_size)
+    # hybrid sharding (FSDP2's HSDP on a 2-D mesh; trainer/parallel/plan.py): this many replica groups, zero_stage
+    # sharding inside each group of num_workers / replicate ranks, one gradient all-reduce between the groups per
+    # step. Each group must sit on one node (checked on the observed placement): parameter gathers and the
+    # reduce-scatter stay on local links, only the all-reduce of the sharded gradient crosses nodes. 1 = flat
+    # (shard over all workers); 0 = one group per node, as observed. Serves speed (traffic), not memory: each
+    # rank holds 1/(num_workers / replicate) of the state, more than flat sharding's 1/num_workers.
+    replicate: int = 1
     # stages 1-3: each unit prefetches the next unit's all-gather (forward) and the previous one's (backward),
     # asynchronously, so the transfer overlaps compute (trainer/parallel/comm.py); false: FSDP2's defaults (on
     # CPU every all-gather then blocks where it is issued)
@@ -240,6 +247,7 @@ class ParallelSection:
         if self.quant_block < 2 or self.quant_block % 2:
             raise ConfigError(f"{where}.quant_block = {self.quant_block} must be an even number >= 2 (int4 packs two "
                               "values per byte); 256 is the default")
+        self._check_hybrid(where)
         if self.hpz:
             if self.zero_stage != 3:
                 raise ConfigError(f"{where}.hpz = true needs {where}.zero_stage = 3 (got {self.zero_stage}): only "
@@ -248,6 +256,34 @@ class ParallelSection:
                 raise ConfigError(f"{where}.hpz = true needs {where}.node_size between 2 and {where}.num_workers - 1 "
                                   f"(got node_size = {self.node_size}, num_workers = {self.num_workers}): the "
                                   "secondary shard lives on the ranks of one node")
+
+    def _check_hybrid(self, where: str) -> None:
+        if self.replicate < 0:
+            raise ConfigError(f"{where}.replicate = {self.replicate} must be >= 0 (1 = flat sharding, 0 = one "
+                              "replica group per node)")
+        if self.replicate == 1:
+            return
+        if self.zero_stage == 0:
+            raise ConfigError(f"{where}.replicate = {self.replicate} shards inside each replica group, and "
+                              f"{where}.zero_stage = 0 shards nothing (DDP replicates on every rank): set "
+                              f"{where}.zero_stage = 1, 2 or 3, or {where}.replicate = 1")
+        if self.replicate and self.num_workers % self.replicate:
+            raise ConfigError(f"{where}.replicate = {self.replicate} must divide {where}.num_workers = "
+                              f"{self.num_workers}: every replica group holds the same number of ranks")
+        if self.replicate and self.num_workers // self.replicate < 2:
+            raise ConfigError(f"{where}.replicate = {self.replicate} leaves one rank per replica group of "
+                              f"{where}.num_workers = {self.num_workers}: nothing is sharded (that is DDP, "
+                              f"{where}.zero_stage = 0); use fewer groups")
+        # ZeRO++ is the other answer to slow inter-node links: quantize what crosses them. Hybrid sharding keeps
+        # the gathers inside the node in fp32 instead; the two are not combined here (FSDP2 issues HSDP's
+        # all-reduce itself, with no seam for a quantized one)
+        for key, value, off in (("quant_weights", self.quant_weights, "none"), ("quant_grads", self.quant_grads, "none"),
+                                ("reduce_scatter", self.reduce_scatter, "auto"), ("hpz", self.hpz, False)):
+            if value != off and not (key == "reduce_scatter" and value == "native"):
+                raise ConfigError(f"{where}.replicate = {self.replicate} (hybrid sharding) does not combine with "
+                                  f"{where}.{key} = {value!r}: hybrid keeps parameter gathers inside the node in "
+                                  f"fp32, ZeRO++ quantizes what crosses nodes; choose one ({where}.replicate = 1, "
+                                  f"or {where}.{key} = {off!r})")
 
 
 @dataclass

@@ -143,20 +143,20 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _checkpointer(root: str, rank: int, world: int, stage: int, resume: str):
+def _checkpointer(root: str, rank: int, world: int, stage: int, resume: str, *extra: str):
     from dutycycle.trainer.checkpoint.checkpointer import Checkpointer
     from dutycycle.trainer.config import load_config
     from dutycycle.trainer.step.loop import WorkerContext
 
     cfg = load_config(None, ["data.source=synthetic", f"parallel.num_workers={world}",
                              f"parallel.zero_stage={stage}", "checkpoint.every=1", f"checkpoint.dir={root}",
-                             "checkpoint.async_save=false", f"checkpoint.resume={resume}"])
+                             "checkpoint.async_save=false", f"checkpoint.resume={resume}", *extra])
     return Checkpointer(cfg, WorkerContext(rank=rank, world_size=world), total_steps=100)
 
 
-def _fresh(rank: int, world: int, stage: int):
-    """The ZeRO tests' awkward model (tied weight, frozen and sometimes-unused layers, odd shapes) at ``stage``,
-    untrained, with an AdamW optimizer."""
+def _fresh(rank: int, world: int, stage: int, **parallel):
+    """The ZeRO tests' awkward model (tied weight, frozen and sometimes-unused layers, odd shapes) at ``stage``
+    (and further ``parallel`` config keys), untrained, with an AdamW optimizer."""
     import warnings
 
     from dutycycle.trainer.cluster.world import World
@@ -169,7 +169,8 @@ def _fresh(rank: int, world: int, stage: int):
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        strategy = parallelize(Quirky().double(), ParallelSection(zero_stage=stage, find_unused_parameters=stage == 0),
+        strategy = parallelize(Quirky().double(), ParallelSection(zero_stage=stage, find_unused_parameters=stage == 0,
+                                                                **parallel),
                                World(rank, world), device=torch.device("cpu"), precision="fp64")
     optimizer = make_optimizer(strategy.module.parameters(), OptimSection(lr=0.02, weight_decay=0.1))
     return strategy, optimizer
@@ -251,3 +252,35 @@ def health_with_bad_worker(rank: int, world: int, run_dir: str) -> dict:
     except health.HealthCheckError as e:
         return {"error": str(e)}
     return {"error": None}
+
+
+def hybrid_round_trip(rank: int, world: int, root: str) -> dict:
+    """Hybrid sharding (2 replica groups) to flat stage 3 and back through DCP, at ``world`` ranks: train 4 steps
+    hybrid and save; load into flat stage 3 and save again; load that into hybrid. Records each load's full-state
+    digest and the weights after one more step (as reshard_save / reshard_load do)."""
+    from .zero_worker import train
+
+    strategy, optimizer, _, _ = train(rank, world, stage=3, replicate=2)
+    ck = _checkpointer(f"{root}/hybrid", rank, world, 3, "none", "parallel.replicate=2")
+    ck.maybe_save(4, strategy, optimizer, _Position().state_dict())
+    ck.finalize()
+    full = _full_state(strategy, optimizer)
+    out = {"saved": {"digest": _digest(full) if rank == 0 else None, "shard_size": strategy.plan.shard_size}}
+    after = _one_more_step(strategy, optimizer, rank, world)
+    out["saved"]["after"] = {k: v.tolist() for k, v in after.items()} if rank == 0 else None
+    for name, src, dst, replicate in (("hybrid to flat", "hybrid", "flat", 1), ("flat back to hybrid", "flat", None, 2)):
+        strategy, optimizer = _fresh(rank, world, 3, replicate=replicate)
+        ck = _checkpointer(f"{root}/{src}", rank, world, 3, "auto", f"parallel.replicate={replicate}")
+        restored = ck.restore(strategy, optimizer, _Position())
+        ck.close()
+        full = _full_state(strategy, optimizer)
+        digest = _digest(full) if rank == 0 else None
+        if dst:
+            again = _checkpointer(f"{root}/{dst}", rank, world, 3, "none", f"parallel.replicate={replicate}")
+            again.maybe_save(4, strategy, optimizer, _Position().state_dict())
+            again.finalize()
+        after = _one_more_step(strategy, optimizer, rank, world)
+        out[name] = {"step": restored.step if restored else None, "digest": digest,
+                     "shard_size": strategy.plan.shard_size,
+                     "after": {k: v.tolist() for k, v in after.items()} if rank == 0 else None}
+    return out

@@ -406,10 +406,13 @@ def failures(ctx: Context) -> dict:
 
 
 def memory(ctx: Context) -> dict:
-    """Model-state bytes per rank (parameters, gradients, optimizer state) for every ZeRO stage, with and without
-    offload, from the model's parameter count and the formulas the tests check; and the budget they must fit."""
+    """Model-state bytes per rank (parameters, gradients, optimizer state) for every layout: ZeRO stages with and
+    without offload, and on several nodes hybrid sharding (one replica group per node) at each stage; from the
+    model's parameter count and the formulas the tests check; and the budget they must fit. Rows go from the
+    least communication to the most: bytes per step across nodes first (parallel.node_size; 0 = one node), then
+    in all, so the first row that fits is the cheapest layout that fits."""
     import torch
-    from dutycycle.trainer.parallel.plan import expected_held, make_plan
+    from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, inter_node_bytes, make_plan
     from dutycycle.trainer.step.models import build_model
     from dutycycle.trainer.step.summary import optimizer_state_tensors
 
@@ -424,20 +427,32 @@ def memory(ctx: Context) -> dict:
     budget, source = ctx.memory_budget_bytes, "--memory-budget-mb"
     if budget is None:
         budget, source = device_budget(gpu, w)
+    node_size = cfg.parallel.node_size or w
+    nodes = w // node_size
+    # hybrid sharding: one replica group per node when there are nodes, and the configured count
+    mine_replicate = (cfg.parallel.replicate or nodes) if cfg.parallel.zero_stage else 1
+    replicates = sorted({1, nodes if nodes > 1 and node_size > 1 else 1, mine_replicate})
     rows = []
     for stage in (0, 1, 2, 3):
         for offload in ((False, True) if stage else (False,)):
-            plan = make_plan(stage, w, cfg.data.micro_batches, cfg.parallel.reduce_every_micro_step, offload)
-            held = expected_held(plan, numel, master, compute if stage else master, master, optim_bytes)
-            # offload keeps the shards (parameters, gradients, optimizer state) in host memory: on a GPU only the
-            # unsharded working copy is device memory; on CPU the device is the host, so nothing moves
-            on_device = held["params"] - (numel / w * master if offload and gpu else 0) + \
-                (0 if offload and gpu else held["grads"] + held["optimizer"])
-            rows.append({"zero_stage": stage, "offload": offload, **held, "device_bytes": on_device,
-                         "fits": on_device <= budget})
+            for replicate in (replicates if stage else (1,)):
+                plan = make_plan(stage, w, cfg.data.micro_batches, cfg.parallel.reduce_every_micro_step, offload,
+                                 replicate=replicate)
+                held = expected_held(plan, numel, master, compute if stage else master, master, optim_bytes)
+                traffic = expected_traffic(plan, numel * (compute if stage else master), numel * master)
+                # offload keeps the shards (parameters, gradients, optimizer state) in host memory: on a GPU only
+                # the unsharded working copy is device memory; on CPU the device is the host, so nothing moves
+                on_device = held["params"] - (numel / plan.shard_size * master if offload and gpu else 0) + \
+                    (0 if offload and gpu else held["grads"] + held["optimizer"])
+                rows.append({"zero_stage": stage, "offload": offload, "replicate": replicate, **held,
+                             "device_bytes": on_device, "fits": on_device <= budget,
+                             "traffic_bytes": sum(traffic.values()),
+                             "inter_node_bytes": inter_node_bytes(plan, traffic, node_size)})
+    rows.sort(key=lambda r: (r["inter_node_bytes"], r["traffic_bytes"]))  # stable: ties keep the stage order
     mine = next(r for r in rows if r["zero_stage"] == cfg.parallel.zero_stage and
-                r["offload"] == (cfg.parallel.offload != "none"))
-    return {"num_params": numel, "workers": w, "budget_bytes": budget, "budget_from": source, "rows": rows,
+                r["offload"] == (cfg.parallel.offload != "none") and r["replicate"] == mine_replicate)
+    return {"num_params": numel, "workers": w, "node_size": node_size, "budget_bytes": budget, "budget_from": source,
+            "rows": rows,
             "configured": mine, "activations_counted": False}
 
 

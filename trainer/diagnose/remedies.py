@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .verdict import _mb
+from .verdict import _mb, layout_settings
 
 
 def _run(findings: dict) -> dict:
@@ -106,7 +106,7 @@ def memory_remedy(findings: dict) -> dict | None:
     if not fitting:
         return None
     best = fitting[0]
-    sets = [f"parallel.zero_stage={best['zero_stage']}"] + (["parallel.offload=optimizer"] if best["offload"] else [])
+    sets = [f"{k}={v}" for k, v in layout_settings(best, mine)]
     return {"for": "memory", "set": sets, "predicted_bytes_per_rank": best["device_bytes"],
             "from": f"stage {best['zero_stage']}'s parameters, gradients and optimizer state per rank at "
                     f"{mem['workers']} workers, against the budget of {mem['budget_bytes'] / 2**20:,.0f} MB"}

@@ -44,18 +44,30 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:,.0f} MB" if n >= 2**20 else f"{n / 2**10:,.0f} KB"
 
 
+def layout_settings(row: dict, configured: dict) -> list[tuple[str, object]]:
+    """The config keys and values that select one memory-experiment layout (a row: stage, offload, replica
+    groups) from the ``configured`` one's: the replica groups only where they differ."""
+    out: list[tuple[str, object]] = [("parallel.zero_stage", row["zero_stage"])]
+    if row["offload"]:
+        out.append(("parallel.offload", "optimizer"))
+    if row.get("replicate", 1) != configured.get("replicate", 1):
+        out.append(("parallel.replicate", row.get("replicate", 1)))
+    return out
+
+
 def memory_verdict(mem: dict) -> Verdict | None:
     mine = mem["configured"]
     if mine["fits"]:
         return None
     fitting = [r for r in mem["rows"] if r["fits"]]
-    stage_name = f"parallel.zero_stage = {mine['zero_stage']}" + (" with offload" if mine["offload"] else "")
+    stage_name = f"parallel.zero_stage = {mine['zero_stage']}" + (" with offload" if mine["offload"] else "") + \
+        (f" in {mine['replicate']} replica groups" if mine.get("replicate", 1) > 1 else "")
     head = (f"memory-bound: {stage_name} holds {_mb(mine['device_bytes'])} of model state per rank, over the "
             f"budget of {_mb(mem['budget_bytes'])} ({mem['budget_from']})")
     if fitting:
-        best = fitting[0]  # rows go from the least sharded (least communication) to the most
-        setting = f"parallel.zero_stage = {best['zero_stage']}" + \
-            (' and parallel.offload = "optimizer"' if best["offload"] else "")
+        best = fitting[0]  # rows go from the least communication (across nodes, then in all) to the most
+        setting = " and ".join(f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v}"
+                               for k, v in layout_settings(best, mine))
         fix = f"set {setting}: it holds {_mb(best['device_bytes'])} per rank"
     else:
         fix = "no ZeRO stage fits: add workers (each stage >= 1 divides the state by their number) or memory"

@@ -33,6 +33,7 @@ from .comm import (
     QuantAllGather,
     QuantReduceScatter,
     counting_allreduce_hook,
+    counting_hsdp_hook,
 )
 from .plan import Quantization, ShardingPlan, make_plan, make_quantization
 from .traffic import Topology
@@ -182,8 +183,13 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     p, world_size = parallel, world.size
     topology = Topology(world.node_ids)  # as the ranks reported it (cluster/topology.py)
     meter = CommMeter(world.rank, topology, host_timing=device.type == "cpu")
+    groups = None
+    if p.replicate != 1 and p.zero_stage > 0:  # hybrid sharding, its groups from the observed placement
+        from dutycycle.trainer.cluster.topology import replica_groups
+
+        groups = replica_groups(world, p.replicate)
     plan = make_plan(p.zero_stage, world_size, micro_batches, p.reduce_every_micro_step, p.offload != "none",
-                     reshard_group=world.node_size if p.hpz else 0)
+                     reshard_group=world.node_size if p.hpz else 0, replicate=len(groups) if groups else 1)
     quant = make_quantization(p, world)
     compute_dtype = torch.float64 if precision == "fp64" else torch.float32
     if p.activation_checkpointing:
@@ -201,13 +207,12 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
         return DDPStrategy(model=ddp, module=model, plan=plan, meter=meter, name="ddp",
                            compute_dtype=compute_dtype)
 
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from .fsdp_api import fsdp_modules
 
     ensure_process_group(device)
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = device_mesh(device, world_size, groups)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
         else MixedPrecisionPolicy()
     # pinned host memory needs an accelerator (it raises on a CPU-only machine)
@@ -225,8 +230,8 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
 
         # collective: every rank creates every node group, in one order
         hierarchy = make_hierarchy(topology, device=device)
-    gather = QuantAllGather(meter, quant.weights_bits, quant.block) if quant.weights_bits < 32 \
-        else CountingAllGather(meter)
+    gather = QuantAllGather(meter, quant.weights_bits, quant.block, hpz=p.hpz) if quant.weights_bits < 32 \
+        else CountingAllGather(meter, hpz=p.hpz)
     if p.overlap:
         _prefetch(model, [block for _, block in units])
     for m in fsdp_modules(model):  # the setters are per module, not recursive
@@ -236,8 +241,21 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
             if quant.grads_all_to_all else CountingReduceScatter(meter))
         if p.find_unused_parameters:
             m.set_reduce_scatter_unused_params(True, recurse=False)
+        if groups:
+            m.set_all_reduce_hook(counting_hsdp_hook(meter, mesh.get_group("replicate")))
     return FSDPStrategy(model=model, module=model, plan=plan, meter=meter, name="fsdp2",
                         compute_dtype=compute_dtype, units=[n for n, _ in units], quant=quant)
+
+
+def device_mesh(device: torch.device, world_size: int, groups: list[list[int]] | None):
+    """FSDP2's mesh: 1-D over the world, or hybrid sharding's 2-D (replicate, shard) mesh whose rows are the
+    shard groups as placed on the nodes (plan.hybrid_groups; not necessarily consecutive ranks, which is why the
+    mesh is built from the rank table rather than ``init_device_mesh``). Collective: every rank builds it."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if not groups:
+        return init_device_mesh(device.type, (world_size,))
+    return DeviceMesh(device.type, torch.tensor(groups), mesh_dim_names=("replicate", "shard"))
 
 
 def _prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:

@@ -45,6 +45,7 @@ class CommMeter:
         self._blocked = 0.0
         self.last_ready: float | None = None  # DDP: when the last bucket of the step was handed to gloo
         self.async_started = 0  # all-gathers started asynchronously (overlapped with compute until waited on)
+        self.reduce_done: float | None = None  # when the last reduce-scatter returned (HSDP's all-reduce follows)
         self._group_ranks: dict[int, list[int]] = {}
 
     @contextmanager
@@ -126,19 +127,22 @@ class TimedWork(dist.Work):
 
 
 class CountingAllGather(AllGather):
-    """FSDP2's all-gather, unchanged (``all_gather_single``), counted and timed. A gather over a group smaller
-    than the world is hpZ's backward gather (FSDP2 reshards to the node-sized group after forward): counted as
-    ``all_gather_hpz``, which never crosses a node."""
+    """FSDP2's all-gather, unchanged (``all_gather_single``), counted and timed. With ``hpz``, a gather over a
+    group smaller than the world is hpZ's backward gather (FSDP2 reshards to the node-sized group after forward):
+    counted as ``all_gather_hpz``, which never crosses a node. (Under hybrid sharding every gather runs over the
+    replica group: plain ``all_gather``.)"""
 
-    def __init__(self, meter: CommMeter):
-        self.meter = meter
+    def __init__(self, meter: CommMeter, hpz: bool = False):
+        self.meter, self.hpz = meter, hpz
+
+    def secondary(self, group) -> bool:
+        return self.hpz and len(self.meter.group_ranks(group)) < self.meter.topology.world_size
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        secondary = len(self.meter.group_ranks(group)) < self.meter.topology.world_size
-        self.meter.count("all_gather_hpz" if secondary else "all_gather", _nbytes(output_tensor), group)
+        self.meter.count("all_gather_hpz" if self.secondary(group) else "all_gather", _nbytes(output_tensor), group)
         if async_op:
             return TimedWork(dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True),
                              self.meter)
@@ -158,7 +162,9 @@ class CountingReduceScatter(ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.meter.count("reduce_scatter", _nbytes(input_tensor), group)
         with self.meter.blocking(enabled=not async_op):
-            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            out = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        self.meter.reduce_done = time.perf_counter()
+        return out
 
 
 class QuantAllGather(CountingAllGather):
@@ -168,14 +174,14 @@ class QuantAllGather(CountingAllGather):
     hpZ's backward gathers (over the node-sized group FSDP2 reshards to after forward) move the secondary shard,
     already the dequantized weights of the forward gather: they stay exact (the plain counted gather)."""
 
-    def __init__(self, meter: CommMeter, bits: int, block: int):
-        super().__init__(meter)
+    def __init__(self, meter: CommMeter, bits: int, block: int, hpz: bool = False):
+        super().__init__(meter, hpz)
         self.bits, self.block = bits, block
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         from .qcollectives import start_quantized_all_gather
 
-        if len(self.meter.group_ranks(group)) < self.meter.topology.world_size:
+        if self.secondary(group):
             return super().__call__(output_tensor, input_tensor, group, async_op)
         work, finish = start_quantized_all_gather(output_tensor, input_tensor, group, bits=self.bits,
                                                   block=self.block, traffic=self.meter.active_traffic,
@@ -208,6 +214,22 @@ class QuantReduceScatter(CountingReduceScatter):
                                      hierarchy=self.hierarchy, residual=self.residual,
                                      traffic=self.meter.active_traffic, topology=self.meter.topology)
         return None
+
+
+def counting_hsdp_hook(meter: CommMeter, replicate_group):
+    """Hybrid sharding's gradient all-reduce, counted and timed. FSDP2 issues it itself (``dist.all_reduce`` over
+    the mesh's ``replicate`` dimension, right after the reduce-scatter) and offers no seam to replace it; the
+    hook it calls next (``set_all_reduce_hook``) gets the all-reduced shard. Its bytes are that shard's, times 2
+    (an all-reduce sends and receives each byte twice, as DDP's); its blocked time is from the reduce-scatter's
+    return to this call, which on CPU is the all-reduce alone."""
+
+    def hook(reduce_output: torch.Tensor) -> None:
+        meter.count("all_reduce", _nbytes(reduce_output), replicate_group, factor=2)
+        if meter.reduce_done is not None:
+            meter.add_blocked(time.perf_counter() - meter.reduce_done)
+            meter.reduce_done = None
+
+    return hook
 
 
 def counting_allreduce_hook(meter: CommMeter):

@@ -19,6 +19,14 @@ inside the accumulation window multiplies gradient traffic by the micro-batch co
 slower than one GPU). With
 ``reduce_every_micro_step`` they are reduce-scattered after every micro-batch (DeepSpeed's ZeRO-2 style): less
 memory (no full gradients kept), M times the gradient traffic.
+
+Hybrid sharding (``replicate`` = R > 1, FSDP2's HSDP): the W ranks form R replica groups of S = W / R ranks, each
+group on one node (``hybrid_groups``). The stage applies inside each group, on the mesh's ``shard`` dimension:
+parameters are gathered and gradients reduce-scattered among the S ranks of the node; then each rank all-reduces
+its gradient shard (1/S of the gradients) with the R ranks holding the same shard on the other nodes (the
+``replicate`` dimension). Per step a rank sends 2G(R-1)/(RS) bytes across nodes instead of flat stage 3's
+G(W-1)/W for the reduce-scatter plus 2P(W-1)/W for the gathers, almost all of which crosses nodes when W is
+large; the price is memory: state divided by S instead of W.
 """
 
 from __future__ import annotations
@@ -38,6 +46,12 @@ class ShardingPlan:
     fsdp: bool  # FSDP2 (stages 1-3) or DDP / a plain module (stage 0)
     reshard_after_forward: bool | int  # FSDP2 only
     keep_unsharded_across_micro_batches: bool  # stage 1: reshard after backward only at the last micro-batch
+    replicate: int = 1  # hybrid sharding: replica groups (FSDP2 stages only); 1 = flat
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one parameter is sharded over: the world, or one replica group under hybrid sharding."""
+        return self.world_size // self.replicate
 
     def syncs_gradients(self, micro: int) -> bool:
         """Whether micro-batch ``micro`` (0-based) of the step exchanges gradients."""
@@ -90,9 +104,11 @@ def make_quantization(parallel, world) -> Quantization:
 
 
 def make_plan(zero_stage: int, world_size: int, micro_batches: int = 1, reduce_every_micro_step: bool = False,
-              offload: bool = False, reshard_group: int = 0) -> ShardingPlan:
-    """``reshard_group`` > 0 (stage 3 only): reshard to groups of that many ranks after forward (hpZ)."""
+              offload: bool = False, reshard_group: int = 0, replicate: int = 1) -> ShardingPlan:
+    """``reshard_group`` > 0 (stage 3 only): reshard to groups of that many ranks after forward (hpZ).
+    ``replicate`` > 1 (stages 1-3): hybrid sharding over that many replica groups (resolved: never 0 here)."""
     assert zero_stage in (0, 1, 2, 3), zero_stage
+    assert replicate >= 1 and world_size % replicate == 0 and (replicate == 1 or zero_stage >= 1), replicate
     reshard: bool | int = zero_stage == 3
     if zero_stage == 3 and reshard_group and reshard_group < world_size:
         reshard = reshard_group
@@ -101,8 +117,20 @@ def make_plan(zero_stage: int, world_size: int, micro_batches: int = 1, reduce_e
         # stage 1 is defined by holding full gradients across the window: it always reduces at the boundary
         reduce_every_micro_step=reduce_every_micro_step and zero_stage != 1,
         offload=offload, fsdp=zero_stage >= 1, reshard_after_forward=reshard,
-        keep_unsharded_across_micro_batches=zero_stage == 1,
+        keep_unsharded_across_micro_batches=zero_stage == 1, replicate=replicate,
     )
+
+
+def hybrid_groups(nodes: list[list[int]], replicate: int) -> list[list[int]]:
+    """Hybrid sharding's shard groups, one per replica group: each node's ranks (``nodes``, as observed) cut in
+    order into groups of W / ``replicate``. Row i of FSDP2's 2-D mesh is group i (its ``shard`` dimension); column
+    j pairs the j-th rank of every group, the ranks holding the same shard (its ``replicate`` dimension). The
+    caller has checked that every node's ranks divide into whole groups (cluster/topology.py)."""
+    world = sum(len(ranks) for ranks in nodes)
+    size = world // replicate
+    groups = [sorted(ranks)[i:i + size] for ranks in nodes for i in range(0, len(ranks), size)]
+    assert len(groups) == replicate and all(len(g) == size for g in groups), (nodes, replicate)
+    return groups
 
 
 # ------------------------------------------------------------------------------------------------- memory
@@ -132,7 +160,7 @@ def expected_held(plan: ShardingPlan, numel: int, master_bytes: int, compute_byt
     sharded model state at stage 3); 0 without.
     """
     residuals = numel * residual_bytes
-    w = plan.world_size
+    w = plan.shard_size
     if not plan.fsdp:
         return {"params": numel * master_bytes, "grads": numel * grad_bytes, "optimizer": numel * optim_bytes,
                 "residuals": residuals}
@@ -155,15 +183,19 @@ def expected_traffic(plan: ShardingPlan, param_bytes_total: int, grad_bytes_tota
     """Logical bytes one rank sends per optimizer step (traffic.py's accounting), by collective kind, unquantized
     (quantized collectives send their packed bytes: quant.packed_nbytes). ``param_bytes_total``: all parameters
     in the dtype the all-gathers move (FSDP2's ``param_dtype``: bf16 under mixed precision, 2 bytes each);
-    ``grad_bytes_total``: all gradients in the dtype they are reduced in (``reduce_dtype``: fp32 there)."""
-    w, m = plan.world_size, plan.micro_batches
-    if w == 1:
+    ``grad_bytes_total``: all gradients in the dtype they are reduced in (``reduce_dtype``: fp32 there).
+    Under hybrid sharding the gathers and the reduce-scatter run over the S ranks of a replica group and
+    ``all_reduce`` is the exchange of each rank's 1/S gradient shard among the R groups."""
+    w, m, r = plan.shard_size, plan.micro_batches, plan.replicate
+    if plan.world_size == 1:
         return {}
     per = (w - 1) / w
     syncs = m if plan.reduce_every_micro_step else 1
     if not plan.fsdp:
         return {"all_reduce": 2 * grad_bytes_total * per * syncs}
     out = {"reduce_scatter": syncs * grad_bytes_total * per}
+    if r > 1:
+        out["all_reduce"] = syncs * 2 * grad_bytes_total / w * (r - 1) / r
     if plan.zero_stage == 1:
         out["all_gather"] = param_bytes_total * per
     elif plan.zero_stage == 2 or plan.reshard_after_forward is True:
@@ -174,3 +206,17 @@ def expected_traffic(plan: ShardingPlan, param_bytes_total: int, grad_bytes_tota
         out["all_gather"] = param_bytes_total * per
         out["all_gather_hpz"] = (2 * m - 1) * param_bytes_total * (group - 1) / group
     return out
+
+
+def inter_node_bytes(plan: ShardingPlan, traffic: dict, node_size: int) -> float:
+    """Of ``traffic`` (``expected_traffic``'s bytes by kind), the bytes one rank sends across nodes when the world
+    runs ``node_size`` consecutive ranks per node and hybrid sharding's groups each sit inside one node. A flat
+    collective sends equal bytes to every peer, (W - n) of whose W - 1 live elsewhere; hybrid's gathers and
+    reduce-scatter stay inside and its all-reduce reaches the other groups, (R - n/S) of R - 1 elsewhere."""
+    w, n = plan.world_size, node_size or plan.world_size
+    if w == 1 or n >= w:
+        return 0.0
+    if plan.replicate == 1:
+        return sum(v for k, v in traffic.items() if k != "all_gather_hpz") * (w - n) / (w - 1)
+    r, per_node = plan.replicate, max(1, n // plan.shard_size)
+    return traffic.get("all_reduce", 0.0) * (r - per_node) / (r - 1)

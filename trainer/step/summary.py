@@ -44,6 +44,8 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
         "zero_stage": plan.zero_stage, "strategy": strategy.name, "offload": cfg.parallel.offload,
         "micro_batches": plan.micro_batches, "reduce_every_micro_step": plan.reduce_every_micro_step,
         "reshard_after_forward": plan.reshard_after_forward, "units": strategy.units, "precision": precision,
+        # hybrid sharding: replica groups, and the ranks each parameter is sharded over (the world when flat)
+        "replicate": plan.replicate, "shard_size": plan.shard_size,
         "quantization": dataclasses.asdict(strategy.quant),
         "node_ids": list(strategy.meter.topology.node_ids),  # each rank's node, as observed
         "comm_exposed_measured": strategy.meter.host_timing,
@@ -56,7 +58,8 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
         "held_per_rank": [dict(zip(held_keys, r.tolist(), strict=True)) for r in held],
         "expected": expected_held(plan, num_params, master, compute, master, optim_bytes or 0,
                                   residual_bytes=4 if plan.fsdp and strategy.quant.error_feedback else 0),
-        "zero_formula": zero_formula(plan.zero_stage, num_params, world, compute, master, optim_bytes or 0),
+        # the paper's formula over the ranks that share the state (a replica group under hybrid sharding)
+        "zero_formula": zero_formula(plan.zero_stage, num_params, plan.shard_size, compute, master, optim_bytes or 0),
         "optimizer_formula_known": optim_bytes is not None,
         "cuda_peak_bytes": sampler.cuda_peak(ctx.device),
     }

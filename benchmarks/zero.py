@@ -43,6 +43,12 @@ gradients; not DDP's bucket-view gradients), each as the ratio checkpointed / no
 measure, so this part can be rerun alone::
 
     python benchmarks/zero.py --rows activation-checkpointing --worlds 2 --merge
+
+Offload memory (``--rows offload-memory``, not run by default; benchmarks/zero_offload.py): stage 3 with no
+offload, host offload and NVMe offload on a ViT with several GB of optimizer state, the host memory each rank
+holds and the step time::
+
+    python benchmarks/zero.py --rows offload-memory --worlds 2 --merge
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ from benchmarks.zero_activation import (  # noqa: E402
     activation_worker,
     run_activation_rows,
 )
+from benchmarks.zero_offload import OFFLOAD_ROWS, offload_ratios, run_offload_rows  # noqa: E402
 
 # the ViT every row trains (~22M parameters) and the tiny one of --quick (with its steps); zeropp.py uses both
 VIT_DEFAULTS = {"width": 512, "depth": 7, "heads": 8, "size": 16, "batch": 16, "skip": 2}
@@ -165,7 +172,7 @@ def worker(args) -> None:
         f"optim.warmup_steps={max(2, args.steps // 20)}", f"data.augment.flip={str(args.model == 'cnn').lower()}",
         f"parallel.quant_weights={args.quant_weights}", f"parallel.quant_grads={args.quant_grads}",
         f"parallel.hpz={str(args.hpz).lower()}", f"parallel.node_size={args.node_size}",
-        f"parallel.replicate={args.replicate}",
+        f"parallel.replicate={args.replicate}", f"parallel.offload_dir={args.offload_dir}",
         f"parallel.error_feedback={str(args.error_feedback).lower()}", f"data.micro_batches={args.micro}",
         f"parallel.reduce_scatter={args.reduce_scatter}", f"parallel.overlap={str(not args.no_overlap).lower()}",
     ])
@@ -194,6 +201,8 @@ def worker(args) -> None:
             "expected_held": summary["memory"]["expected"],
             "zero_formula": summary["memory"]["zero_formula"],
             "threads_per_worker": summary["threads_per_worker"],
+            "host_after_steps": summary["memory"]["host_after_steps"],
+            "offload_files": summary["parallel"].get("offload_files"),
         }
         print("ZERO_RESULT " + json.dumps(out), flush=True)
     dist.barrier()  # nobody tears down while a peer is still communicating
@@ -290,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant-grads", default="none", help=argparse.SUPPRESS)
     p.add_argument("--hpz", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--replicate", type=int, default=1, help=argparse.SUPPRESS)  # hybrid sharding's groups
+    p.add_argument("--offload-dir", default="", help=argparse.SUPPRESS)  # offload = "nvme": the state files
     p.add_argument("--error-feedback", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--reduce-scatter", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--no-overlap", action="store_true", help=argparse.SUPPRESS)
@@ -313,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="micro-batches per optimizer step of the stage 1 and 2 rows (default 4, --quick 2; the "
                         "other rows take one): at one, stages 1 and 2 run the same torch settings")
     p.add_argument("--rows", nargs="+", default=[r[0] for r in ROWS] + [ACTIVATION_ROWS],
-                   choices=[r[0] for r in ROWS] + [ACTIVATION_ROWS])
+                   choices=[r[0] for r in ROWS] + [ACTIVATION_ROWS, OFFLOAD_ROWS],
+                   help=f"rows to run (default: all but {OFFLOAD_ROWS!r}, which needs ~10 GB of RAM and "
+                        "benchmarks/zero_offload.py's ViT of ~303M parameters)")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows (and the activation section) already in --out that this run does not measure")
     p.add_argument("--repeat", type=int, default=3,
@@ -359,6 +371,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{world} ranks {r['name']:17s} " + (f"error\n{r['error']}" if "error" in r else (
                       f"activations {r['activation_bytes'] / 2**20:.2f} MB, peak {r['peak_bytes'] / 2**20:.2f} MB, "
                       f"forward+backward {r['forward_backward_s_median']:.3f} s")), flush=True)
+        off_rows = []
+        for world in args.worlds if OFFLOAD_ROWS in args.rows else ():
+            new = run_offload_rows(world, args, workdir)
+            off_rows += new
+            for r in new:
+                print(f"{world} ranks {r['name']:24s} " + (f"error\n{r['error']}" if "error" in r else (
+                      f"step {r['step_s_median']:.2f} s, optimizer state {r['optimizer_state_bytes'] / 2**20:.0f} MB, "
+                      f"resident {r['optimizer_state_resident_bytes'] / 2**20:.1f} MB, private "
+                      f"{r['host_after_steps']['private'] / 2**20:.0f} MB")), flush=True)
     by = {(r["name"], r["world_size"]): r for r in rows}
     if ("allreduce-manual", 2) in by and ("stage0-ddp", 2) in by:
         pairs.append((by["allreduce-manual", 2], by["stage0-ddp", 2]))
@@ -368,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                                                              "skip", "worlds", "rows", "repeat", "quick",
                                                              "micro_batches")}
     old = json.loads(Path(args.out).read_text()) if args.merge and Path(args.out).exists() else {}
-    if old and not rows:  # only the activation rows ran: the other rows' settings stay theirs
+    if old and not rows:  # only the activation or offload rows ran: the other rows' settings stay theirs
         machine, settings = old.get("machine", machine), old.get("settings", settings)
     if old:
         measured = {(r["name"], r["world_size"]) for r in rows}
@@ -388,6 +409,13 @@ def main(argv: list[str] | None = None) -> int:
             "rows": act_rows, "ratios": activation_ratios(act_rows)}
     elif "activation_checkpointing" in old:
         result["activation_checkpointing"] = old["activation_checkpointing"]
+    if off_rows:
+        result["offload_memory"] = {
+            "settings": {k: v for k, v in vars(args).items() if k in ("size", "batch", "worlds", "quick")},
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            "rows": off_rows, "ratios": offload_ratios(off_rows)}
+    elif "offload_memory" in old:
+        result["offload_memory"] = old["offload_memory"]
     if not pairs and "stage0_vs_manual_pairs" in old:
         result["stage0_vs_manual_pairs"] = old["stage0_vs_manual_pairs"]
         key = "stage0_samples_per_s_vs_manual_allreduce_2ranks_median_of_pairs"
@@ -406,8 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result["ratios"], indent=2))
     if act_rows:
         print(json.dumps(result["activation_checkpointing"]["ratios"], indent=2))
+    if off_rows:
+        print(json.dumps(result["offload_memory"]["ratios"], indent=2))
     print(f"wrote {args.out}")
-    return 1 if any("error" in r for r in rows + act_rows) else 0
+    return 1 if any("error" in r for r in rows + act_rows + off_rows) else 0
 
 
 if __name__ == "__main__":

@@ -167,7 +167,11 @@ class ParallelSection:
     # ZeRO stage (trainer/parallel/plan.py): 0 = DDP; 1-3 = FSDP2 sharding optimizer state (1), + gradients (2),
     # + parameters (3)
     zero_stage: int = 0
-    offload: str = "none"  # "optimizer": sharded parameters, gradients and optimizer state live in host memory
+    # what leaves device memory (stages 1-3): "optimizer" = sharded parameters, gradients and optimizer state live
+    # in host memory (FSDP2's CPUOffloadPolicy); "nvme" = the same, with the optimizer state in files on local disk
+    # under offload_dir (trainer/parallel/nvme.py). Both serve fitting a model, not speed.
+    offload: str = "none"
+    offload_dir: str = ""  # "nvme": a local directory (an NVMe mount); "" = the system's temporary directory
     # exchange gradients after every micro-batch (DeepSpeed style: less memory, M x the gradient traffic) instead
     # of once at the accumulation boundary
     reduce_every_micro_step: bool = False
@@ -216,7 +220,11 @@ class ParallelSection:
 
     def check(self, where: str) -> None:
         _one_of(f"{where}.use_gpu", self.use_gpu, ("auto", "true", "false"))
-        _one_of(f"{where}.offload", self.offload, ("none", "optimizer"))
+        _one_of(f"{where}.offload", self.offload, ("none", "optimizer", "nvme"))
+        if self.offload == "nvme" and "://" in self.offload_dir:
+            raise ConfigError(f"{where}.offload_dir = {self.offload_dir!r} is remote: offloaded optimizer state is "
+                              "rewritten every step and must be on each node's local disk (an NVMe mount); set a "
+                              "local path")
         _one_of(f"{where}.quant_weights", self.quant_weights, ("none", "int8"))
         _one_of(f"{where}.quant_grads", self.quant_grads, ("none", "int8", "int4"))
         _one_of(f"{where}.reduce_scatter", self.reduce_scatter, ("auto", "all_to_all", "native"))

@@ -94,6 +94,23 @@ def test_zero_benchmark_quick(tmp_path):
     assert "| 2 | stage3 |" in proc.stdout
 
 
+def test_zero_offload_rows_quick(tmp_path):
+    """The offload rows at a tiny size: NVMe offload keeps none of its optimizer state resident after the steps,
+    the two in-memory rows all of it (read from /proc by the workers)."""
+    out = tmp_path / "zero.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "zero.py"), "--quick", "--worlds", "2", "--rows",
+                           "offload-memory", "--out", str(out)], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())["offload_memory"]
+    rows = {r["offload"]: r for r in data["rows"]}
+    assert set(rows) == {"none", "optimizer", "nvme"}
+    for mode in ("none", "optimizer"):
+        assert rows[mode]["optimizer_state_resident_bytes"] == rows[mode]["optimizer_state_bytes"] > 0
+    assert rows["nvme"]["host_after_steps"]["files_resident"] == 0
+    assert rows["nvme"]["offload_files"]["state_bytes"] == rows["nvme"]["held_per_rank"][0]["optimizer_file"] > 0
+    assert data["ratios"]["nvme_resident_optimizer_state_vs_host_offload_2ranks"] < 0.1
+
+
 def _namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
@@ -152,7 +169,7 @@ def test_zeropp_benchmark_quick(tmp_path):
     not) and on loopback for the convergence rows."""
     out = tmp_path / "zeropp.json"
     proc = subprocess.run([sys.executable, str(BENCH.parent / "zeropp.py"), "--quick", "--rows", "stage3",
-                           "stage3+qwZ+qgZ-int8+hpZ", "fp32", "qwZ+qgZ-int8", "--out", str(out)],
+                           "stage3+qwZ+qgZ-int8+hpZ", "stage3 hybrid", "fp32", "qwZ+qgZ-int8", "--out", str(out)],
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     data = json.loads(out.read_text())
@@ -160,7 +177,10 @@ def test_zeropp_benchmark_quick(tmp_path):
     assert set(conv) == {"fp32", "qwZ+qgZ-int8"} and all(r["val_loss"] > 0 for r in conv.values())
     if os.geteuid() == 0:
         speed = {r["name"]: r for r in data["speed"]["rows"]}
-        assert set(speed) == {"stage3", "stage3+qwZ+qgZ-int8+hpZ"}
+        assert set(speed) == {"stage3", "stage3+qwZ+qgZ-int8+hpZ", "stage3 hybrid"}
+        hybrid = speed["stage3 hybrid"]["traffic"]
+        assert hybrid["inter_node_bytes"] == hybrid["per_kind"]["all_reduce"]["inter_node_bytes"] > 0
+        assert data["speed"]["ratios"]["hybrid_held_per_rank_vs_stage3"] > 1.5  # state over 2 ranks, not 4
         q = speed["stage3+qwZ+qgZ-int8+hpZ"]["traffic"]["per_kind"]
         assert q["all_gather_hpz"]["inter_node_bytes"] == 0 and q["all_gather_hpz"]["calls"] > 0
         assert speed["stage3"]["traffic"]["inter_node_bytes"] > 3 * speed["stage3+qwZ+qgZ-int8+hpZ"]["traffic"][

@@ -26,7 +26,7 @@ def train(cfg, rank: int = 0, world: int = 1) -> dict:
     return train_worker(cfg, WorkerContext(rank=rank, world_size=world, run_dir=cfg.run.dir))
 
 
-def resume_runs(rank: int, world: int, root: str, stages: list[int]) -> dict:
+def resume_runs(rank: int, world: int, root: str, stages: list[int], more: tuple = ()) -> dict:
     """Per ZeRO stage: an uninterrupted run; a run that crashes at step 11 (after the commit at step 8, with the
     save of step 12 never reached); the same run started again, which resumes from step 8. Returns the final
     weight digests and the resume records."""
@@ -34,7 +34,7 @@ def resume_runs(rank: int, world: int, root: str, stages: list[int]) -> dict:
 
     out = {}
     for stage in stages:
-        extra = [f"parallel.num_workers={world}", f"parallel.zero_stage={stage}"]
+        extra = [f"parallel.num_workers={world}", f"parallel.zero_stage={stage}", *more]
         a = train(small_cfg(f"{root}/s{stage}/a", *extra), rank, world)
         cm.FAULTS["crash_at"] = 11
         try:
@@ -46,7 +46,8 @@ def resume_runs(rank: int, world: int, root: str, stages: list[int]) -> dict:
         b = train(small_cfg(f"{root}/s{stage}/b", *extra), rank, world)
         out[str(stage)] = {"a": a["weights_sha256"], "b": b["weights_sha256"], "crashed": crashed,
                            "resumed": b["checkpoint"]["resumed"], "strategy": b["parallel"]["strategy"],
-                           "loss_a": a["final_loss"], "loss_b": b["final_loss"]}
+                           "loss_a": a["final_loss"], "loss_b": b["final_loss"],
+                           "offload_files": b["parallel"].get("offload_files")}
     return out
 
 

@@ -70,14 +70,15 @@ def _quiet():
         yield
 
 
-def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload: bool = False,
+def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload: bool | str = False,
           reduce_every: bool = False, find_unused: bool = False, dtype=torch.float64, grad_clip: float = 0.05,
           model_fn=Quirky, strategy_cls=None, optim_name: str = "adamw", optim_kwargs: dict | None = None,
-          steps: int = STEPS, node_ids: tuple = (), **parallel_kwargs):
+          steps: int = STEPS, node_ids: tuple = (), nvme_chunk_bytes: int = 4096, **parallel_kwargs):
     """Train STEPS AdamW steps on rank ``rank``'s slice of each global batch; returns the strategy and optimizer.
     ``world == 1`` with no process group is the single-process reference on the full batch. ``parallel_kwargs``
     are further parallel config keys (``node_size``, ``hpz``, ``quant_grads``, ``replicate``, ...); ``node_ids``
-    each rank's node, as ranks would report it (default: ``node_size`` consecutive ranks per node)."""
+    each rank's node, as ranks would report it (default: ``node_size`` consecutive ranks per node). ``offload``:
+    True (host memory) or a ``parallel.offload`` value ("nvme": state files stepped in ``nvme_chunk_bytes``)."""
     from dutycycle.trainer.cluster.world import World
     from dutycycle.trainer.config import OptimSection, ParallelSection
     from dutycycle.trainer.parallel.apply import parallelize
@@ -89,8 +90,8 @@ def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload:
     torch.manual_seed(0)
     model = model_fn().to(dtype)
     parallel = ParallelSection(zero_stage=stage, reduce_every_micro_step=reduce_every,
-                               offload="optimizer" if offload else "none", find_unused_parameters=find_unused,
-                               **parallel_kwargs)
+                               offload=offload if isinstance(offload, str) else ("optimizer" if offload else "none"),
+                               find_unused_parameters=find_unused, **parallel_kwargs)
     with _quiet():
         strategy = parallelize(model, parallel, World(rank, world, parallel.node_size, node_ids=tuple(node_ids)), device=torch.device("cpu"),
                                precision="fp64" if dtype == torch.float64 else "fp32", micro_batches=micro_batches)
@@ -99,6 +100,13 @@ def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload:
     optimizer = make_optimizer(strategy.module.parameters(),
                                OptimSection(**{"name": optim_name, "lr": 0.02, "weight_decay": 0.1, "momentum": 0.9,
                                                **(optim_kwargs or {})}))
+    if parallel.offload == "nvme":  # as train_worker attaches it; small chunks, so a step has several
+        import os
+
+        from dutycycle.trainer.parallel import nvme
+
+        store = nvme.FileStore(nvme.offload_root(parallel), f"zero-worker-{os.getppid()}", rank)
+        nvme.attach(optimizer, store, chunk_bytes=nvme_chunk_bytes)
     sampler = MemorySampler()
     per = GLOBAL_BATCH // world
     norms = []

@@ -210,18 +210,21 @@ def test_a_model_over_the_memory_budget_is_memory_bound_with_the_stage_that_fits
 def test_on_two_nodes_the_memory_verdict_names_the_least_communicating_layout_that_fits(tmp_path):
     """4 workers as 2 nodes of 2, a budget of 7 MB: flat stage 3 (3.2 MB a rank) fits, and so does hybrid stage 3
     in 2 replica groups (6.4 MB), whose only traffic across nodes is the all-reduce of a gradient shard (a third
-    of flat stage 3's): the verdict names hybrid. Rows are ordered by bytes across nodes."""
+    of flat stage 3's): the verdict names hybrid. Rows are ordered by bytes across nodes, NVMe offload last
+    (stage 1 hybrid with the optimizer state on disk would fit too, and sends less)."""
     cfg = _cfg(tmp_path / "run", "data.source=synthetic", "data.size=16", "model.name=vit", "model.width=128",
                "model.depth=4", "parallel.num_workers=4", "parallel.node_size=2", "data.global_batch_size=64")
     out = diagnose(cfg, out=str(tmp_path / "d"), budget_s=30, memory_budget_mb=7, only=["memory"])
     v, mem = out["verdict"], out["findings"]["memory"]
-    inter = [r["inter_node_bytes"] for r in mem["rows"]]
-    assert inter == sorted(inter) and {r["replicate"] for r in mem["rows"]} == {1, 2}
+    keys = [(r["offload"] == "nvme", r["inter_node_bytes"]) for r in mem["rows"]]
+    assert keys == sorted(keys) and {r["replicate"] for r in mem["rows"]} == {1, 2}
     best = next(r for r in mem["rows"] if r["fits"])
     flat3 = next(r for r in mem["rows"] if (r["zero_stage"], r["offload"], r["replicate"]) == (3, False, 1))
     assert (best["zero_stage"], best["replicate"]) == (3, 2) and flat3["fits"]
     assert best["inter_node_bytes"] == pytest.approx(flat3["inter_node_bytes"] / 3)
     assert "parallel.zero_stage = 3 and parallel.replicate = 2" in v["fix"], v
+    nvme = next(r for r in mem["rows"] if (r["zero_stage"], r["offload"], r["replicate"]) == (1, "nvme", 2))
+    assert nvme["fits"] and nvme["optimizer"] == 0 and nvme["optimizer_file"] > 0
 
 
 def test_diagnose_cli_reports_a_failed_experiment_and_goes_on(tmp_path, capsys):

@@ -165,7 +165,8 @@ def test_checkpoints_load_across_hybrid_and_flat_layouts(tmp_path):
 
 
 def test_hybrid_groups_cut_each_node_into_whole_groups():
-    from dutycycle.trainer.cluster.topology import observe, replica_groups
+    from dutycycle.trainer.cluster.topology import observe
+    from dutycycle.trainer.parallel.plan import replica_groups
 
     assert replica_groups(observe(0, 4, labels=["a", "b", "a", "b"]), 0) == [[0, 2], [1, 3]]
     assert replica_groups(observe(0, 8, labels=list("aaaabbbb")), 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]

@@ -63,8 +63,6 @@ def check_layout(world: World, parallel) -> None:
             raise ConfigError(f"parallel.hpz = true cannot run on this placement ({world.placement()}): {why}; "
                               "set parallel.hpz = false, or place the workers evenly (ray.placement_strategy, "
                               "parallel.num_workers a multiple of the workers per node)")
-    if parallel.replicate != 1 and parallel.zero_stage > 0:
-        replica_groups(world, parallel.replicate)
     if parallel.hierarchical and parallel.grads_all_to_all and parallel.zero_stage > 0 and world.num_nodes > 1 \
             and not world.even:
         raise ConfigError(f"two-hop quantized gradients (parallel.hierarchical = true) need the same number of ranks "
@@ -72,20 +70,3 @@ def check_layout(world: World, parallel) -> None:
                           "false (one flat exchange), or place the workers evenly")
 
 
-
-def replica_groups(world: World, replicate: int) -> list[list[int]]:
-    """Hybrid sharding's shard groups (plan.hybrid_groups) on the observed placement, ``replicate`` resolved (0:
-    one group per node). Refused, naming the placement, when a group would span nodes (its gathers would cross
-    the slow links hybrid sharding exists to avoid) or hold a single rank (nothing to shard: that is DDP)."""
-    from dutycycle.trainer.parallel.plan import hybrid_groups
-
-    r = replicate or world.num_nodes
-    size = world.size // r if world.size % r == 0 else 0
-    if size < 2 or any(len(ranks) % size for ranks in world.nodes):
-        why = (f"{world.size} workers do not split into {r} groups of at least 2" if size < 2 else
-               f"groups of {size} ranks would span nodes")
-        raise ConfigError(f"parallel.replicate = {replicate} (hybrid sharding: {r} replica groups) cannot run on this "
-                          f"placement ({world.placement()}): {why}; every node's workers must divide into whole "
-                          "groups of at least 2 ranks. Set parallel.replicate = 0 (one group per node), 1 (flat "
-                          "sharding), or place the workers evenly (ray.placement_strategy, parallel.num_workers)")
-    return hybrid_groups(world.nodes, r)

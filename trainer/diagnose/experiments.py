@@ -406,11 +406,11 @@ def failures(ctx: Context) -> dict:
 
 
 def memory(ctx: Context) -> dict:
-    """Model-state bytes per rank (parameters, gradients, optimizer state) for every layout: ZeRO stages with and
-    without offload, and on several nodes hybrid sharding (one replica group per node) at each stage; from the
+    """Model-state bytes per rank (parameters, gradients, optimizer state) for every layout: ZeRO stages without
+    offload, with host offload and with NVMe offload (the optimizer state on disk), and on several nodes hybrid sharding (one replica group per node) at each stage; from the
     model's parameter count and the formulas the tests check; and the budget they must fit. Rows go from the
     least communication to the most: bytes per step across nodes first (parallel.node_size; 0 = one node), then
-    in all, so the first row that fits is the cheapest layout that fits."""
+    in all, NVMe offload after every other layout, so the first row that fits is the cheapest layout that fits."""
     import torch
     from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, inter_node_bytes, make_plan
     from dutycycle.trainer.step.models import build_model
@@ -434,10 +434,11 @@ def memory(ctx: Context) -> dict:
     replicates = sorted({1, nodes if nodes > 1 and node_size > 1 else 1, mine_replicate})
     rows = []
     for stage in (0, 1, 2, 3):
-        for offload in ((False, True) if stage else (False,)):
+        # offload: False, True (host memory), "nvme" (optimizer state in files; nothing of it in memory)
+        for offload in ((False, True, "nvme") if stage else (False,)):
             for replicate in (replicates if stage else (1,)):
-                plan = make_plan(stage, w, cfg.data.micro_batches, cfg.parallel.reduce_every_micro_step, offload,
-                                 replicate=replicate)
+                plan = make_plan(stage, w, cfg.data.micro_batches, cfg.parallel.reduce_every_micro_step,
+                                 bool(offload), replicate=replicate, optimizer_on_disk=offload == "nvme")
                 held = expected_held(plan, numel, master, compute if stage else master, master, optim_bytes)
                 traffic = expected_traffic(plan, numel * (compute if stage else master), numel * master)
                 # offload keeps the shards (parameters, gradients, optimizer state) in host memory: on a GPU only
@@ -448,9 +449,12 @@ def memory(ctx: Context) -> dict:
                              "device_bytes": on_device, "fits": on_device <= budget,
                              "traffic_bytes": sum(traffic.values()),
                              "inter_node_bytes": inter_node_bytes(plan, traffic, node_size)})
-    rows.sort(key=lambda r: (r["inter_node_bytes"], r["traffic_bytes"]))  # stable: ties keep the stage order
-    mine = next(r for r in rows if r["zero_stage"] == cfg.parallel.zero_stage and
-                r["offload"] == (cfg.parallel.offload != "none") and r["replicate"] == mine_replicate)
+    # NVMe last: it makes a run fit at the price of reading and writing the whole optimizer state every step;
+    # then by bytes across nodes, then in all (stable: ties keep the stage order)
+    rows.sort(key=lambda r: (r["offload"] == "nvme", r["inter_node_bytes"], r["traffic_bytes"]))
+    offload = {"none": False, "optimizer": True, "nvme": "nvme"}[cfg.parallel.offload]
+    mine = next(r for r in rows if r["zero_stage"] == cfg.parallel.zero_stage and r["offload"] == offload
+                and r["replicate"] == mine_replicate)
     return {"num_params": numel, "workers": w, "node_size": node_size, "budget_bytes": budget, "budget_from": source,
             "rows": rows,
             "configured": mine, "activations_counted": False}

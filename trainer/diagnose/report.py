@@ -62,7 +62,8 @@ def describe(key: str, res: dict) -> str:
         mine = res["configured"]
         from .verdict import _mb
 
-        return (f"stage {mine['zero_stage']}{' + offload' if mine['offload'] else ''}: "
+        offload = {True: " + offload", "nvme": " + NVMe offload"}.get(mine["offload"], "")
+        return (f"stage {mine['zero_stage']}{offload}: "
                 f"{_mb(mine['device_bytes'])} of model state per rank, budget {_mb(res['budget_bytes'])} "
                 f"({'fits' if mine['fits'] else 'does not fit'})")
     return json.dumps(res)[:200]
@@ -139,7 +140,7 @@ def figure(findings: dict, found: list[dict] | None = None):
 
     mem = findings.get("memory", {})
     if "rows" in mem:
-        labels = [f"{r['zero_stage']}{'+off' if r['offload'] else ''}"
+        labels = [f"{r['zero_stage']}{ {True: '+off', 'nvme': '+nvme'}.get(r['offload'], '')}"
                   f"{'/h' + str(r['replicate']) if r.get('replicate', 1) > 1 else ''}" for r in mem["rows"]]
         from .verdict import _mb
 
@@ -147,7 +148,7 @@ def figure(findings: dict, found: list[dict] | None = None):
         bars = c.bar(labels, held, color=["#2ca02c" if r["fits"] else "#d62728" for r in mem["rows"]])
         c.bar_label(bars, [_mb(r["device_bytes"]) for r in mem["rows"]], fontsize=7)
         budget = mem["budget_bytes"] / 2**20
-        title = "model state per rank by layout (stage, +off: offload, /hR: R replica groups)"
+        title = "model state per rank by layout\n(+off: host offload, +nvme: state on disk, /hR: R replica groups)"
         if budget <= 20 * max(held, default=0.0):
             c.axhline(budget, color="k", ls="--", label="budget per rank")
             c.legend(fontsize=8)

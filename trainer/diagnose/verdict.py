@@ -48,8 +48,8 @@ def layout_settings(row: dict, configured: dict) -> list[tuple[str, object]]:
     """The config keys and values that select one memory-experiment layout (a row: stage, offload, replica
     groups) from the ``configured`` one's: the replica groups only where they differ."""
     out: list[tuple[str, object]] = [("parallel.zero_stage", row["zero_stage"])]
-    if row["offload"]:
-        out.append(("parallel.offload", "optimizer"))
+    if row["offload"]:  # True: host memory; "nvme": the optimizer state in files
+        out.append(("parallel.offload", "optimizer" if row["offload"] is True else row["offload"]))
     if row.get("replicate", 1) != configured.get("replicate", 1):
         out.append(("parallel.replicate", row.get("replicate", 1)))
     return out
@@ -60,7 +60,8 @@ def memory_verdict(mem: dict) -> Verdict | None:
     if mine["fits"]:
         return None
     fitting = [r for r in mem["rows"] if r["fits"]]
-    stage_name = f"parallel.zero_stage = {mine['zero_stage']}" + (" with offload" if mine["offload"] else "") + \
+    stage_name = f"parallel.zero_stage = {mine['zero_stage']}" + \
+        ({True: " with offload", "nvme": " with NVMe offload"}.get(mine["offload"], "")) + \
         (f" in {mine['replicate']} replica groups" if mine.get("replicate", 1) > 1 else "")
     head = (f"memory-bound: {stage_name} holds {_mb(mine['device_bytes'])} of model state per rank, over the "
             f"budget of {_mb(mem['budget_bytes'])} ({mem['budget_from']})")

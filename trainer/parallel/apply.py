@@ -35,7 +35,7 @@ from .comm import (
     counting_allreduce_hook,
     counting_hsdp_hook,
 )
-from .plan import Quantization, ShardingPlan, make_plan, make_quantization
+from .plan import Quantization, ShardingPlan, make_plan, make_quantization, replica_groups
 from .traffic import Topology
 
 
@@ -185,11 +185,10 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     meter = CommMeter(world.rank, topology, host_timing=device.type == "cpu")
     groups = None
     if p.replicate != 1 and p.zero_stage > 0:  # hybrid sharding, its groups from the observed placement
-        from dutycycle.trainer.cluster.topology import replica_groups
-
         groups = replica_groups(world, p.replicate)
     plan = make_plan(p.zero_stage, world_size, micro_batches, p.reduce_every_micro_step, p.offload != "none",
-                     reshard_group=world.node_size if p.hpz else 0, replicate=len(groups) if groups else 1)
+                     reshard_group=world.node_size if p.hpz else 0, replicate=len(groups) if groups else 1,
+                     optimizer_on_disk=p.offload == "nvme")
     quant = make_quantization(p, world)
     compute_dtype = torch.float64 if precision == "fp64" else torch.float32
     if p.activation_checkpointing:

@@ -47,6 +47,7 @@ class ShardingPlan:
     reshard_after_forward: bool | int  # FSDP2 only
     keep_unsharded_across_micro_batches: bool  # stage 1: reshard after backward only at the last micro-batch
     replicate: int = 1  # hybrid sharding: replica groups (FSDP2 stages only); 1 = flat
+    optimizer_on_disk: bool = False  # offload = "nvme": the optimizer state in files (nvme.py), not host memory
 
     @property
     def shard_size(self) -> int:
@@ -104,7 +105,8 @@ def make_quantization(parallel, world) -> Quantization:
 
 
 def make_plan(zero_stage: int, world_size: int, micro_batches: int = 1, reduce_every_micro_step: bool = False,
-              offload: bool = False, reshard_group: int = 0, replicate: int = 1) -> ShardingPlan:
+              offload: bool = False, reshard_group: int = 0, replicate: int = 1,
+              optimizer_on_disk: bool = False) -> ShardingPlan:
     """``reshard_group`` > 0 (stage 3 only): reshard to groups of that many ranks after forward (hpZ).
     ``replicate`` > 1 (stages 1-3): hybrid sharding over that many replica groups (resolved: never 0 here)."""
     assert zero_stage in (0, 1, 2, 3), zero_stage
@@ -118,6 +120,7 @@ def make_plan(zero_stage: int, world_size: int, micro_batches: int = 1, reduce_e
         reduce_every_micro_step=reduce_every_micro_step and zero_stage != 1,
         offload=offload, fsdp=zero_stage >= 1, reshard_after_forward=reshard,
         keep_unsharded_across_micro_batches=zero_stage == 1, replicate=replicate,
+        optimizer_on_disk=optimizer_on_disk and zero_stage >= 1,
     )
 
 
@@ -131,6 +134,24 @@ def hybrid_groups(nodes: list[list[int]], replicate: int) -> list[list[int]]:
     groups = [sorted(ranks)[i:i + size] for ranks in nodes for i in range(0, len(ranks), size)]
     assert len(groups) == replicate and all(len(g) == size for g in groups), (nodes, replicate)
     return groups
+
+
+def replica_groups(world, replicate: int) -> list[list[int]]:
+    """Hybrid sharding's shard groups (``hybrid_groups``) on the observed placement (``world``, a
+    ``cluster.world.World``), ``replicate`` resolved (0: one group per node). Refused, naming the placement, when a group would span nodes (its gathers would cross
+    the slow links hybrid sharding exists to avoid) or hold a single rank (nothing to shard: that is DDP)."""
+    from dutycycle.engine.errors import ConfigError
+
+    r = replicate or world.num_nodes
+    size = world.size // r if world.size % r == 0 else 0
+    if size < 2 or any(len(ranks) % size for ranks in world.nodes):
+        why = (f"{world.size} workers do not split into {r} groups of at least 2" if size < 2 else
+               f"groups of {size} ranks would span nodes")
+        raise ConfigError(f"parallel.replicate = {replicate} (hybrid sharding: {r} replica groups) cannot run on this "
+                          f"placement ({world.placement()}): {why}; every node's workers must divide into whole "
+                          "groups of at least 2 ranks. Set parallel.replicate = 0 (one group per node), 1 (flat "
+                          "sharding), or place the workers evenly (ray.placement_strategy, parallel.num_workers)")
+    return hybrid_groups(world.nodes, r)
 
 
 # ------------------------------------------------------------------------------------------------- memory
@@ -155,7 +176,8 @@ def expected_held(plan: ShardingPlan, numel: int, master_bytes: int, compute_byt
     parameter's first dimension to a multiple of W).
 
     ``master_bytes`` is the parameter dtype the optimizer updates, ``compute_bytes`` the dtype forward runs in
-    (2 with bf16 mixed precision), ``grad_bytes`` the reduction dtype. ``residual_bytes``: 4 with ZeRO++ error
+    (2 with bf16 mixed precision), ``grad_bytes`` the reduction dtype. ``optimizer_file``: the optimizer state
+    kept in files under offload = "nvme" (then not in ``optimizer``). ``residual_bytes``: 4 with ZeRO++ error
     feedback, whose residual is an fp32 copy of every unit's *unsharded* gradient on every rank (more than the
     sharded model state at stage 3); 0 without.
     """
@@ -163,7 +185,7 @@ def expected_held(plan: ShardingPlan, numel: int, master_bytes: int, compute_byt
     w = plan.shard_size
     if not plan.fsdp:
         return {"params": numel * master_bytes, "grads": numel * grad_bytes, "optimizer": numel * optim_bytes,
-                "residuals": residuals}
+                "residuals": residuals, "optimizer_file": 0}
     shard = numel / w
     params = shard * master_bytes
     if plan.reshard_after_forward is False:  # stages 1-2: the unsharded compute copy beside the shard
@@ -173,7 +195,11 @@ def expected_held(plan: ShardingPlan, numel: int, master_bytes: int, compute_byt
     # without a per-micro-batch reduce-scatter, unsharded gradients accumulate across the window
     accumulates = plan.micro_batches > 1 and not plan.reduce_every_micro_step
     grads = numel * grad_bytes if accumulates else shard * grad_bytes
-    return {"params": params, "grads": grads, "optimizer": shard * optim_bytes, "residuals": residuals}
+    optimizer = shard * optim_bytes
+    # offload = "nvme": the state is in files between steps (during one, a chunk at a time: nvme.CHUNK_BYTES)
+    on_disk = optimizer if plan.optimizer_on_disk else 0
+    return {"params": params, "grads": grads, "optimizer": optimizer - on_disk, "residuals": residuals,
+            "optimizer_file": on_disk}
 
 
 # ------------------------------------------------------------------------------------------------ traffic

@@ -254,7 +254,7 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     from dutycycle.trainer.checkpoint.manifest import check_shared, checkpoint_root
     from dutycycle.trainer.cluster.topology import check_layout, observe
     from dutycycle.trainer.parallel.apply import parallelize
-    from dutycycle.trainer.parallel.memory import MemorySampler
+    from dutycycle.trainer.parallel.memory import MemorySampler, host_memory
 
     from . import metrics as M
     from .data import make_sources, take
@@ -298,6 +298,14 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     strategy = (parallelize_fn or parallelize)(model, cfg.parallel, world, device=device, precision=precision,
                                                micro_batches=cfg.data.micro_batches)
     optimizer = make_optimizer(strategy.module.parameters(), cfg.optim)
+    offload_store = None
+    if cfg.parallel.offload == "nvme":  # the optimizer state in files on local disk (parallel/nvme.py)
+        from dutycycle.trainer.parallel import nvme
+
+        from .summary import optimizer_state_tensors
+
+        offload_store = nvme.FileStore(nvme.offload_root(cfg.parallel), nvme.run_key(ctx.run_dir), world.rank)
+        nvme.attach(optimizer, offload_store, state_per_param=optimizer_state_tensors(cfg.optim) or 2)
     autocast = autocast_for(device, precision, fsdp=strategy.plan.fsdp)
     steps_per_epoch = len(train_src)
     if steps_per_epoch == 0:
@@ -390,6 +398,8 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
         while True:
             try:
                 run_steps()
+                # between steps, after the last: what this rank holds in host memory (the offload files' pages)
+                host = host_memory(offload_store.dir if offload_store is not None else None)
                 break
             except TrainingDiverged as err:  # roll back to the last commit (or raise, per checkpoint.on_nonfinite)
                 t0 = time.perf_counter()
@@ -401,6 +411,10 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
         checkpointer.finalize()
     finally:
         checkpointer.close()
+        if offload_store is not None:
+            offload_stats = {"dir": offload_store.dir, "state_bytes": offload_store.file_bytes(),
+                             "bytes_written": offload_store.bytes_written}
+            offload_store.close()
     once["final_save"] += time.perf_counter() - t_final  # the last save, its background write, the close
     wall = time.perf_counter() - t_start
 
@@ -410,6 +424,9 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
                          once=once)
     summary["checkpoint"] = checkpointer.summary()
     summary["health"] = health
+    summary["memory"]["host_after_steps"] = host
+    if offload_store is not None:  # this rank's state files: their size, and what the steps wrote to them
+        summary["parallel"]["offload_files"] = offload_stats
     from dutycycle.trainer.cluster.world import all_gather
 
     summary["data_reads"] = all_gather(train_src.reads(), world.size)  # each rank's shards: what locality gave

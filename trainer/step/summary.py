@@ -23,7 +23,7 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
     totals["eval"] = totals.get("eval", 0.0) + eval_s
     per_rank = gather_stats([totals[k] for k in ALL_PHASES])
     per_rank_totals = [dict(zip(ALL_PHASES, row.tolist(), strict=True)) for row in per_rank]
-    held_keys = ("params", "grads", "optimizer", "residuals")
+    held_keys = ("params", "grads", "optimizer", "residuals", "optimizer_file")
     held = gather_stats([sampler.peak[k] for k in held_keys])
     full = full_state_dict(strategy)  # a collective; rank 0 gets the tensors
     if ctx.rank == 0 and ctx.run_dir and cfg.run.save_model:

@@ -1,0 +1,81 @@
+"""benchmarks/zero.py's offload rows: the host memory a rank holds at ZeRO stage 3 with no offload, host offload
+(``parallel.offload = "optimizer"``) and NVMe offload (``"nvme"``: the optimizer state in files on local disk,
+trainer/parallel/nvme.py), for a ViT whose AdamW state is several GB (default ~303M parameters: 2.4 GB of state,
+1.2 GB per rank at 2 ranks), and what each costs in step time.
+
+    python benchmarks/zero.py --rows offload-memory --worlds 2 --merge
+
+Figures per row, rank 0, after its last step (``trainer/parallel/memory.host_memory``, from /proc): RSS, private
+memory, peak RSS; the optimizer state's bytes and how much of it is resident in host memory (without NVMe: the
+state tensors, every byte touched each step; with NVMe: the resident pages of the state files' mappings, plus the
+scalars left in memory); the median step. Target: NVMe's resident optimizer state at most 0.1x host offload's.
+
+On this CPU-only machine host offload keeps the state in the same RAM as no offload (the two rows differ only by
+FSDP2's offload path), and the NVMe row's files are on the machine's virtual disk (ext4), not an NVMe drive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dutycycle.trainer.cluster.local import free_port
+
+ZERO = Path(__file__).with_name("zero.py")  # the workers start through zero.py's --worker entry
+OFFLOAD_ROWS = "offload-memory"  # the --rows name of these rows
+OFFLOAD_VIT = {"width": 1024, "depth": 24, "heads": 16, "steps": 4, "skip": 1}
+OFFLOAD_QUICK = {"width": 64, "depth": 2, "heads": 2, "steps": 3, "skip": 1}
+MODES = ("none", "optimizer", "nvme")
+
+
+def run_offload_rows(world: int, args, workdir: str) -> list[dict]:
+    shape = OFFLOAD_QUICK if args.quick else OFFLOAD_VIT
+    flags = ["--width", str(shape["width"]), "--depth", str(shape["depth"]), "--heads", str(shape["heads"]),
+             "--size", str(args.size), "--batch", str(args.batch), "--steps", str(shape["steps"]), "--skip",
+             str(shape["skip"])]
+    rows = []
+    for mode in MODES:
+        run_dir = os.path.join(workdir, f"offload-{mode}-{world}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
+               str(free_port()), str(ZERO), "--worker", "--stage", "3", "--offload", mode, "--run-dir", run_dir,
+               "--offload-dir", os.path.join(workdir, "offload-files"), *flags]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("ZERO_RESULT ")), None)
+        name = f"stage3-offload-{mode}"
+        if proc.returncode != 0 or line is None:
+            rows.append({"name": name, "world_size": world, "returncode": proc.returncode,
+                         "error": (proc.stdout + proc.stderr)[-12000:]})
+            continue
+        r = json.loads(line.removeprefix("ZERO_RESULT "))
+        held, host = r["held_per_rank"][0], r["host_after_steps"]
+        rows.append({"name": name, "world_size": world, "offload": mode, **shape, "process_wall_s":
+                     time.perf_counter() - t0, "num_params": r["num_params"], "step_s_median": r["step_s_median"],
+                     "held_per_rank": r["held_per_rank"], "host_after_steps": host,
+                     "offload_files": r.get("offload_files"),
+                     "optimizer_state_bytes": held["optimizer"] + held["optimizer_file"],
+                     "optimizer_state_resident_bytes": held["optimizer"] + host.get("files_resident", 0)})
+    return rows
+
+
+def offload_ratios(rows: list[dict]) -> dict:
+    by = {(r["offload"], r["world_size"]): r for r in rows if "error" not in r}
+    out = {}
+    for world in sorted({w for _, w in by}):
+        none, host, nvme = by.get(("none", world)), by.get(("optimizer", world)), by.get(("nvme", world))
+        if host and nvme:
+            out[f"nvme_resident_optimizer_state_vs_host_offload_{world}ranks"] = (
+                nvme["optimizer_state_resident_bytes"] / host["optimizer_state_resident_bytes"])
+            out[f"nvme_private_vs_host_offload_{world}ranks"] = (
+                nvme["host_after_steps"]["private"] / host["host_after_steps"]["private"])
+            out[f"nvme_step_vs_host_offload_{world}ranks"] = nvme["step_s_median"] / host["step_s_median"]
+        if none and nvme:
+            out[f"nvme_step_vs_no_offload_{world}ranks"] = nvme["step_s_median"] / none["step_s_median"]
+        if none and host:
+            out[f"host_offload_step_vs_no_offload_{world}ranks"] = host["step_s_median"] / none["step_s_median"]
+    return out

@@ -1,0 +1,143 @@
+"""Optimizer state in files (``parallel.offload = "nvme"``, trainer/parallel/nvme.py): the same training as host
+offload bit for bit, the state's pages out of the process between steps (read from the kernel's own page
+accounting), checkpoints and resume, cleanup, and the refusals."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from dutycycle.engine.errors import ConfigError
+
+from ..support import ckpt_worker as cw
+from ..support.harness import run_distributed
+
+
+def resident_kib(directory: str) -> int:
+    """Resident pages (kB, from /proc/self/smaps) of this process's mappings of files under ``directory``."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                inside = directory in line
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def _nvme_against_host_offload(rank, world):
+    from dutycycle.trainer.parallel.nvme import FILE_BACKED
+
+    from ..support.zero_worker import full_params, train
+
+    out = {}
+    for stage, micro in ((1, 2), (2, 1), (3, 2)):
+        host = full_params(train(rank, world, stage=stage, micro_batches=micro, offload=True)[0])
+        strategy, optimizer, sampler, _ = train(rank, world, stage=stage, micro_batches=micro, offload="nvme")
+        disk = full_params(strategy)
+        store = optimizer.offload_store
+        state = [v for st in optimizer.state.values() for v in st.values() if v.numel() > 1]
+        out[f"{stage}-{micro}"] = {
+            "equal": all(torch.equal(host[k], disk[k]) for k in host) if rank == 0 else None,
+            "backed": all(store.backed(v) for v in state), "files": len(os.listdir(store.dir)),
+            "resident_kib": resident_kib(store.dir), "file_bytes": store.file_bytes(),
+            "held": sampler.peak, "registered": sum(FILE_BACKED.values())}
+        store.close()
+        out[f"{stage}-{micro}"]["left"] = os.path.exists(store.dir)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_nvme_offload_trains_bit_identically_to_host_offload_with_the_state_out_of_memory():
+    """Stages 1-3 at 2 ranks, float64, chunks of 4 KiB (every step steps several chunks): the weights equal host
+    offload's bit for bit; every state tensor lives in a file; between steps none of its pages are resident; the
+    memory ledger counts it as ``optimizer_file``, not ``optimizer``; closing removes the files."""
+    for r in run_distributed(_nvme_against_host_offload, 2, timeout=280):
+        for config, c in r.items():
+            assert c["equal"] in (True, None), config
+            assert c["backed"] and c["files"] > 1, (config, c)
+            assert c["resident_kib"] == 0, (config, c)
+            assert c["held"]["optimizer"] < 1024 and c["held"]["optimizer_file"] == c["file_bytes"] > 0, (config, c)
+            assert not c["left"], config
+
+
+def test_a_state_tensor_moves_into_a_file_keeps_its_values_and_leaves_memory(tmp_path):
+    from dutycycle.trainer.parallel.nvme import FileStore
+
+    store = FileStore(str(tmp_path), "unit", 0)
+    t = torch.randn(512, 1024)
+    ref, identity = t.clone(), id(t)
+    store.back(t)
+    assert torch.equal(t, ref) and id(t) == identity and store.backed(t)
+    t.mul_(3)
+    assert resident_kib(store.dir) >= 2048  # written: its 2 MiB are in memory
+    store.release([t])
+    assert resident_kib(store.dir) == 0
+    assert torch.equal(t, ref * 3)  # read back from the file
+    store.close()
+    assert not os.path.exists(store.dir) and not os.listdir(tmp_path)
+
+
+def test_a_restart_empties_the_last_attempts_files(tmp_path):
+    from dutycycle.trainer.parallel.nvme import FileStore
+
+    first = FileStore(str(tmp_path), "run", 0)
+    first.back(torch.ones(1000))
+    assert os.listdir(first.dir)  # a crash would leave this file
+    again = FileStore(str(tmp_path), "run", 0)
+    assert os.listdir(again.dir) == []
+    again.close()
+
+
+def test_a_remote_or_network_offload_dir_is_refused():
+    from dutycycle.trainer.config import load_config
+    from dutycycle.trainer.parallel.nvme import check_offload_dir, filesystem_type
+
+    with pytest.raises(ConfigError, match=r"parallel\.offload_dir = 's3://b/x' is remote"):
+        load_config(None, ["data.source=synthetic", "parallel.zero_stage=3", "parallel.offload=nvme",
+                           "parallel.offload_dir=s3://b/x"])
+    mounts = ("/dev/nvme0n1p1 / ext4 rw 0 0\n"
+              "server:/export /mnt/shared nfs4 rw 0 0\n"
+              "/dev/nvme1n1 /mnt/shared/local xfs rw 0 0\n")
+    assert filesystem_type("/mnt/shared/x", mounts) == "nfs4"
+    assert filesystem_type("/mnt/shared/local/x", mounts) == "xfs"  # the innermost mount decides
+    assert filesystem_type("/mnt/sharedx", mounts) == "ext4"
+    with pytest.raises(ConfigError, match=r"'/mnt/shared/run' is on a nfs4 file system"):
+        check_offload_dir("/mnt/shared/run", mounts)
+    check_offload_dir("/mnt/shared/local/run", mounts)
+    check_offload_dir("/tmp")  # this machine's real mount table: a local disk
+
+
+@pytest.mark.timeout(300)
+def test_resume_with_nvme_offload_is_bit_identical_and_leaves_no_files(tmp_path):
+    """Crash at step 11 after the commit at step 8, start again: the weights equal the uninterrupted run's
+    (stage 3, 2 ranks; the state goes through DCP like any tensor, and the loaded state back into files)."""
+    offload = tmp_path / "offload"
+    extra = ["parallel.offload=nvme", f"parallel.offload_dir={offload}"]
+    r = run_distributed(cw.resume_runs, 2, str(tmp_path), [3], extra, timeout=280)[0]["3"]
+    assert r["crashed"] and r["resumed"]["step"] == 8
+    assert r["b"] == r["a"] and r["loss_b"] == r["loss_a"]
+    assert r["offload_files"]["state_bytes"] > 0 and r["offload_files"]["bytes_written"] > 0
+    assert not os.listdir(offload)  # every attempt removed its files, the crashed one's at the restart
+
+
+def test_the_demo_config_accepts_nvme_offload(tmp_path):
+    from dutycycle.trainer.config import load_config
+
+    from ..support import REPO
+
+    cfg = load_config(str(REPO / "configs" / "demo.toml"), ["parallel.offload=nvme",
+                                                            f"parallel.offload_dir={tmp_path}"])
+    assert cfg.parallel.offload == "nvme" and cfg.parallel.zero_stage == 2
+
+
+def test_the_memory_formula_puts_the_state_in_files():
+    from dutycycle.trainer.parallel.plan import expected_held, make_plan
+
+    host = expected_held(make_plan(3, 4, offload=True), 1000, 4, 4, 4, 8)
+    disk = expected_held(make_plan(3, 4, offload=True, optimizer_on_disk=True), 1000, 4, 4, 4, 8)
+    assert host["optimizer"] == disk["optimizer_file"] == 2000 and disk["optimizer"] == host["optimizer_file"] == 0
+    assert {k: v for k, v in host.items() if "optimizer" not in k} == {k: v for k, v in disk.items()
+                                                                        if "optimizer" not in k}

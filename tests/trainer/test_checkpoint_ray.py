@@ -68,7 +68,9 @@ def test_a_killed_worker_restarts_the_group_and_the_run_finishes_with_the_same_w
     summary = out["summary"]
     assert summary["steps"] == 40 and summary["world_size"] == 2
     resumed = summary["checkpoint"]["resumed"]
-    assert resumed and resumed["step"] >= 8 and resumed["step"] % 4 == 0, resumed
+    # a commit of the first attempt: Ray Train registers step 4's commit when the ranks next wait for a save (at
+    # step 8), so on a busy machine the kill can land before step 8's commit is written, and step 4 is the newest
+    assert resumed and resumed["step"] >= 4 and resumed["step"] % 4 == 0, resumed
     ref_thread.join(300)
     assert summary["weights_sha256"] == ref["sha"]  # bit-identical to the uninterrupted 2-rank run
     # the restarted group is new processes; Ray Train holds a pointer to a dutycycle commit

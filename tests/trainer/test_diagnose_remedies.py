@@ -56,6 +56,20 @@ def test_workers_sharing_the_cores_are_told_the_rate_of_one_worker_with_them_all
     assert compute_remedy(f) is None
 
 
+def test_a_remedy_for_a_hybrid_run_is_a_config_that_loads():
+    """Under hybrid sharding (parallel.replicate = 2 of 4 workers) one worker has no replica groups: the remedy
+    sets the layout back to flat, or the config it names would be refused."""
+    from dutycycle.trainer.config import load_config
+
+    base = ["data.source=synthetic", "parallel.num_workers=4", "parallel.zero_stage=3", "parallel.replicate=2"]
+    f = {"end_to_end": _e2e("cache", 900.0, 0.14, workers=4),
+         "scaling": {"workers": 4, "replicate": 2, "efficiency": 0.3, "one": {"samples_per_s": 1000.0},
+                     "many": {"samples_per_s": 950.0}}}
+    r = compute_remedy(f)
+    assert r["set"] == ["parallel.num_workers=1", "parallel.replicate=1"]
+    assert load_config(None, base + r["set"]).parallel.replicate == 1
+
+
 def test_the_verdict_s_remedy_comes_first():
     f = {"end_to_end": _e2e("raw", 100.0, 0.32, wait=0.4), "loader": {"cache": 1e4},
          "checkpoint": {"configured_every": 4, "configured_async": False, "every": 2,

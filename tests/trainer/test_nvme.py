@@ -60,6 +60,7 @@ def test_nvme_offload_trains_bit_identically_to_host_offload_with_the_state_out_
             assert c["backed"] and c["files"] > 1, (config, c)
             assert c["resident_kib"] == 0, (config, c)
             assert c["held"]["optimizer"] < 1024 and c["held"]["optimizer_file"] == c["file_bytes"] > 0, (config, c)
+            assert c["registered"] == c["file_bytes"], (config, c)  # what the ledger looks storages up in
             assert not c["left"], config
 
 
@@ -80,14 +81,19 @@ def test_a_state_tensor_moves_into_a_file_keeps_its_values_and_leaves_memory(tmp
     assert not os.path.exists(store.dir) and not os.listdir(tmp_path)
 
 
-def test_a_restart_empties_the_last_attempts_files(tmp_path):
+def test_a_restart_empties_the_last_attempts_files_and_the_old_attempts_exit_leaves_the_new_ones(tmp_path):
     from dutycycle.trainer.parallel.nvme import FileStore
 
     first = FileStore(str(tmp_path), "run", 0)
     first.back(torch.ones(1000))
     assert os.listdir(first.dir)  # a crash would leave this file
     again = FileStore(str(tmp_path), "run", 0)
-    assert os.listdir(again.dir) == []
+    assert os.listdir(again.dir) == [] and not os.path.exists(first.dir)
+    first.close()  # the old attempt ends after the new one started: its close already ran once, in its loop
+    t = torch.ones(1000)
+    again.back(t)
+    first.close()  # ... and runs again at its exit: a no-op
+    assert os.listdir(again.dir) and again.backed(t)
     again.close()
 
 
@@ -107,6 +113,8 @@ def test_a_remote_or_network_offload_dir_is_refused():
     with pytest.raises(ConfigError, match=r"'/mnt/shared/run' is on a nfs4 file system"):
         check_offload_dir("/mnt/shared/run", mounts)
     check_offload_dir("/mnt/shared/local/run", mounts)
+    with pytest.raises(ConfigError, match=r"'/dev/shm/x' is on tmpfs, which keeps its files in host memory"):
+        check_offload_dir("/dev/shm/x", mounts + "tmpfs /dev/shm tmpfs rw 0 0\n")
     check_offload_dir("/tmp")  # this machine's real mount table: a local disk
 
 
@@ -141,3 +149,29 @@ def test_the_memory_formula_puts_the_state_in_files():
     assert host["optimizer"] == disk["optimizer_file"] == 2000 and disk["optimizer"] == host["optimizer_file"] == 0
     assert {k: v for k, v in host.items() if "optimizer" not in k} == {k: v for k, v in disk.items()
                                                                         if "optimizer" not in k}
+
+
+def test_an_async_save_of_state_in_files_keeps_no_host_copy_after_it_is_written(tmp_path):
+    """Torch's stager keeps its host copy of every tensor it staged, for the next save; with the optimizer state
+    in files that copy would be the whole state back in memory. With ``keep_staging_buffers=False`` (what an
+    NVMe run's checkpointer sets) the copy goes once the save is written. Read from the kernel: private memory
+    after the save, 64 MiB of state."""
+    from dutycycle.trainer.checkpoint.saver import Saver
+    from dutycycle.trainer.checkpoint.state import TrainerState
+    from dutycycle.trainer.parallel.memory import host_memory
+    from dutycycle.trainer.parallel.nvme import return_freed_memory
+
+    state = {"model": {"w": torch.randn(16 * 2**20)}, "optim": {}}  # 64 MiB
+    grew = {}
+    for keep in (True, False):
+        saver = Saver(str(tmp_path / f"keep-{keep}"), rank=0, world_size=1, keep=2, async_save=True,
+                      keep_staging_buffers=keep)
+        return_freed_memory()
+        before = host_memory()["private"]
+        saver.save(1, state, TrainerState(step=1, epoch=0, loader={}, rng=[], world_size=1), rng={})
+        assert saver.wait() is not None
+        return_freed_memory()
+        grew[keep] = host_memory()["private"] - before
+        saver.close()
+    assert grew[True] > 48 * 2**20, grew  # the control: the cached copy is there
+    assert grew[False] < 16 * 2**20, grew

@@ -55,7 +55,7 @@ class Saver:
     was blocked; ``wait`` finishes the save in flight and returns its ``Commit``."""
 
     def __init__(self, root: str, *, rank: int, world_size: int, keep: int, async_save: bool, device=None,
-                 on_phase=None):
+                 on_phase=None, keep_staging_buffers: bool = True):
         import torch
         import torch.distributed as dist
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -64,9 +64,15 @@ class Saver:
         self.on_phase = on_phase or (lambda name: None)
         cuda = device is not None and getattr(device, "type", "cpu") == "cuda" and torch.cuda.is_available()
         # pinned memory and non-blocking copies need an accelerator (they raise on a CPU-only machine)
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=async_save, use_non_blocking_copy=cuda)) \
-            if async_save else None
+        options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=async_save,
+                                 use_non_blocking_copy=cuda)
+        self._new_stager = lambda: DefaultStager(options)
+        # The stager keeps its host copy of every tensor it staged for as long as that tensor lives, to reuse it at
+        # the next save (pinned on GPU). With the optimizer state in files (parallel.offload = "nvme") that copy
+        # would put the whole state back in host memory between saves: such runs stage each save with a fresh
+        # stager, closed (its copies freed) once the save is written.
+        self.keep_staging_buffers = keep_staging_buffers
+        self.stager = self._new_stager() if async_save and keep_staging_buffers else None
         # background saves talk over their own group: the training thread's collectives use the default one
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="dutycycle-checkpoint") if async_save else None
@@ -90,8 +96,10 @@ class Saver:
             commit = self._write_and_commit(step, state, trainer_state, rng, snapshot_s=0.0)
             return time.perf_counter() - t0, commit
         t_snap = time.perf_counter()
-        self.staging = self.stager.stage(state)
-        self.inflight = self.pool.submit(self._background, step, self.staging, trainer_state, rng, t_snap)
+        stager = self.stager if self.stager is not None else self._new_stager()
+        self.staging = stager.stage(state)
+        self.inflight = self.pool.submit(self._background, step, self.staging, trainer_state, rng, t_snap,
+                                         None if stager is self.stager else stager)
         return time.perf_counter() - t0, previous
 
     def wait_staged(self) -> float:
@@ -129,10 +137,14 @@ class Saver:
 
     # ------------------------------------------------------------------------------------ background thread
 
-    def _background(self, step, staging: Future, trainer_state, rng, t_snap) -> Commit:
-        staged = staging.result()
-        snapshot_s = time.perf_counter() - t_snap
-        return self._write_and_commit(step, staged, trainer_state, rng, snapshot_s)
+    def _background(self, step, staging: Future, trainer_state, rng, t_snap, own_stager=None) -> Commit:
+        try:
+            staged = staging.result()
+            snapshot_s = time.perf_counter() - t_snap
+            return self._write_and_commit(step, staged, trainer_state, rng, snapshot_s)
+        finally:
+            if own_stager is not None:  # this save's stager: its host copies go with it
+                own_stager.close()
 
     def _write_and_commit(self, step: int, state: dict, trainer_state: TrainerState, rng: dict,
                           snapshot_s: float) -> Commit:

@@ -318,15 +318,18 @@ def scaling(ctx: Context) -> dict:
         return {"applicable": False, "why": "parallel.num_workers = 1: nothing to scale"}
     synth = _synthetic(ctx)
     one = short_run(ctx, "scale-1", *synth, "parallel.num_workers=1", "parallel.zero_stage=0",
-                     "parallel.offload=none", "parallel.quant_weights=none", "parallel.quant_grads=none",
+                     "parallel.replicate=1", "parallel.offload=none", "parallel.quant_weights=none", "parallel.quant_grads=none",
                      "parallel.hpz=false", "parallel.error_feedback=false")
     many = short_run(ctx, f"scale-{n}", *synth)
-    out = {"workers": n, "zero_stage": cfg.parallel.zero_stage, "quant_grads": cfg.parallel.quant_grads,
+    out = {"workers": n, "zero_stage": cfg.parallel.zero_stage, "replicate": cfg.parallel.replicate,
+           "quant_grads": cfg.parallel.quant_grads,
            "quant_block": cfg.parallel.quant_block,
            "one": one, "many": many,
            "speedup": many["samples_per_s"] / one["samples_per_s"]}
     out["efficiency"] = out["speedup"] / n
     quant = ["parallel.quant_grads=int8"] + (["parallel.quant_weights=int8"] if cfg.parallel.zero_stage == 3 else [])
+    if cfg.parallel.replicate != 1:  # hybrid sharding does not combine with quantization: flat, quantized
+        quant.append("parallel.replicate=1")
     stage = max(1, cfg.parallel.zero_stage)
     already = cfg.parallel.quant_grads != "none"
     if not already:

@@ -89,7 +89,8 @@ def compute_remedy(findings: dict) -> dict | None:
     if not run or not one or not many or scaling.get("efficiency", 1.0) >= 0.7 or run.get("workers", 1) < 2:
         return None
     ratio = one["samples_per_s"] / max(many["samples_per_s"], 1e-9)
-    return {"for": "compute", "set": ["parallel.num_workers=1"],
+    flat = ["parallel.replicate=1"] if scaling.get("replicate", 1) != 1 else []  # one worker has no groups
+    return {"for": "compute", "set": ["parallel.num_workers=1", *flat],
             "predicted_samples_per_s": run["samples_per_s"] * ratio,
             "from": f"the configured run's rate times one worker's over {scaling['workers']} workers' in the "
                     f"scaling experiment ({ratio:.2f}x): they share the cores, one has them all"}

@@ -46,10 +46,10 @@ def _mb(n: float) -> str:
 
 def layout_settings(row: dict, configured: dict) -> list[tuple[str, object]]:
     """The config keys and values that select one memory-experiment layout (a row: stage, offload, replica
-    groups) from the ``configured`` one's: the replica groups only where they differ."""
+    groups) from the ``configured`` one's: offload and replica groups only where they differ."""
     out: list[tuple[str, object]] = [("parallel.zero_stage", row["zero_stage"])]
-    if row["offload"]:  # True: host memory; "nvme": the optimizer state in files
-        out.append(("parallel.offload", "optimizer" if row["offload"] is True else row["offload"]))
+    if row["offload"] != configured.get("offload", False):  # True: host memory; "nvme": the state in files
+        out.append(("parallel.offload", {False: "none", True: "optimizer"}.get(row["offload"], row["offload"])))
     if row.get("replicate", 1) != configured.get("replicate", 1):
         out.append(("parallel.replicate", row.get("replicate", 1)))
     return out

@@ -186,6 +186,8 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     groups = None
     if p.replicate != 1 and p.zero_stage > 0:  # hybrid sharding, its groups from the observed placement
         groups = replica_groups(world, p.replicate)
+        if len(groups) == 1:  # replicate = 0 on one node: one group is flat sharding
+            groups = None
     plan = make_plan(p.zero_stage, world_size, micro_batches, p.reduce_every_micro_step, p.offload != "none",
                      reshard_group=world.node_size if p.hpz else 0, replicate=len(groups) if groups else 1,
                      optimizer_on_disk=p.offload == "nvme")

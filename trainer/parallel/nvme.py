@@ -15,8 +15,8 @@ update is the optimizer's own, elementwise, on the same tensors: training is bit
 "optimizer"`` (tested), and checkpoints save and load the state through DCP as they would any tensor (a state
 loaded from a checkpoint arrives in host memory; the next step moves it back into files).
 
-The files are this run's scratch, not a checkpoint: ``<offload_dir>/dutycycle-offload-<run>/rank<r>`` is emptied
-when a rank starts (a restart after a crash finds the last attempt's files) and removed when it ends. A directory
+The files are this run's scratch, not a checkpoint: ``<offload_dir>/dutycycle-offload-<run>/rank<r>-<attempt>``,
+removed when the rank ends; a rank that starts removes its earlier attempts' (a crash leaves them). A directory
 on a network or shared file system is refused: every step rewrites the state, and another node's rank of the same
 number would share the files.
 """
@@ -24,18 +24,21 @@ number would share the files.
 from __future__ import annotations
 
 import atexit
+import glob
 import hashlib
 import itertools
 import mmap
 import os
 import shutil
 import tempfile
+import uuid
 
 import torch
 from dutycycle.engine.errors import ConfigError
 
 CHUNK_BYTES = 64 * 2**20  # state stepped at once: the host memory a step needs beyond parameters and gradients
 # file systems whose pages another machine can see or that live across a network: refused for offload_dir
+IN_MEMORY_FS = {"tmpfs", "ramfs"}  # refused too: files there are host memory, the opposite of the point
 NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "9p", "ceph", "glusterfs", "lustre", "gpfs", "beegfs",
               "afs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "fuse.juicefs", "fuse.glusterfs",
               "virtiofs", "davfs", "fuse.davfs2"}
@@ -71,6 +74,11 @@ def check_offload_dir(path: str, mounts: str | None = None) -> None:
         raise ConfigError(f"parallel.offload_dir = {path!r} is remote: offloaded optimizer state is rewritten every "
                           "step and must be on this node's local disk (an NVMe mount); set a local path")
     kind = filesystem_type(path, mounts)
+    if kind in IN_MEMORY_FS:
+        raise ConfigError(f"parallel.offload_dir = {path!r} is on {kind}, which keeps its files in host memory, "
+                          "the memory the offload is meant to free; set a path on local disk (an NVMe mount)"
+                          + ("" if path != tempfile.gettempdir() else
+                             " (the default is the system's temporary directory, in memory on this machine)"))
     if kind in NETWORK_FS or kind.startswith("nfs"):
         raise ConfigError(f"parallel.offload_dir = {path!r} is on a {kind} file system, shared or across a network: "
                           "offloaded optimizer state is rewritten every step and is this node's own; set a path on "
@@ -87,12 +95,19 @@ class FileStore:
 
     def __init__(self, root: str, run_key: str, rank: int):
         check_offload_dir(root)
-        self.dir = os.path.join(root, f"dutycycle-offload-{run_key}", f"rank{rank}")
-        shutil.rmtree(self.dir, ignore_errors=True)  # a previous attempt's files (a crash leaves them)
-        os.makedirs(self.dir, exist_ok=True)
-        self._maps: dict[int, tuple[mmap.mmap, int, str]] = {}  # storage data pointer -> (map, fd, path)
+        run = os.path.join(root, f"dutycycle-offload-{run_key}")
+        # Earlier attempts of this rank (a crash leaves their files): removed. Unlinking is safe even for an old
+        # process still running: its maps stay valid until it unmaps them. Each attempt has its own directory,
+        # so an old attempt that ends late removes only its own.
+        for old in glob.glob(os.path.join(glob.escape(run), f"rank{rank}-*")):
+            shutil.rmtree(old, ignore_errors=True)
+        self.dir = os.path.join(run, f"rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(self.dir)
+        self._maps: dict[int, tuple[mmap.mmap, str]] = {}  # storage data pointer -> (map, path)
         self._names = itertools.count()
         self.bytes_written = 0
+        self._closed = False
+        _allow_open_files()
         atexit.register(self.close)
 
     @staticmethod
@@ -112,14 +127,17 @@ class FileStore:
         assert local.is_contiguous() and local.storage_offset() == 0, "optimizer state is a whole contiguous tensor"
         path = os.path.join(self.dir, f"state-{next(self._names)}.bin")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)  # the map holds its own descriptor (Python duplicates it): one per state tensor
         mapped = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
         with torch.no_grad():
             mapped.copy_(local.view(-1).view(torch.uint8))
             local.set_(mapped.untyped_storage(), 0, local.size(), local.stride())
         ptr = local.untyped_storage().data_ptr()
-        self._maps[ptr] = (mm, fd, path)
+        self._maps[ptr] = (mm, path)
         FILE_BACKED[ptr] = nbytes
 
     def _entries(self, tensors):
@@ -130,40 +148,60 @@ class FileStore:
 
     def prefetch(self, tensors) -> None:
         """Ask the kernel to read these tensors' files now (asynchronously)."""
-        for mm, _, _ in self._entries(tensors):
+        for mm, _ in self._entries(tensors):
             mm.madvise(mmap.MADV_WILLNEED)
 
     def release(self, tensors) -> None:
         """Write these tensors' pages to their files and drop them from this process and the page cache."""
-        for mm, fd, _ in self._entries(tensors):
+        for mm, path in self._entries(tensors):
             mm.flush()
             self.bytes_written += len(mm)
             mm.madvise(mmap.MADV_DONTNEED)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            fd = os.open(path, os.O_RDONLY)  # written back and unmapped: now the page cache may drop them too
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
     def forget_unused(self, live: set[int]) -> None:
         """Drop the files of storages no state tensor uses any more (a checkpoint load replaced them)."""
         for ptr in [p for p in self._maps if p not in live]:
-            mm, fd, path = self._maps.pop(ptr)
+            _, path = self._maps.pop(ptr)
             FILE_BACKED.pop(ptr, None)
-            os.close(fd)
             os.unlink(path)  # the map itself goes with its last tensor
 
     def file_bytes(self) -> int:
-        return sum(len(mm) for mm, _, _ in self._maps.values())
+        return sum(len(mm) for mm, _ in self._maps.values())
 
     def close(self) -> None:
         """Remove the files (the maps stay valid while tensors use them: an unlinked file lives until unmapped),
-        and the run's directory once no other rank of this node has files in it."""
-        for ptr, (_, fd, _) in list(self._maps.items()):
+        and the run's directory once no other rank of this node has files in it. Once only: at exit it is called
+        again, and by then a restarted attempt of this rank may own the directory."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        for ptr in self._maps:
             FILE_BACKED.pop(ptr, None)
-            os.close(fd)
         self._maps.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
         try:
             os.rmdir(os.path.dirname(self.dir))
         except OSError:  # another rank's directory is still there (it removes the parent when it ends)
             pass
+
+
+def _allow_open_files() -> None:
+    """Raise this process's soft limit on open files to its hard limit: every state tensor's map holds a
+    descriptor (two per parameter with Adam), past the common soft limit of 1,024 at a few hundred parameters."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):  # not POSIX, or not allowed: the limit stays
+        pass
 
 
 _LIBC = None
@@ -222,8 +260,8 @@ def attach(optimizer, store: FileStore, chunk_bytes: int = CHUNK_BYTES, state_pe
     ``state_per_param``: full-size state tensors per parameter, for cutting chunks before the state exists."""
     inner = optimizer.step
 
-    def per_param_bytes(p) -> int:
-        return max(1, p.numel() * p.element_size() * state_per_param)
+    def per_param_bytes(p) -> int:  # this rank's shard of it, not the whole parameter
+        return max(1, FileStore._local(p).numel() * p.element_size() * state_per_param)
 
     def step(closure=None):
         assert closure is None, "a closure would run forward once per chunk"

@@ -4,7 +4,8 @@ Everything is validated here, in the driver, before any worker starts: an unknow
 ``ConfigError`` naming the dotted key. Each section checks its own values (``check``); ``validate`` adds the few
 checks that need two sections. The data section holds the loader's own config objects (``[data.augment]`` is the
 loader's ``AugmentConfig``, ``[data.read]`` the cache reader's ``ReadConfig``) and derives its ``LoaderConfig``s
-in one method. The resolved tree is printed and saved as ``RUN_DIR/config.json``.
+in one method. The resolved tree is printed and saved as ``RUN_DIR/config.json``. The parallel section, the
+longest, is in config_parallel.py (imported from here as ``ParallelSection``).
 """
 
 from __future__ import annotations
@@ -20,29 +21,8 @@ from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError
 from dutycycle.loader.config import MODES, AugmentConfig, LoaderConfig
 
-from .configtree import build, parse_overrides, renamed, set_dotted
-
-# ------------------------------------------------------------------------------------------ value checks
-
-
-def _one_of(key: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(str, allowed))}")
-
-
-def _positive(where: str, section: Any, *names: str) -> None:
-    for name in names:
-        v = getattr(section, name)
-        if v <= 0:
-            raise ConfigError(f"{where}.{name} = {v} must be positive")
-
-
-def _not_negative(where: str, section: Any, *names: str) -> None:
-    for name in names:
-        v = getattr(section, name)
-        if v < 0:
-            raise ConfigError(f"{where}.{name} = {v} must not be negative")
-
+from .config_parallel import ParallelSection
+from .configtree import build, not_negative, one_of, parse_overrides, positive, renamed, set_dotted
 
 # -------------------------------------------------------------------------------------------- sections
 
@@ -97,10 +77,10 @@ class DataSection:
         return train, val
 
     def check(self, where: str) -> None:
-        _one_of(f"{where}.source", self.source, ("cache", "raw", "synthetic"))
-        _one_of(f"{where}.loader_mode", self.loader_mode, MODES)
-        _positive(where, self, "global_batch_size", "micro_batches", "eval_batch_size", "size")
-        _not_negative(where, self, "slow_ms")
+        one_of(f"{where}.source", self.source, ("cache", "raw", "synthetic"))
+        one_of(f"{where}.loader_mode", self.loader_mode, MODES)
+        positive(where, self, "global_batch_size", "micro_batches", "eval_batch_size", "size")
+        not_negative(where, self, "slow_ms")
         if self.source == "cache" and not self.cache:
             raise ConfigError(f"{where}.cache is empty; set it to a materialized cache URI (dutycycle materialize ...)")
         if self.source == "raw" and not self.table:
@@ -122,7 +102,7 @@ class ModelSection:
     groups: int = 8  # GroupNorm groups (world-size-invariant normalization)
 
     def check(self, where: str) -> None:
-        _positive(where, self, "width", "depth")
+        positive(where, self, "width", "depth")
         if ":" in self.name:
             module, _, attr = self.name.partition(":")
             if not module or not attr:
@@ -155,143 +135,9 @@ class OptimSection:
     def check(self, where: str) -> None:
         from dutycycle.trainer.step.optim import OPTIMIZERS
 
-        _one_of(f"{where}.name", self.name, tuple(OPTIMIZERS))
-        _one_of(f"{where}.schedule", self.schedule, ("cosine", "constant"))
-        _not_negative(where, self, "lr", "weight_decay", "grad_clip", "warmup_steps")
-
-
-@dataclass
-class ParallelSection:
-    num_workers: int = 1
-    use_gpu: str = "auto"  # "auto" (GPU when the cluster has one), "true" or "false"
-    # ZeRO stage (trainer/parallel/plan.py): 0 = DDP; 1-3 = FSDP2 sharding optimizer state (1), + gradients (2),
-    # + parameters (3)
-    zero_stage: int = 0
-    # what leaves device memory (stages 1-3): "optimizer" = sharded parameters, gradients and optimizer state live
-    # in host memory (FSDP2's CPUOffloadPolicy); "nvme" = the same, with the optimizer state in files on local disk
-    # under offload_dir (trainer/parallel/nvme.py). Both serve fitting a model, not speed.
-    offload: str = "none"
-    offload_dir: str = ""  # "nvme": a local directory (an NVMe mount); "" = the system's temporary directory
-    # exchange gradients after every micro-batch (DeepSpeed style: less memory, M x the gradient traffic) instead
-    # of once at the accumulation boundary
-    reduce_every_micro_step: bool = False
-    find_unused_parameters: bool = False  # parameters that get no gradient in some step (DDP's flag)
-    # ranks per node for the byte accounting, hpZ and two-hop qgZ: 0 = as observed (every rank reports its node:
-    # trainer/cluster/topology.py); a positive value asserts that many consecutive ranks per node (checked)
-    node_size: int = 0
-    # ZeRO++ (stages 1-3; trainer/parallel/quant.py): int8 parameter all-gathers (qwZ), int8/int4 gradient
-    # exchange by all-to-all summed in fp32 (qgZ), the backward all-gather kept inside the node (hpZ, stage 3)
-    quant_weights: str = "none"  # "none" or "int8"
-    quant_grads: str = "none"  # "none", "int8" or "int4"
-    quant_block: int = 256  # elements per quantization block (one fp32 scale each)
-    hierarchical: bool = True  # qgZ in two hops (inside the node, then across) when node_size splits the ranks
-    # how gradients are reduce-scattered (stages 1-3): "auto" = dutycycle's all-to-all summed in fp32 when
-    # quantized (qgZ), the backend's reduce_scatter otherwise; "all_to_all" = the same all-to-all in fp32 (on gloo,
-    # whose reduce-scatter is an all-reduce underneath, it moves half the bytes); "native" = the backend's
-    reduce_scatter: str = "auto"
-    error_feedback: bool = False  # keep each rank's gradient quantization error and send it with the next step
-    hpz: bool = False  # stage 3: reshard to a node-sized group after forward (parallel.node_size)
-    # hybrid sharding (FSDP2's HSDP on a 2-D mesh; trainer/parallel/plan.py): this many replica groups, zero_stage
-    # sharding inside each group of num_workers / replicate ranks, one gradient all-reduce between the groups per
-    # step. Each group must sit on one node (checked on the observed placement): parameter gathers and the
-    # reduce-scatter stay on local links, only the all-reduce of the sharded gradient crosses nodes. 1 = flat
-    # (shard over all workers); 0 = one group per node, as observed. Serves speed (traffic), not memory: each
-    # rank holds 1/(num_workers / replicate) of the state, more than flat sharding's 1/num_workers.
-    replicate: int = 1
-    # stages 1-3: each unit prefetches the next unit's all-gather (forward) and the previous one's (backward),
-    # asynchronously, so the transfer overlaps compute (trainer/parallel/comm.py); false: FSDP2's defaults (on
-    # CPU every all-gather then blocks where it is issued)
-    overlap: bool = True
-    bucket_mb: float = 25.0  # DDP gradient bucket size (stage 0)
-    # recompute each block of model.blocks in backward instead of keeping its activations (any stage;
-    # trainer/parallel/activation.py): activation memory of ~one block instead of all, for one more forward
-    activation_checkpointing: bool = False
-    cpus_per_worker: float = 1.0  # Ray CPU reservation per training worker
-    threads_per_worker: int = 0  # torch intra-op threads; 0 = cores / workers on this node
-    # fault injection (to test the diagnosis, as data.slow_ms does for the loader): every optimizer step's gradient
-    # exchange waits this much longer, as on a slower link; counted as exposed communication, at any world size
-    inject_comm_ms: float = 0.0
-
-    @property
-    def grads_all_to_all(self) -> bool:
-        """Gradients go by dutycycle's all-to-all (quantized, or asked for in fp32) rather than the backend's
-        reduce-scatter: what plan.make_quantization wires and cluster/topology.py checks the layout for."""
-        return self.quant_grads != "none" or self.reduce_scatter == "all_to_all"
-
-    def check(self, where: str) -> None:
-        _one_of(f"{where}.use_gpu", self.use_gpu, ("auto", "true", "false"))
-        _one_of(f"{where}.offload", self.offload, ("none", "optimizer", "nvme"))
-        if self.offload == "nvme" and "://" in self.offload_dir:
-            raise ConfigError(f"{where}.offload_dir = {self.offload_dir!r} is remote: offloaded optimizer state is "
-                              "rewritten every step and must be on each node's local disk (an NVMe mount); set a "
-                              "local path")
-        _one_of(f"{where}.quant_weights", self.quant_weights, ("none", "int8"))
-        _one_of(f"{where}.quant_grads", self.quant_grads, ("none", "int8", "int4"))
-        _one_of(f"{where}.reduce_scatter", self.reduce_scatter, ("auto", "all_to_all", "native"))
-        if self.reduce_scatter == "native" and self.quant_grads != "none":
-            raise ConfigError(f"{where}.reduce_scatter = 'native' cannot carry quantized gradients ({where}.quant_grads "
-                              f"= {self.quant_grads!r} is exchanged by all-to-all); use \"auto\" or quant_grads = "
-                              "\"none\"")
-        _positive(where, self, "num_workers")
-        _not_negative(where, self, "cpus_per_worker", "inject_comm_ms")
-        _one_of(f"{where}.zero_stage", self.zero_stage, (0, 1, 2, 3))
-        if self.offload != "none" and self.zero_stage == 0:
-            raise ConfigError(f"{where}.offload = {self.offload!r} needs sharded optimizer state; "
-                              f"set {where}.zero_stage = 1, 2 or 3")
-        if self.reduce_every_micro_step and self.zero_stage == 1:
-            raise ConfigError(f"{where}.reduce_every_micro_step = true contradicts {where}.zero_stage = 1, which holds "
-                              "full gradients across the accumulation window; use zero_stage = 2 or 3 for that")
-        if self.node_size < 0 or (self.node_size and self.num_workers % self.node_size):
-            raise ConfigError(f"{where}.node_size = {self.node_size} must divide {where}.num_workers = "
-                              f"{self.num_workers} (or be 0: all workers on one node)")
-        _positive(where, self, "bucket_mb")
-        for key, value in (("quant_weights", self.quant_weights), ("quant_grads", self.quant_grads)):
-            if value != "none" and self.zero_stage == 0:
-                raise ConfigError(f"{where}.{key} = {value!r} quantizes FSDP2's collectives; set {where}.zero_stage "
-                                  "= 1, 2 or 3 (stage 0 is DDP's all-reduce)")
-        if self.error_feedback and self.quant_grads == "none":
-            raise ConfigError(f"{where}.error_feedback = true needs quantized gradients: set {where}.quant_grads = "
-                              "'int8' or 'int4'")
-        if self.quant_block < 2 or self.quant_block % 2:
-            raise ConfigError(f"{where}.quant_block = {self.quant_block} must be an even number >= 2 (int4 packs two "
-                              "values per byte); 256 is the default")
-        self._check_hybrid(where)
-        if self.hpz:
-            if self.zero_stage != 3:
-                raise ConfigError(f"{where}.hpz = true needs {where}.zero_stage = 3 (got {self.zero_stage}): only "
-                                  "stage 3 gathers parameters again in backward")
-            if self.node_size and not 1 < self.node_size < self.num_workers:  # 0: checked on the observed layout
-                raise ConfigError(f"{where}.hpz = true needs {where}.node_size between 2 and {where}.num_workers - 1 "
-                                  f"(got node_size = {self.node_size}, num_workers = {self.num_workers}): the "
-                                  "secondary shard lives on the ranks of one node")
-
-    def _check_hybrid(self, where: str) -> None:
-        if self.replicate < 0:
-            raise ConfigError(f"{where}.replicate = {self.replicate} must be >= 0 (1 = flat sharding, 0 = one "
-                              "replica group per node)")
-        if self.replicate == 1:
-            return
-        if self.zero_stage == 0:
-            raise ConfigError(f"{where}.replicate = {self.replicate} shards inside each replica group, and "
-                              f"{where}.zero_stage = 0 shards nothing (DDP replicates on every rank): set "
-                              f"{where}.zero_stage = 1, 2 or 3, or {where}.replicate = 1")
-        if self.replicate and self.num_workers % self.replicate:
-            raise ConfigError(f"{where}.replicate = {self.replicate} must divide {where}.num_workers = "
-                              f"{self.num_workers}: every replica group holds the same number of ranks")
-        if self.replicate and self.num_workers // self.replicate < 2:
-            raise ConfigError(f"{where}.replicate = {self.replicate} leaves one rank per replica group of "
-                              f"{where}.num_workers = {self.num_workers}: nothing is sharded (that is DDP, "
-                              f"{where}.zero_stage = 0); use fewer groups")
-        # ZeRO++ is the other answer to slow inter-node links: quantize what crosses them. Hybrid sharding keeps
-        # the gathers inside the node in fp32 instead; the two are not combined here (FSDP2 issues HSDP's
-        # all-reduce itself, with no seam for a quantized one)
-        for key, value, off in (("quant_weights", self.quant_weights, "none"), ("quant_grads", self.quant_grads, "none"),
-                                ("reduce_scatter", self.reduce_scatter, "auto"), ("hpz", self.hpz, False)):
-            if value != off and not (key == "reduce_scatter" and value == "native"):
-                raise ConfigError(f"{where}.replicate = {self.replicate} (hybrid sharding) does not combine with "
-                                  f"{where}.{key} = {value!r}: hybrid keeps parameter gathers inside the node in "
-                                  f"fp32, ZeRO++ quantizes what crosses nodes; choose one ({where}.replicate = 1, "
-                                  f"or {where}.{key} = {off!r})")
+        one_of(f"{where}.name", self.name, tuple(OPTIMIZERS))
+        one_of(f"{where}.schedule", self.schedule, ("cosine", "constant"))
+        not_negative(where, self, "lr", "weight_decay", "grad_clip", "warmup_steps")
 
 
 @dataclass
@@ -316,12 +162,12 @@ class RaySection:
     health_check_interval_s: float = 0.5
 
     def check(self, where: str) -> None:
-        _one_of(f"{where}.placement_strategy", self.placement_strategy,
+        one_of(f"{where}.placement_strategy", self.placement_strategy,
                 ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"))
-        _one_of(f"{where}.log_level", self.log_level, ("DEBUG", "INFO", "WARNING", "ERROR"))
-        _not_negative(where, self, "max_failures")
-        _positive(where, self, "start_timeout_s")
-        _positive(where, self, "health_check_interval_s")
+        one_of(f"{where}.log_level", self.log_level, ("DEBUG", "INFO", "WARNING", "ERROR"))
+        not_negative(where, self, "max_failures")
+        positive(where, self, "start_timeout_s")
+        positive(where, self, "health_check_interval_s")
 
 
 @dataclass
@@ -359,8 +205,8 @@ class CheckpointSection:
     force_loader_state: bool = False
 
     def check(self, where: str) -> None:
-        _one_of(f"{where}.on_nonfinite", self.on_nonfinite, ("skip", "rollback", "stop"))
-        _not_negative(where, self, "every", "max_rollbacks", "failures_per_worker_hour")
+        one_of(f"{where}.on_nonfinite", self.on_nonfinite, ("skip", "rollback", "stop"))
+        not_negative(where, self, "every", "max_rollbacks", "failures_per_worker_hour")
         if self.keep < 2:
             raise ConfigError(f"{where}.keep = {self.keep} must be at least 2: a save replaces the oldest commit "
                               "only after it has committed itself, and a rollback may need the commit before the "
@@ -389,12 +235,12 @@ class RunSection:
     health_timeout_s: float = 30.0
 
     def check(self, where: str) -> None:
-        _one_of(f"{where}.precision", self.precision, ("auto", "fp32", "bf16", "fp64"))
-        _not_negative(where, self, "epochs", "max_steps", "eval_every")
+        one_of(f"{where}.precision", self.precision, ("auto", "fp32", "bf16", "fp64"))
+        not_negative(where, self, "epochs", "max_steps", "eval_every")
         if self.epochs == 0 and self.max_steps == 0:
             raise ConfigError(f"{where}.epochs and {where}.max_steps are both 0; set one of them, "
                               f"e.g. --set {where}.epochs=3")
-        _positive(where, self, "health_timeout_s")
+        positive(where, self, "health_timeout_s")
 
 
 @dataclass

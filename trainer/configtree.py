@@ -1,6 +1,6 @@
 """A tree of config dataclasses from TOML and ``--set a.b=value`` overrides: types coerced from the field
-annotations, unknown keys named with the valid ones. Generic: it knows nothing about training; trainer/config.py
-holds the sections."""
+annotations, unknown keys named with the valid ones, and the value checks the sections call. Generic: it knows
+nothing about training; trainer/config.py holds the sections."""
 
 from __future__ import annotations
 
@@ -157,3 +157,25 @@ def renamed(err: ConfigError, cls: type, where: str) -> ConfigError:
     same field is the dotted key ``where.field``, which is what a user can set."""
     text = str(err).replace(f"{cls.__name__}.", f"{where}.").replace(f"{cls.__name__} ", f"{where} ")
     return ConfigError(text if where in text else f"{where}: {text}")
+
+
+# ------------------------------------------------------------------------------------------ value checks
+
+
+def one_of(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def positive(where: str, section: Any, *names: str) -> None:
+    for name in names:
+        v = getattr(section, name)
+        if v <= 0:
+            raise ConfigError(f"{where}.{name} = {v} must be positive")
+
+
+def not_negative(where: str, section: Any, *names: str) -> None:
+    for name in names:
+        v = getattr(section, name)
+        if v < 0:
+            raise ConfigError(f"{where}.{name} = {v} must not be negative")

@@ -5,7 +5,6 @@ accounting), checkpoints and resume, cleanup, and the refusals."""
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 import torch
@@ -17,14 +16,9 @@ from ..support.harness import run_distributed
 
 def resident_kib(directory: str) -> int:
     """Resident pages (kB, from /proc/self/smaps) of this process's mappings of files under ``directory``."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
-                inside = directory in line
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1])
-    return total
+    from dutycycle.trainer.parallel.memory import host_memory
+
+    return host_memory(directory)["files_resident"] // 1024
 
 
 def _nvme_against_host_offload(rank, world):

@@ -50,7 +50,7 @@ def held_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield "sharded_param", fp._sharded_param_data  # padded: includes FSDP's padding to W rows
             grad = fp.sharded_param.grad
             if grad is not None:
-                yield "sharded_grad", getattr(grad, "_local_tensor", grad)
+                yield "sharded_grad", local_tensor(grad)
             unsharded = getattr(fp, "_unsharded_param", None)
             if unsharded is not None:
                 yield "unsharded_param", unsharded
@@ -81,3 +81,9 @@ def reshard_to_secondary(model: torch.nn.Module) -> None:
         for group in module._get_fsdp_state()._fsdp_param_groups:
             if group.is_unsharded and group._use_post_forward_mesh:
                 group._to_sharded_post_forward()
+
+
+def local_tensor(t):
+    """A DTensor's shard on this rank (its private ``_local_tensor``, without ``to_local()``'s autograd view); any
+    other tensor itself."""
+    return getattr(t, "_local_tensor", t)

@@ -15,10 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from .fsdp_api import held_tensors
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+from .fsdp_api import local_tensor as _local
 
 
 def _storage_key(t: torch.Tensor):

@@ -36,6 +36,8 @@ import uuid
 import torch
 from dutycycle.engine.errors import ConfigError
 
+from .fsdp_api import local_tensor as _local  # a DTensor's shard on this rank
+
 CHUNK_BYTES = 64 * 2**20  # state stepped at once: the host memory a step needs beyond parameters and gradients
 # file systems whose pages another machine can see or that live across a network: refused for offload_dir
 IN_MEMORY_FS = {"tmpfs", "ramfs"}  # refused too: files there are host memory, the opposite of the point
@@ -110,17 +112,13 @@ class FileStore:
         _allow_open_files()
         atexit.register(self.close)
 
-    @staticmethod
-    def _local(t: torch.Tensor) -> torch.Tensor:
-        return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
-
     def backed(self, t: torch.Tensor) -> bool:
-        return self._local(t).untyped_storage().data_ptr() in self._maps
+        return _local(t).untyped_storage().data_ptr() in self._maps
 
     def back(self, t: torch.Tensor) -> None:
         """Move ``t``'s values into a new file and make the file's pages its storage (in place: the optimizer's
         state dict keeps the same tensor). A tensor already in a file stays."""
-        local = self._local(t)
+        local = _local(t)
         nbytes = local.untyped_storage().nbytes()
         if nbytes == 0 or self.backed(local):
             return
@@ -142,7 +140,7 @@ class FileStore:
 
     def _entries(self, tensors):
         for t in tensors:
-            entry = self._maps.get(self._local(t).untyped_storage().data_ptr())
+            entry = self._maps.get(_local(t).untyped_storage().data_ptr())
             if entry is not None:
                 yield entry
 
@@ -261,7 +259,7 @@ def attach(optimizer, store: FileStore, chunk_bytes: int = CHUNK_BYTES, state_pe
     inner = optimizer.step
 
     def per_param_bytes(p) -> int:  # this rank's shard of it, not the whole parameter
-        return max(1, FileStore._local(p).numel() * p.element_size() * state_per_param)
+        return max(1, _local(p).numel() * p.element_size() * state_per_param)
 
     def step(closure=None):
         assert closure is None, "a closure would run forward once per chunk"
@@ -283,7 +281,7 @@ def attach(optimizer, store: FileStore, chunk_bytes: int = CHUNK_BYTES, state_pe
         finally:
             for g, ps in zip(groups, kept, strict=True):
                 g["params"] = ps
-        live = {FileStore._local(t).untyped_storage().data_ptr()
+        live = {_local(t).untyped_storage().data_ptr()
                 for t in _state_tensors(optimizer, [p for ps in kept for p in ps])}
         store.forget_unused(live)
         return_freed_memory()

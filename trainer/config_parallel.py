@@ -1,0 +1,144 @@
+"""The ``[parallel]`` config section: data parallelism and its ZeRO stage, offload, hybrid sharding, ZeRO++ and
+the fault injection the diagnosis uses; each key checked here, naming it (trainer/config.py holds the others)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dutycycle.engine.errors import ConfigError
+
+from .configtree import not_negative, one_of, positive
+
+
+@dataclass
+class ParallelSection:
+    num_workers: int = 1
+    use_gpu: str = "auto"  # "auto" (GPU when the cluster has one), "true" or "false"
+    # ZeRO stage (trainer/parallel/plan.py): 0 = DDP; 1-3 = FSDP2 sharding optimizer state (1), + gradients (2),
+    # + parameters (3)
+    zero_stage: int = 0
+    # what leaves device memory (stages 1-3): "optimizer" = sharded parameters, gradients and optimizer state live
+    # in host memory (FSDP2's CPUOffloadPolicy); "nvme" = the same, with the optimizer state in files on local disk
+    # under offload_dir (trainer/parallel/nvme.py). Both serve fitting a model, not speed.
+    offload: str = "none"
+    offload_dir: str = ""  # "nvme": a local directory (an NVMe mount); "" = the system's temporary directory
+    # exchange gradients after every micro-batch (DeepSpeed style: less memory, M x the gradient traffic) instead
+    # of once at the accumulation boundary
+    reduce_every_micro_step: bool = False
+    find_unused_parameters: bool = False  # parameters that get no gradient in some step (DDP's flag)
+    # ranks per node for the byte accounting, hpZ and two-hop qgZ: 0 = as observed (every rank reports its node:
+    # trainer/cluster/topology.py); a positive value asserts that many consecutive ranks per node (checked)
+    node_size: int = 0
+    # ZeRO++ (stages 1-3; trainer/parallel/quant.py): int8 parameter all-gathers (qwZ), int8/int4 gradient
+    # exchange by all-to-all summed in fp32 (qgZ), the backward all-gather kept inside the node (hpZ, stage 3)
+    quant_weights: str = "none"  # "none" or "int8"
+    quant_grads: str = "none"  # "none", "int8" or "int4"
+    quant_block: int = 256  # elements per quantization block (one fp32 scale each)
+    hierarchical: bool = True  # qgZ in two hops (inside the node, then across) when node_size splits the ranks
+    # how gradients are reduce-scattered (stages 1-3): "auto" = dutycycle's all-to-all summed in fp32 when
+    # quantized (qgZ), the backend's reduce_scatter otherwise; "all_to_all" = the same all-to-all in fp32 (on gloo,
+    # whose reduce-scatter is an all-reduce underneath, it moves half the bytes); "native" = the backend's
+    reduce_scatter: str = "auto"
+    error_feedback: bool = False  # keep each rank's gradient quantization error and send it with the next step
+    hpz: bool = False  # stage 3: reshard to a node-sized group after forward (parallel.node_size)
+    # hybrid sharding (FSDP2's HSDP on a 2-D mesh; trainer/parallel/plan.py): this many replica groups, zero_stage
+    # sharding inside each group of num_workers / replicate ranks, one gradient all-reduce between the groups per
+    # step. Each group must sit on one node (checked on the observed placement): parameter gathers and the
+    # reduce-scatter stay on local links, only the all-reduce of the sharded gradient crosses nodes. 1 = flat
+    # (shard over all workers); 0 = one group per node, as observed. Serves speed (traffic), not memory: each
+    # rank holds 1/(num_workers / replicate) of the state, more than flat sharding's 1/num_workers.
+    replicate: int = 1
+    # stages 1-3: each unit prefetches the next unit's all-gather (forward) and the previous one's (backward),
+    # asynchronously, so the transfer overlaps compute (trainer/parallel/comm.py); false: FSDP2's defaults (on
+    # CPU every all-gather then blocks where it is issued)
+    overlap: bool = True
+    bucket_mb: float = 25.0  # DDP gradient bucket size (stage 0)
+    # recompute each block of model.blocks in backward instead of keeping its activations (any stage;
+    # trainer/parallel/activation.py): activation memory of ~one block instead of all, for one more forward
+    activation_checkpointing: bool = False
+    cpus_per_worker: float = 1.0  # Ray CPU reservation per training worker
+    threads_per_worker: int = 0  # torch intra-op threads; 0 = cores / workers on this node
+    # fault injection (to test the diagnosis, as data.slow_ms does for the loader): every optimizer step's gradient
+    # exchange waits this much longer, as on a slower link; counted as exposed communication, at any world size
+    inject_comm_ms: float = 0.0
+
+    @property
+    def grads_all_to_all(self) -> bool:
+        """Gradients go by dutycycle's all-to-all (quantized, or asked for in fp32) rather than the backend's
+        reduce-scatter: what plan.make_quantization wires and cluster/topology.py checks the layout for."""
+        return self.quant_grads != "none" or self.reduce_scatter == "all_to_all"
+
+    def check(self, where: str) -> None:
+        one_of(f"{where}.use_gpu", self.use_gpu, ("auto", "true", "false"))
+        one_of(f"{where}.offload", self.offload, ("none", "optimizer", "nvme"))
+        if self.offload == "nvme" and "://" in self.offload_dir:
+            raise ConfigError(f"{where}.offload_dir = {self.offload_dir!r} is remote: offloaded optimizer state is "
+                              "rewritten every step and must be on each node's local disk (an NVMe mount); set a "
+                              "local path")
+        one_of(f"{where}.quant_weights", self.quant_weights, ("none", "int8"))
+        one_of(f"{where}.quant_grads", self.quant_grads, ("none", "int8", "int4"))
+        one_of(f"{where}.reduce_scatter", self.reduce_scatter, ("auto", "all_to_all", "native"))
+        if self.reduce_scatter == "native" and self.quant_grads != "none":
+            raise ConfigError(f"{where}.reduce_scatter = 'native' cannot carry quantized gradients ({where}.quant_grads "
+                              f"= {self.quant_grads!r} is exchanged by all-to-all); use \"auto\" or quant_grads = "
+                              "\"none\"")
+        positive(where, self, "num_workers")
+        not_negative(where, self, "cpus_per_worker", "inject_comm_ms")
+        one_of(f"{where}.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        if self.offload != "none" and self.zero_stage == 0:
+            raise ConfigError(f"{where}.offload = {self.offload!r} needs sharded optimizer state; "
+                              f"set {where}.zero_stage = 1, 2 or 3")
+        if self.reduce_every_micro_step and self.zero_stage == 1:
+            raise ConfigError(f"{where}.reduce_every_micro_step = true contradicts {where}.zero_stage = 1, which holds "
+                              "full gradients across the accumulation window; use zero_stage = 2 or 3 for that")
+        if self.node_size < 0 or (self.node_size and self.num_workers % self.node_size):
+            raise ConfigError(f"{where}.node_size = {self.node_size} must divide {where}.num_workers = "
+                              f"{self.num_workers} (or be 0: all workers on one node)")
+        positive(where, self, "bucket_mb")
+        for key, value in (("quant_weights", self.quant_weights), ("quant_grads", self.quant_grads)):
+            if value != "none" and self.zero_stage == 0:
+                raise ConfigError(f"{where}.{key} = {value!r} quantizes FSDP2's collectives; set {where}.zero_stage "
+                                  "= 1, 2 or 3 (stage 0 is DDP's all-reduce)")
+        if self.error_feedback and self.quant_grads == "none":
+            raise ConfigError(f"{where}.error_feedback = true needs quantized gradients: set {where}.quant_grads = "
+                              "'int8' or 'int4'")
+        if self.quant_block < 2 or self.quant_block % 2:
+            raise ConfigError(f"{where}.quant_block = {self.quant_block} must be an even number >= 2 (int4 packs two "
+                              "values per byte); 256 is the default")
+        self._check_hybrid(where)
+        if self.hpz:
+            if self.zero_stage != 3:
+                raise ConfigError(f"{where}.hpz = true needs {where}.zero_stage = 3 (got {self.zero_stage}): only "
+                                  "stage 3 gathers parameters again in backward")
+            if self.node_size and not 1 < self.node_size < self.num_workers:  # 0: checked on the observed layout
+                raise ConfigError(f"{where}.hpz = true needs {where}.node_size between 2 and {where}.num_workers - 1 "
+                                  f"(got node_size = {self.node_size}, num_workers = {self.num_workers}): the "
+                                  "secondary shard lives on the ranks of one node")
+
+    def _check_hybrid(self, where: str) -> None:
+        if self.replicate < 0:
+            raise ConfigError(f"{where}.replicate = {self.replicate} must be >= 0 (1 = flat sharding, 0 = one "
+                              "replica group per node)")
+        if self.replicate == 1:
+            return
+        if self.zero_stage == 0:
+            raise ConfigError(f"{where}.replicate = {self.replicate} shards inside each replica group, and "
+                              f"{where}.zero_stage = 0 shards nothing (DDP replicates on every rank): set "
+                              f"{where}.zero_stage = 1, 2 or 3, or {where}.replicate = 1")
+        if self.replicate and self.num_workers % self.replicate:
+            raise ConfigError(f"{where}.replicate = {self.replicate} must divide {where}.num_workers = "
+                              f"{self.num_workers}: every replica group holds the same number of ranks")
+        if self.replicate and self.num_workers // self.replicate < 2:
+            raise ConfigError(f"{where}.replicate = {self.replicate} leaves one rank per replica group of "
+                              f"{where}.num_workers = {self.num_workers}: nothing is sharded (that is DDP, "
+                              f"{where}.zero_stage = 0); use fewer groups")
+        # ZeRO++ is the other answer to slow inter-node links: quantize what crosses them. Hybrid sharding keeps
+        # the gathers inside the node in fp32 instead; the two are not combined here (FSDP2 issues HSDP's
+        # all-reduce itself, with no seam for a quantized one)
+        for key, value, off in (("quant_weights", self.quant_weights, "none"), ("quant_grads", self.quant_grads, "none"),
+                                ("reduce_scatter", self.reduce_scatter, "auto"), ("hpz", self.hpz, False)):
+            if value != off and not (key == "reduce_scatter" and value == "native"):
+                raise ConfigError(f"{where}.replicate = {self.replicate} (hybrid sharding) does not combine with "
+                                  f"{where}.{key} = {value!r}: hybrid keeps parameter gathers inside the node in "
+                                  f"fp32, ZeRO++ quantizes what crosses nodes; choose one ({where}.replicate = 1, "
+                                  f"or {where}.{key} = {off!r})")

@@ -144,9 +144,11 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
             if left <= 0:
                 res = {"skipped": f"the budget of {budget_s:.0f} s was spent (raise --budget-s)"}
             else:
-                say(f"{tag} ...")
                 t0 = time.perf_counter()
                 try:
+                    # inside the try: a signal that lands as the line is written is this experiment's (seen: the
+                    # report was lost when SIGTERM came right after the line, before the try)
+                    say(f"{tag} ...")
                     if main:
                         _ray_from_main_thread(cfg)
                     res = _run_bounded(fn, ctx, left)
@@ -162,6 +164,8 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
             say(f"{tag}: {describe(key, res)}")
             if interrupted is not None:
                 break
+    except KeyboardInterrupt as e:  # a signal between two experiments: stop there, the report is still written
+        interrupted = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)

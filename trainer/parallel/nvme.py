@@ -172,9 +172,9 @@ class FileStore:
         return sum(len(mm) for mm, _ in self._maps.values())
 
     def close(self) -> None:
-        """Remove the files (the maps stay valid while tensors use them: an unlinked file lives until unmapped),
-        and the run's directory once no other rank of this node has files in it. Once only: at exit it is called
-        again, and by then a restarted attempt of this rank may own the directory."""
+        """Remove this attempt's files (the maps stay valid while tensors use them: an unlinked file lives until
+        unmapped), and the run's directory once no other rank of this node has files in it. Once only: the loop
+        closes it, and the exit handler calls it again."""
         if self._closed:
             return
         self._closed = True

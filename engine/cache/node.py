@@ -172,7 +172,10 @@ def verify_once(path: str, sha256: str, size: int, root: str) -> tuple[bool, boo
         return ok, True
 
 
-def mark_verified(path: str, sha256: str, root: str) -> None:
+def mark_verified(path: str, sha256: str, root: str, *, landing: str | None = None) -> None:
     """Record that ``path`` (just written and hashed by the caller) has content ``sha256``; ``root`` as for
-    ``verify_once``."""
-    write_file_atomic(_marker(root, _version_key(path, os.stat(path), sha256)), path.encode())
+    ``verify_once``. ``landing``: the temporary file about to be renamed to ``path``. Recording it before the
+    rename closes a window: a process that finds the file at ``path`` finds its record too, and does not hash
+    it again (a rename keeps the inode, size and mtime the record names)."""
+    st = os.stat(landing or path)
+    write_file_atomic(_marker(root, _version_key(path, st, sha256)), path.encode())

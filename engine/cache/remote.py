@@ -347,13 +347,18 @@ class DiskCache:
                         f"cache shard {remote_path!r} fails its checksum (expected sha256 {sha256[:12]}..., "
                         f"{nbytes} bytes); delete the cache folder and materialize it again"
                     )
+                # recorded as verified before it appears at its name: a process that finds it there (outside
+                # this lock) must find the record too, or it hashes the shard a second time
+                node.mark_verified(local, sha256, self.node_root, landing=tmp)
                 os.replace(tmp, local)
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
+            # its access time from the fine clock, like every later use: a new file's is the kernel's coarse
+            # one (a 4 ms tick), and two shards landed in one tick would tie in the eviction order
+            _touch(local)
             self.stats.shards_downloaded += 1
             self.stats.shards_hashed += 1  # hashed while it landed
-            node.mark_verified(local, sha256, self.node_root)
         return local
 
     def _make_room(self, nbytes: int) -> None:

@@ -139,6 +139,30 @@ def test_s3_node_copies_are_downloaded_and_verified_once_per_node(s3, tmp_path):
                        ).images(0)
 
 
+def test_a_node_copy_is_recorded_as_verified_before_it_appears(s3, tmp_path, monkeypatch):
+    """Another process may find the copy at its name (outside the download's lock) the moment it is renamed
+    there: its verification record must already exist, or that process hashes the shard a second time (seen
+    once in CI: 5 shards hashed for 4). At each rename, a second reader's check of the copy hashes nothing."""
+    from dutycycle.engine.cache import node, remote
+
+    uri, node_dir = f"{s3}/cache", str(tmp_path / "node")
+    make_cache(uri, 200, shape=(8, 8, 3), shards=2)
+    shas = {s.sha256: s.bytes for s in cf.read_manifest(uri).shards}
+    real_replace, seen = os.replace, []
+
+    def replace_then_check(src, dst):
+        real_replace(src, dst)
+        sha = os.path.basename(dst).removesuffix(".arrow")
+        if sha in shas:  # a shard landing (not a record written through write_file_atomic)
+            seen.append(node.verify_once(dst, sha, shas[sha], node_dir))
+
+    monkeypatch.setattr(remote.os, "replace", replace_then_check)
+    reader = CacheReader(uri, read=ReadConfig(remote="disk", node_dir=node_dir))
+    for i in range(reader.num_shards):
+        reader.images(i)
+    assert seen == [(True, False)] * 2 and reader.stats.shards_hashed == 2
+
+
 def test_s3_damaged_or_missing_shards_are_refused(s3, tmp_path):
     import s3fs
 

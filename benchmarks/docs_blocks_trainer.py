@@ -118,6 +118,7 @@ ZEROPP_LABELS = {"stage3": "nothing (gloo's reduce-scatter)",
                  "stage3+hpZ": "hpZ (backward gathers inside the node)",
                  "stage3+qwZ+qgZ-int8+hpZ": "qwZ + int8 qgZ + hpZ",
                  "stage3 hybrid": "hybrid sharding: 2 replica groups of 2, fp32 (`parallel.replicate = 2`)",
+                 "stage3 tensor 2": "tensor parallelism in each node, stage 3 over 2 data ranks (`parallel.tensor = 2`)",
                  "stage3 no overlap": "nothing, blocking all-gathers",
                  "stage3+qwZ+qgZ-int8+hpZ no overlap": "qwZ + int8 qgZ + hpZ, blocking all-gathers"}
 ZEROPP_ALL = "stage3+qwZ+qgZ-int8+hpZ"
@@ -333,7 +334,10 @@ LAYOUT_ROWS = {"stage3": ("stage 3, flat", "fitting: state / W"),
                "stage3+qwZ+qgZ-int8+hpZ": ("stage 3 + qwZ + int8 qgZ + hpZ", "speed, keeping stage 3's fit: "
                                            "quantized bytes across nodes"),
                "stage3 hybrid": ("stage 3, hybrid (2 groups of 2)", "speed, in fp32: state / S, more than "
-                                 "flat; only a gradient-shard all-reduce crosses nodes")}
+                                 "flat; only a gradient-shard all-reduce crosses nodes"),
+               "stage3 tensor 2": ("stage 3, tensor parallel 2 x data 2", "fitting a layer: a block's working set "
+                                   "and activations / T (not counted here), state as flat; stage 3 crosses nodes over "
+                                   "W / T ranks, the activation exchanges stay inside")}
 
 
 def _model_state(r: dict) -> float:
@@ -349,14 +353,19 @@ def layouts(results: dict) -> str:
     body = [[label, serves, nbytes(_model_state(by[name])), times(_model_state(by[name]) / _model_state(flat)),
              nbytes(by[name]["inter_node_bytes_per_step"]), secs(by[name]["step_s_median"]),
              times(flat["step_s_median"] / by[name]["step_s_median"])]
-            for name, (label, serves) in LAYOUT_ROWS.items()]
+            for name, (label, serves) in LAYOUT_ROWS.items() if name in by]
+    tp = by.get("stage3 tensor 2")
+    inside = "" if tp is None else (
+        f"The tensor-parallel row's activation exchanges, inside each node: "
+        f"{nbytes(sum(tp['tensor_bytes_per_step'].values()))} per step per rank (counted on the first step).")
     caption = (f"Measured in the ZeRO++ run below ({by['stage3']['num_params'] / 1e6:.1f}M-parameter ViT, 4 ranks "
                f"as two nodes of 2, a {gbit(speed['rate_gbit'])} link): model state held per rank (parameters, "
                "gradients, optimizer state; the largest rank) and bytes each rank sends across nodes per step. "
                "Offload (`parallel.offload`) serves fitting on a GPU only, moving state to host memory: its rows "
                "are the ZeRO benchmark's (one node).")
-    return "\n\n".join([para(caption), table(["layout", "serves", "state per rank", "vs flat", "across nodes per "
-                                                "step", "step", "speed-up"], body), source("zeropp")])
+    parts = [para(caption), table(["layout", "serves", "state per rank", "vs flat", "across nodes per step", "step",
+                                   "speed-up"], body)]
+    return "\n\n".join([*parts, *([para(inside)] if inside else []), source("zeropp")])
 
 
 OFFLOAD_LABELS = {"none": ("stage 3, no offload", "-"),

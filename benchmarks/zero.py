@@ -172,7 +172,8 @@ def worker(args) -> None:
         f"optim.warmup_steps={max(2, args.steps // 20)}", f"data.augment.flip={str(args.model == 'cnn').lower()}",
         f"parallel.quant_weights={args.quant_weights}", f"parallel.quant_grads={args.quant_grads}",
         f"parallel.hpz={str(args.hpz).lower()}", f"parallel.node_size={args.node_size}",
-        f"parallel.replicate={args.replicate}", f"parallel.offload_dir={args.offload_dir}",
+        f"parallel.replicate={args.replicate}", f"parallel.tensor={args.tensor}",
+        f"parallel.offload_dir={args.offload_dir}",
         f"parallel.error_feedback={str(args.error_feedback).lower()}", f"data.micro_batches={args.micro}",
         f"parallel.reduce_scatter={args.reduce_scatter}", f"parallel.overlap={str(not args.no_overlap).lower()}",
     ])
@@ -197,6 +198,8 @@ def worker(args) -> None:
             "traffic": summary["parallel"]["traffic"],
             "bytes_sent_per_step": summary["parallel"]["traffic_per_step"],
             "expected_bytes_per_step": summary["parallel"]["expected_traffic_per_step"],
+            # tensor parallelism's activation exchanges (inside the node), measured on the first step
+            "tensor_bytes_per_step": summary["parallel"]["tensor_traffic_per_step"],
             "held_per_rank": summary["memory"]["held_per_rank"],
             "expected_held": summary["memory"]["expected"],
             "zero_formula": summary["memory"]["zero_formula"],
@@ -299,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant-grads", default="none", help=argparse.SUPPRESS)
     p.add_argument("--hpz", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--replicate", type=int, default=1, help=argparse.SUPPRESS)  # hybrid sharding's groups
+    p.add_argument("--tensor", type=int, default=1, help=argparse.SUPPRESS)  # tensor-parallel group size
     p.add_argument("--offload-dir", default="", help=argparse.SUPPRESS)  # offload = "nvme": the state files
     p.add_argument("--error-feedback", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--reduce-scatter", default="auto", help=argparse.SUPPRESS)

@@ -17,7 +17,10 @@
    Targets: qwZ + int8 qgZ + hpZ at least 2x faster than stage 3 alone; overlap's exposed communication share at
    most 0.7x of the blocking gathers' at equal step work. The ``stage3 hybrid`` row is the fp32 alternative to
    quantization: hybrid sharding (``parallel.replicate = 2``: stage 3 inside each node, one all-reduce of the
-   gradient shards across), against which the figures set memory held per rank beside step time.
+   gradient shards across), against which the figures set memory held per rank beside step time. The
+   ``stage3 tensor 2`` row splits every block over the 2 ranks of each node (``parallel.tensor = 2``, sequence
+   parallel) with stage 3 over the 2 data ranks, one per node: its activation exchanges stay inside the node and
+   stage 3's gathers cross it over half the ranks.
 2. Convergence (no root needed): the demo's CNN on 32x32 shape images, 2 ranks on loopback, stage 3, the same
    steps and batches: fp32, qwZ + int8 qgZ, qwZ + int4 qgZ, and int4 with error feedback. Figures: validation
    loss and accuracy, and their ratio to fp32 (int8 is expected within 1.05x loss and 1 point of accuracy on
@@ -55,6 +58,7 @@ SPEED_ROWS = {  # name -> worker flags (all at stage 3, node size 2)
     "stage3 no overlap": ["--no-overlap"],
     "stage3+qwZ+qgZ-int8+hpZ no overlap": [*ALL_THREE, "--no-overlap"],
     "stage3 hybrid": ["--replicate", "2"],
+    "stage3 tensor 2": ["--tensor", "2"],
 }
 FP32_ROWS = ("stage3", "stage3 fp32 all-to-all")
 CONVERGENCE_ROWS = {
@@ -115,15 +119,25 @@ def speed(args, workdir: str) -> dict:
                 on["exposed_comm_share"] / off["exposed_comm_share"]
     hybrid, quant, flat = by.get("stage3 hybrid"), by.get("stage3+qwZ+qgZ-int8+hpZ"), by.get("stage3")
     if hybrid and quant and flat:  # the fp32 alternative to quantization: step, bytes across nodes, state held
-        def held(r):
-            return max(sum(h[k] for k in ("params", "grads", "optimizer")) for h in r["held_per_rank"])
-
         ratios["hybrid_step_vs_qwZ+qgZ-int8+hpZ"] = hybrid["step_s_median"] / quant["step_s_median"]
         ratios["hybrid_inter_node_bytes_vs_qwZ+qgZ-int8+hpZ"] = \
             hybrid["inter_node_bytes_per_step"] / quant["inter_node_bytes_per_step"]
-        ratios["hybrid_held_per_rank_vs_stage3"] = held(hybrid) / held(flat)
-        ratios["qwZ+qgZ-int8+hpZ_held_per_rank_vs_stage3"] = held(quant) / held(flat)
+        ratios["hybrid_held_per_rank_vs_stage3"] = _held(hybrid) / _held(flat)
+        ratios["qwZ+qgZ-int8+hpZ_held_per_rank_vs_stage3"] = _held(quant) / _held(flat)
+    tensor = by.get("stage3 tensor 2")
+    if tensor and flat:  # tensor parallelism inside each node, stage 3 across: step, bytes, state held
+        ratios["tensor_step_vs_stage3"] = tensor["step_s_median"] / flat["step_s_median"]
+        ratios["tensor_inter_node_bytes_vs_stage3"] = \
+            tensor["inter_node_bytes_per_step"] / flat["inter_node_bytes_per_step"]
+        ratios["tensor_held_per_rank_vs_stage3"] = _held(tensor) / _held(flat)
+        if hybrid:
+            ratios["tensor_step_vs_hybrid"] = tensor["step_s_median"] / hybrid["step_s_median"]
     return {"rate_gbit": args.rate, "rows": rows, "ratios": ratios}
+
+
+def _held(r: dict) -> float:
+    """The most model state any rank held (parameters, gradients, optimizer state)."""
+    return max(sum(h[k] for k in ("params", "grads", "optimizer")) for h in r["held_per_rank"])
 
 
 def convergence(args, workdir: str) -> dict:

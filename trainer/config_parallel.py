@@ -48,6 +48,15 @@ class ParallelSection:
     # (shard over all workers); 0 = one group per node, as observed. Serves speed (traffic), not memory: each
     # rank holds 1/(num_workers / replicate) of the state, more than flat sharding's 1/num_workers.
     replicate: int = 1
+    # tensor parallelism (torch.distributed.tensor.parallel on the model's own plan, e.g. TinyViT's: attention and
+    # MLP split Megatron-style; trainer/parallel/tensor.py): this many ranks of one node compute each layer
+    # together on the same batch, and zero_stage shards over the num_workers / tensor data-parallel ranks (FSDP2
+    # on the data dimension of a 2-D mesh). Serves fitting (each rank holds 1/tensor of the blocks' weights and
+    # activations) at the price of activation traffic on every layer: keep it inside a node. 1 = off
+    tensor: int = 1
+    # with tensor > 1: the residual stream between sub-layers split along the tokens (the norms run on 1/tensor of
+    # them; each all-reduce becomes a reduce-scatter and an all-gather); false: replicated, all-reduced
+    sequence_parallel: bool = True
     # stages 1-3: each unit prefetches the next unit's all-gather (forward) and the previous one's (backward),
     # asynchronously, so the transfer overlaps compute (trainer/parallel/comm.py); false: FSDP2's defaults (on
     # CPU every all-gather then blocks where it is issued)
@@ -106,6 +115,7 @@ class ParallelSection:
             raise ConfigError(f"{where}.quant_block = {self.quant_block} must be an even number >= 2 (int4 packs two "
                               "values per byte); 256 is the default")
         self._check_hybrid(where)
+        self._check_tensor(where)
         if self.hpz:
             if self.zero_stage != 3:
                 raise ConfigError(f"{where}.hpz = true needs {where}.zero_stage = 3 (got {self.zero_stage}): only "
@@ -142,3 +152,23 @@ class ParallelSection:
                                   f"{where}.{key} = {value!r}: hybrid keeps parameter gathers inside the node in "
                                   f"fp32, ZeRO++ quantizes what crosses nodes; choose one ({where}.replicate = 1, "
                                   f"or {where}.{key} = {off!r})")
+
+    def _check_tensor(self, where: str) -> None:
+        positive(where, self, "tensor")
+        if self.tensor == 1:
+            return
+        if self.num_workers % self.tensor:
+            raise ConfigError(f"{where}.tensor = {self.tensor} must divide {where}.num_workers = {self.num_workers}: "
+                              "every tensor-parallel group holds the same number of ranks")
+        if self.zero_stage == 0:
+            raise ConfigError(f"{where}.tensor = {self.tensor} composes with FSDP2 over the data-parallel ranks; "
+                              f"{where}.zero_stage = 0 is DDP: set {where}.zero_stage = 1, 2 or 3")
+        # one 2-D mesh (data, tensor): hybrid sharding would make it 3-D, and ZeRO++'s collectives and the offloads
+        # handle plain (1-D) shards only; each combination is refused by name rather than run half-checked
+        for key, value, off in (("replicate", self.replicate, 1), ("offload", self.offload, "none"),
+                                ("quant_weights", self.quant_weights, "none"), ("quant_grads", self.quant_grads, "none"),
+                                ("reduce_scatter", self.reduce_scatter, "auto"), ("hpz", self.hpz, False)):
+            if value != off and not (key == "reduce_scatter" and value == "native"):
+                raise ConfigError(f"{where}.tensor = {self.tensor} (tensor parallelism) does not combine with "
+                                  f"{where}.{key} = {value!r} here; set {where}.{key} = {off!r} or {where}.tensor = 1")
+

@@ -169,7 +169,8 @@ def test_zeropp_benchmark_quick(tmp_path):
     not) and on loopback for the convergence rows."""
     out = tmp_path / "zeropp.json"
     proc = subprocess.run([sys.executable, str(BENCH.parent / "zeropp.py"), "--quick", "--rows", "stage3",
-                           "stage3+qwZ+qgZ-int8+hpZ", "stage3 hybrid", "fp32", "qwZ+qgZ-int8", "--out", str(out)],
+                           "stage3+qwZ+qgZ-int8+hpZ", "stage3 hybrid", "stage3 tensor 2", "fp32", "qwZ+qgZ-int8",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     data = json.loads(out.read_text())
@@ -177,7 +178,11 @@ def test_zeropp_benchmark_quick(tmp_path):
     assert set(conv) == {"fp32", "qwZ+qgZ-int8"} and all(r["val_loss"] > 0 for r in conv.values())
     if os.geteuid() == 0:
         speed = {r["name"]: r for r in data["speed"]["rows"]}
-        assert set(speed) == {"stage3", "stage3+qwZ+qgZ-int8+hpZ", "stage3 hybrid"}
+        assert set(speed) == {"stage3", "stage3+qwZ+qgZ-int8+hpZ", "stage3 hybrid", "stage3 tensor 2"}
+        # tensor parallelism inside each node: its activation exchanges counted, stage 3 across over 2 data ranks
+        tp = speed["stage3 tensor 2"]
+        assert set(tp["tensor_bytes_per_step"]) == {"tp_all_gather", "tp_reduce_scatter", "tp_all_reduce"}
+        assert 0 < data["speed"]["ratios"]["tensor_inter_node_bytes_vs_stage3"] < 1
         hybrid = speed["stage3 hybrid"]["traffic"]
         assert hybrid["inter_node_bytes"] == hybrid["per_kind"]["all_reduce"]["inter_node_bytes"] > 0
         assert data["speed"]["ratios"]["hybrid_held_per_rank_vs_stage3"] > 1.5  # state over 2 ranks, not 4

@@ -1,4 +1,5 @@
-"""A plug-in model for the checkpoint tests (``model.name = "tests.support.ckpt_models:risky_cnn"``): the demo CNN with
+"""Plug-in models for the checkpoint tests (``model.name = "tests.support.ckpt_models:risky_cnn"``, or
+``risky_vit`` for tensor parallelism): the demo CNN with
 dropout (so a resume that does not restore the RNG trains other weights) and three injected faults, set per
 process through ``FAULTS``:
 
@@ -9,8 +10,9 @@ process through ``FAULTS``:
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
-from dutycycle.trainer.step.models import SmallCNN
+from dutycycle.trainer.step.models import SmallCNN, TinyViT
 
 FAULTS: dict = {"crash_at": None, "nan_at": None, "poison": None}
 
@@ -19,16 +21,21 @@ class InjectedCrash(RuntimeError):
     pass
 
 
+def _count_forward(model) -> None:
+    """Count a training forward; the ``crash_at``-th raises ``InjectedCrash``."""
+    if model.training:
+        model.forwards += 1
+        if FAULTS["crash_at"] == model.forwards:
+            raise InjectedCrash(f"injected crash at training forward {model.forwards}")
+
+
 class RiskyCNN(SmallCNN):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.forwards = 0
 
     def forward(self, x):
-        if self.training:
-            self.forwards += 1
-            if FAULTS["crash_at"] == self.forwards:
-                raise InjectedCrash(f"injected crash at training forward {self.forwards}")
+        _count_forward(self)
         h = self.blocks(x).mean(dim=(2, 3))
         out = self.head(F.dropout(h, p=0.25, training=self.training))
         poison = FAULTS["poison"]
@@ -44,3 +51,23 @@ def risky_cnn(cfg, in_channels, num_classes, image_size):
 
 def reset() -> None:
     FAULTS.update(crash_at=None, nan_at=None, poison=None)
+
+
+class RiskyViT(TinyViT):
+    """The ViT with the same injected crash and a dropout before the head (the RNG a resume must restore; under
+    tensor parallelism every rank of a group draws the same mask, or the replicated head would diverge)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forwards = 0
+
+    def forward(self, x):
+        _count_forward(self)
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = self.blocks(torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos)
+        return self.head(F.dropout(self.norm(x[:, 0]), p=0.25, training=self.training))
+
+
+def risky_vit(cfg, in_channels, num_classes, image_size):
+    return RiskyViT(in_channels, num_classes, image_size, dim=cfg.width, depth=cfg.depth, heads=cfg.heads,
+                    patch=cfg.patch)

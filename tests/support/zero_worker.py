@@ -92,8 +92,9 @@ def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload:
     parallel = ParallelSection(zero_stage=stage, reduce_every_micro_step=reduce_every,
                                offload=offload if isinstance(offload, str) else ("optimizer" if offload else "none"),
                                find_unused_parameters=find_unused, **parallel_kwargs)
+    placed = World(rank, world, parallel.node_size, node_ids=tuple(node_ids))
     with _quiet():
-        strategy = parallelize(model, parallel, World(rank, world, parallel.node_size, node_ids=tuple(node_ids)), device=torch.device("cpu"),
+        strategy = parallelize(model, parallel, placed, device=torch.device("cpu"),
                                precision="fp64" if dtype == torch.float64 else "fp32", micro_batches=micro_batches)
     if strategy_cls is not None:
         strategy.__class__ = strategy_cls
@@ -108,12 +109,16 @@ def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload:
         store = nvme.FileStore(nvme.offload_root(parallel), f"zero-worker-{os.getppid()}", rank)
         nvme.attach(optimizer, store, chunk_bytes=nvme_chunk_bytes)
     sampler = MemorySampler()
-    per = GLOBAL_BATCH // world
+    # the data-parallel ranks split each global batch (a tensor-parallel group's ranks take the same slice)
+    from dutycycle.trainer.parallel.plan import data_ranks
+
+    rank_d, world_d = data_ranks(placed, parallel.tensor)
+    per = GLOBAL_BATCH // world_d
     norms = []
     for step, (x, y) in enumerate(make_batches(dtype)[:steps]):
         if isinstance(strategy.module, Quirky):
             strategy.module.use_sometimes = step % 2 == 0
-        xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        xs, ys = x[rank_d * per:(rank_d + 1) * per], y[rank_d * per:(rank_d + 1) * per]
         _, norm = optimizer_step(strategy, optimizer, xs, ys, micro_batches=micro_batches, timer=StepTimer(),
                                  autocast=contextlib.nullcontext, grad_clip=grad_clip,
                                  lr=optimizer.param_groups[0]["lr"],

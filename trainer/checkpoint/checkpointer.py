@@ -94,7 +94,7 @@ class Checkpointer:
             schedule={"total_steps": self.total, "lr": self.cfg.optim.lr, "warmup_steps": self.cfg.optim.warmup_steps,
                       "schedule": self.cfg.optim.schedule, "min_lr_ratio": self.cfg.optim.min_lr_ratio},
             config=self.cfg.to_dict(), data=self.data,
-            strategy={"name": strategy.name, "zero_stage": plan.zero_stage, "replicate": plan.replicate,
+            strategy={"name": strategy.name, "zero_stage": plan.zero_stage, "replicate": plan.replicate, "tensor": plan.tensor,
                       **({"residuals": comm_layout} if comm_layout else {})})
         tensors = {"model": model_sd, "optim": optim_sd, **residuals.state_dict(strategy, self.rank)}
         _, commit = self.saver.save(step, tensors, state, capture_rng(self.device))

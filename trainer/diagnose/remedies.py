@@ -90,6 +90,7 @@ def compute_remedy(findings: dict) -> dict | None:
         return None
     ratio = one["samples_per_s"] / max(many["samples_per_s"], 1e-9)
     flat = ["parallel.replicate=1"] if scaling.get("replicate", 1) != 1 else []  # one worker has no groups
+    flat += ["parallel.tensor=1"] if scaling.get("tensor", 1) != 1 else []
     return {"for": "compute", "set": ["parallel.num_workers=1", *flat],
             "predicted_samples_per_s": run["samples_per_s"] * ratio,
             "from": f"the configured run's rate times one worker's over {scaling['workers']} workers' in the "

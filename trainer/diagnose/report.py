@@ -141,14 +141,16 @@ def figure(findings: dict, found: list[dict] | None = None):
     mem = findings.get("memory", {})
     if "rows" in mem:
         labels = [f"{r['zero_stage']}{ {True: '+off', 'nvme': '+nvme'}.get(r['offload'], '')}"
-                  f"{'/h' + str(r['replicate']) if r.get('replicate', 1) > 1 else ''}" for r in mem["rows"]]
+                  f"{'/h' + str(r['replicate']) if r.get('replicate', 1) > 1 else ''}"
+                  f"{'/t' + str(r['tensor']) if r.get('tensor', 1) > 1 else ''}" for r in mem["rows"]]
         from .verdict import _mb
 
         held = [r["device_bytes"] / 2**20 for r in mem["rows"]]
         bars = c.bar(labels, held, color=["#2ca02c" if r["fits"] else "#d62728" for r in mem["rows"]])
         c.bar_label(bars, [_mb(r["device_bytes"]) for r in mem["rows"]], fontsize=7)
         budget = mem["budget_bytes"] / 2**20
-        title = "model state per rank by layout\n(+off: host offload, +nvme: state on disk, /hR: R replica groups)"
+        title = ("model state per rank by layout\n(+off: host offload, +nvme: state on disk, /hR: R replica groups, "
+                 "/tT: tensor parallel over T)")
         if budget <= 20 * max(held, default=0.0):
             c.axhline(budget, color="k", ls="--", label="budget per rank")
             c.legend(fontsize=8)

@@ -46,12 +46,14 @@ def _mb(n: float) -> str:
 
 def layout_settings(row: dict, configured: dict) -> list[tuple[str, object]]:
     """The config keys and values that select one memory-experiment layout (a row: stage, offload, replica
-    groups) from the ``configured`` one's: offload and replica groups only where they differ."""
+    groups, tensor-parallel ranks) from the ``configured`` one's: all but the stage only where they differ."""
     out: list[tuple[str, object]] = [("parallel.zero_stage", row["zero_stage"])]
     if row["offload"] != configured.get("offload", False):  # True: host memory; "nvme": the state in files
         out.append(("parallel.offload", {False: "none", True: "optimizer"}.get(row["offload"], row["offload"])))
     if row.get("replicate", 1) != configured.get("replicate", 1):
         out.append(("parallel.replicate", row.get("replicate", 1)))
+    if row.get("tensor", 1) != configured.get("tensor", 1):
+        out.append(("parallel.tensor", row.get("tensor", 1)))
     return out
 
 
@@ -62,7 +64,8 @@ def memory_verdict(mem: dict) -> Verdict | None:
     fitting = [r for r in mem["rows"] if r["fits"]]
     stage_name = f"parallel.zero_stage = {mine['zero_stage']}" + \
         ({True: " with offload", "nvme": " with NVMe offload"}.get(mine["offload"], "")) + \
-        (f" in {mine['replicate']} replica groups" if mine.get("replicate", 1) > 1 else "")
+        (f" in {mine['replicate']} replica groups" if mine.get("replicate", 1) > 1 else "") + \
+        (f" with tensor parallelism over {mine['tensor']} ranks" if mine.get("tensor", 1) > 1 else "")
     head = (f"memory-bound: {stage_name} holds {_mb(mine['device_bytes'])} of model state per rank, over the "
             f"budget of {_mb(mem['budget_bytes'])} ({mem['budget_from']})")
     if fitting:

@@ -59,6 +59,12 @@ class Strategy:
     compute_dtype: torch.dtype = torch.float32  # what inputs are cast to before forward
     units: list[str] = field(default_factory=list)  # module names sharded as their own FSDP2 unit
     quant: Quantization = field(default_factory=Quantization)
+    # tensor parallelism (tensor.py): this rank's place in its group (0 when off: every rank is its own group);
+    # the parameters one rank of a group holds before ZeRO shards them (None when off: all of them)
+    tensor_rank: int = 0
+    tensor_numel: int | None = None
+    tensor_traffic: object = None  # tensor.TensorTraffic of the first step, once it ran
+    sequence_parallel: bool = False
 
     @contextlib.contextmanager
     def micro_step(self, micro: int):
@@ -120,17 +126,38 @@ class FSDPStrategy(Strategy):
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """Clip by the global 2-norm over all gradients, exact across shards: FSDP2 gradients are DTensors whose
-    norm is a partial value per rank; ``full_tensor()`` combines them (as torchtitan does)."""
+    """Clip by the global 2-norm over all gradients, exact across shards (``total_norm``); the scaling runs per
+    mesh (DTensor's foreach ops take one mesh at a time)."""
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
+    if not params:
         return torch.tensor(0.0)
-    total = torch.nn.utils.get_total_norm(grads, 2.0)
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    total = total_norm([p.grad for p in params])
+    for group in _by_mesh(params, lambda p: p.grad):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global 2-norm of ``grads``: FSDP2 gradients are DTensors whose norm is a partial value per rank, and
+    ``full_tensor()`` combines them (as torchtitan does). Under tensor parallelism the gradients live on two
+    meshes (the blocks' on (data, tensor), the replicated layers' on data alone), whose norms DTensor cannot
+    stack: each mesh's norm is combined on its own, in one order on every rank (each is a collective)."""
+    norms = []
+    for group in _by_mesh(grads, lambda g: g):
+        n = torch.nn.utils.get_total_norm(group, 2.0)
+        norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def _by_mesh(items: list, tensor_of) -> list[list]:
+    """``items`` grouped by the device mesh of ``tensor_of(item)`` (one group for plain tensors), groups in an
+    order every rank agrees on."""
+    groups: dict = {}
+    for item in items:
+        mesh = getattr(tensor_of(item), "device_mesh", None)
+        key = () if mesh is None else (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()))
+        groups.setdefault(key, []).append(item)
+    return [groups[k] for k in sorted(groups, key=repr)]
 
 
 # -------------------------------------------------------------------------------------------- sharding units
@@ -183,6 +210,7 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     p, world_size = parallel, world.size
     topology = Topology(world.node_ids)  # as the ranks reported it (cluster/topology.py)
     meter = CommMeter(world.rank, topology, host_timing=device.type == "cpu")
+    tensor = getattr(p, "tensor", 1)
     groups = None
     if p.replicate != 1 and p.zero_stage > 0:  # hybrid sharding, its groups from the observed placement
         groups = replica_groups(world, p.replicate)
@@ -190,9 +218,17 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
             groups = None
     plan = make_plan(p.zero_stage, world_size, micro_batches, p.reduce_every_micro_step, p.offload != "none",
                      reshard_group=world.node_size if p.hpz else 0, replicate=len(groups) if groups else 1,
-                     optimizer_on_disk=p.offload == "nvme")
+                     optimizer_on_disk=p.offload == "nvme", tensor=tensor)
     quant = make_quantization(p, world)
     compute_dtype = torch.float64 if precision == "fp64" else torch.float32
+    tp_mesh = tensor_rank = tensor_numel = None
+    if tensor > 1:  # first, as torchtitan orders it: tensor parallelism, activation checkpointing, then FSDP2
+        from .tensor import apply_tensor_parallel, mesh_2d
+
+        ensure_process_group(device)
+        tp_mesh = mesh_2d(device, world, tensor)
+        tensor_numel = apply_tensor_parallel(model, tp_mesh["tensor"], p.sequence_parallel)
+        tensor_rank = tp_mesh["tensor"].get_local_rank()
     if p.activation_checkpointing:
         # first: DDP and fully_shard then wrap the checkpointed blocks (FSDP2 shards each wrapper as the unit)
         checkpoint_blocks(model)
@@ -213,7 +249,7 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     from .fsdp_api import fsdp_modules
 
     ensure_process_group(device)
-    mesh = device_mesh(device, world_size, groups)
+    mesh = tp_mesh["data"] if tp_mesh is not None else device_mesh(device, world_size, groups)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
         else MixedPrecisionPolicy()
     # pinned host memory needs an accelerator (it raises on a CPU-only machine)
@@ -245,7 +281,9 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
         if groups:
             m.set_all_reduce_hook(counting_hsdp_hook(meter, mesh.get_group("replicate")))
     return FSDPStrategy(model=model, module=model, plan=plan, meter=meter, name="fsdp2",
-                        compute_dtype=compute_dtype, units=[n for n, _ in units], quant=quant)
+                        compute_dtype=compute_dtype, units=[n for n, _ in units], quant=quant,
+                        tensor_rank=tensor_rank or 0, tensor_numel=tensor_numel,
+                        sequence_parallel=tensor > 1 and p.sequence_parallel)
 
 
 def device_mesh(device: torch.device, world_size: int, groups: list[list[int]] | None):

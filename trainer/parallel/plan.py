@@ -48,11 +48,13 @@ class ShardingPlan:
     keep_unsharded_across_micro_batches: bool  # stage 1: reshard after backward only at the last micro-batch
     replicate: int = 1  # hybrid sharding: replica groups (FSDP2 stages only); 1 = flat
     optimizer_on_disk: bool = False  # offload = "nvme": the optimizer state in files (nvme.py), not host memory
+    tensor: int = 1  # tensor parallelism: ranks per tensor-parallel group (FSDP2 stages only); 1 = off
 
     @property
     def shard_size(self) -> int:
-        """Ranks one parameter is sharded over: the world, or one replica group under hybrid sharding."""
-        return self.world_size // self.replicate
+        """Ranks one parameter is sharded over by ZeRO: the world, one replica group under hybrid sharding, the
+        data-parallel ranks (world / tensor) under tensor parallelism."""
+        return self.world_size // (self.replicate * self.tensor)
 
     def syncs_gradients(self, micro: int) -> bool:
         """Whether micro-batch ``micro`` (0-based) of the step exchanges gradients."""
@@ -106,11 +108,13 @@ def make_quantization(parallel, world) -> Quantization:
 
 def make_plan(zero_stage: int, world_size: int, micro_batches: int = 1, reduce_every_micro_step: bool = False,
               offload: bool = False, reshard_group: int = 0, replicate: int = 1,
-              optimizer_on_disk: bool = False) -> ShardingPlan:
+              optimizer_on_disk: bool = False, tensor: int = 1) -> ShardingPlan:
     """``reshard_group`` > 0 (stage 3 only): reshard to groups of that many ranks after forward (hpZ).
-    ``replicate`` > 1 (stages 1-3): hybrid sharding over that many replica groups (resolved: never 0 here)."""
+    ``replicate`` > 1 (stages 1-3): hybrid sharding over that many replica groups (resolved: never 0 here).
+    ``tensor`` > 1 (stages 1-3): tensor parallelism in groups of that many ranks; ZeRO over the rest."""
     assert zero_stage in (0, 1, 2, 3), zero_stage
     assert replicate >= 1 and world_size % replicate == 0 and (replicate == 1 or zero_stage >= 1), replicate
+    assert tensor >= 1 and world_size % tensor == 0 and (tensor == 1 or (zero_stage >= 1 and replicate == 1)), tensor
     reshard: bool | int = zero_stage == 3
     if zero_stage == 3 and reshard_group and reshard_group < world_size:
         reshard = reshard_group
@@ -120,7 +124,7 @@ def make_plan(zero_stage: int, world_size: int, micro_batches: int = 1, reduce_e
         reduce_every_micro_step=reduce_every_micro_step and zero_stage != 1,
         offload=offload, fsdp=zero_stage >= 1, reshard_after_forward=reshard,
         keep_unsharded_across_micro_batches=zero_stage == 1, replicate=replicate,
-        optimizer_on_disk=optimizer_on_disk and zero_stage >= 1,
+        optimizer_on_disk=optimizer_on_disk and zero_stage >= 1, tensor=tensor,
     )
 
 
@@ -152,6 +156,30 @@ def replica_groups(world, replicate: int) -> list[list[int]]:
                           "groups of at least 2 ranks. Set parallel.replicate = 0 (one group per node), 1 (flat "
                           "sharding), or place the workers evenly (ray.placement_strategy, parallel.num_workers)")
     return hybrid_groups(world.nodes, r)
+
+
+def tensor_groups(world, tensor: int) -> list[list[int]]:
+    """Tensor parallelism's groups on the observed placement (``world``, a ``cluster.world.World``): each node's
+    ranks cut in order into groups of ``tensor``, as ``hybrid_groups`` cuts them. Row i of the 2-D (data, tensor)
+    mesh is group i; its ranks compute every layer together on one batch (data-parallel rank i). Refused, naming
+    the placement, when a group would span nodes: tensor parallelism exchanges activations in every layer."""
+    from dutycycle.engine.errors import ConfigError
+
+    if any(len(ranks) % tensor for ranks in world.nodes):
+        raise ConfigError(f"parallel.tensor = {tensor} cannot run on this placement ({world.placement()}): a "
+                          "tensor-parallel group must sit on one node (it exchanges activations in every layer), "
+                          f"so every node's workers must divide into groups of {tensor}. Place the workers evenly "
+                          "(ray.placement_strategy, parallel.num_workers) or lower parallel.tensor")
+    return hybrid_groups(world.nodes, world.size // tensor)
+
+
+def data_ranks(world, tensor: int) -> tuple[int, int]:
+    """``(rank, size)`` of this rank among the data-parallel ranks: what the loader splits the global batch by.
+    The ranks of one tensor-parallel group share a data rank (they must see the same samples)."""
+    if tensor == 1:
+        return world.rank, world.size
+    groups = tensor_groups(world, tensor)
+    return next(i for i, g in enumerate(groups) if world.rank in g), len(groups)
 
 
 # ------------------------------------------------------------------------------------------------- memory

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from dutycycle.engine.synth import CLASSES, draw_shapes
 from dutycycle.loader import ArrayLoader, AugmentConfig, LoaderConfig
+from dutycycle.trainer.parallel.plan import data_ranks
 
 
 @dataclass
@@ -100,9 +101,10 @@ def take(it, source, skip: set[tuple[int, int]]):
 
 def make_sources(cfg, world):
     """Build ``(train_source, val_source, DataInfo)`` for one rank of ``world`` (a ``cluster.world.World``) from
-    the config's data section."""
+    the config's data section. Under tensor parallelism (``parallel.tensor``) the batch is split over the
+    data-parallel ranks: a tensor-parallel group's ranks read the same samples."""
     d = cfg.data
-    rank, world_size = world.rank, world.size
+    rank, world_size = data_ranks(world, cfg.parallel.tensor)
     if d.source == "synthetic":
         n_train, n_val = d.synthetic_samples, max(d.synthetic_samples // 4, world_size)
         # one draw for both splits so they share a distribution; the seed is fixed by run.seed
@@ -127,7 +129,7 @@ def _loader_sources(cfg, world):
     from dutycycle.loader import CacheLoader
 
     d = cfg.data
-    rank, world_size = world.rank, world.size
+    rank, world_size = data_ranks(world, cfg.parallel.tensor)
     train_cfg, val_cfg = d.loader_configs(cfg.run.seed, world_size)
     if d.source == "cache":
         train = CacheLoader(d.cache, "train", rank, world_size, config=train_cfg)

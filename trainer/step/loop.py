@@ -125,24 +125,39 @@ def _loss_input(logits):
 def forward_backward(strategy, x, y, micro_batches: int, autocast, sampler=None):
     """Forward and backward over ``micro_batches`` chunks of the rank batch. Returns the rank batch's mean loss
     as a 0-d tensor on the device (no host synchronization). ``sampler`` (first step only) records the model
-    state held after each forward and each backward."""
-    import torch
-    import torch.nn.functional as F
+    state held after each forward and each backward; on that step tensor parallelism's activation exchanges are
+    counted too (``strategy.tensor_traffic``: they run inside forward and backward, outside FSDP2's hooks)."""
+    import contextlib
 
+    import torch
+
+    probe = contextlib.nullcontext()
+    if sampler is not None and strategy.plan.tensor > 1:
+        from dutycycle.trainer.parallel.tensor import TensorTraffic
+
+        probe = strategy.tensor_traffic = TensorTraffic()
     n = y.shape[0]
     losses = []
-    for i, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True)):
-        with strategy.micro_step(i):
-            with autocast():
-                logits = strategy.model(xs)
-            loss = F.cross_entropy(_loss_input(logits), ys) * (ys.shape[0] / n)
-            if sampler is not None:
-                sampler.sample(strategy.module)
-            loss.backward()
+    with probe:
+        for i, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True)):
+            losses.append(_micro_batch(strategy, i, xs, ys, n, autocast, sampler))
+    return torch.stack(losses).sum()
+
+
+def _micro_batch(strategy, i: int, xs, ys, n: int, autocast, sampler):
+    """Forward and backward of micro-batch ``i``; its loss weighted by its share of the ``n`` samples."""
+    import torch.nn.functional as F
+
+    with strategy.micro_step(i):
+        with autocast():
+            logits = strategy.model(xs)
+        loss = F.cross_entropy(_loss_input(logits), ys) * (ys.shape[0] / n)
         if sampler is not None:
             sampler.sample(strategy.module)
-        losses.append(loss.detach())
-    return torch.stack(losses).sum()
+        loss.backward()
+    if sampler is not None:
+        sampler.sample(strategy.module)
+    return loss.detach()
 
 
 def grad_norm(strategy):
@@ -150,13 +165,10 @@ def grad_norm(strategy):
     ``strategy.clip_grad_norm_`` computes it: FSDP2 gradients are DTensors whose norm is a partial value per
     rank, combined by ``full_tensor()`` (a collective every rank joins); DDP gradients are already reduced. A 0-d
     device tensor (no host synchronization), or None when no parameter has a gradient."""
-    import torch
+    from dutycycle.trainer.parallel.apply import total_norm
 
     grads = [p.grad for p in strategy.module.parameters() if p.grad is not None]
-    if not grads:
-        return None
-    total = torch.nn.utils.get_total_norm(grads, 2.0)
-    return total.full_tensor() if hasattr(total, "full_tensor") else total
+    return total_norm(grads) if grads else None
 
 
 def optimizer_step(strategy, optimizer, x, y, *, micro_batches: int, timer, autocast, grad_clip: float,
@@ -206,9 +218,10 @@ def evaluate(strategy, source, device, autocast, max_batches: int = 0, index: in
             y = batch["label"].to(device, non_blocking=True)
             with autocast():
                 logits = _loss_input(model(x))
-            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct += float((logits.argmax(1) == y).sum())
-            count += y.shape[0]
+            if strategy.tensor_rank == 0:  # a tensor-parallel group's ranks saw the same samples: count them once
+                loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+                correct += float((logits.argmax(1) == y).sum())
+                count += y.shape[0]
         strategy.after_eval()
     strategy.meter.take_blocked()  # evaluation's collectives are not a training step's exposed communication
     model.train()
@@ -377,7 +390,9 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
                                                  inject_comm_s=cfg.parallel.inject_comm_ms / 1000.0)
                 checkpointer.account(timer)
                 step += 1
-                log.add(step, epoch, lr, loss, int(y.shape[0]), timer.end_step(), grad_norm, batch=index,
+                # samples weigh each rank's loss in the global one: a tensor-parallel group's are counted once
+                own = int(y.shape[0]) if strategy.tensor_rank == 0 else 0
+                log.add(step, epoch, lr, loss, own, timer.end_step(), grad_norm, batch=index,
                         sample_ids=batch.get("sample_id"))
                 if checkpointer.due(step):
                     # Every loss up to this step is checked and this step's row written (a collective: a rank lost

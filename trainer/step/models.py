@@ -43,19 +43,44 @@ class SmallCNN(nn.Module):
         return self.head(x.mean(dim=(2, 3)))  # global average pool: any input size works
 
 
+class Attention(nn.Module):
+    """Multi-head self-attention with separate query, key, value and output projections (``q``, ``k``, ``v``,
+    ``proj``): tensor parallelism splits q, k and v by output features (whole heads per rank) and ``proj`` by input
+    features, which a packed qkv weight (``nn.MultiheadAttention``'s) would not allow. The head count is read from
+    the projection's width at run time, so a rank holding half the heads computes exactly those."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        if dim % heads:
+            raise ConfigError(f"model.heads = {heads} must divide model.width = {dim}")
+        self.head_dim = dim // heads
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        b, n, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # [b, n, h * d] -> [b, h, n, d]; h = this rank's heads
+            return t.view(b, n, -1, self.head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
+        return self.proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
 class Block(nn.Module):
     """Pre-norm transformer block."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: int = 4):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.attn = Attention(dim, heads)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, dim * mlp_ratio), nn.GELU(), nn.Linear(dim * mlp_ratio, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
+        x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
 
@@ -74,6 +99,51 @@ class TinyViT(nn.Module):
         self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)
+
+    def tensor_parallel_plan(self, tensor: int, sequence_parallel: bool) -> dict:
+        """``torch.distributed.tensor.parallel`` styles by module name for ``tensor`` ranks per group (Megatron's
+        split, as torchtitan plans its transformer): q, k, v and the MLP's first layer column-wise (each rank
+        whole heads and a slice of the hidden features), the output projection and the MLP's second layer row-wise
+        (partial sums, combined once per sub-layer). With ``sequence_parallel`` the residual stream between the
+        sub-layers stays split along the tokens, so the norms run on a 1/T slice and each all-reduce becomes a
+        reduce-scatter plus an all-gather of the same bytes. The patch embedding, the class token and the head
+        stay replicated (small, and outside the blocks). Checked: the heads and the MLP width divide by ``tensor``."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            PrepareModuleInputOutput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        attn, hidden = self.blocks[0].attn, self.blocks[0].mlp[0].out_features
+        heads = attn.q.out_features // attn.head_dim
+        if heads % tensor or hidden % tensor:
+            raise ConfigError(f"parallel.tensor = {tensor} must divide the ViT's heads (model.heads = {heads}) and its "
+                              f"MLP width ({hidden}): each rank takes whole heads; choose a divisor of {heads}")
+        split = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between sub-layers
+        plan: dict = {}
+        if sequence_parallel:  # into the blocks: each rank keeps its slice of the tokens; out: gathered again
+            plan["blocks"] = PrepareModuleInputOutput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=False,
+                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)
+        for i in range(len(self.blocks)):
+            b = f"blocks.{i}"
+            if sequence_parallel:
+                plan[f"{b}.norm1"] = SequenceParallel()
+                plan[f"{b}.norm2"] = SequenceParallel()
+            # each sub-layer's input as one replicated DTensor (gathered from the token slices under sequence
+            # parallelism): q, k and v then share it, and backward sums their partial input gradients before one
+            # reduce-scatter (or all-reduce), instead of one all-reduce per projection
+            for name in ("attn", "mlp"):
+                plan[f"{b}.{name}"] = PrepareModuleInput(input_layouts=(split,), desired_input_layouts=(Replicate(),),
+                                                         use_local_output=False)
+            for name in ("attn.q", "attn.k", "attn.v", "mlp.0"):
+                plan[f"{b}.{name}"] = ColwiseParallel()
+            for name in ("attn.proj", "mlp.2"):
+                plan[f"{b}.{name}"] = RowwiseParallel(output_layouts=split, use_local_output=not sequence_parallel)
+        return plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch(x).flatten(2).transpose(1, 2)

@@ -38,7 +38,9 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
     optim_bytes = None if state_per_param is None else state_per_param * master
     # FSDP2 gathers parameters in the compute dtype (bf16 under mixed precision) and reduces gradients in its
     # reduce dtype (fp32 there, the master's otherwise); DDP all-reduces the fp32 gradients autocast leaves
-    gathered_bytes, reduced_bytes = num_params * compute, num_params * master
+    # the parameters ZeRO shards: one tensor-parallel rank's share under tensor parallelism, all of them otherwise
+    numel = strategy.tensor_numel or num_params
+    gathered_bytes, reduced_bytes = numel * compute, numel * master
     traffic = strategy.meter.traffic["train"]
     parallel = {
         "zero_stage": plan.zero_stage, "strategy": strategy.name, "offload": cfg.parallel.offload,
@@ -46,6 +48,11 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
         "reshard_after_forward": plan.reshard_after_forward, "units": strategy.units, "precision": precision,
         # hybrid sharding: replica groups, and the ranks each parameter is sharded over (the world when flat)
         "replicate": plan.replicate, "shard_size": plan.shard_size,
+        # tensor parallelism: ranks per group, the token split, and its activation exchanges (measured on the
+        # first step, and the formula's: parallel/tensor.py)
+        "tensor": plan.tensor, "sequence_parallel": strategy.sequence_parallel, "tensor_numel": numel,
+        "tensor_traffic_per_step": dict(strategy.tensor_traffic.bytes) if strategy.tensor_traffic else {},
+        "expected_tensor_traffic_per_step": expected_tensor_traffic(strategy, cfg, compute),
         "quantization": dataclasses.asdict(strategy.quant),
         "node_ids": list(strategy.meter.topology.node_ids),  # each rank's node, as observed
         "comm_exposed_measured": strategy.meter.host_timing,
@@ -56,10 +63,11 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
     }
     memory = {
         "held_per_rank": [dict(zip(held_keys, r.tolist(), strict=True)) for r in held],
-        "expected": expected_held(plan, num_params, master, compute, master, optim_bytes or 0,
+        "expected": expected_held(plan, numel, master, compute, master, optim_bytes or 0,
                                   residual_bytes=4 if plan.fsdp and strategy.quant.error_feedback else 0),
-        # the paper's formula over the ranks that share the state (a replica group under hybrid sharding)
-        "zero_formula": zero_formula(plan.zero_stage, num_params, plan.shard_size, compute, master, optim_bytes or 0),
+        # the paper's formula over the ranks that share the state (a replica group under hybrid sharding, the
+        # data-parallel ranks under tensor parallelism, each holding one tensor-parallel rank's share)
+        "zero_formula": zero_formula(plan.zero_stage, numel, plan.shard_size, compute, master, optim_bytes or 0),
         "optimizer_formula_known": optim_bytes is not None,
         "cuda_peak_bytes": sampler.cuda_peak(ctx.device),
     }
@@ -77,6 +85,23 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
             **ctx.info,
         },
     )
+
+
+def expected_tensor_traffic(strategy, cfg, elem_bytes: int) -> dict | None:
+    """tensor.expected_traffic for the run's model when it is a transformer whose shape the formula reads (blocks,
+    tokens from the position table, width); None for other models under tensor parallelism, {} without it."""
+    from dutycycle.trainer.parallel.tensor import expected_traffic
+
+    plan, model = strategy.plan, strategy.module
+    if plan.tensor == 1:
+        return {}
+    pos = getattr(model, "pos", None)
+    if pos is None or not hasattr(model, "blocks"):
+        return None
+    return expected_traffic(blocks=len(model.blocks), batch=cfg.data.global_batch_size // plan.shard_size,
+                            tokens=pos.shape[1], width=pos.shape[2], tensor=plan.tensor, elem_bytes=elem_bytes,
+                            syncs=plan.micro_batches if plan.reduce_every_micro_step else 1,
+                            sequence_parallel=strategy.sequence_parallel)
 
 
 def optimizer_state_tensors(optim) -> int | None:

@@ -329,6 +329,7 @@ def validate(cfg: TrainConfig) -> None:
             "keep data.drop_last = true for distributed or accumulated training"
         )
     check_optimizer(cfg.optim.name, cfg.parallel.zero_stage)
+    _check_tensor_model(cfg)
     c = cfg.checkpoint
     where = c.dir or cfg.run.dir
     if c.every and where.startswith("memory://") and cfg.parallel.num_workers > 1:
@@ -336,6 +337,23 @@ def validate(cfg: TrainConfig) -> None:
         key = "checkpoint.dir" if c.dir else "run.dir"
         raise ConfigError(f"{key} = {where!r} keeps checkpoints in one process's memory, which the other "
                           f"{cfg.parallel.num_workers - 1} worker(s) cannot see; use a local path or s3://")
+
+
+def _check_tensor_model(cfg: TrainConfig) -> None:
+    """Tensor parallelism needs a model that says how to split its layers, in whole heads, and groups inside a
+    node: refused here, before any worker starts, for the built-in models (a plug-in's plan is checked when it is
+    applied, trainer/parallel/tensor.py)."""
+    t, m = cfg.parallel.tensor, cfg.model
+    if t == 1:
+        return
+    if m.name == "cnn":
+        raise ConfigError(f"parallel.tensor = {t} needs a model with a tensor-parallel plan, and model.name = 'cnn' "
+                          "has none: use model.name = 'vit', or parallel.tensor = 1")
+    if m.name == "vit" and m.heads % t:
+        raise ConfigError(f"parallel.tensor = {t} must divide model.heads = {m.heads}: each rank takes whole heads")
+    if cfg.parallel.node_size and cfg.parallel.node_size % t:
+        raise ConfigError(f"parallel.tensor = {t} must divide parallel.node_size = {cfg.parallel.node_size}: a "
+                          "tensor-parallel group sits on one node")
 
 
 def use_gpu(cfg: TrainConfig, gpus_available: float) -> bool:

@@ -63,8 +63,8 @@ def round_trip(rank: int, world: int, root: str) -> dict:
         full = full_state_dict(strategy)  # a collective: every rank, then rank 0's copy
         return {k: v.tolist() for k, v in full.items()} if rank == 0 else None
 
-    def overrides(parallel):
-        return [f"parallel.tensor={parallel.get('tensor', 1)}"]
+    def overrides(parallel):  # the checkpointer's config: the model it is checked against, the layout
+        return ["model.name=vit", "model.width=16", f"parallel.tensor={parallel.get('tensor', 1)}"]
 
     strategy, optimizer = _strategy(rank, world, LAYOUTS["tensor 2 x data 2"])
     for s in range(3):

@@ -182,6 +182,7 @@ def _through_the_loop(rank, world):
                            f"parallel.num_workers={world}", "parallel.zero_stage=3", f"parallel.tensor={tensor}")
         s = cw.train(cfg, rank, world)
         out[name] = {"loss": s["final_loss"], "samples": s["samples"], "weights": s["weights_sha256"],
+                     "val_samples": s["val_samples"], "val_loss": s["val_loss"],
                      **{k: s["parallel"][k] for k in ("tensor", "shard_size", "tensor_traffic_per_step",
                                                       "expected_tensor_traffic_per_step", "node_ids")}}
     return out
@@ -197,6 +198,9 @@ def test_the_trainer_runs_tensor_parallel_on_the_observed_nodes():
     assert tp["node_ids"] == ["node-a", "node-b", "node-a", "node-b"]
     assert (tp["tensor"], tp["shard_size"], dp["tensor"], dp["shard_size"]) == (2, 2, 1, 4)
     assert tp["samples"] == dp["samples"] == 3 * 32
+    # validation: every sample once (48 of the synthetic split), the same mean loss as data parallelism
+    assert tp["val_samples"] == dp["val_samples"] == 48
+    assert tp["val_loss"] == pytest.approx(dp["val_loss"], rel=1e-12)
     assert tp["loss"] == pytest.approx(dp["loss"], rel=1e-12, abs=TOLERANCE)
     assert tp["tensor_traffic_per_step"].keys() == tp["expected_tensor_traffic_per_step"].keys() != set()
     for kind, expected in tp["expected_tensor_traffic_per_step"].items():
@@ -236,6 +240,9 @@ def test_tensor_groups_cut_each_node_and_refuse_a_group_across_nodes():
     (["parallel.tensor=2", "parallel.replicate=2"], r"replicate = 2"),
     (["parallel.tensor=2", "parallel.quant_grads=int8"], r"quant_grads = 'int8'"),
     (["parallel.tensor=2", "parallel.offload=optimizer"], r"offload = 'optimizer'"),
+    (["parallel.tensor=2", "model.name=cnn"], r"model\.name = 'cnn' has none"),
+    (["parallel.tensor=4", "model.name=vit", "model.heads=2", "model.width=8"], r"must divide model\.heads = 2"),
+    (["parallel.tensor=2", "model.name=vit", "parallel.node_size=1"], r"must divide parallel\.node_size = 1"),
 ])
 def test_bad_tensor_settings_name_the_key(overrides, message):
     from dutycycle.trainer.config import load_config
@@ -250,10 +257,15 @@ def test_a_model_without_a_plan_or_with_indivisible_heads_is_refused():
     from dutycycle.trainer.step.models import SmallCNN, TinyViT
     from torch.distributed.device_mesh import init_device_mesh
 
+    created = not torch.distributed.is_initialized()
     ensure_process_group(torch.device("cpu"))  # a one-process group in memory, as a local run makes
-    mesh = init_device_mesh("cpu", (1,))
-    with pytest.raises(ConfigError, match=r"SmallCNN has no tensor_parallel_plan.*model\.name = 'vit'"):
-        apply_tensor_parallel(SmallCNN(3, 4), mesh, True)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        with pytest.raises(ConfigError, match=r"SmallCNN has no tensor_parallel_plan.*model\.name = 'vit'"):
+            apply_tensor_parallel(SmallCNN(3, 4), mesh, True)
+    finally:
+        if created:  # leave the test process as it was
+            torch.distributed.destroy_process_group()
     with pytest.raises(ConfigError, match=r"parallel\.tensor = 2 must divide the ViT's heads \(model\.heads = 3\)"):
         TinyViT(3, 4, 8, dim=12, heads=3, patch=4).tensor_parallel_plan(2, True)
 

@@ -207,7 +207,9 @@ class Checkpointer:
         """Handle ``TrainingDiverged`` (every rank, at the same flush): roll back or raise, per
         ``checkpoint.on_nonfinite``."""
 
-        ids = [i for part in all_gather(list(err.sample_ids or []), self.world) for i in part]
+        # a tensor-parallel group's ranks read the same batch: its ids once, from the group's first rank
+        mine = list(err.sample_ids or []) if getattr(strategy, "tensor_rank", 0) == 0 else []
+        ids = [i for part in all_gather(mine, self.world) for i in part]
         shown = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
         what = f"{err} [global batch {err.batch} of epoch {err.epoch}: {len(ids)} samples, ids {shown}]"
         policy = self.c.on_nonfinite

@@ -107,7 +107,9 @@ def _data_info(ctx: Context):
     from dutycycle.trainer.cluster.world import World
     from dutycycle.trainer.step.data import make_sources
 
-    return _once(ctx, "data_info", lambda: make_sources(variant(ctx.cfg, "data.loader_mode=sync"), World())[2])
+    # one process reads for itself: the whole global batch, not a tensor-parallel group's share of it
+    return _once(ctx, "data_info", lambda: make_sources(variant(ctx.cfg, "data.loader_mode=sync", "parallel.tensor=1"),
+                                                        World())[2])
 
 
 def _synthetic(ctx: Context) -> list[str]:
@@ -233,7 +235,7 @@ def loader(ctx: Context) -> dict:
         sources.append(("raw", variant(cfg, "data.source=raw", f"data.table={table}")))
     seconds = ctx.seconds / (len(sources) + 1)
     for name, c in sources:
-        train, _, _ = make_sources(c, World())
+        train, _, _ = make_sources(variant(c, "parallel.tensor=1"), World())  # one reader, the whole batch
         out[name], out["intervals"][name] = _rate(_epochs(train), gbs, seconds)
         if name in ("cache", "synthetic") and "in_ram" not in out:
             out["in_ram"], out["intervals"]["in_ram"] = _rate(_in_ram_batches(train, gbs), gbs, seconds)
@@ -447,6 +449,8 @@ def memory(ctx: Context) -> dict:
     p = cfg.parallel
     zeropp = p.quant_grads != "none" or p.quant_weights != "none" or p.hpz or p.reduce_scatter == "all_to_all"
     sizes = [] if zeropp else [t for t in range(2, node_size + 1) if node_size % t == 0]
+    if p.tensor > 1 and p.tensor not in sizes:  # the configured one, even beside ZeRO++ (then refused at config)
+        sizes.append(p.tensor)
     shares = {t: tensor_share(model, t) for t in sizes}
     shares = {1: numel, **{t: n for t, n in shares.items() if n is not None}}
     rows = []
@@ -462,6 +466,7 @@ def memory(ctx: Context) -> dict:
     # then by bytes across nodes, then in all (stable: ties keep the stage order)
     rows.sort(key=lambda r: (r["offload"] == "nvme", r["inter_node_bytes"], r["traffic_bytes"]))
     offload = {"none": False, "optimizer": True, "nvme": "nvme"}[cfg.parallel.offload]
+    # the configured layout is always a row: config.validate refuses a tensor size this model or node cannot take
     mine = next(r for r in rows if r["zero_stage"] == cfg.parallel.zero_stage and r["offload"] == offload
                 and r["replicate"] == mine_replicate and r["tensor"] == cfg.parallel.tensor)
     return {"num_params": numel, "workers": w, "node_size": node_size, "budget_bytes": budget, "budget_from": source,
@@ -489,7 +494,9 @@ def _layout_row(stage, offload, replicate: int, tensor: int, share: int, ctx, mo
     if tensor > 1 and pos is not None:
         traffic = {**traffic, **tensor_traffic(
             blocks=len(model.blocks), batch=cfg.data.global_batch_size // plan.shard_size, tokens=pos.shape[1],
-            width=pos.shape[2], tensor=tensor, elem_bytes=compute, syncs=1, sequence_parallel=True)}
+            width=pos.shape[2], tensor=tensor, elem_bytes=compute,
+            syncs=cfg.data.micro_batches if plan.reduce_every_micro_step else 1,
+            sequence_parallel=cfg.parallel.sequence_parallel)}
     # offload keeps the shards (parameters, gradients, optimizer state) in host memory: on a GPU only the
     # unsharded working copy is device memory; on CPU the device is the host, so nothing moves
     on_device = held["params"] - (share / plan.shard_size * master if offload and gpu else 0) + \

@@ -151,13 +151,14 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def _by_mesh(items: list, tensor_of) -> list[list]:
     """``items`` grouped by the device mesh of ``tensor_of(item)`` (one group for plain tensors), groups in an
-    order every rank agrees on."""
+    order every rank agrees on: by the mesh's dimension names, then by first appearance in ``items`` (the same
+    parameter order on every rank); never by the member ranks, which differ from rank to rank."""
     groups: dict = {}
     for item in items:
         mesh = getattr(tensor_of(item), "device_mesh", None)
         key = () if mesh is None else (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()))
         groups.setdefault(key, []).append(item)
-    return [groups[k] for k in sorted(groups, key=repr)]
+    return [groups[k] for k in sorted(groups, key=lambda k: repr(k[0]) if k else "")]  # stable: ties keep order
 
 
 # -------------------------------------------------------------------------------------------- sharding units

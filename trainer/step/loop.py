@@ -350,12 +350,14 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
     step, epoch = (restored.step, restored.epoch) if restored else (0, 0)
     first_step = step
     val_acc = val_loss = None
+    val_samples = 0
 
     def run_eval() -> None:
-        nonlocal val_acc, val_loss, eval_totals, n_evals
+        nonlocal val_acc, val_loss, eval_totals, n_evals, val_samples
         log.flush()
         t0 = time.perf_counter()
         val_acc, val_loss, n_val = evaluate(strategy, val_src, device, autocast, cfg.run.eval_max_batches, n_evals)
+        val_samples = n_val
         n_evals += 1
         dt = time.perf_counter() - t0
         eval_totals += dt
@@ -443,6 +445,7 @@ def train_worker(cfg, ctx: WorkerContext, checkpointer=None, parallelize_fn=None
                          once=once)
     summary["checkpoint"] = checkpointer.summary()
     summary["health"] = health
+    summary["val_samples"] = val_samples  # the last validation pass's samples, each counted once
     summary["memory"]["host_after_steps"] = host
     if offload_store is not None:  # this rank's state files: their size, and what the steps wrote to them
         summary["parallel"]["offload_files"] = offload_stats

@@ -13,6 +13,7 @@ returns an ``nn.Module`` mapping float images [B, C, H, W] to logits [B, num_cla
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -56,6 +57,13 @@ class Attention(nn.Module):
         self.head_dim = dim // heads
         self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.proj = nn.Linear(dim, dim)
+        # nn.MultiheadAttention's initialization, which this model used before: its packed [3d, d] projection
+        # Xavier-uniform (bound sqrt(6 / 4d)), every bias zero
+        bound = math.sqrt(6.0 / (4 * dim))
+        for layer in (self.q, self.k, self.v):
+            nn.init.uniform_(layer.weight, -bound, bound)
+            nn.init.zeros_(layer.bias)
+        nn.init.zeros_(self.proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch.nn.functional as F

@@ -122,10 +122,19 @@ class Saver:
         fut, self.inflight = self.inflight, None
         self.wait_staged()
         try:
-            return fut.result()
+            commit = fut.result()
         except BaseException as e:  # CheckpointException is a BaseException
             raise DestinationError(f"a checkpoint under {self.root} could not be saved ({type(e).__name__}: "
                                    f"{str(e)[:2000]}); earlier commits are intact") from e
+        if self.async_save and not self.keep_staging_buffers:
+            # the save's staged host copy sits in a reference cycle once its stager is closed: only the cyclic
+            # collector frees it, whenever it next runs (measured: 64 MiB of a 64 MiB state still held after the
+            # save, 3.7 MiB after a collection). With the state in files (offload = "nvme") that copy is the whole
+            # state back in memory, so it is collected here, once per save
+            import gc
+
+            gc.collect()
+        return commit
 
     def close(self) -> None:
         if self.pool is not None:

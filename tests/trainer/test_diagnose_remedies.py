@@ -99,7 +99,8 @@ def test_the_memory_remedy_predicts_the_bytes_per_rank_and_verify_reads_what_the
     """The stage that fits, with the model state per rank its formula gives; --verify runs that stage and reads
     the bytes its rank held. One worker here: every stage holds the same state, so the memory experiment's own
     row for the configured stage is the prediction a real run must meet (fp64, so the byte counts are exact)."""
-    from dutycycle.trainer.diagnose.experiments import Context, memory, short_run
+    from dutycycle.trainer.diagnose.experiments import Context, short_run
+    from dutycycle.trainer.diagnose.layouts import memory
     from dutycycle.trainer.diagnose.remedies import memory_remedy, verify
 
     cfg = load_config(None, ["data.source=synthetic", "data.size=8", "data.synthetic_samples=64",
@@ -124,7 +125,8 @@ def test_the_memory_remedy_at_two_workers_is_verified_on_ray(ray_cluster, tmp_pa
     least-communicating stage that fits, its formula predicts the bytes per rank, and --verify runs that stage on
     2 ranks and reads what the most loaded one held: within 1% (fp64; the CNN's rows divide by 2, so FSDP2 pads
     nothing; the step counters aside)."""
-    from dutycycle.trainer.diagnose.experiments import Context, memory, short_run
+    from dutycycle.trainer.diagnose.experiments import Context, short_run
+    from dutycycle.trainer.diagnose.layouts import memory
     from dutycycle.trainer.diagnose.remedies import memory_remedy, verify
 
     cfg = load_config(None, ["data.source=synthetic", "data.size=8", "data.synthetic_samples=64",

@@ -10,7 +10,7 @@ so (``{"applicable": False, "why": ...}``); one that fails raises, and the runne
 4. h2d       host-to-device copy time and whether it overlaps compute (GPU only)
 5. scaling   1 vs N workers at the configured ZeRO stage, fp32 and with quantized collectives
 6. checkpoint the step's stall per save, synchronous and asynchronous (when checkpoints are configured)
-7. memory    model-state bytes per rank for every ZeRO stage and offload setting, against the device budget
+7. memory    model-state bytes per rank for every layout, against the device budget (layouts.py)
 8. failures  a save's stall and a restart's cost, measured; lost work and ETTR at N workers, modelled
 """
 
@@ -20,38 +20,13 @@ import contextlib
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from dutycycle.engine import io
 
 from . import noise
-
-
-@dataclass
-class Context:
-    cfg: Any  # the user's TrainConfig (never modified: experiments copy it)
-    workdir: str  # run directories of the experiments' short runs
-    seconds: float = 5.0  # how long a measuring loop may run
-    steps: int = 12  # optimizer steps of each short training run
-    memory_budget_bytes: int | None = None  # per rank; None = the device's memory (GPU) or the host's share (CPU)
-    results: dict = field(default_factory=dict)  # earlier experiments' results (scaling reads compute, ...)
-    scale: int | None = None  # --scale: the worker count failures are projected to (None: the configured one)
-    cache: dict = field(default_factory=dict)  # what several experiments need, computed once (see _once)
-
-
-def variant(cfg, *overrides: str) -> Any:
-    """A copy of ``cfg`` with ``--set``-style overrides applied and validated."""
-    from dutycycle.trainer.config import load_config
-
-    return load_config(None, list(overrides), base=cfg.to_dict())
-
-
-def _once(ctx: Context, key: str, make):
-    """A value several experiments need (the data's shape, the source table), computed once per diagnosis."""
-    if key not in ctx.cache:
-        ctx.cache[key] = make()
-    return ctx.cache[key]
+from .context import Context, data_info, once, variant
+from .layouts import memory
 
 
 def short_run(ctx: Context, name: str, *overrides: str) -> dict:
@@ -102,19 +77,9 @@ def _steady_rows(run_dir: str) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ 1 compute
 
 
-def _data_info(ctx: Context):
-    """The configured data's description (shape, classes, fingerprint)."""
-    from dutycycle.trainer.cluster.world import World
-    from dutycycle.trainer.step.data import make_sources
-
-    # one process reads for itself: the whole global batch, not a tensor-parallel group's share of it
-    return _once(ctx, "data_info", lambda: make_sources(variant(ctx.cfg, "data.loader_mode=sync", "parallel.tensor=1"),
-                                                        World())[2])
-
-
 def _synthetic(ctx: Context) -> list[str]:
     """Overrides for synthetic data of the configured shape, enough for a short run: the loader out of the way."""
-    return ["data.source=synthetic", f"data.size={_data_info(ctx).size}",
+    return ["data.source=synthetic", f"data.size={data_info(ctx).size}",
             f"data.synthetic_samples={max(ctx.cfg.data.global_batch_size * (ctx.steps + 1), 256)}"]
 
 
@@ -129,7 +94,7 @@ def compute(ctx: Context) -> dict:
     from dutycycle.trainer.step.optim import make_optimizer
 
     cfg = ctx.cfg
-    info = _data_info(ctx)
+    info = data_info(ctx)
     workers = cfg.parallel.num_workers
     device = torch.device("cuda", 0) if torch.cuda.is_available() and cfg.parallel.use_gpu != "false" \
         else torch.device("cpu")
@@ -230,7 +195,7 @@ def loader(ctx: Context) -> dict:
         sources.append(("synthetic", variant(cfg)))
     if cfg.data.source == "cache" or cfg.data.cache:
         sources.append(("cache", variant(cfg, "data.source=cache")))
-    table = _once(ctx, "table", lambda: table_of(cfg))
+    table = once(ctx, "table", lambda: table_of(cfg))
     if table:
         sources.append(("raw", variant(cfg, "data.source=raw", f"data.table={table}")))
     seconds = ctx.seconds / (len(sources) + 1)
@@ -276,7 +241,7 @@ def end_to_end(ctx: Context) -> dict:
     """Short runs of the config as it is (and from raw, when a table is known): where the step's time goes."""
     cfg = ctx.cfg
     out = {"configured": cfg.data.source, cfg.data.source: short_run(ctx, f"e2e-{cfg.data.source}")}
-    table = _once(ctx, "table", lambda: table_of(cfg))
+    table = once(ctx, "table", lambda: table_of(cfg))
     if cfg.data.source == "cache" and table:
         out["raw"] = short_run(ctx, "e2e-raw", "data.source=raw", f"data.table={table}")
     return out
@@ -290,7 +255,7 @@ def h2d(ctx: Context) -> dict:
 
     if not torch.cuda.is_available() or ctx.cfg.parallel.use_gpu == "false":
         return {"applicable": False, "why": "a CPU run has no host-to-device copy"}
-    info = _data_info(ctx)
+    info = data_info(ctx)
     x = torch.empty(ctx.cfg.data.global_batch_size // ctx.cfg.parallel.num_workers, info.channels, info.size,
                     info.size).pin_memory()
     dev = torch.device("cuda", 0)
@@ -408,113 +373,6 @@ def failures(ctx: Context) -> dict:
            **fm.assess(costs, workers, cfg.checkpoint.every)}
     out["to_reach_97"] = fm.to_reach(0.97, costs, workers)
     return out
-
-
-# -------------------------------------------------------------------------------------------------- 7 memory
-
-
-def memory(ctx: Context) -> dict:
-    """Model-state bytes per rank (parameters, gradients, optimizer state) for every layout: ZeRO stages without
-    offload, with host offload and with NVMe offload (the optimizer state on disk), on several nodes hybrid
-    sharding (one replica group per node) at each stage, and tensor parallelism in groups inside a node where
-    the model has a plan (parallel/tensor.py; activations, which it also divides, are not counted); from the
-    model's parameter count and the formulas the tests check; and the budget they must fit. Rows go from the
-    least communication to the most: bytes per step across nodes first (parallel.node_size; 0 = one node), then
-    in all, NVMe offload after every other layout, so the first row that fits is the cheapest layout that fits."""
-    import torch
-    from dutycycle.trainer.parallel.tensor import tensor_share
-    from dutycycle.trainer.step.models import build_model
-    from dutycycle.trainer.step.summary import optimizer_state_tensors
-
-    cfg = ctx.cfg
-    info = _data_info(ctx)
-    model = build_model(cfg.model, info.channels, info.num_classes, info.size)
-    numel = sum(p.numel() for p in model.parameters())
-    w = cfg.parallel.num_workers
-    gpu = torch.cuda.is_available() and cfg.parallel.use_gpu != "false"
-    master = 8 if cfg.run.precision == "fp64" else 4
-    compute = 2 if (cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and gpu)) else master
-    optim_bytes = (optimizer_state_tensors(cfg.optim) or 2) * master
-    budget, source = ctx.memory_budget_bytes, "--memory-budget-mb"
-    if budget is None:
-        budget, source = device_budget(gpu, w)
-    node_size = cfg.parallel.node_size or w
-    nodes = w // node_size
-    # hybrid sharding: one replica group per node when there are nodes, and the configured count
-    mine_replicate = (cfg.parallel.replicate or nodes) if cfg.parallel.zero_stage else 1
-    replicates = sorted({1, nodes if nodes > 1 and node_size > 1 else 1, mine_replicate})
-    # tensor parallelism: every group size inside a node that the model's plan accepts (with ZeRO, no offload).
-    # Not offered beside ZeRO++ options, which it does not combine with: the fix would have to turn quantization
-    # off as well, a speed decision this memory experiment does not make
-    p = cfg.parallel
-    zeropp = p.quant_grads != "none" or p.quant_weights != "none" or p.hpz or p.reduce_scatter == "all_to_all"
-    sizes = [] if zeropp else [t for t in range(2, node_size + 1) if node_size % t == 0]
-    if p.tensor > 1 and p.tensor not in sizes:  # the configured one, even beside ZeRO++ (then refused at config)
-        sizes.append(p.tensor)
-    shares = {t: tensor_share(model, t) for t in sizes}
-    shares = {1: numel, **{t: n for t, n in shares.items() if n is not None}}
-    rows = []
-    for stage in (0, 1, 2, 3):
-        # offload: False, True (host memory), "nvme" (optimizer state in files; nothing of it in memory)
-        for offload in ((False, True, "nvme") if stage else (False,)):
-            for replicate in (replicates if stage else (1,)):
-                for tensor in (shares if stage and not offload and replicate == 1 else (1,)):
-                    row = _layout_row(stage, offload, replicate, tensor, shares[tensor], ctx, model, w, node_size,
-                                      master, compute, optim_bytes, gpu)
-                    rows.append({**row, "fits": row["device_bytes"] <= budget})
-    # NVMe last: it makes a run fit at the price of reading and writing the whole optimizer state every step;
-    # then by bytes across nodes, then in all (stable: ties keep the stage order)
-    rows.sort(key=lambda r: (r["offload"] == "nvme", r["inter_node_bytes"], r["traffic_bytes"]))
-    offload = {"none": False, "optimizer": True, "nvme": "nvme"}[cfg.parallel.offload]
-    # the configured layout is always a row: config.validate refuses a tensor size this model or node cannot take
-    mine = next(r for r in rows if r["zero_stage"] == cfg.parallel.zero_stage and r["offload"] == offload
-                and r["replicate"] == mine_replicate and r["tensor"] == cfg.parallel.tensor)
-    return {"num_params": numel, "workers": w, "node_size": node_size, "budget_bytes": budget, "budget_from": source,
-            "rows": rows,
-            "configured": mine, "activations_counted": False}
-
-
-def _layout_row(stage, offload, replicate: int, tensor: int, share: int, ctx, model, w: int, node_size: int,
-                master: int, compute: int, optim_bytes: int, gpu: bool) -> dict:
-    """One layout's model state per rank (the formulas the tests check) and its bytes per step, in all and across
-    nodes. Under tensor parallelism ZeRO shards one tensor rank's ``share`` over the W / T data ranks, which span
-    the nodes as a flat group of W / T would with node_size / T ranks per node; the activation exchanges stay
-    inside the node."""
-    from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, inter_node_bytes, make_plan
-    from dutycycle.trainer.parallel.tensor import expected_traffic as tensor_traffic
-
-    cfg = ctx.cfg
-    plan = make_plan(stage, w, cfg.data.micro_batches, cfg.parallel.reduce_every_micro_step, bool(offload),
-                     replicate=replicate, optimizer_on_disk=offload == "nvme", tensor=tensor)
-    held = expected_held(plan, share, master, compute if stage else master, master, optim_bytes)
-    traffic = expected_traffic(plan, share * (compute if stage else master), share * master)
-    data_plan = make_plan(stage, w // tensor, cfg.data.micro_batches, cfg.parallel.reduce_every_micro_step)
-    across = inter_node_bytes(data_plan if tensor > 1 else plan, traffic, node_size // tensor)
-    pos = getattr(model, "pos", None)
-    if tensor > 1 and pos is not None:
-        traffic = {**traffic, **tensor_traffic(
-            blocks=len(model.blocks), batch=cfg.data.global_batch_size // plan.shard_size, tokens=pos.shape[1],
-            width=pos.shape[2], tensor=tensor, elem_bytes=compute,
-            syncs=cfg.data.micro_batches if plan.reduce_every_micro_step else 1,
-            sequence_parallel=cfg.parallel.sequence_parallel)}
-    # offload keeps the shards (parameters, gradients, optimizer state) in host memory: on a GPU only the
-    # unsharded working copy is device memory; on CPU the device is the host, so nothing moves
-    on_device = held["params"] - (share / plan.shard_size * master if offload and gpu else 0) + \
-        (0 if offload and gpu else held["grads"] + held["optimizer"])
-    return {"zero_stage": stage, "offload": offload, "replicate": replicate, "tensor": tensor, **held,
-            "device_bytes": on_device, "traffic_bytes": sum(traffic.values()), "inter_node_bytes": across}
-
-
-def device_budget(gpu: bool, workers: int) -> tuple[int, str]:
-    """Per-rank memory: the GPU's, or the host's (cgroup limit if lower) shared by the workers of this node."""
-    import torch
-
-    if gpu:
-        return int(torch.cuda.get_device_properties(0).total_memory), "GPU memory"
-    from dutycycle.loader.budget import node_memory_limit
-
-    total = node_memory_limit() or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total // max(1, workers), "host memory (cgroup limit if lower) / workers"
 
 
 EXPERIMENTS = (

@@ -211,7 +211,7 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     p, world_size = parallel, world.size
     topology = Topology(world.node_ids)  # as the ranks reported it (cluster/topology.py)
     meter = CommMeter(world.rank, topology, host_timing=device.type == "cpu")
-    tensor = getattr(p, "tensor", 1)
+    tensor = p.tensor
     groups = None
     if p.replicate != 1 and p.zero_stage > 0:  # hybrid sharding, its groups from the observed placement
         groups = replica_groups(world, p.replicate)

@@ -92,6 +92,22 @@ def expected_traffic(*, blocks: int, batch: int, tokens: int, width: int, tensor
             "tp_all_reduce": syncs * blocks * 2 * 4 * width * elem_bytes * per}
 
 
+def expected_for(model: torch.nn.Module, plan, global_batch: int, elem_bytes: int,
+                 sequence_parallel: bool) -> dict | None:
+    """``expected_traffic`` for ``model`` under ``plan`` (plan.ShardingPlan) when it is a transformer whose shape
+    the formula reads (``blocks``, tokens and width from its position table ``pos``): {} without tensor
+    parallelism, None for a model the formula does not know."""
+    if plan.tensor == 1:
+        return {}
+    pos = getattr(model, "pos", None)
+    if pos is None or not hasattr(model, "blocks"):
+        return None
+    return expected_traffic(blocks=len(model.blocks), batch=global_batch // plan.shard_size, tokens=pos.shape[1],
+                            width=pos.shape[2], tensor=plan.tensor, elem_bytes=elem_bytes,
+                            syncs=plan.micro_batches if plan.reduce_every_micro_step else 1,
+                            sequence_parallel=sequence_parallel)
+
+
 class TensorTraffic(TorchDispatchMode):
     """Counts the functional collectives DTensor issues (tensor parallelism's activation exchanges, and the
     norms' gradient all-reduces) while active, in traffic.py's convention: logical bytes this rank sends."""

@@ -15,6 +15,7 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
     import torch
     from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, zero_formula
     from dutycycle.trainer.parallel.state import full_state_dict, to_safetensors
+    from dutycycle.trainer.parallel.tensor import expected_for
 
     from .timing import gather_stats
 
@@ -52,7 +53,8 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
         # first step, and the formula's: parallel/tensor.py)
         "tensor": plan.tensor, "sequence_parallel": strategy.sequence_parallel, "tensor_numel": numel,
         "tensor_traffic_per_step": dict(strategy.tensor_traffic.bytes) if strategy.tensor_traffic else {},
-        "expected_tensor_traffic_per_step": expected_tensor_traffic(strategy, cfg, compute),
+        "expected_tensor_traffic_per_step": expected_for(strategy.module, plan, cfg.data.global_batch_size, compute,
+                                                         strategy.sequence_parallel),
         "quantization": dataclasses.asdict(strategy.quant),
         "node_ids": list(strategy.meter.topology.node_ids),  # each rank's node, as observed
         "comm_exposed_measured": strategy.meter.host_timing,
@@ -85,23 +87,6 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
             **ctx.info,
         },
     )
-
-
-def expected_tensor_traffic(strategy, cfg, elem_bytes: int) -> dict | None:
-    """tensor.expected_traffic for the run's model when it is a transformer whose shape the formula reads (blocks,
-    tokens from the position table, width); None for other models under tensor parallelism, {} without it."""
-    from dutycycle.trainer.parallel.tensor import expected_traffic
-
-    plan, model = strategy.plan, strategy.module
-    if plan.tensor == 1:
-        return {}
-    pos = getattr(model, "pos", None)
-    if pos is None or not hasattr(model, "blocks"):
-        return None
-    return expected_traffic(blocks=len(model.blocks), batch=cfg.data.global_batch_size // plan.shard_size,
-                            tokens=pos.shape[1], width=pos.shape[2], tensor=plan.tensor, elem_bytes=elem_bytes,
-                            syncs=plan.micro_batches if plan.reduce_every_micro_step else 1,
-                            sequence_parallel=strategy.sequence_parallel)
 
 
 def optimizer_state_tensors(optim) -> int | None:

@@ -116,6 +116,7 @@ ZEROPP_LABELS = {"stage3": "nothing (gloo's reduce-scatter)",
                  "stage3+qwZ": "qwZ (int8 weight gathers)",
                  "stage3+qgZ-int8": "qgZ (int8 gradients, two hops)",
                  "stage3+hpZ": "hpZ (backward gathers inside the node)",
+                 "stage3+qwZ+qgZ-int8": "qwZ + int8 qgZ (what `dutycycle diagnose` names for communication)",
                  "stage3+qwZ+qgZ-int8+hpZ": "qwZ + int8 qgZ + hpZ",
                  "stage3 hybrid": "hybrid sharding: 2 replica groups of 2, fp32 (`parallel.replicate = 2`)",
                  "stage3 tensor 2": "tensor parallelism in each node, stage 3 over 2 data ranks (`parallel.tensor = 2`)",
@@ -156,6 +157,21 @@ def zeropp(results: dict) -> str:
                 f"{times(ratios['stage3_exposed_comm_share_overlap_vs_blocking'])} at stage 3 alone.")
     conditions = para(f"Conditions recorded with the results: {d['notes'].strip().rstrip('.')}.")
     return "\n\n".join([para(caption), table(headers, body), para(cut), conditions, source("zeropp")])
+
+
+def diagnose_comm_prediction(results: dict) -> str:
+    """diagnose's communication remedy over the rate-limited link: predicted from the fp32 row, then measured."""
+    d = results_file(results, "zeropp")
+    p = d["speed"]["ratios"]["diagnose_comm_prediction"]
+    by = {r["name"]: r for r in d["speed"]["rows"]}
+    fp32 = by["stage3"]
+    return "\n\n".join([para(
+        f"`python benchmarks/zeropp.py` (root): the ViT at stage 3, 4 ranks as two nodes joined by a "
+        f"{gbit(d['speed']['rate_gbit'])} link. Diagnosed run: fp32, {fp32['samples_per_s']:.1f} samples/s with "
+        f"{pct(fp32['exposed_comm_share'])} of the step in exposed communication. The remedy "
+        f"(`--set {' --set '.join(p['set'])}`) is predicted from {p['from']}: {p['predicted_samples_per_s']:.1f} "
+        f"samples/s; measured in the same run: {p['measured_samples_per_s']:.1f} samples/s, "
+        f"**{times(p['measured_over_predicted'])} of the prediction** (target: within 15%)."), source("zeropp")])
 
 
 def zeropp_convergence(results: dict) -> str:

@@ -20,7 +20,9 @@
    gradient shards across), against which the figures set memory held per rank beside step time. The
    ``stage3 tensor 2`` row splits every block over the 2 ranks of each node (``parallel.tensor = 2``, sequence
    parallel) with stage 3 over the 2 data ranks, one per node: its activation exchanges stay inside the node and
-   stage 3's gathers cross it over half the ranks.
+   stage 3's gathers cross it over half the ranks. ``diagnose_comm_prediction``: what ``dutycycle diagnose``
+   predicts for its communication remedy (int8 gradients and weight gathers) from the fp32 ``stage3`` row,
+   against the ``stage3+qwZ+qgZ-int8`` row that applies it (target: within 15%).
 2. Convergence (no root needed): the demo's CNN on 32x32 shape images, 2 ranks on loopback, stage 3, the same
    steps and batches: fp32, qwZ + int8 qgZ, qwZ + int4 qgZ, and int4 with error feedback. Figures: validation
    loss and accuracy, and their ratio to fp32 (int8 is expected within 1.05x loss and 1 point of accuracy on
@@ -54,6 +56,7 @@ SPEED_ROWS = {  # name -> worker flags (all at stage 3, node size 2)
     "stage3+qwZ": ["--quant-weights", "int8"],
     "stage3+qgZ-int8": ["--quant-grads", "int8"],
     "stage3+hpZ": ["--hpz"],
+    "stage3+qwZ+qgZ-int8": ["--quant-weights", "int8", "--quant-grads", "int8"],
     "stage3+qwZ+qgZ-int8+hpZ": ALL_THREE,
     "stage3 no overlap": ["--no-overlap"],
     "stage3+qwZ+qgZ-int8+hpZ no overlap": [*ALL_THREE, "--no-overlap"],
@@ -124,6 +127,9 @@ def speed(args, workdir: str) -> dict:
             hybrid["inter_node_bytes_per_step"] / quant["inter_node_bytes_per_step"]
         ratios["hybrid_held_per_rank_vs_stage3"] = _held(hybrid) / _held(flat)
         ratios["qwZ+qgZ-int8+hpZ_held_per_rank_vs_stage3"] = _held(quant) / _held(flat)
+    prediction = comm_prediction(by.get("stage3"), by.get("stage3+qwZ+qgZ-int8"))
+    if prediction:
+        ratios["diagnose_comm_prediction"] = prediction
     tensor = by.get("stage3 tensor 2")
     if tensor and flat:  # tensor parallelism inside each node, stage 3 across: step, bytes, state held
         ratios["tensor_step_vs_stage3"] = tensor["step_s_median"] / flat["step_s_median"]
@@ -133,6 +139,26 @@ def speed(args, workdir: str) -> dict:
         if hybrid:
             ratios["tensor_step_vs_hybrid"] = tensor["step_s_median"] / hybrid["step_s_median"]
     return {"rate_gbit": args.rate, "rows": rows, "ratios": ratios}
+
+
+def comm_prediction(fp32: dict | None, quantized: dict | None) -> dict | None:
+    """``dutycycle diagnose``'s communication remedy, checked over the link: its prediction (``remedies.
+    comm_remedy``, the product's own model) from the fp32 stage-3 row as the diagnosed run, against the row that
+    applies what the remedy sets at stage 3 (int8 gradients and int8 weight gathers), measured in the same run."""
+    if not fp32 or not quantized:
+        return None
+    from dutycycle.trainer.diagnose.remedies import comm_remedy
+
+    many = {"step_s": fp32["step_s_median"], "comm_share": fp32["exposed_comm_share"],
+            "samples_per_s": fp32["samples_per_s"]}
+    remedy = comm_remedy({"scaling": {"many": many, "quant_block": 256,  # the config's default, as zero.py runs
+                                      "quantized": {"zero_stage": 3, "settings": ["parallel.quant_grads=int8",
+                                                                                  "parallel.quant_weights=int8"]}}})
+    assert remedy is not None
+    predicted, measured = remedy["predicted_samples_per_s"], quantized["samples_per_s"]
+    return {"set": remedy["set"], "from": remedy["from"], "predicted_samples_per_s": predicted,
+            "measured_samples_per_s": measured, "measured_over_predicted": measured / predicted,
+            "target": "within 15% (0.85 to 1.15)"}
 
 
 def _held(r: dict) -> float:

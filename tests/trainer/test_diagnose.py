@@ -84,6 +84,56 @@ def test_a_verdict_names_a_wait_only_beyond_its_noise():
     assert decide(_noisy(0.15, 0.05, [0.12, 0.19], [0.04, 0.06])).kind == "compute-bound"
 
 
+def test_communication_pools_the_steps_of_both_runs_that_exchange():
+    """The configured run and the scaling run at N workers make the same exchange: their steps are pooled into
+    one share and interval, not the larger of two noisy figures bound by bound (which straddled the line)."""
+    from dutycycle.trainer.diagnose import noise
+
+    rng = __import__("numpy").random.default_rng(1)
+
+    def run(share, n):  # n steps of 0.1 s whose comm wait scatters around `share` of the step
+        comm = [float(x) for x in 0.1 * share + rng.normal(0, 0.01, n)]
+        r = {"data_wait_share": 0.0, "comm_share": sum(comm) / (0.1 * n), "checkpoint_share": 0.0, "workers": 2,
+             "samples_per_s": 1000.0, "step_s": 0.1, "per_step": {"step_s": [0.1] * n, "comm": comm}}
+        r["intervals"] = {"comm_share": noise.ratio_interval(comm, [0.1] * n), "data_wait_share": [0.0, 0.0],
+                          "checkpoint_share": [0.0, 0.0]}
+        return r
+
+    e2e, many = run(0.16, 6), run(0.17, 6)
+    findings = {"end_to_end": {"configured": "cache", "cache": e2e},
+                "scaling": {"workers": 2, "speedup": 1.0, "zero_stage": 2, "many": many}}
+    v = decide(findings)
+    both = e2e["per_step"]["comm"] + many["per_step"]["comm"]
+    assert v.shares["communication"] == pytest.approx(sum(both) / 1.2)
+    assert v.intervals["communication"] == pytest.approx(noise.ratio_interval(both, [0.1] * 12))
+    assert v.intervals["communication"][1] < max(e2e["intervals"]["comm_share"][1], many["intervals"]["comm_share"][1])
+    # without per-step samples (an older diagnosis.json), each run counts alone: the larger, bound by bound
+    for r in (e2e, many):
+        del r["per_step"]
+    old = decide(findings)
+    assert old.intervals["communication"][1] == max(e2e["intervals"]["comm_share"][1],
+                                                    many["intervals"]["comm_share"][1])
+    # a one-worker configured run does not exchange: its zero is not pooled with the N-worker run
+    e2e["per_step"] = {"step_s": [0.1] * 6, "comm": [0.0] * 6}
+    many["per_step"] = {"step_s": [0.1] * 6, "comm": [0.017] * 6}
+    e2e["workers"] = 1
+    assert decide(findings).shares["communication"] == pytest.approx(many["comm_share"])
+
+
+def test_share_runs_take_the_steps_that_fit_their_time():
+    from dutycycle.trainer.diagnose.context import Context, share_steps
+
+    cfg = load_config(None, ["data.source=synthetic", "data.global_batch_size=128"])
+    ctx = Context(cfg=cfg, workdir="/unused", seconds=3.0, steps=8)
+    assert share_steps(ctx) == 8  # the compute ceiling not measured: the default
+    ctx.results["compute"] = {"samples_per_s": 128 / 0.15}  # 0.15 s a step: 20 fit in 3 s
+    assert share_steps(ctx) == 20
+    ctx.results["compute"] = {"samples_per_s": 128 / 0.001}  # a cheap step: at most three times the default
+    assert share_steps(ctx) == 24
+    ctx.results["compute"] = {"samples_per_s": 128 / 2.0}  # a slow step costs no more than before
+    assert share_steps(ctx) == 8
+
+
 def test_the_loader_shortfall_is_compared_with_both_intervals():
     # a loader measured at 5.3k against a 7.0k ceiling is 24% short, but its interval reaches the ceiling's
     e2e = _e2e(data=0.10)

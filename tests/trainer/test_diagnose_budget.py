@@ -63,6 +63,15 @@ def _cli(tmp_path, budget_s: float, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[subprocess.Popen, str]:
+    """The process once it has ended (killed at ``timeout``), and all it printed."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc, out
+
+
 def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 120) -> str:
     seen, t0 = [], time.time()
     while time.time() - t0 < timeout:
@@ -95,15 +104,27 @@ def test_a_signal_stops_the_diagnosis_and_writes_what_was_measured(tmp_path, sig
 
 def test_an_experiment_past_the_deadline_is_stopped_with_a_reason(tmp_path):
     # 30 s per batch: the end-to-end run cannot finish inside a 12 s budget
-    proc = _cli(tmp_path, 12, "data.slow_ms=30000")
     t0 = time.time()
-    try:
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    proc, out = _finish(_cli(tmp_path, 12, "data.slow_ms=30000"), timeout=120)
     assert proc.returncode == 0, out[-3000:]
     saved = json.loads((tmp_path / "d" / "diagnosis.json").read_text())
     assert "stopped at its deadline" in saved["findings"]["end_to_end"]["error"]
     assert "verdict" in saved
     # the budget, plus the grace an abandoned experiment gets and the process's own start (imports)
     assert time.time() - t0 < 12 + 10 + 40, out[-2000:]
+
+
+@pytest.mark.slow
+def test_a_ray_experiment_past_the_deadline_ends_when_its_actors_are_killed(tmp_path):
+    """2 workers on Ray Train (the subprocess's own local Ray), 30 s per batch: the end-to-end run is cut at the
+    deadline while its group starts or trains. Its Ray actors are killed, so its thread ends with an error of its
+    own while Ray stays up: disconnecting Ray under a thread still inside a Ray call once ended a whole diagnosis
+    with exit 1 ("The core worker has already been shutdown ... The process will exit")."""
+    t0 = time.time()
+    proc, out = _finish(_cli(tmp_path, 30, "data.slow_ms=30000", "parallel.num_workers=2"), timeout=180)
+    assert proc.returncode == 0, out[-3000:]
+    err = json.loads((tmp_path / "d" / "diagnosis.json").read_text())["findings"]["end_to_end"]["error"]
+    assert "stopped at its deadline" in err and "Ray actors were killed and the experiment ended" in err, err
+    assert "disconnected" not in err and "abandoned" not in err, err
+    # the budget, the grace, Ray's own start in the main thread and the process's imports
+    assert time.time() - t0 < 30 + 10 + 60, out[-2000:]

@@ -19,6 +19,24 @@ class Context:
     cache: dict = field(default_factory=dict)  # what several experiments need, computed once (see once)
 
 
+def share_steps(ctx: Context) -> int:
+    """Steps for the short runs whose figures decide the verdict or predict and check a remedy's gain (the
+    configured end-to-end run, the scaling runs, --verify's run); the others take ``ctx.steps`` (the checkpoint
+    runs too: with a save every other step they cost the most per step, and took the failures experiment's time
+    in the demo's diagnosis).
+    A share's interval narrows with the steps behind it: six steady steps gave the demo's communication share
+    (17%) an interval 5 points wide, which reached the 20% line in one run of three and flipped the verdict. So
+    these runs take as many steps as fit in ``ctx.seconds`` at the compute ceiling's step time, between
+    ``ctx.steps`` and three times that: a cheap step buys a narrow interval, a slow one costs no more than before.
+    (At four times, one of three diagnoses of the demo's config at ``--budget-s 150`` left its last experiment,
+    failures, 13 s: too little to finish.)"""
+    ceiling = (ctx.results.get("compute") or {}).get("samples_per_s")
+    if not ceiling:
+        return ctx.steps
+    step_s = ctx.cfg.data.global_batch_size / ceiling
+    return max(ctx.steps, min(3 * ctx.steps, int(ctx.seconds / step_s)))
+
+
 def variant(cfg, *overrides: str) -> Any:
     """A copy of ``cfg`` with ``--set``-style overrides applied and validated."""
     from dutycycle.trainer.config import load_config

@@ -25,18 +25,19 @@ from typing import Any
 from dutycycle.engine import io
 
 from . import noise
-from .context import Context, data_info, once, variant
+from .context import Context, data_info, once, share_steps, variant
 from .layouts import memory
 
 
-def short_run(ctx: Context, name: str, *overrides: str) -> dict:
-    """A short training run of the config (its launcher: Ray Train, or this process for one worker)."""
+def short_run(ctx: Context, name: str, *overrides: str, steps: int | None = None) -> dict:
+    """A short training run of the config (its launcher: Ray Train, or this process for one worker) of ``steps``
+    optimizer steps (default ``ctx.steps``)."""
     from dutycycle.trainer.launch.train import train
 
     run_dir = io.join(ctx.workdir, name)
     # never a resume unless asked (the failures experiment asks): a diagnosis written again into the same folder
     # would otherwise resume each run from its last commit and train nothing, reporting the old rows
-    cfg = variant(ctx.cfg, f"run.dir={run_dir}", f"run.max_steps={ctx.steps}", "run.eval_every=0",
+    cfg = variant(ctx.cfg, f"run.dir={run_dir}", f"run.max_steps={steps or ctx.steps}", "run.eval_every=0",
                   "run.eval_max_batches=1", "run.log_every=0", "run.report=false", "run.save_model=false",
                   f"run.name=diagnose-{name}", "checkpoint.resume=none", *overrides)
     t0 = time.perf_counter()
@@ -55,6 +56,8 @@ def short_run(ctx: Context, name: str, *overrides: str) -> dict:
         # how far each share moves when the steps are resampled: the verdict compares shares beyond these
         "intervals": {f"{k}_share": noise.ratio_interval([r[k] for r in rows], steps)
                       for k in ("data_wait", "comm", "checkpoint")},
+        # the per-step samples behind comm_share: two runs of one exchange pool them (verdict.py)
+        "per_step": {"step_s": steps, "comm": [r["comm"] for r in rows]},
         "bytes_per_step": summary["parallel"]["traffic"]["bytes"] / max(1, summary["steps"]),
         "inter_node_bytes_per_step": summary["parallel"]["traffic"]["inter_node_bytes"] / max(1, summary["steps"]),
         "comm_exposed_measured": summary["parallel"]["comm_exposed_measured"],
@@ -77,10 +80,11 @@ def _steady_rows(run_dir: str) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ 1 compute
 
 
-def _synthetic(ctx: Context) -> list[str]:
-    """Overrides for synthetic data of the configured shape, enough for a short run: the loader out of the way."""
+def _synthetic(ctx: Context, steps: int | None = None) -> list[str]:
+    """Overrides for synthetic data of the configured shape, enough for a short run of ``steps`` (default
+    ``ctx.steps``) in one epoch: the loader out of the way."""
     return ["data.source=synthetic", f"data.size={data_info(ctx).size}",
-            f"data.synthetic_samples={max(ctx.cfg.data.global_batch_size * (ctx.steps + 1), 256)}"]
+            f"data.synthetic_samples={max(ctx.cfg.data.global_batch_size * ((steps or ctx.steps) + 1), 256)}"]
 
 
 def compute(ctx: Context) -> dict:
@@ -240,7 +244,8 @@ def _in_ram_batches(source, gbs: int, hold: int = 8):
 def end_to_end(ctx: Context) -> dict:
     """Short runs of the config as it is (and from raw, when a table is known): where the step's time goes."""
     cfg = ctx.cfg
-    out = {"configured": cfg.data.source, cfg.data.source: short_run(ctx, f"e2e-{cfg.data.source}")}
+    out = {"configured": cfg.data.source,
+           cfg.data.source: short_run(ctx, f"e2e-{cfg.data.source}", steps=share_steps(ctx))}
     table = once(ctx, "table", lambda: table_of(cfg))
     if cfg.data.source == "cache" and table:
         out["raw"] = short_run(ctx, "e2e-raw", "data.source=raw", f"data.table={table}")
@@ -283,12 +288,13 @@ def scaling(ctx: Context) -> dict:
     n = cfg.parallel.num_workers
     if n == 1:
         return {"applicable": False, "why": "parallel.num_workers = 1: nothing to scale"}
-    synth = _synthetic(ctx)
+    steps = share_steps(ctx)  # each run's rate and shares decide the verdict or predict a remedy's gain
+    synth = _synthetic(ctx, steps)
     one = short_run(ctx, "scale-1", *synth, "parallel.num_workers=1", "parallel.zero_stage=0",
-                     "parallel.replicate=1", "parallel.tensor=1", "parallel.offload=none",
-                     "parallel.quant_weights=none", "parallel.quant_grads=none", "parallel.hpz=false",
-                     "parallel.error_feedback=false")
-    many = short_run(ctx, f"scale-{n}", *synth)
+                    "parallel.replicate=1", "parallel.tensor=1", "parallel.offload=none",
+                    "parallel.quant_weights=none", "parallel.quant_grads=none", "parallel.hpz=false",
+                    "parallel.error_feedback=false", steps=steps)
+    many = short_run(ctx, f"scale-{n}", *synth, steps=steps)
     out = {"workers": n, "zero_stage": cfg.parallel.zero_stage, "replicate": cfg.parallel.replicate,
            "tensor": cfg.parallel.tensor, "quant_grads": cfg.parallel.quant_grads,
            "quant_block": cfg.parallel.quant_block,
@@ -303,7 +309,7 @@ def scaling(ctx: Context) -> dict:
     stage = max(1, cfg.parallel.zero_stage)
     already = cfg.parallel.quant_grads != "none"
     if not already:
-        q = short_run(ctx, f"scale-{n}-int8", *synth, f"parallel.zero_stage={stage}", *quant)
+        q = short_run(ctx, f"scale-{n}-int8", *synth, f"parallel.zero_stage={stage}", *quant, steps=steps)
         out["quantized"] = {"zero_stage": stage, "settings": quant, **q,
                             "speedup": q["samples_per_s"] / one["samples_per_s"]}
     return out

@@ -32,6 +32,17 @@ def ratio_interval(parts: list[float], totals: list[float]) -> list[float]:
     return [float(np.quantile(ratios, LOW)), float(np.quantile(ratios, HIGH))]
 
 
+def pooled_ratio(runs: list[dict], part: str) -> tuple[float, list[float]] | None:
+    """``sum(part) / sum(step_s)`` over the steps of several runs of one measurement (each run's ``per_step``
+    samples, as ``experiments.short_run`` records them), with its 90% interval; None when a run lacks them."""
+    samples = [r.get("per_step") for r in runs]
+    if not samples or any(not s or not s.get("step_s") for s in samples):
+        return None
+    parts = [x for s in samples for x in s[part]]
+    totals = [x for s in samples for x in s["step_s"]]
+    return sum(parts) / max(sum(totals), 1e-12), ratio_interval(parts, totals)
+
+
 def median_interval(values: list[float]) -> list[float]:
     """90% interval of the median of ``values`` (window rates, step rates) under resampling."""
     import numpy as np

@@ -6,9 +6,9 @@ The order of questions:
 1. memory: does the configured ZeRO stage's model state fit the per-rank budget at all? If not, nothing else
    matters yet: name the least-communicating stage (or offload) that fits.
 2. the waits of a running step, as shares of its time: data (waiting on the loader, end to end), communication
-   (exposed collectives at N workers), checkpoint (stall per save), failures (work done again and restarts at
-   the modelled worker count, ``failures.py``). Each share carries a 90% interval from its
-   own samples (``noise``). The largest is the verdict when its whole interval lies above ``THRESHOLD`` and above
+   (exposed collectives at N workers, the steps of the end-to-end and scaling runs pooled), checkpoint (stall
+   per save), failures (work done again and restarts at the modelled worker count, ``failures.py``). Each share
+   carries a 90% interval from its own samples (``noise``). The largest is the verdict when its whole interval lies above ``THRESHOLD`` and above
    every other share's interval; when its interval lies below ``THRESHOLD`` the run is compute-bound (and the
    verdict says how close to the ceiling it runs); otherwise the verdict is "balanced" and names the waits that
    noise cannot tell apart, with their numbers, rather than flip between them from run to run.
@@ -17,6 +17,8 @@ The order of questions:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
+from . import noise
 
 THRESHOLD = 0.2  # a wait taking a fifth of the step is worth removing before anything else
 
@@ -125,10 +127,18 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
             r_lo, r_hi = (loaders.get("intervals") or {}).get(e2e.get("configured")) or (rate, rate)
             c_lo, c_hi = (findings.get("compute") or {}).get("interval") or (ceiling, ceiling)
             put("data", max(0.0, 1.0 - rate / ceiling), [max(0.0, 1.0 - r_hi / c_lo), max(0.0, 1.0 - r_lo / c_hi)])
-        put("communication", run["comm_share"], got.get("comm_share"))
         put("checkpoint", run.get("checkpoint_share", 0.0), got.get("checkpoint_share"))
-    if many:
-        put("communication", many["comm_share"], many.get("intervals", {}).get("comm_share"))
+    # communication: the configured run and the scaling experiment's run at N workers make the same exchange,
+    # so their steps are pooled into one share and interval (twice the samples: a narrower interval, and not
+    # the larger of two noisy figures); with either missing, or without per-step samples, each counts alone
+    pooled = noise.pooled_ratio([run, many], "comm") if run and many and run.get("workers", 1) > 1 else None
+    if pooled:
+        put("communication", pooled[0], pooled[1])
+    else:
+        if run:
+            put("communication", run["comm_share"], run.get("intervals", {}).get("comm_share"))
+        if many:
+            put("communication", many["comm_share"], many.get("intervals", {}).get("comm_share"))
     mode = "async" if ckpt.get("configured_async") else "sync"
     if ckpt.get("configured_every") and isinstance(ckpt.get(mode), dict) and run:
         # the configured cadence: one stall per `every` steps of the end-to-end step time

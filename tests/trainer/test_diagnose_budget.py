@@ -53,6 +53,36 @@ def test_a_group_that_cannot_be_placed_is_named_in_the_diagnosis_at_once(ray_clu
     assert took < 100, took  # refused before any wait (Ray Train's own start timeout is 60 s, retried forever)
 
 
+@pytest.mark.ray
+def test_an_overrun_kills_the_experiments_own_actors_and_leaves_the_callers(ray_cluster):
+    """Only the actors an experiment started are killed at its deadline: a notebook's own actors (here, one
+    created before) stay alive, Ray stays connected, and the experiment's thread ends with its own error."""
+    import ray
+    from dutycycle.trainer.diagnose import run
+
+    @ray.remote(num_cpus=0)
+    class Sleeper:
+        def sleep(self, s: float) -> str:
+            time.sleep(s)
+            return "awake"
+
+    callers = Sleeper.remote()
+    ray.get(callers.sleep.remote(0))
+    started = {}
+
+    def experiment(ctx):
+        started["actor"] = Sleeper.remote()
+        return ray.get(started["actor"].sleep.remote(600))  # a hung collective, as far as the deadline knows
+
+    with pytest.raises(run._Overran, match=r"its 1 Ray actors were killed and the experiment ended"):
+        run._run_bounded(experiment, None, 3.0)
+    assert not run.leftovers()
+    assert ray.is_initialized() and ray.get(callers.sleep.remote(0), timeout=30) == "awake"
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(started["actor"].sleep.remote(0), timeout=30)
+    ray.kill(callers)
+
+
 def _cli(tmp_path, budget_s: float, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "DAFT_ANALYTICS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     config = tmp_path / "c.toml"

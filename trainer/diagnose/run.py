@@ -3,8 +3,8 @@ others still run; then decide and write the report.
 
 The budget is kept, not hoped for: each experiment runs in a worker thread while this thread waits at most for
 what is left of the budget. One that overruns (a worker group that never starts, a hung collective) is stopped
-with a named reason: the Ray actors of this process's job are killed, which ends its training run and its thread,
-and the next experiment starts on the same Ray. Ctrl-C (SIGINT) or SIGTERM stops the experiment in flight the same way, writes the report of
+with a named reason: the Ray actors it started are killed, which ends its training run and its thread, and the
+next experiment starts on the same Ray. Ctrl-C (SIGINT) or SIGTERM stops the experiment in flight the same way, writes the report of
 what was measured so far, and ends the command (exit 130 or 143, from the CLI). Running the experiments off the
 main thread also keeps Ray Train from taking over SIGINT while it trains.
 """
@@ -47,32 +47,44 @@ class _Overran(Exception):
     pass
 
 
-def _kill_job_actors() -> int:
-    """Kill the actors this process owns in its Ray job that are not dead (Ray Train's controller of the
-    experiment in flight); returns how many. The driver's wait on a killed controller raises ActorDiedError in
-    the experiment's thread, which then ends like any failed experiment; the training workers, owned by the
-    controller, die with their owner (Ray's ownership: an owner's death ends what it created).
+def _live_actors() -> dict[str, str]:
+    """This process's Ray job's actors that are not dead: id -> class name (empty without Ray).
 
     Ray's public state API (``ray.util.state``) asks the dashboard, which dutycycle does not start, so the actor
-    table is read from the GCS client (``ray._private.state``) and actors are killed by id through the core worker
-    (what ``ray.kill`` does with a handle; the handles live in Ray Train's frames)."""
-    import ray
+    table is read from the GCS client (``ray._private.state``)."""
+    try:
+        import ray
+    except ImportError:
+        return {}
+    if not ray.is_initialized():
+        return {}
     from ray._private.state import state
 
     job = ray.get_runtime_context().get_job_id()
+    return {a["ActorID"]: a["ActorClassName"] for a in state.actor_table(None).values()
+            if a["JobID"] == job and a["State"] != "DEAD" and not a["IsDetached"]}
+
+
+def _kill_actors_since(before: set[str]) -> int:
+    """Kill the live actors of this job that were not alive ``before`` the experiment (its Ray Train controller;
+    actors of the caller, a notebook's or another experiment's, are left alone); returns how many. The driver's
+    wait on a killed controller raises ActorDiedError in the experiment's thread, which then ends like any failed
+    experiment; the training workers, owned by the controller, die with their owner (Ray's ownership). Killed by
+    id through the core worker (what ``ray.kill`` does with a handle; the handles live in Ray Train's frames)."""
+    import ray
+
     core = ray._private.worker.global_worker.core_worker
     killed = 0
-    for a in state.actor_table(None).values():
-        if a["JobID"] == job and a["State"] != "DEAD" and not a["IsDetached"]:
-            try:
-                core.kill_actor(ray.ActorID.from_hex(a["ActorID"]), True)  # no_restart
-            except ray.exceptions.ActorHandleNotFoundError:  # another actor's (a worker of the controller's)
-                continue
-            killed += 1
+    for actor_id in set(_live_actors()) - before:
+        try:
+            core.kill_actor(ray.ActorID.from_hex(actor_id), True)  # no_restart
+        except ray.exceptions.ActorHandleNotFoundError:  # another actor's (a worker of the controller's)
+            continue
+        killed += 1
     return killed
 
 
-def _stop(worker: threading.Thread) -> str:
+def _stop(worker: threading.Thread, before: set[str] | None) -> str:
     """End the experiment running in ``worker`` (past its deadline, or on a signal) and say how.
 
     First its Ray actors are killed, so that the thread ends with an error of its own while Ray stays up for the
@@ -88,7 +100,9 @@ def _stop(worker: threading.Thread) -> str:
     how = "no Ray work to stop"
     if ray is not None and ray.is_initialized():
         try:
-            how = f"its {_kill_job_actors()} Ray actors were killed"
+            if before is None:
+                raise RuntimeError("the actors alive before it could not be listed")
+            how = f"its {_kill_actors_since(before)} Ray actors were killed"
         except Exception as e:  # noqa: BLE001 - a Ray internal that moved: disconnecting below still stops the work
             how = f"its Ray actors could not be killed ({type(e).__name__}: {e})"
         worker.join(0.7 * GRACE_S)
@@ -123,6 +137,10 @@ def _run_bounded(fn, ctx: Context, seconds: float):
             box["error"] = e
 
     worker = threading.Thread(target=target, name="dutycycle-diagnose-experiment", daemon=True)
+    try:
+        before: set[str] | None = set(_live_actors())  # the caller's actors: only the experiment's are killed
+    except Exception:  # noqa: BLE001 - a Ray internal that moved: an overrun then disconnects Ray instead
+        before = None
     worker.start()
     end = time.perf_counter() + seconds
     try:
@@ -131,10 +149,10 @@ def _run_bounded(fn, ctx: Context, seconds: float):
         while worker.is_alive() and time.perf_counter() < end:
             worker.join(min(0.2, max(0.0, end - time.perf_counter())))
     except BaseException:  # Interrupted, KeyboardInterrupt: stop the experiment's Ray work, then go
-        _stop(worker)
+        _stop(worker, before)
         raise
     if worker.is_alive():
-        how = _stop(worker)
+        how = _stop(worker, before)
         raise _Overran(f"stopped at its deadline: the budget had {seconds:.0f} s left for it (raise --budget-s; "
                        f"a worker group waiting for resources or a hung collective also ends here); {how}")
     if "error" in box:

@@ -147,11 +147,12 @@ def comm_prediction(fp32: dict | None, quantized: dict | None) -> dict | None:
     applies what the remedy sets at stage 3 (int8 gradients and int8 weight gathers), measured in the same run."""
     if not fp32 or not quantized:
         return None
+    from dutycycle.trainer.config_parallel import ParallelSection
     from dutycycle.trainer.diagnose.remedies import comm_remedy
 
     many = {"step_s": fp32["step_s_median"], "comm_share": fp32["exposed_comm_share"],
             "samples_per_s": fp32["samples_per_s"]}
-    remedy = comm_remedy({"scaling": {"many": many, "quant_block": 256,  # the config's default, as zero.py runs
+    remedy = comm_remedy({"scaling": {"many": many, "quant_block": ParallelSection().quant_block,  # zero.py's
                                       "quantized": {"zero_stage": 3, "settings": ["parallel.quant_grads=int8",
                                                                                   "parallel.quant_weights=int8"]}}})
     assert remedy is not None

@@ -87,9 +87,10 @@ def test_a_verdict_names_a_wait_only_beyond_its_noise():
 def test_communication_pools_the_steps_of_both_runs_that_exchange():
     """The configured run and the scaling run at N workers make the same exchange: their steps are pooled into
     one share and interval, not the larger of two noisy figures bound by bound (which straddled the line)."""
+    import numpy as np
     from dutycycle.trainer.diagnose import noise
 
-    rng = __import__("numpy").random.default_rng(1)
+    rng = np.random.default_rng(1)
 
     def run(share, n):  # n steps of 0.1 s whose comm wait scatters around `share` of the step
         comm = [float(x) for x in 0.1 * share + rng.normal(0, 0.01, n)]

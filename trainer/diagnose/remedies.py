@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .context import share_steps
 from .verdict import _mb, layout_settings
 
 
@@ -141,8 +142,6 @@ def measured_text(r: dict) -> str | None:
 def verify(ctx, remedy: dict, short_run) -> dict:
     """Run the config with ``remedy``'s settings as a short run (``short_run``: ``experiments.short_run``) and
     record measured against predicted. It takes the steps of the run the prediction came from."""
-    from .context import share_steps
-
     got = short_run(ctx, f"verify-{remedy['for']}", *remedy["set"], steps=share_steps(ctx))
     if "predicted_bytes_per_rank" in remedy:  # memory: what the most loaded rank held (its model state)
         held = max(sum(r.get(k, 0.0) for k in ("params", "grads", "optimizer")) for r in got["held_per_rank"])

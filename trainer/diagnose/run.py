@@ -4,9 +4,9 @@ others still run; then decide and write the report.
 The budget is kept, not hoped for: each experiment runs in a worker thread while this thread waits at most for
 what is left of the budget. One that overruns (a worker group that never starts, a hung collective) is stopped
 with a named reason: the Ray actors it started are killed, which ends its training run and its thread, and the
-next experiment starts on the same Ray. Ctrl-C (SIGINT) or SIGTERM stops the experiment in flight the same way, writes the report of
-what was measured so far, and ends the command (exit 130 or 143, from the CLI). Running the experiments off the
-main thread also keeps Ray Train from taking over SIGINT while it trains.
+next experiment starts on the same Ray. Ctrl-C (SIGINT) or SIGTERM stops the experiment in flight the same way,
+writes the report of what was measured so far, and ends the command (exit 130 or 143, from the CLI). Running
+the experiments off the main thread also keeps Ray Train from taking over SIGINT while it trains.
 """
 
 from __future__ import annotations
@@ -47,21 +47,21 @@ class _Overran(Exception):
     pass
 
 
-def _live_actors() -> dict[str, str]:
-    """This process's Ray job's actors that are not dead: id -> class name (empty without Ray).
+def _live_actors() -> set[str]:
+    """The ids of this process's Ray job's actors that are not dead (empty without Ray).
 
     Ray's public state API (``ray.util.state``) asks the dashboard, which dutycycle does not start, so the actor
     table is read from the GCS client (``ray._private.state``)."""
     try:
         import ray
     except ImportError:
-        return {}
+        return set()
     if not ray.is_initialized():
-        return {}
+        return set()
     from ray._private.state import state
 
     job = ray.get_runtime_context().get_job_id()
-    return {a["ActorID"]: a["ActorClassName"] for a in state.actor_table(None).values()
+    return {a["ActorID"] for a in state.actor_table(None).values()
             if a["JobID"] == job and a["State"] != "DEAD" and not a["IsDetached"]}
 
 
@@ -75,7 +75,7 @@ def _kill_actors_since(before: set[str]) -> int:
 
     core = ray._private.worker.global_worker.core_worker
     killed = 0
-    for actor_id in set(_live_actors()) - before:
+    for actor_id in _live_actors() - before:
         try:
             core.kill_actor(ray.ActorID.from_hex(actor_id), True)  # no_restart
         except ray.exceptions.ActorHandleNotFoundError:  # another actor's (a worker of the controller's)
@@ -99,12 +99,14 @@ def _stop(worker: threading.Thread, before: set[str] | None) -> str:
     end = time.perf_counter() + GRACE_S  # one grace for both steps: the command's end stays budget + GRACE_S
     how = "no Ray work to stop"
     if ray is not None and ray.is_initialized():
-        try:
-            if before is None:
-                raise RuntimeError("the actors alive before it could not be listed")
-            how = f"its {_kill_actors_since(before)} Ray actors were killed"
-        except Exception as e:  # noqa: BLE001 - a Ray internal that moved: disconnecting below still stops the work
-            how = f"its Ray actors could not be killed ({type(e).__name__}: {e})"
+        if before is None:
+            how = "its Ray actors could not be told from the caller's (the actor table could not be read)"
+        else:
+            try:
+                how = f"its {_kill_actors_since(before)} Ray actors were killed"
+            except Exception as e:  # noqa: BLE001 - a Ray internal that moved: disconnecting below stops the work
+                how = f"its Ray actors could not be killed ({type(e).__name__}: {e})"
+        # most of the grace for the kill to end the thread (about 20 ms when it works), the rest after a disconnect
         worker.join(0.7 * GRACE_S)
         if worker.is_alive() and ray.is_initialized():
             ray.shutdown()
@@ -138,7 +140,7 @@ def _run_bounded(fn, ctx: Context, seconds: float):
 
     worker = threading.Thread(target=target, name="dutycycle-diagnose-experiment", daemon=True)
     try:
-        before: set[str] | None = set(_live_actors())  # the caller's actors: only the experiment's are killed
+        before: set[str] | None = _live_actors()  # the caller's actors: only the experiment's are killed
     except Exception:  # noqa: BLE001 - a Ray internal that moved: an overrun then disconnects Ray instead
         before = None
     worker.start()

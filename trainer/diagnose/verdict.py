@@ -8,10 +8,11 @@ The order of questions:
 2. the waits of a running step, as shares of its time: data (waiting on the loader, end to end), communication
    (exposed collectives at N workers, the steps of the end-to-end and scaling runs pooled), checkpoint (stall
    per save), failures (work done again and restarts at the modelled worker count, ``failures.py``). Each share
-   carries a 90% interval from its own samples (``noise``). The largest is the verdict when its whole interval lies above ``THRESHOLD`` and above
-   every other share's interval; when its interval lies below ``THRESHOLD`` the run is compute-bound (and the
-   verdict says how close to the ceiling it runs); otherwise the verdict is "balanced" and names the waits that
-   noise cannot tell apart, with their numbers, rather than flip between them from run to run.
+   carries a 90% interval from its own samples (``noise``). The largest is the verdict when its whole interval
+   lies above ``THRESHOLD`` and above every other share's interval; when its interval lies below ``THRESHOLD``
+   the run is compute-bound (and the verdict says how close to the ceiling it runs); otherwise the verdict is
+   "balanced" and names the waits that noise cannot tell apart, with their numbers, rather than flip between
+   them from run to run.
 """
 
 from __future__ import annotations

@@ -41,7 +41,9 @@ cost at most 0.25 of synchronous. The defaults (24 steps, a save every 4, 200 MB
 write (683 MB: about 3.4 s at 200 MB/s) fits in the steps between two saves (about 4.4 s): a background write that
 takes longer than the save interval cannot be hidden by any policy (the next save waits for it; at 100 MB/s and a
 save every 3 steps the earlier run measured 0.72x), and the save at the last step cannot be hidden at all (the run
-waits for it), so with N saves the best an asynchronous save can do is about 1/N of synchronous. On this 2-core machine the background write competes with training for the
+waits for it), so with N saves the best an asynchronous save can do is about 1/N of synchronous
+(``final_save_s``: that last save and its wait, measured; ``async_final_save_vs_sync_overhead``: its share of the
+synchronous cost). On this 2-core machine the background write competes with training for the
 cores, so the step after an asynchronous save is slower than the row's median step; both are reported (compare
 them within a row: across rows the shared machine's load moves step times more). Differences of wall times are
 noisy here (one async row cost 9.1 s in one invocation and 19.8 s in the next), so every row runs ``--repeats``
@@ -170,6 +172,9 @@ def run_row(mode: str, args, workdir: Path) -> dict:
         "step_s_median_after_save": statistics.median(during) if during else None,
         # the run's wall times (module docstring): the loop's (the headline), every step's sum, the process's
         "loop_wall_s": s["wall_s"], "steps_s_sum": sum(r["step_s"] for r in rows),
+        # the last save and the wait for its write and commit (rank 0, whose loop wall this is): nothing hides it,
+        # so with one save in N at the end of a run it is the floor of asynchronous end-to-end cost
+        "final_save_s": s["time_breakdown"]["seconds"].get("final_save", 0.0),
         "process_wall_s": wall,
         "cpu_s": cpu,  # user + system seconds of the whole launch (torchrun and both ranks, every thread)
     }
@@ -236,6 +241,9 @@ def compute_ratios(rows: list[dict]) -> dict:
             # a ratio of costs only means something when synchronous saves cost the run something measurable
             if a and b and f"overhead{kind}_s" in a and b[f"overhead{kind}_s"] > 0:
                 out[f"async_overhead{kind}_vs_sync{key}"] = a[f"overhead{kind}_s"] / b[f"overhead{kind}_s"]
+        if a and b and "final_save_s" in a and b.get("overhead_s", 0) > 0:
+            # the share of synchronous cost that the last save's drain alone takes in the asynchronous run
+            out[f"async_final_save_vs_sync_overhead{key}"] = a["final_save_s"] / b["overhead_s"]
         if a and a["step_s_median"] and a["step_s_median_after_save"]:
             out[f"async_step_after_save_vs_median_step{key}"] = a["step_s_median_after_save"] / a["step_s_median"]
     return out

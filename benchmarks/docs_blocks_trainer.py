@@ -325,6 +325,10 @@ def checkpoint(results: dict) -> str:
                          target.get("async_overhead_vs_sync_throttled"))],
             ["throttled storage: saves that waited for the previous one", str(at["waited_for_previous_save"])],
         ]
+        if "async_final_save_vs_sync_overhead_throttled" in ratio:
+            facts.append(["throttled storage: the asynchronous run's last save and its wait (no policy hides it), "
+                          "over the synchronous cost",
+                          f"{secs(at['final_save_s'])}, {times(ratio['async_final_save_vs_sync_overhead_throttled'])}"])
     facts += [
         ["asynchronous: time in the save call (state dict and hand-off)",
          secs(saved["stall_s_per_save_in_maybe_save"])],

@@ -191,6 +191,9 @@ class CheckpointSection:
     # one save in flight; a save due while the previous one still writes waits for it, counted as stall).
     # false: the step blocks for the whole write and commit. The key "checkpoint.async" is accepted too.
     async_save: bool = True
+    # how many nice steps below training the background save thread runs (0..19; Linux, per thread): its write and
+    # checksums take the cores training and data loading leave idle first. The snapshot copy is not lowered.
+    background_nice: int = 10
     # "auto": continue from the newest checkpoint under checkpoint.dir whose manifest verifies (falling back to
     # older ones, loudly); "none": start fresh; or the URI of one step directory (it must verify)
     resume: str = "auto"
@@ -207,6 +210,9 @@ class CheckpointSection:
     def check(self, where: str) -> None:
         one_of(f"{where}.on_nonfinite", self.on_nonfinite, ("skip", "rollback", "stop"))
         not_negative(where, self, "every", "max_rollbacks", "failures_per_worker_hour")
+        if not 0 <= self.background_nice <= 19:
+            raise ConfigError(f"{where}.background_nice = {self.background_nice} must be within 0..19 (nice steps "
+                              "below the training thread; 0 = the same priority)")
         if self.keep < 2:
             raise ConfigError(f"{where}.keep = {self.keep} must be at least 2: a save replaces the oldest commit "
                               "only after it has committed itself, and a rollback may need the commit before the "

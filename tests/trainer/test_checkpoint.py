@@ -15,7 +15,7 @@ from dutycycle.engine import sealed
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError, DestinationError
 from dutycycle.trainer.checkpoint import find_latest
 from dutycycle.trainer.checkpoint import manifest as mf
-from dutycycle.trainer.checkpoint.resume import CheckpointWarning
+from dutycycle.trainer.checkpoint.resume import CheckpointWarning, select
 from dutycycle.trainer.checkpoint.saver import Saver
 from dutycycle.trainer.checkpoint.state import TrainerState, capture_rng
 from dutycycle.trainer.checkpoint.storage import read_state
@@ -58,6 +58,60 @@ def test_a_commit_holds_every_file_with_size_and_checksum_and_loads_exactly(tmp_
     got, want = load(sel), state_for(2)
     assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"])
     assert got["optim"]["lr"] == pytest.approx(0.2) and tuple(got["optim"]["betas"]) == (0.9, 0.999)
+
+
+def test_saves_reuse_dcps_plans_per_saver_and_each_commit_holds_its_own_values(tmp_path):
+    """From the second save on, DCP reuses the first save's plans (kept under this Saver's own key, dropped on
+    close); values are still read at each save (the step's lr), and a save whose tensors differ is planned anew."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    saver = Saver(str(tmp_path), rank=0, world_size=1, keep=5, async_save=True)
+    other = Saver(str(tmp_path / "other"), rank=0, world_size=1, keep=2, async_save=False)
+    assert saver.plan_cache != other.plan_cache
+
+    def save(step, state):
+        saver.save(step, state, TrainerState(step=step, epoch=0, loader={}, rng=[], world_size=1), capture_rng())
+        saver.wait()
+
+    save(1, state_for(1))
+    planned = SavePlanner._cached_metadata[saver.plan_cache]
+    save(2, state_for(2))
+    assert SavePlanner._cached_metadata[saver.plan_cache] is planned  # the same plan: not made again
+    grown = state_for(3)
+    grown["model"]["extra"] = torch.arange(5.0)
+    save(3, grown)
+    assert SavePlanner._cached_metadata[saver.plan_cache] is not planned  # a new tensor: planned anew
+    assert "model.extra" in SavePlanner._cached_metadata[saver.plan_cache].state_dict_metadata
+    for step, want in ((2, state_for(2)), (3, grown)):
+        sel = select(str(tmp_path / mf.step_name(step)), rank=0, world=1)
+        got = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()},
+               "optim": {"m": torch.zeros(64, 32), "lr": 0.0, "betas": (0.0, 0.0)}}
+        read_state(got, sel.uri, set(sel.manifest.files))
+        assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"])
+        assert torch.equal(got["optim"]["m"], want["optim"]["m"]) and got["optim"]["lr"] == pytest.approx(0.1 * step)
+    saver.close()
+    other.close()
+    assert saver.plan_cache not in SavePlanner._cached_metadata
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are a Linux feature")
+def test_the_background_save_thread_runs_below_training_and_the_default_lowers_it():
+    """The write, checksums and commit run ``background_nice`` steps below the training thread (the config's
+    default: 10), which keeps its own priority."""
+    import threading
+
+    from dutycycle.trainer.config import CheckpointSection
+
+    assert CheckpointSection().background_nice == 10
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    saver = Saver("memory://nice", rank=0, world_size=1, keep=2, async_save=True,
+                  background_nice=CheckpointSection().background_nice)
+    try:
+        theirs = saver.pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    finally:
+        saver.close()
+    assert theirs == min(19, mine + 10)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
 @pytest.mark.parametrize("damage, words", [
@@ -320,6 +374,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_key(tmp_path):
     ("checkpoint.on_nonfinite=ignore", "checkpoint.on_nonfinite"), ("ray.max_failures=-2", "ray.max_failures"),
     ("checkpoint.resume=", "checkpoint.resume"), ("run.health_timeout_s=0", "run.health_timeout_s"),
     ("checkpoint.max_rollbacks=-1", "checkpoint.max_rollbacks"),
+    ("checkpoint.background_nice=20", "checkpoint.background_nice"),
     ("checkpoint.dir=memory://ck --set checkpoint.every=2 --set parallel.num_workers=2", "checkpoint.dir"),
 ])
 def test_bad_checkpoint_config_names_the_key(override, key):

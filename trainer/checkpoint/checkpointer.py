@@ -57,7 +57,8 @@ class Checkpointer:
         if c.every > 0 and self.root:
             self.saver = Saver(self.root, rank=self.rank, world_size=self.world, keep=c.keep,
                                async_save=c.async_save, device=self.device, on_phase=on_phase,
-                               keep_staging_buffers=cfg.parallel.offload != "nvme")
+                               keep_staging_buffers=cfg.parallel.offload != "nvme",
+                               background_nice=c.background_nice)
         self.skipped: set[tuple[int, int]] = set()
         self.stalls: list[float] = []
         self.report_s = 0.0  # reporting commits (Ray Train's barrier): inside a stall or the final save's wait

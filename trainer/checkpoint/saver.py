@@ -25,6 +25,9 @@ checkpoint, on the training thread at the next wait.
 
 from __future__ import annotations
 
+import itertools
+import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,8 +57,10 @@ class Saver:
     """Owns the stager, the background thread and its process group. ``save`` returns the seconds the caller
     was blocked; ``wait`` finishes the save in flight and returns its ``Commit``."""
 
+    _ids = itertools.count()
+
     def __init__(self, root: str, *, rank: int, world_size: int, keep: int, async_save: bool, device=None,
-                 on_phase=None, keep_staging_buffers: bool = True):
+                 on_phase=None, keep_staging_buffers: bool = True, background_nice: int = 0):
         import torch
         import torch.distributed as dist
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -75,7 +80,9 @@ class Saver:
         self.stager = self._new_stager() if async_save and keep_staging_buffers else None
         # background saves talk over their own group: the training thread's collectives use the default one
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="dutycycle-checkpoint") if async_save else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="dutycycle-checkpoint", initializer=_lower_priority,
+                                       initargs=(background_nice,)) if async_save else None
+        self.plan_cache = f"dutycycle.Saver.{os.getpid()}.{next(self._ids)}"  # DCP's plans, reused from save to save
         self.staging: Future | None = None
         self.inflight: Future | None = None
         self.stalled_on_previous = 0  # saves that had to wait for the previous one
@@ -137,9 +144,12 @@ class Saver:
         return commit
 
     def close(self) -> None:
+        from .storage import drop_plan_cache
+
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
+        drop_plan_cache(self.plan_cache)
         if self.stager is not None:
             self.stager.close()
             self.stager = None
@@ -173,7 +183,7 @@ class Saver:
         error = self._broadcast(error)
         if error:
             raise DestinationError(f"could not clear {uri} before saving: {error}")
-        files = write_state(state, uri, self.group)
+        files = write_state(state, uri, self.group, plan_cache=self.plan_cache)
         t1 = time.perf_counter()
         self.on_phase("commit")
         gathered = self._gather({"files": {k: [r.size, r.digest] for k, r in files.items()}, "rng": rng})
@@ -218,6 +228,18 @@ class Saver:
         out = [None] * self.world if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=self.group)
         return out or []
+
+
+def _lower_priority(nice: int) -> None:
+    """Run the background thread ``nice`` steps below the process (the pool's initializer, so on that thread).
+    Its write, checksums and commit compete with training and with data loading for the cores; the scheduler
+    should give them only what those leave. On Linux ``setpriority`` on a thread id changes that thread alone;
+    raising a nice value needs no privilege (lowering it back would). Elsewhere (no thread ids) it stays as is.
+    The snapshot copy is not lowered: DCP's stager has its own thread, and the next optimizer step waits for it."""
+    if nice <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    tid = threading.get_native_id()
+    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 def _write_json(uri: str, obj) -> mf.FileRecord:

@@ -82,7 +82,7 @@ class Saver:
         self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="dutycycle-checkpoint", initializer=_lower_priority,
                                        initargs=(background_nice,)) if async_save else None
-        self.plan_cache = f"dutycycle.Saver.{os.getpid()}.{next(self._ids)}"  # DCP's plans, reused from save to save
+        self.plan_cache = f"dutycycle.Saver.{next(self._ids)}"  # DCP's plans (per process), reused save to save
         self.staging: Future | None = None
         self.inflight: Future | None = None
         self.stalled_on_previous = 0  # saves that had to wait for the previous one
@@ -234,9 +234,9 @@ def _lower_priority(nice: int) -> None:
     """Run the background thread ``nice`` steps below the process (the pool's initializer, so on that thread).
     Its write, checksums and commit compete with training and with data loading for the cores; the scheduler
     should give them only what those leave. On Linux ``setpriority`` on a thread id changes that thread alone;
-    raising a nice value needs no privilege (lowering it back would). Elsewhere (no thread ids) it stays as is.
+    raising a nice value needs no privilege (lowering it back would). Elsewhere (no setpriority) it stays as is.
     The snapshot copy is not lowered: DCP's stager has its own thread, and the next optimizer step waits for it."""
-    if nice <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+    if nice <= 0 or not hasattr(os, "setpriority"):
         return
     tid = threading.get_native_id()
     os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))

@@ -12,7 +12,7 @@ from .errors import ConfigError, CorruptArtifactError, DestinationError, Dutycyc
 # public name -> module that defines it (relative to this package)
 _LAZY = {
     "CacheManifest": ".cache.format",
-    "CacheReader": ".cache.format",
+    "CacheReader": ".cache.reader",
     "ReadConfig": ".cache.shards",
     "synthesize": ".synth",
     "draw_shapes": ".synth",

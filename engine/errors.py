@@ -50,3 +50,7 @@ class TrainingDiverged(DutycycleError):
 
 def _rebuild_diverged(message, step, epoch, batch, sample_ids):
     return TrainingDiverged(message, step=step, epoch=epoch, batch=batch, sample_ids=sample_ids)
+
+
+class FormatError(CorruptArtifactError):
+    """An artifact whose ``format`` field is missing or names a version this dutycycle does not read."""

@@ -3,8 +3,8 @@ records, checkpoint manifests, loader states), and the type check their readers 
 
 A sealed artifact holds, under one key, the sha256 of its canonical JSON without that key. A reader that finds
 the key and a different digest refuses the artifact: a byte flipped in a count or a name after the commit would
-otherwise read as a different, valid-looking value. Artifacts written before the key existed have none and are
-judged by their fields alone.
+otherwise read as a different, valid-looking value. Manifests (``unseal``) and completion records must carry it;
+``intact`` alone also passes a dict without the key (a loader state made by hand, judged by its fields).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 from typing import Any
+
+from .errors import CorruptArtifactError
 
 MANIFEST_DIGEST = "manifest_sha256"  # the key manifests seal themselves under
 
@@ -42,12 +44,12 @@ def is_count(v: Any) -> bool:
 
 def unseal(d: Any, where: str, fix: str, key: str = MANIFEST_DIGEST) -> dict[str, Any]:
     """The fields of a sealed artifact read from ``where`` without its checksum, or ``CorruptArtifactError``
-    naming it and ``fix`` when it is not a JSON object or its checksum no longer matches."""
-    from .errors import CorruptArtifactError
-
+    naming it and ``fix`` when it is not a JSON object, has no checksum or its checksum no longer matches."""
     if not isinstance(d, dict):
         raise CorruptArtifactError(f"{where} is not a JSON object; {fix}")
-    if not intact(d, key):  # artifacts written before the key existed have none
+    if key not in d:
+        raise CorruptArtifactError(f"{where} has no checksum ({key}); {fix}")
+    if not intact(d, key):
         raise CorruptArtifactError(f"{where} fails its own checksum ({key}): it was changed after it was written "
                                    f"and is refused; {fix}")
     return {k: v for k, v in d.items() if k != key}

@@ -26,24 +26,23 @@ Each shard has plain Arrow columns that any Arrow reader understands without dut
 ``manifest.json`` is uncommitted and never read; a shard whose sha256 differs from the manifest is refused
 with an error naming it. ``manifest.json`` carries ``manifest_sha256``, the sha256 of its other fields' canonical
 JSON, so a manifest changed after its commit (a digit of the fingerprint, a count) is refused rather than read as
-another cache; manifests written before the field have none, and are read after their counts are checked. How
-shards are read (memory-mapped, by range, node-local copies, checked once per
+another cache, and ``"format": 1`` (``engine.formats``): a manifest of another format, or missing a field, is
+refused. How shards are read (memory-mapped, by range, node-local copies, checked once per
 node) is ``shards.py``, ``remote.py`` and ``node.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from .. import io, sealed
+from .. import formats, io, sealed
 from ..errors import CorruptArtifactError, SourceError
 
-FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
 LATEST = "latest"
@@ -73,21 +72,20 @@ CHECK_CHUNK_BYTES = 1 << 20  # pixel bytes per recorded checksum (rounded down t
 @dataclass(frozen=True)
 class ShardInfo:
     """A shard's record in the manifest. The fields after ``sha256`` let a reader that reads by range verify
-    every piece it fetches and find a split's rows without reading any column (caches written before them have
-    none: readers then hash whole shards, and scan the split column)."""
+    every piece it fetches and find a split's rows without reading any column."""
 
     path: str  # relative to the cache root
     rows: int
     bytes: int
     sha256: str
-    split_counts: dict[str, int] = field(default_factory=dict)  # rows of each split in this shard
-    image_offset: int = 0  # where the pixel buffer starts in the file (it ends at image_offset + rows * sample bytes)
-    meta_sha256: str = ""  # sha256 of the file's bytes before and after the pixel buffer (columns, footer)
-    chunk_rows: int = 0  # rows per pixel checksum: CHECK_CHUNK_BYTES of pixels, rounded down to whole rows
-    chunk_sha256: list[str] = field(default_factory=list)  # sha256 of pixel rows [k * chunk_rows, (k + 1) * ...)
+    split_counts: dict[str, int]  # rows of each split in this shard
+    image_offset: int  # where the pixel buffer starts in the file (it ends at image_offset + rows * sample bytes)
+    meta_sha256: str  # sha256 of the file's bytes before and after the pixel buffer (columns, footer)
+    chunk_rows: int  # rows per pixel checksum: CHECK_CHUNK_BYTES of pixels, rounded down to whole rows
+    chunk_sha256: list[str]  # sha256 of pixel rows [k * chunk_rows, (k + 1) * chunk_rows)
     # rows of each split in each checksum chunk: where a split's rows fall in the chunks, so a plan can cut its
     # shuffle blocks at chunk boundaries (a ranged reader then fetches each chunk for one block)
-    chunk_split_counts: dict[str, list[int]] = field(default_factory=dict)
+    chunk_split_counts: dict[str, list[int]]
 
 
 @dataclass
@@ -103,7 +101,7 @@ class CacheManifest:
     spec: dict[str, Any]  # the transform spec that produced the pixels
     source: str = ""  # the metadata table the cache was made from
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count of rows not cached
-    format_version: int = FORMAT_VERSION
+    format: int = formats.FORMAT
     options: dict[str, Any] = field(default_factory=dict)  # how it was made: filter, table version, timings
 
     def to_json(self) -> dict[str, Any]:
@@ -115,19 +113,15 @@ class CacheManifest:
     @classmethod
     def from_json(cls, d: Any, where: str = "cache manifest") -> CacheManifest:
         """The manifest in ``d`` (parsed JSON) read from ``where`` (its URI, named in every error)."""
+        formats.check(d, where)
         d = sealed.unseal(d, where, _FIX)
-        if d.get("format_version") != FORMAT_VERSION:
-            raise CorruptArtifactError(
-                f"{where}: cache format version {d.get('format_version')!r} is not supported (this dutycycle reads "
-                f"{FORMAT_VERSION}); materialize the cache again"
-            )
         problem = _manifest_problem(d)
         if problem:
             raise CorruptArtifactError(f"{where} is malformed: {problem}; {_FIX}")
         try:
             d["shards"] = [ShardInfo(**s) for s in d["shards"]]
             return cls(**d)
-        except TypeError as e:  # a field missing, or one this format does not have (a damaged key)
+        except TypeError as e:  # a field this format does not have (a damaged key)
             raise CorruptArtifactError(f"{where} is malformed ({e}); {_FIX}") from None
 
     @property
@@ -136,12 +130,18 @@ class CacheManifest:
 
 
 def _manifest_problem(d: dict[str, Any]) -> str | None:
-    """What is wrong with a manifest's fields (the types readers rely on, and ``num_samples`` against the shards'
-    rows), or None."""
+    """What is wrong with a manifest's fields (every field present, the types readers rely on, and
+    ``num_samples`` against the shards' rows), or None."""
+    missing = [f.name for f in fields(CacheManifest) if f.name not in d]
+    if missing:
+        return f"{', '.join(f'`{m}`' for m in missing)} missing"
     shards = d.get("shards")
     if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
         return "`shards` must be a list of {path, rows, bytes, sha256}"
     for s in shards:
+        absent = [f.name for f in fields(ShardInfo) if f.name not in s]
+        if absent:
+            return f"shard entry {s.get('path')!r:.100} lacks {', '.join(f'`{m}`' for m in absent)}"
         if not (isinstance(s.get("path"), str) and sealed.is_count(s.get("rows")) and sealed.is_count(s.get("bytes"))
                 and isinstance(s.get("sha256"), str)):
             return f"shard entry {s!r:.200} must hold a path, rows, bytes and a sha256"
@@ -160,35 +160,34 @@ def _manifest_problem(d: dict[str, Any]) -> str | None:
                         ("split_counts", dict), ("spec", dict), ("skipped", dict), ("options", dict)):
         if name in d and not isinstance(d[name], types):
             return f"`{name}` is {type(d[name]).__name__}, not {types.__name__}"
-    if not all(isinstance(c, str) for c in d.get("classes", [])):
+    if not all(isinstance(c, str) for c in d["classes"]):
         return "`classes` must be a list of names"
     return None
 
 
 def shard_checks_problem(s: dict[str, Any]) -> str | None:
-    """What is wrong with a shard entry's optional fields (absent in caches written before them), or None."""
-    counts = s.get("split_counts", {})
+    """What is wrong with a shard entry's fields after ``sha256`` (its counts and piecewise checksums), or None."""
+    counts = s.get("split_counts")
     if not isinstance(counts, dict) or not all(isinstance(k, str) and sealed.is_count(v) for k, v in counts.items()):
         return "`split_counts` must map split names to counts"
-    if counts and sum(counts.values()) != s["rows"]:
+    if sum(counts.values()) != s["rows"]:
         return f"`split_counts` add up to {sum(counts.values())}, not its {s['rows']} rows"
     for name in ("image_offset", "chunk_rows"):
-        if not sealed.is_count(s.get(name, 0)):
+        if not sealed.is_count(s.get(name)):
             return f"`{name}` must be a count"
-    hashes = s.get("chunk_sha256", [])
+    hashes = s.get("chunk_sha256")
     if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes) \
-            or not isinstance(s.get("meta_sha256", ""), str):
+            or not isinstance(s.get("meta_sha256"), str):
         return "`chunk_sha256` must be a list of sha256 strings and `meta_sha256` a string"
-    if s.get("chunk_rows", 0) and len(hashes) != -(-s["rows"] // s["chunk_rows"]):
+    if s["chunk_rows"] < 1 or len(hashes) != -(-s["rows"] // s["chunk_rows"]):
         return f"`chunk_sha256` has {len(hashes)} entries for {s['rows']} rows in chunks of {s['chunk_rows']}"
-    per_chunk = s.get("chunk_split_counts", {})
-    if per_chunk:
-        if not isinstance(per_chunk, dict) or set(per_chunk) != set(counts) or not all(
-                isinstance(v, list) and len(v) == len(hashes) and all(sealed.is_count(c) for c in v)
-                for v in per_chunk.values()):
-            return "`chunk_split_counts` must hold, for each split, one count per checksum chunk"
-        if any(sum(v) != counts[k] for k, v in per_chunk.items()):
-            return "`chunk_split_counts` disagree with `split_counts`"
+    per_chunk = s.get("chunk_split_counts")
+    if not isinstance(per_chunk, dict) or set(per_chunk) != set(counts) or not all(
+            isinstance(v, list) and len(v) == len(hashes) and all(sealed.is_count(c) for c in v)
+            for v in per_chunk.values()):
+        return "`chunk_split_counts` must hold, for each split, one count per checksum chunk"
+    if any(sum(v) != counts[k] for k, v in per_chunk.items()):
+        return "`chunk_split_counts` disagree with `split_counts`"
     return None
 
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import io
+from .. import formats, io
 from ..errors import ConfigError, CorruptArtifactError, SourceError
 from ..limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
 from ..roots import OUTSIDE_ROOTS, SKIP_KEY, refusal, table_roots
@@ -175,7 +175,7 @@ def _index_key(
         "manifest": asdict(tm),
         "where": where or "",
         "spec": spec.to_dict(),
-        "format": cf.FORMAT_VERSION,
+        "format": formats.FORMAT,
         "roots": list(roots),
         "decode": settings,  # caps, decoder version, content check: they change the rows
     }

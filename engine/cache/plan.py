@@ -19,11 +19,11 @@ import hashlib
 import json
 from collections.abc import Iterable
 
+from .. import formats, limits
 from ..errors import ConfigError
 from ..roots import RootCheck
 from ..table import format as tf
 from ..transform import TransformSpec
-from . import format as cf
 
 FINGERPRINT_BLOCK = 65_536
 COLUMNS = ("sample_id", "uri", "label", "split", "error")
@@ -102,8 +102,6 @@ def decode_settings(max_pixels: int | None = None, max_file_bytes: int | None = 
     no longer match its row's content id is skipped). Defaults: the limits' defaults."""
     import PIL
 
-    from .. import limits
-
     return {
         "max_pixels": limits.DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels,
         "max_file_bytes": limits.DEFAULT_MAX_FILE_BYTES if max_file_bytes is None else max_file_bytes,
@@ -120,7 +118,7 @@ def fingerprint(
     """What the cache holds: format version, spec, classes, decode settings (``decode_settings``), and the
     selected rows through their block digests."""
     h = hashlib.sha256()
-    head = {"format_version": cf.FORMAT_VERSION, "spec": spec.to_dict(), "classes": classes,
+    head = {"format_version": formats.FORMAT, "spec": spec.to_dict(), "classes": classes,
             "decode": settings,
             "rows": f"sha256 per {FINGERPRINT_BLOCK} rows"}
     h.update(json.dumps(head, sort_keys=True).encode())

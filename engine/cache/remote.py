@@ -2,11 +2,8 @@
 
 **By range.** Arrow's IPC file reader asks a random-access file for exactly the pieces it needs: the footer,
 the record batch's metadata, then one buffer per column it was told to include. ``RangeFile`` answers those
-asks with ranged requests (head and tail of the object in one round trip, then the small columns in one more).
-To find the pixels without reading them, the reader is asked for the image column through a file that, when
-Arrow requests the image values buffer (exactly ``rows * sample_bytes`` bytes), stops it with ``_Located``
-naming the offset: Arrow computes the offset from its own metadata, so no layout is assumed here. Pixels are
-then fetched in whole-row chunks as batches need them (``RangedPixels``), all chunks of a batch in one
+asks from the ranges fetched on open: everything but the pixel buffer, whose place the manifest records. Pixels
+are then fetched in whole-row chunks as batches need them (``RangedPixels``), all chunks of a batch in one
 concurrent ``cat_ranges`` call, into a bounded chunk cache shared by the reader's shards.
 
 **On disk.** ``DiskCache`` keeps whole shards under ``<node dir>/shards/<sha256>.arrow`` (content-addressed, so
@@ -37,27 +34,17 @@ from . import node
 from .shards import ReadStats, ShardView, single_chunk
 
 EDGE_BYTES = 8 * 1024  # fetched from each end of a shard on open: footer, schema, batch metadata (more on demand)
-_MAGIC = b"ARROW1"
-
-
-class _Located(Exception):
-    def __init__(self, offset: int):
-        super().__init__(offset)
-        self.offset = offset
-
 
 class RangeFile(_io.RawIOBase):
     """A remote object of known size as a seekable, read-only file; reads become ranged requests.
 
-    Ranges fetched once are kept (``pieces``) and serve later reads inside them. With ``probe`` set, a read of
-    exactly ``probe`` bytes outside the kept pieces raises ``_Located(offset)`` instead of fetching.
+    Ranges fetched once are kept (``pieces``) and serve later reads inside them.
     """
 
-    def __init__(self, fs, path: str, size: int, stats: ReadStats, probe: int | None = None):
-        self.fs, self.path, self.size, self.stats, self.probe = fs, path, size, stats, probe
+    def __init__(self, fs, path: str, size: int, stats: ReadStats):
+        self.fs, self.path, self.size, self.stats = fs, path, size, stats
         self.pos = 0
         self.pieces: list[tuple[int, bytes]] = []
-        self.located: int | None = None
 
     def readable(self) -> bool:
         return True
@@ -107,9 +94,6 @@ class RangeFile(_io.RawIOBase):
             return b""
         data = self._kept(self.pos, n)
         if data is None:
-            if self.probe is not None and n == self.probe:
-                self.located = self.pos  # Arrow turns the exception into its own error; the offset stays here
-                raise _Located(self.pos)
             self.fetch([(self.pos, self.pos + n)])
             data = self._kept(self.pos, n)
         self.pos += n
@@ -123,52 +107,11 @@ class RangeFile(_io.RawIOBase):
 
 def open_ranged(fs, path: str, index: int, info, shape: tuple[int, ...], stats: ReadStats,
                 chunks: ChunkCache) -> ShardView:
-    """Open a remote shard for range reads: its small columns now (a few requests), pixels on demand. ``info`` is
-    the shard's manifest entry (``format.ShardInfo``); when it records piecewise checksums, every byte fetched
-    is verified before it is used (the columns and footer at once, each pixel chunk as it arrives)."""
-    rows, nbytes = info.rows, info.bytes
+    """Open a remote shard for range reads: its small columns now, pixels on demand. ``info`` is the shard's
+    manifest entry (``format.ShardInfo``), which gives the pixel buffer's place and checksums: everything but the
+    pixels comes in one request of two ranges, checked against ``meta_sha256`` before Arrow parses a byte of it,
+    and each pixel chunk is checked as it arrives."""
     per = int(np.prod(shape))
-    if info.meta_sha256 and info.chunk_rows:
-        return _open_verified(fs, path, index, info, shape, per, stats, chunks)
-    f = RangeFile(fs, path, nbytes, stats, probe=rows * per)
-    f.fetch([(0, EDGE_BYTES), (nbytes - EDGE_BYTES, nbytes)])
-    if f._kept(nbytes - len(_MAGIC), len(_MAGIC)) != _MAGIC:
-        raise CorruptArtifactError(f"cache shard {path!r} is not an Arrow IPC file (no footer); "
-                                   "materialize the cache again")
-    reader = pa.ipc.open_file(pa.PythonFile(f, mode="r"))
-    names = reader.schema.names
-    if reader.num_record_batches == 1 and "image" in names:
-        opts = pa.ipc.IpcReadOptions(included_fields=[names.index("image")])
-        try:
-            pa.ipc.open_file(pa.PythonFile(f, mode="r"), options=opts).get_batch(0)
-        except (_Located, OSError, pa.ArrowException):
-            if f.located is None:
-                raise
-    image_offset = f.located
-    if image_offset is None:  # the image buffer was not asked for as one piece: not a layout read by range
-        raise CorruptArtifactError(f"cache shard {path!r} is not one record batch with an image column; "
-                                   "materialize the cache again")
-    f.probe = None
-    f.fetch([(a, b) for a, b in _missing(f, 0, image_offset)])
-    small = [names.index(c) for c in ("sample_id", "label", "split") if c in names]
-    batch = pa.ipc.open_file(pa.PythonFile(f, mode="r"), options=pa.ipc.IpcReadOptions(included_fields=small)).get_batch(0)
-    if batch.num_rows != rows:
-        raise CorruptArtifactError(f"cache shard {path!r} has {batch.num_rows} rows, manifest says {rows}")
-    label = single_chunk(batch.column("label"))
-    return ShardView(
-        index=index,
-        rows=rows,
-        labels=label.to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
-        ids=batch.column("sample_id"),
-        split=batch.column("split"),
-        ranged=RangedPixels(fs, path, index, image_offset, rows, shape, chunks),
-    )
-
-
-def _open_verified(fs, path: str, index: int, info, shape: tuple[int, ...], per: int, stats: ReadStats,
-                   chunks: ChunkCache) -> ShardView:
-    """``open_ranged`` for a shard whose record gives the pixel buffer's place and checksums: everything but the
-    pixels in one request of two ranges, checked against ``meta_sha256`` before Arrow parses a byte of it."""
     start, stop = info.image_offset, info.image_offset + info.rows * per
     if not 0 < start <= stop <= info.bytes:
         raise CorruptArtifactError(f"cache shard {path!r}: its manifest entry places the pixels at [{start}, {stop}) "
@@ -195,20 +138,6 @@ def _open_verified(fs, path: str, index: int, info, shape: tuple[int, ...], per:
         ranged=RangedPixels(fs, path, index, start, info.rows, shape, chunks,
                             checks=(info.chunk_rows, info.chunk_sha256)),
     )
-
-
-def _missing(f: RangeFile, start: int, stop: int) -> list[tuple[int, int]]:
-    """Sub-ranges of ``[start, stop)`` not yet kept by ``f``."""
-    out, pos = [], start
-    for a, data in sorted(f.pieces):
-        if a > pos:
-            out.append((pos, min(a, stop)))
-        pos = max(pos, a + len(data))
-        if pos >= stop:
-            break
-    if pos < stop:
-        out.append((pos, stop))
-    return [(a, b) for a, b in out if b > a]
 
 
 class ChunkCache:

@@ -71,16 +71,15 @@ _SHARD_FIELDS = {f.name for f in dataclasses.fields(cf.ShardInfo)}
 
 
 def _record_ok(rec: Any, index: int) -> bool:
-    """Whether a parsed record is one of shard ``index``'s, whole: its checksum (when it has one; records written
-    before the field have none) and the fields materialize reads."""
+    """Whether a parsed record is one of shard ``index``'s, whole: its checksum and the fields materialize reads."""
     if not isinstance(rec, dict) or not set(rec) <= _RECORD_FIELDS:
         return False
-    if not sealed.intact(rec, RECORD_DIGEST):
+    if RECORD_DIGEST not in rec or not sealed.intact(rec, RECORD_DIGEST):
         return False
     shard = rec.get("shard")
-    # a record names its own shard, nothing else; records written before the piecewise checksums lack them
+    # a record names its own shard, nothing else
     if shard is not None and not (
-        isinstance(shard, dict) and {"path", "rows", "bytes", "sha256"} <= set(shard) <= _SHARD_FIELDS
+        isinstance(shard, dict) and set(shard) == _SHARD_FIELDS
         and shard["path"] == cf.shard_name(index)
         and sealed.is_count(shard["rows"]) and sealed.is_count(shard["bytes"]) and isinstance(shard["sha256"], str)
         and cf.shard_checks_problem(shard) is None

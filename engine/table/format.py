@@ -27,7 +27,8 @@ so a reader that opened an older version keeps its files for the whole grace; fi
 killed or losing writer's) count from their modification time. Every path in a manifest must resolve inside the
 table root, or the table is refused. Each manifest carries ``manifest_sha256``, the sha256 of its other fields'
 canonical JSON, so a manifest changed after its commit (a flipped byte in a writer id, a class name, a root) is
-refused rather than read as another table; manifests written before the field have none and are read as they are.
+refused rather than read as another table. Each manifest carries ``"format": 1`` (``engine.formats``); a manifest
+of another format, or missing any field, is refused.
 Columns (plain Arrow types, readable by any Parquet reader):
 
     sample_id string      content hash (sha256 of the file bytes, 32 hex chars): stable across renames
@@ -53,18 +54,14 @@ import posixpath
 import re
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import pyarrow as pa
 
-from .. import io, sealed
+from .. import formats, io, sealed
 from ..errors import CorruptArtifactError, DestinationError, SourceError
 
-FORMAT_VERSION = 3  # 3: `removed` (when files left the table); 2: `modified`, exclusive manifests, a writer id
-# Version 2 manifests lack only `removed`: they are read (as having recorded no removals) and a table that has
-# them can be written on; older dutycycle refuses version 3 with its "not supported" error.
-READABLE_FORMAT_VERSIONS = (2, 3)
 LATEST_READ_ATTEMPTS = 3  # the newest manifest can be expired between listing and reading it: list again
 MANIFEST = "_manifest.json"
 MANIFEST_DIR = "_manifests"
@@ -108,7 +105,7 @@ class TableManifest:
         default_factory=dict
     )  # ingest options (split fractions, phash, labels file)
     created_at: float = field(default_factory=time.time)
-    format_version: int = FORMAT_VERSION
+    format: int = formats.FORMAT
     writer: str = field(default_factory=lambda: uuid.uuid4().hex)  # who committed it (tells a retry its own)
     # data files earlier versions named and this one does not: {"path", "version" (that dropped it), "at"}
     removed: list[dict[str, Any]] = field(default_factory=list)
@@ -117,12 +114,11 @@ class TableManifest:
     def from_json(cls, d: Any, where: str = "table manifest") -> TableManifest:
         """The manifest in ``d`` (parsed JSON) read from ``where`` (its URI, named in every error)."""
         fix = "ingest the source again"
+        formats.check(d, where)
         body = sealed.unseal(d, where, fix)
-        if body.get("format_version") not in READABLE_FORMAT_VERSIONS:
-            raise CorruptArtifactError(
-                f"{where}: table format version {body.get('format_version')!r} is not supported (this dutycycle reads "
-                f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}); upgrade dutycycle or {fix}"
-            )
+        missing = [f.name for f in fields(cls) if f.name not in body]
+        if missing:
+            raise CorruptArtifactError(f"{where} is missing {', '.join(f'`{m}`' for m in missing)}; {fix}")
         for name, types in _FIELD_TYPES.items():
             value = body.get(name)
             if name in body and (not isinstance(value, types) or isinstance(value, bool)):
@@ -130,14 +126,14 @@ class TableManifest:
                                            f"{' or '.join(t.__name__ for t in types)}; {fix}")
         if not isinstance(body.get("files"), list) or not all(isinstance(f, str) for f in body["files"]):
             raise CorruptArtifactError(f"{where}: `files` must be a list of paths; {fix}")
-        if not all(isinstance(c, str) for c in body.get("classes", [])):
+        if not all(isinstance(c, str) for c in body["classes"]):
             raise CorruptArtifactError(f"{where}: `classes` must be a list of names; {fix}")
-        removed = body.get("removed", [])
+        removed = body["removed"]
         if not isinstance(removed, list) or not all(_is_removal(e) for e in removed):
             raise CorruptArtifactError(f"{where}: `removed` must be a list of {{path, version, at}}; {fix}")
         try:
             return cls(**body)
-        except TypeError as e:  # a field missing, or one this format does not have (a damaged key)
+        except TypeError as e:  # a field this format does not have (a damaged key)
             raise CorruptArtifactError(f"{where} is malformed ({e}); {fix}") from None
 
 
@@ -192,7 +188,7 @@ def commit(table_uri: str, manifest: TableManifest) -> None:
     previous version named that this one drops, stamped with that time, plus the earlier records whose files
     vacuum has not deleted yet)."""
     _check_paths(table_uri, manifest)
-    manifest.format_version = FORMAT_VERSION
+    manifest.format = formats.FORMAT
     manifest.created_at = time.time()  # vacuum's grace for the files this version drops counts from here
     manifest.removed = _removals(table_uri, manifest)
     data = encode(asdict(manifest))

@@ -83,24 +83,11 @@ def _read_versions(table: str, versions: Iterable[int]) -> dict[int, tf.TableMan
 
 
 def _left_at(manifests: dict[int, tf.TableManifest]) -> dict[str, float]:
-    """When each file left the table: the recorded removals, and for tables written before removals were
-    recorded, the commit time of the first version after the last one (still listed) that named the file."""
+    """When each file left the table: the latest time a manifest recorded its removal."""
     left: dict[str, float] = {}
-
-    def note(path: str, at: float) -> None:
-        left[path] = max(at, left.get(path, at))
-
-    ordered = [manifests[v] for v in sorted(manifests)]
-    for m in ordered:
+    for m in manifests.values():
         for record in m.removed:
-            note(record["path"], float(record["at"]))
-    for older, newer in zip(ordered, ordered[1:], strict=False):
-        if newer.format_version >= 3:  # it recorded what it dropped, above
-            continue
-        names = set(newer.files)
-        for f in older.files:
-            if f not in names:
-                note(f, float(newer.created_at))
+            left[record["path"]] = max(float(record["at"]), left.get(record["path"], 0.0))
     return left
 
 

@@ -10,7 +10,6 @@ import threading
 import time
 
 import pytest
-from dutycycle.engine.errors import CorruptArtifactError
 from dutycycle.engine.synth import synthesize
 from dutycycle.engine.table import format as tf
 from dutycycle.engine.table.catalog import ingest
@@ -94,24 +93,6 @@ def test_open_old_version_stays_readable_for_the_whole_grace(src, tmp_path, caps
     ingest(str(src), uri, progress_every=0)
     m3 = tf.read_manifest(uri)
     assert old_file not in {r["path"] for r in m3.removed} and {r["version"] for r in m3.removed} == {3}
-
-
-def test_older_format_tables_are_read_and_written_on(src, tmp_path):
-    uri = str(tmp_path / "table")
-    ingest(str(src), uri, progress_every=0)
-    path = os.path.join(uri, tf.manifest_path(1))
-    d = json.loads(open(path).read())
-    d["format_version"] = 2  # as the previous release wrote it: no `removed`, no checksum
-    del d["removed"], d[tf.DIGEST]
-    open(path, "w").write(json.dumps(d))
-    assert tf.read_manifest(uri, 1).removed == []
-    _modify_one(src, seed=8)
-    assert ingest(str(src), uri, progress_every=0)["version"] == 2
-    assert tf.read_manifest(uri).format_version == tf.FORMAT_VERSION and len(tf.read_manifest(uri).removed) == 1
-    d["format_version"] = tf.FORMAT_VERSION + 1  # a newer dutycycle's table
-    open(path, "w").write(json.dumps(d))
-    with pytest.raises(CorruptArtifactError, match="format version 4 is not supported"):
-        tf.read_manifest(uri, 1)
 
 
 def _race_round(src, uri: str, rows: int) -> tuple[dict, list, int, int]:

@@ -278,33 +278,3 @@ def test_the_demo_config_accepts_tensor_parallelism():
     cfg = load_config(str(REPO / "configs" / "demo.toml"), ["parallel.num_workers=4", "parallel.tensor=2",
                                                             "parallel.quant_grads=none", "model.name=vit"])
     assert cfg.parallel.tensor == 2 and cfg.parallel.sequence_parallel
-
-
-def test_a_vit_saved_with_packed_attention_loads_and_computes_the_same():
-    """A model.safetensors from before the attention was split (nn.MultiheadAttention's packed q, k, v) loads into
-    the current ViT by name, and the two compute the same outputs (float64; one softmax reordering apart)."""
-    from dutycycle.trainer.step.models import TinyViT
-    from torch import nn
-
-    class PackedBlock(nn.Module):  # the block as it was
-        def __init__(self, dim, heads):
-            super().__init__()
-            self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-            self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-            self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-        def forward(self, x):
-            h = self.norm1(x)
-            x = x + self.attn(h, h, h, need_weights=False)[0]
-            return x + self.mlp(self.norm2(x))
-
-    torch.manual_seed(0)
-    old = TinyViT(3, 4, 8, dim=16, depth=2, heads=4, patch=2).double()
-    old.blocks = nn.Sequential(*[PackedBlock(16, 4).double() for _ in range(2)])
-    saved = old.state_dict()
-    assert "blocks.0.attn.in_proj_weight" in saved and "blocks.0.attn.out_proj.weight" in saved
-    new = TinyViT(3, 4, 8, dim=16, depth=2, heads=4, patch=2).double()
-    new.load_state_dict(dict(saved))  # strict: every key consumed, none missing
-    x = torch.randn(5, 3, 8, 8, dtype=torch.float64)
-    assert torch.allclose(new(x), old.eval()(x), rtol=0, atol=1e-12)
-    assert set(new.state_dict()) == set(TinyViT(3, 4, 8, dim=16, depth=2, heads=4, patch=2).state_dict())

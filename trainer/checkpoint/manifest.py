@@ -1,5 +1,5 @@
-"""The commit record of a checkpoint: ``manifest.json``, written last, naming every file with its size and checksum
-(BLAKE3; commits written before it carry sha256, and still verify).
+"""The commit record of a checkpoint: ``manifest.json``, written last, naming every file with its size and BLAKE3
+checksum, and carrying ``"format": 1`` (``engine.formats``: another format is refused).
 
 A checkpoint is one directory per step, ``CHECKPOINT_DIR/step-00000012/``::
 
@@ -25,16 +25,15 @@ cryptographic hash, so a checksum means what sha256 meant: the bytes are the one
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from dutycycle.engine import io, sealed
+from blake3 import blake3
+from dutycycle.engine import formats, io, sealed
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 
-FORMAT = "dutycycle-checkpoint/1"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 METADATA_JSON = "metadata.json"
@@ -43,35 +42,25 @@ DIGEST = sealed.MANIFEST_DIGEST  # the manifest's checksum of its own content (e
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
 _CHUNK = 8 * 1024**2
-ALGORITHM = "blake3"  # what new commits record
-ALGORITHMS = ("blake3", "sha256")  # what a manifest may record (sha256: commits written before BLAKE3)
+ALGORITHM = "blake3"  # the checksum every file record holds, under this key
 
 
-def hasher(algorithm: str = ALGORITHM):
-    """A new hash object (``update``, ``hexdigest``) of ``algorithm``."""
-    if algorithm == "blake3":
-        from blake3 import blake3
-
-        return blake3()
-    assert algorithm == "sha256", algorithm
-    return hashlib.sha256()
+def hasher():
+    """A new BLAKE3 hash object (``update``, ``hexdigest``)."""
+    return blake3()
 
 
 @dataclass
 class FileRecord:
     size: int
-    digest: str  # hex
-    algorithm: str = ALGORITHM
+    digest: str  # BLAKE3, hex
 
     def to_json(self) -> dict:
-        return {"size": self.size, self.algorithm: self.digest}
+        return {"size": self.size, ALGORITHM: self.digest}
 
     @classmethod
     def from_json(cls, rec: dict) -> FileRecord:
-        algorithm = next((a for a in ALGORITHMS if a in rec), None)
-        if algorithm is None:
-            raise KeyError(f"a checksum ({' or '.join(ALGORITHMS)})")
-        return cls(int(rec["size"]), str(rec[algorithm]), algorithm)
+        return cls(int(rec["size"]), str(rec[ALGORITHM]))
 
 
 @dataclass
@@ -79,7 +68,7 @@ class Manifest:
     step: int
     world_size: int
     files: dict[str, FileRecord]
-    format: str = FORMAT
+    format: int = formats.FORMAT
     created: float = field(default_factory=time.time)
     info: dict = field(default_factory=dict)  # what was saved, for people: strategy, stage, bytes, timings
 
@@ -92,16 +81,15 @@ class Manifest:
 
     @classmethod
     def from_json(cls, d: dict, where: str) -> Manifest:
+        formats.check(d, where)
         d = sealed.unseal(d, where, "the checkpoint is refused")
-        if d.get("format") != FORMAT:
-            raise CorruptArtifactError(f"{where} is not a {FORMAT} manifest (format {d.get('format')!r})")
         try:
             files = {}
             for name, rec in d["files"].items():
                 check_name(name, where)
                 files[name] = FileRecord.from_json(rec)
             return cls(step=int(d["step"]), world_size=int(d["world_size"]), files=files, format=d["format"],
-                       created=float(d.get("created", 0.0)), info=dict(d.get("info", {})))
+                       created=float(d["created"]), info=dict(d["info"]))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptArtifactError(f"{where} is malformed ({type(e).__name__}: {e})") from None
 
@@ -190,14 +178,14 @@ def write_manifest(step_uri: str, manifest: Manifest) -> None:
 # ------------------------------------------------------------------------------------------------- checksums
 
 
-def file_digest(uri: str, algorithm: str = ALGORITHM) -> FileRecord:
+def file_digest(uri: str) -> FileRecord:
     fs, path = io.filesystem(uri)
-    h, size = hasher(algorithm), 0
+    h, size = hasher(), 0
     with fs.open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
             size += len(chunk)
-    return FileRecord(size, h.hexdigest(), algorithm)
+    return FileRecord(size, h.hexdigest())
 
 
 def verify_files(step_uri: str, manifest: Manifest, names: list[str]) -> list[str]:
@@ -217,9 +205,9 @@ def verify_files(step_uri: str, manifest: Manifest, names: list[str]) -> list[st
         if size != want.size:
             problems.append(f"{name} is {size} bytes but {MANIFEST} says {want.size} (truncated or overwritten)")
             continue
-        got = file_digest(uri, want.algorithm)
+        got = file_digest(uri)
         if got.digest != want.digest:
-            problems.append(f"{name} has {want.algorithm} {got.digest[:16]}... but {MANIFEST} says "
+            problems.append(f"{name} has {ALGORITHM} {got.digest[:16]}... but {MANIFEST} says "
                             f"{want.digest[:16]}... (corrupted)")
     return problems
 

@@ -64,7 +64,6 @@ class Attention(nn.Module):
             nn.init.uniform_(layer.weight, -bound, bound)
             nn.init.zeros_(layer.bias)
         nn.init.zeros_(self.proj.bias)
-        self.register_load_state_dict_pre_hook(_from_packed_attention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch.nn.functional as F
@@ -76,23 +75,6 @@ class Attention(nn.Module):
 
         out = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
         return self.proj(out.transpose(1, 2).reshape(b, n, -1))
-
-
-def _from_packed_attention(module, state_dict, prefix, *args) -> None:
-    """Load a state dict written when the ViT used ``nn.MultiheadAttention`` (a ``model.safetensors`` from before
-    the split): its packed ``in_proj_weight``/``in_proj_bias`` are q, k and v stacked in that order, and
-    ``out_proj`` is ``proj``. Renamed in place; a state dict in the current names passes untouched."""
-    packed = prefix + "in_proj_weight"
-    if packed not in state_dict:
-        return
-    for name, w in zip("qkv", state_dict.pop(packed).chunk(3), strict=True):
-        state_dict[f"{prefix}{name}.weight"] = w
-    if prefix + "in_proj_bias" in state_dict:
-        for name, b in zip("qkv", state_dict.pop(prefix + "in_proj_bias").chunk(3), strict=True):
-            state_dict[f"{prefix}{name}.bias"] = b
-    for kind in ("weight", "bias"):
-        if f"{prefix}out_proj.{kind}" in state_dict:
-            state_dict[f"{prefix}proj.{kind}"] = state_dict.pop(f"{prefix}out_proj.{kind}")
 
 
 class Block(nn.Module):

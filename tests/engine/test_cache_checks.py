@@ -18,7 +18,7 @@ from dutycycle.engine.errors import CorruptArtifactError
 from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig
 from dutycycle.loader.source import SplitIndex
 
-from ..support.cachemaker import as_older_cache, make_cache, sample_pixels
+from ..support.cachemaker import make_cache, sample_pixels
 
 PLAIN = AugmentConfig(normalize=False)
 SHAPE = (32, 32, 3)  # 3,072 bytes a sample: 341 rows per 1 MiB checksum chunk
@@ -108,23 +108,6 @@ def test_the_split_index_comes_from_the_manifest_and_reads_only_needed_shards(s3
     assert np.array_equal(loader.rows[np.array([5, 0, n - 1])], full_scan(loader.reader, "train")[[5, 0, n - 1]])
     with pytest.raises(IndexError, match=rf"outside \[-{n}, {n}\)"):
         loader.rows[np.array([n])]
-
-
-def test_an_older_cache_reads_as_before(s3, tmp_path):
-    """A manifest without the new entries: ranged reads and the scanned split index, identical batches."""
-    uri, local = f"{s3}/cache", str(tmp_path / "local")
-    for where in (uri, local):
-        make_cache(where, 900, shape=(8, 8, 3), shards=3, splits={"train": 0.7, "val": 0.3})
-    as_older_cache(uri)
-    assert not cf.read_manifest(uri).shards[0].chunk_sha256
-    cfg = LoaderConfig(global_batch_size=16, mode="sync", augment=PLAIN,
-                       read=ReadConfig(remote="range", node_dir=str(tmp_path / "node")))
-    old = CacheLoader(uri, "val", config=cfg)
-    new = CacheLoader(local, "val", config=LoaderConfig(global_batch_size=16, mode="sync", augment=PLAIN))
-    assert isinstance(old.rows, np.ndarray) and isinstance(new.rows, SplitIndex)
-    assert np.array_equal(old.rows, np.asarray(new.rows))
-    for a, b in zip(old, new, strict=True):
-        assert a["sample_id"] == b["sample_id"] and np.array_equal(a["image"].numpy(), b["image"].numpy())
 
 
 def test_a_manifest_whose_split_counts_disagree_is_refused(tmp_path):

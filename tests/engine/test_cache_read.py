@@ -17,7 +17,7 @@ from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig
 
-from ..support.cachemaker import as_older_cache, make_cache
+from ..support.cachemaker import make_cache
 
 PLAIN = AugmentConfig(crop_padding=0, flip=False, normalize=False)
 
@@ -82,15 +82,15 @@ def test_local_checksum_is_verified_once_per_node(tmp_path):
     assert reader.stats.shards_hashed == 1
 
 
-def test_s3_cache_read_by_range_with_bounded_memory(s3, tmp_path):
+def test_s3_cache_read_by_range_with_bounded_memory(s3, tmp_path, monkeypatch):
     """A 6.3 MB cache on S3 read by range: three batches fetch a small part of it, a whole epoch holds little
     more than the chunk cache, and the batches are bit-identical to a local copy's."""
     uri, local = f"{s3}/cache", str(tmp_path / "local")
+    # A verified read fetches whole checksum chunks: this cache records one per 32 KB of pixels, so that reads
+    # by 32 KB chunks stay small next to its size
+    monkeypatch.setattr(cf, "CHECK_CHUNK_BYTES", 32 * 1024)
     make_cache(uri, 2000, shape=(32, 32, 3), shards=4)  # 3 KB per sample, 4 shards of 500 rows (1.5 MB each)
     make_cache(local, 2000, shape=(32, 32, 3), shards=4)  # the same cache, on local disk
-    # Chunks of 32 KB need a cache without piecewise checksums: a verified read fetches whole checksum chunks
-    # (1 MiB), which test_cache_checks.py covers
-    as_older_cache(uri)
     total = sum(s.bytes for s in cf.read_manifest(uri).shards)
     read = ReadConfig(remote="range", range_chunk_bytes=32 * 1024, range_cache_bytes=1 << 20)
     plan = {"global_batch_size": 64, "window": 256, "block_size": 32}  # 8 windows of 8 blocks
@@ -183,22 +183,6 @@ def test_s3_damaged_or_missing_shards_are_refused(s3, tmp_path):
         reader = CacheReader(uri, read=ReadConfig(remote=remote, node_dir=str(tmp_path / f"n-{remote}")))
         with pytest.raises(CorruptArtifactError, match=r"shard-00001\.arrow.*is missing"):
             reader.images(1)
-
-
-def test_split_index_reads_no_pixels_and_is_built_once_per_node(s3, tmp_path):
-    """An older cache (no split counts per shard): the index is built from the split columns, once per node."""
-    uri, node_dir = f"{s3}/cache", str(tmp_path / "node")
-    make_cache(uri, 1200, shape=(16, 16, 3), shards=4, splits={"train": 0.7, "val": 0.3})
-    as_older_cache(uri)
-    total = sum(s.bytes for s in cf.read_manifest(uri).shards)
-    read = ReadConfig(remote="range", node_dir=node_dir)
-    first = CacheLoader(uri, "val", 0, 1, LoaderConfig(global_batch_size=8, read=read))
-    # edges, batch metadata and the split column only: measured 0.077 of the cache's bytes
-    assert first.reader.stats.bytes_fetched < 0.15 * total, (first.reader.stats.bytes_fetched, total)
-    second = CacheLoader(uri, "val", 0, 1, LoaderConfig(global_batch_size=8, read=read))
-    assert second.reader.stats.bytes_fetched == 0  # the node's index file, mapped
-    assert np.array_equal(first.rows, second.rows) and len(first.rows) == cf.read_manifest(uri).split_counts["val"]
-    assert not second.rows.flags.writeable  # a read-only map of the node's file, not a private array
 
 
 @pytest.mark.parametrize("kw,name", [({"verify": "sometimes"}, "verify"), ({"remote": "ftp"}, "remote"),

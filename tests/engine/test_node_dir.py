@@ -8,7 +8,6 @@ import os
 import stat
 
 import fsspec
-import numpy as np
 import pytest
 from dutycycle.engine.cache import format as cf
 from dutycycle.engine.cache import node
@@ -17,7 +16,7 @@ from dutycycle.engine.cache.remote import DiskCache
 from dutycycle.engine.cache.shards import ReadConfig, ReadStats
 from dutycycle.engine.errors import CorruptArtifactError, DutycycleError
 
-from ..support.cachemaker import as_older_cache, make_cache
+from ..support.cachemaker import make_cache
 
 OTHER_UID = 65534  # "nobody": a user other than the one running the tests
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
@@ -165,24 +164,6 @@ def test_a_planted_node_copy_of_a_remote_shard_is_fetched_again(tmp_path, owner)
     assert got == local and open(got, "rb").read() == remote.read_bytes()  # the real bytes, fetched again
     assert node.trusted(got) and disk.stats.shards_downloaded == 1
     assert node.verify_once(got, sha, 4096, root) == (True, False)  # its own record came with it
-
-
-def test_a_planted_split_index_is_rebuilt(tmp_path):
-    from dutycycle.loader.source import split_rows
-
-    uri, root = str(tmp_path / "cache"), node.node_dir(str(tmp_path / "node"))
-    make_cache(uri, 120, shards=3, splits={"train": 0.75, "val": 0.25})
-    as_older_cache(uri)  # a cache whose split index is scanned and kept in the node folder
-    reader = CacheReader(uri, read=ReadConfig(node_dir=root))
-    honest = np.array(split_rows(reader, "val"))
-    index = [os.path.join(root, "index", n) for n in os.listdir(os.path.join(root, "index"))]
-    assert len(index) == 1 and node.trusted(index[0])
-    forged = honest[::-1].copy()  # right length and dtype: only its origin gives it away
-    os.unlink(index[0])
-    np.save(index[0], forged, allow_pickle=False)
-    os.chmod(index[0], 0o644)
-    assert np.array_equal(split_rows(reader, "val"), honest)
-    assert node.trusted(index[0])  # rebuilt by this user
 
 
 def test_a_planted_memory_ledger_is_not_believed(tmp_path):

@@ -61,15 +61,3 @@ def make_cache(
         rows_per_shard=max(1, -(-n // shards)), layout=layout,
         fingerprint=fingerprint or hashlib.sha256(f"test-cache-{n}-{shape}-{shards}".encode()).hexdigest()[:16],
     )
-
-
-def as_older_cache(uri: str) -> None:
-    """Rewrite a cache's manifest as caches were written before shard entries recorded split counts and piecewise
-    checksums (path, rows, bytes and sha256 only), committed again: what a reader meets in an older cache."""
-    from dataclasses import replace
-
-    from dutycycle.engine.cache import format as cf
-
-    m = cf.read_manifest(uri)
-    m.shards = [cf.ShardInfo(s.path, s.rows, s.bytes, s.sha256) for s in m.shards]
-    cf.commit(uri, replace(m))

@@ -10,7 +10,7 @@ import io as _io
 import json
 import textwrap
 
-from dutycycle.engine import io
+from dutycycle.engine import formats, io
 
 from .experiments import EXPERIMENTS
 from .remedies import measured_text, predicted_text
@@ -243,5 +243,5 @@ def write(out: str, result: dict) -> dict[str, str]:
              "html": io.join(out, "diagnosis.html")}
     io.write_bytes_atomic(paths["png"], png)
     io.write_bytes_atomic(paths["html"], page(result, png).encode())
-    io.write_json_atomic(paths["json"], result)
+    io.write_json_atomic(paths["json"], formats.stamp(result))
     return paths

@@ -31,6 +31,7 @@ import os
 import tempfile
 
 from dutycycle.engine import io
+from dutycycle.trainer.step.metrics import read_summary
 
 RESULT_FILES = ("summary.json", "config.json", "metrics.jsonl", "health.json")
 SUMMARY_KEY = "dutycycle_results"  # in the metrics of the final report: marks the results checkpoint
@@ -93,8 +94,7 @@ def results_from(cfg, result) -> dict:
         raise DutycycleError(f"Ray Train returned no results checkpoint for run {cfg.run.name!r} (storage "
                              f"{result.path!r}); the workers ended without reporting one")
     with ckpt.as_directory() as d:
-        with open(os.path.join(d, "summary.json")) as f:
-            summary = json.load(f)
+        summary = read_summary(d)
         if not io.exists(io.join(cfg.run.dir, "summary.json")):
             for name in RESULT_FILES:
                 if os.path.exists(os.path.join(d, name)):

@@ -17,12 +17,14 @@ intra-op threads so two workers do not oversubscribe the cores.
 
 from __future__ import annotations
 
+import json
 import os
 
-from dutycycle.engine import io
+from dutycycle.engine import formats, io
 from dutycycle.trainer.cluster.local import start_local_ray
 from dutycycle.trainer.config import TrainConfig, describe, from_dict, use_gpu
 from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
+from dutycycle.trainer.step.metrics import read_metrics, read_summary
 
 from .results import report_results, results_from, runtime_env
 
@@ -51,7 +53,8 @@ def prepare_run(cfg: TrainConfig, quiet: bool = False) -> str:
     run_dir = resolve_run_dir(cfg)
     if not quiet:
         print(f"resolved config (saved to {io.join(run_dir, 'config.json')}):\n{describe(cfg)}", flush=True)
-    io.write_bytes_atomic(io.join(run_dir, "config.json"), cfg.to_json().encode())
+    config = json.dumps(formats.stamp(cfg.to_dict()), indent=2, sort_keys=True)
+    io.write_bytes_atomic(io.join(run_dir, "config.json"), config.encode())
     return run_dir
 
 
@@ -63,10 +66,8 @@ def finish_run(cfg: TrainConfig, launched: float | None = None, fit_called: floa
     import time
 
     uri = io.join(cfg.run.dir, "summary.json")
-    summary = io.read_json(uri) if summary is None else summary
+    summary = read_summary(cfg.run.dir) if summary is None else summary
     if launched is not None and "attempt" in summary:
-        from dutycycle.trainer.step.metrics import read_metrics
-
         from .account import job_time
 
         summary["launch"] = job_time(summary, read_metrics(cfg.run.dir), launched=launched, fit_called=fit_called,

@@ -5,6 +5,9 @@ works); on an object store rows are buffered and the whole file is rewritten ato
 and at the end. ``summary.json`` is written last, with ``write_json_atomic``: a run directory with a summary
 is a finished run. A resumed run keeps the rows up to the step it resumed from and appends after them
 (``resume_from``): rows of steps that were lost with the failed attempt are dropped and counted.
+
+Both carry ``"format": 1`` (``engine.formats``; in ``metrics.jsonl`` every row does, since a resumed run appends to
+an earlier attempt's file), and ``read_metrics``/``read_summary`` refuse another format, naming the file.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import json
 import os
 import time
 
-from dutycycle.engine import io
+from dutycycle.engine import formats, io
 
 from .timing import ACCOUNT, ALL_PHASES, ONE_TIME, USEFUL, breakdown
 
@@ -35,10 +38,14 @@ def peak_flops(device_name: str) -> float | None:
     return None
 
 
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+
+
 class MetricsWriter:
     def __init__(self, run_dir: str, enabled: bool = True):
         self.run_dir, self.enabled = run_dir, enabled
-        self.uri = io.join(run_dir, "metrics.jsonl")
+        self.uri = io.join(run_dir, METRICS)
         self.local = io.protocol(run_dir) == "file"
         self.rows: list[dict] = []
         self._f = None  # opened at the first row, so an earlier attempt's file is there until then
@@ -85,7 +92,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._open()
-        row = {**row, "time": round(time.time(), 3)}  # wall clock: a later attempt measures a failure from it
+        # wall clock: a later attempt measures a failure from it
+        row = formats.stamp({**row, "time": round(time.time(), 3)})
         self.rows.append(row)
         if self._f is not None:
             self._f.write(json.dumps(row) + "\n")
@@ -103,9 +111,10 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: str, *, live: bool = False) -> list[dict]:
-    """The rows of ``metrics.jsonl``. ``live``: the run may still be writing it, so a missing file is no rows yet
-    and a line caught half-written is left for the next look."""
-    fs, path = io.filesystem(io.join(run_dir, "metrics.jsonl"))
+    """The rows of ``metrics.jsonl``, each checked to be of format 1. ``live``: the run may still be writing it, so
+    a missing file is no rows yet and a line caught half-written is left for the next look."""
+    uri = io.join(run_dir, METRICS)
+    fs, path = io.filesystem(uri)
     try:
         with fs.open(path, "r") as f:
             lines = [line for line in f if line.strip()]
@@ -114,13 +123,24 @@ def read_metrics(run_dir: str, *, live: bool = False) -> list[dict]:
             return []
         raise
     rows = []
-    for line in lines:
+    for number, line in enumerate(lines, 1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             if not live:
                 raise
+            continue
+        formats.check(row, f"run metrics {uri!r} (row {number})")
+        rows.append(row)
     return rows
+
+
+def read_summary(run_dir: str) -> dict:
+    """``summary.json`` of a finished run, checked to be of format 1."""
+    uri = io.join(run_dir, SUMMARY)
+    summary = io.read_json(uri)
+    formats.check(summary, f"run summary {uri!r}")
+    return summary
 
 
 def summarize(*, steps: int, samples: int, first_loss: float | None, final_loss: float | None,
@@ -141,6 +161,7 @@ def summarize(*, steps: int, samples: int, first_loss: float | None, final_loss:
     bd = breakdown({**mean, **once}, wall_s, ACCOUNT)
     train_s = max(wall_s - mean["eval"], 1e-9)
     summary = {
+        formats.KEY: formats.FORMAT,
         "steps": steps,
         "samples": samples,
         "world_size": world_size,

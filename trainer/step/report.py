@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dutycycle.engine import io
 
-from .metrics import read_metrics
+from .metrics import read_metrics, read_summary
 from .timing import ACCOUNT, JOB_ONE_TIME, PHASES
 
 COLORS = {
@@ -33,7 +33,7 @@ def write_report(run_dir: str) -> str:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
-    summary = io.read_json(io.join(run_dir, "summary.json"))
+    summary = read_summary(run_dir)
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "val_accuracy" in r]
 

@@ -92,7 +92,8 @@ class ThumbnailGrid:
 
 
 def scrub_error(error: str | None) -> str | None:
-    """A table's error string as the sheet shows it: any quoted file content (older tables) removed."""
+    """A table's error string as the sheet shows it: any quoted file content removed (a table is data: its
+    error strings may quote a file, whoever wrote it)."""
     return None if error is None else _QUOTED_HEAD.sub("(content not shown)", error)
 
 

@@ -1,15 +1,17 @@
-"""CLI subcommands of the engine: ``synth``, ``ingest``, ``inspect``, ``vacuum``. Heavy imports happen inside
-them."""
+"""CLI subcommands of the engine: ``synth``, ``ingest``, ``inspect``, ``vacuum``. The modules that load fsspec,
+pyarrow, PIL or numpy are imported inside the commands, so that the ``dutycycle`` command starts without them."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+from . import runner
+from .errors import ConfigError
+from .limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
+
 
 def register(subparsers) -> None:
-    from . import runner
-
     p = subparsers.add_parser(
         "synth", help="draw the embedded default dataset (shapes, one folder per class)"
     )
@@ -73,7 +75,7 @@ def register(subparsers) -> None:
 
 
 def cmd_synth(args) -> int:
-    from .synth import synthesize
+    from .synth import synthesize  # numpy and fsspec: not at CLI start-up
 
     s = synthesize(args.out, args.n, seed=args.seed, broken_fraction=args.broken_fraction)
     if args.json:
@@ -87,10 +89,7 @@ def cmd_synth(args) -> int:
 
 
 def cmd_ingest(args) -> int:
-    from .errors import ConfigError
-    from .imageinfo import DEFAULT_MAX_PIXELS
-    from .limits import DEFAULT_MAX_FILE_BYTES
-    from .table.catalog import ingest
+    from .table.catalog import ingest  # pyarrow, PIL and fsspec: not at CLI start-up
 
     if args.progress_every < 0:
         raise ConfigError(f"--progress-every {args.progress_every} must be >= 0 (0 turns progress off)")
@@ -121,7 +120,7 @@ def cmd_ingest(args) -> int:
 
 
 def cmd_vacuum(args) -> int:
-    from .table.vacuum import vacuum
+    from .table.vacuum import vacuum  # pyarrow and fsspec: not at CLI start-up
 
     r = vacuum(args.table, grace_seconds=args.grace_seconds, keep_versions=args.keep_versions, dry_run=args.dry_run)
     if args.json:
@@ -137,8 +136,9 @@ def cmd_vacuum(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    # pyarrow, PIL and fsspec: not at CLI start-up
     from . import io
-    from .errors import ConfigError
+    from .inspect import contact_sheet
     from .table.curate import format_stats
     from .table.table import open_table
 
@@ -158,8 +158,6 @@ def cmd_inspect(args) -> int:
                 f"--where {args.where!r} is not a valid filter ({str(e).splitlines()[0]}); "
                 "write SQL over the table's columns, e.g. \"label = 'star'\""
             ) from e
-    from .inspect import contact_sheet
-
     s = table.stats()
     text = format_stats(s)
     out = args.html or io.join(args.table, "contact_sheet.html")

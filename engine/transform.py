@@ -199,6 +199,7 @@ def _flatten(img, background: str = "black"):
 
 def _upright(img):
     """``ImageOps.exif_transpose`` without its copy of an image that is already upright."""
+    # imageinfo loads PIL and numpy at import; this module stays light for the CLI's argument parsing
     from .imageinfo import orientation_of, upright
 
     img.load()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..transform import LAYOUTS, RESAMPLE_FILTERS, RESIZE_POLICIES
+from ..limits import DEFAULT_MAX_FILE_BYTES
+from ..runner import resolve
+from ..transform import LAYOUTS, RESAMPLE_FILTERS, RESIZE_POLICIES, TransformSpec
 
 
 def register(subparsers) -> None:
@@ -48,10 +50,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..limits import DEFAULT_MAX_FILE_BYTES
-    from ..runner import resolve
-    from ..transform import TransformSpec
-    from .materialize import materialize, stderr_log
+    from .materialize import materialize, stderr_log  # pyarrow, PIL and fsspec: not at CLI start-up
 
     spec = TransformSpec(
         size=args.size,

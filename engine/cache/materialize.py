@@ -42,7 +42,7 @@ from .. import formats, io
 from ..errors import ConfigError, CorruptArtifactError, SourceError
 from ..limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
 from ..roots import OUTSIDE_ROOTS, SKIP_KEY, refusal, table_roots
-from ..runner import RUNNERS
+from ..runner import RUNNERS, configure
 from ..table import format as tf
 from ..transform import TransformSpec
 from . import build, selection
@@ -249,8 +249,6 @@ def materialize(
         hit = _reuse(cache, entry["fingerprint"], t0)
         if hit is not None:
             return hit
-
-    from ..runner import configure
 
     runner = configure(cfg.runner, cfg.ray_address)
     if runner == "ray" and "memory" in (io.protocol(table), io.protocol(cache)):

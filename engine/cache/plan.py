@@ -23,6 +23,7 @@ from .. import formats, limits
 from ..errors import ConfigError
 from ..roots import RootCheck
 from ..table import format as tf
+from ..table.table import read_dataframe
 from ..transform import TransformSpec
 
 FINGERPRINT_BLOCK = 65_536
@@ -51,8 +52,6 @@ def outside_udf(roots: list[str]):
 def table_frame(table_uri: str, manifest: tf.TableManifest, where: str | None):
     """A lazy Daft DataFrame of the table's rows (``COLUMNS``), filtered by ``where``."""
     import daft
-
-    from ..table.table import read_dataframe
 
     # Every column, so that ``where`` may name any of them; the select below keeps what the cache needs.
     df = read_dataframe(table_uri, manifest)

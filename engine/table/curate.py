@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import ConfigError, DestinationError
 from . import format as tf
+from . import queries
 from .choose import (  # noqa: F401 - the definitions, exported beside the queries that run them
     MAX_NEAR_DISTANCE,
     SIZE_BINS,
@@ -88,8 +89,6 @@ def format_stats(s: dict[str, Any]) -> str:
 def dedupe(df, exact: bool = True, near: bool = True, max_distance: int = 4):
     """``df`` without exact duplicates (same content hash) and near duplicates (perceptual-hash distance): the rows
     ``choose_unique`` keeps, chosen by Daft queries (``queries.dedupe``)."""
-    from . import queries
-
     return queries.dedupe(df, exact=exact, near=near, max_distance=max_distance, max_near=MAX_NEAR_DISTANCE)
 
 
@@ -113,15 +112,11 @@ def sample(
         raise ConfigError(f"sample fraction={fraction} must be between 0 and 1")
     if stratify_by and stratify_by not in df.column_names:
         raise ConfigError(f"stratify_by={stratify_by!r} is not a column; use one of {df.column_names}")
-    from . import queries
-
     return queries.sample(df, n, fraction, stratify_by, seed)
 
 
 def resplit(df, fractions="0.8,0.1,0.1", seed: int = 0, stratify_by: str | None = "label"):
     """``df`` with train/val/test reassigned so each stratum is split in the given fractions."""
-    from . import queries
-
     if stratify_by and stratify_by not in df.column_names:
         raise ConfigError(f"stratify_by={stratify_by!r} is not a column; use one of {df.column_names}")
     return queries.resplit(df, fractions, seed, stratify_by, list(tf.SCHEMA.names))

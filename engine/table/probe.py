@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 import pyarrow as pa
 
-from .. import io
+from .. import imageinfo, io
 from ..roots import RootCheck
 from . import format as tf
 from . import scan
@@ -36,9 +36,7 @@ def _unread_row(uri: str, error: str, fractions: tuple[float, ...]) -> dict:
 
 
 def too_large_message(max_bytes: int) -> str:
-    from ..imageinfo import TOO_LARGE
-
-    return f"{TOO_LARGE}: over the per-file limit of {max_bytes} bytes; raise --max-file-bytes"
+    return f"{imageinfo.TOO_LARGE}: over the per-file limit of {max_bytes} bytes; raise --max-file-bytes"
 
 
 def fetch_one(uri: str, size: int, listed_error: str | None, max_bytes: int, inside=None):
@@ -46,8 +44,6 @@ def fetch_one(uri: str, size: int, listed_error: str | None, max_bytes: int, ins
     read; otherwise a capped, regular-file-only read. ``inside`` (a ``roots.RootCheck`` over a local source)
     checks again that the file resolves inside the source root, in case a symlink was re-pointed since the
     listing."""
-    from ..imageinfo import UNREADABLE
-
     if listed_error is not None:
         return None, listed_error
     if size > max_bytes:
@@ -61,7 +57,7 @@ def fetch_one(uri: str, size: int, listed_error: str | None, max_bytes: int, ins
     except io.NotRegularFileError as e:
         return None, f"{scan.NOT_REGULAR}: {e.kind}"
     except Exception as e:  # noqa: BLE001 - a file never fails the ingest
-        return None, f"{UNREADABLE}: {type(e).__name__}: {e}"
+        return None, f"{imageinfo.UNREADABLE}: {type(e).__name__}: {e}"
 
 
 def fetch_udf(max_bytes: int, source: str):
@@ -115,8 +111,6 @@ def probe_udf(
 
     @daft.func(return_dtype=DT.struct(fields), unnest=True, use_process=use_process)
     def probe_file(uri: str, data: bytes | None, fetch_error: str | None) -> dict:
-        from dutycycle.engine import imageinfo
-
         if data is None or len(data) > max_bytes:  # (never longer: the read is capped; checked all the same)
             return _unread_row(uri, fetch_error or f"{imageinfo.UNREADABLE}: the file was not read", fractions)
         sid = imageinfo.sample_id(data)

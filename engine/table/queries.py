@@ -22,13 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
+from .choose import _bands, _key, allocate
 from .split import SPLIT_NAMES, parse_split
 
 
 def _sha_udf(seed: int):
     import daft
-
-    from .choose import _key
 
     @daft.func.batch(return_dtype=daft.DataType.string())
     def sha(values):
@@ -137,8 +136,6 @@ def dedupe(df, exact: bool = True, near: bool = True, max_distance: int = 4, max
     from daft import col
     from daft.functions import row_number
 
-    from .choose import _bands
-
     if not 0 <= max_distance <= max_near:
         raise ConfigError(f"max_distance {max_distance} must be between 0 and {max_near}, e.g. 4")
     names = df.column_names
@@ -159,8 +156,6 @@ def dedupe(df, exact: bool = True, near: bool = True, max_distance: int = 4, max
 def sample(df, n: int | None, fraction: float | None, stratify_by: str | None, seed: int):
     from daft import col
     from daft.functions import row_number
-
-    from .choose import allocate
 
     counts = _counts(df, stratify_by)
     want = allocate(counts, n if n is not None else round(fraction * sum(counts.values())))

@@ -158,7 +158,7 @@ def _manifest_problem(d: dict[str, Any]) -> str | None:
         return f"`shape` is {shape!r:.100}, not a list of sizes"
     for name, types in (("fingerprint", str), ("layout", str), ("dtype", str), ("classes", list),
                         ("split_counts", dict), ("spec", dict), ("skipped", dict), ("options", dict)):
-        if name in d and not isinstance(d[name], types):
+        if not isinstance(d[name], types):
             return f"`{name}` is {type(d[name]).__name__}, not {types.__name__}"
     if not all(isinstance(c, str) for c in d["classes"]):
         return "`classes` must be a list of names"

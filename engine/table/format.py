@@ -120,11 +120,11 @@ class TableManifest:
         if missing:
             raise CorruptArtifactError(f"{where} is missing {', '.join(f'`{m}`' for m in missing)}; {fix}")
         for name, types in _FIELD_TYPES.items():
-            value = body.get(name)
-            if name in body and (not isinstance(value, types) or isinstance(value, bool)):
+            value = body[name]
+            if not isinstance(value, types) or isinstance(value, bool):
                 raise CorruptArtifactError(f"{where}: `{name}` is {type(value).__name__}, not "
                                            f"{' or '.join(t.__name__ for t in types)}; {fix}")
-        if not isinstance(body.get("files"), list) or not all(isinstance(f, str) for f in body["files"]):
+        if not isinstance(body["files"], list) or not all(isinstance(f, str) for f in body["files"]):
             raise CorruptArtifactError(f"{where}: `files` must be a list of paths; {fix}")
         if not all(isinstance(c, str) for c in body["classes"]):
             raise CorruptArtifactError(f"{where}: `classes` must be a list of names; {fix}")

@@ -25,8 +25,8 @@ SHAPE = (32, 32, 3)  # 3,072 bytes a sample: 341 rows per 1 MiB checksum chunk
 
 
 def full_scan(reader: CacheReader, split: str) -> np.ndarray:
-    return np.concatenate([np.flatnonzero(pc.equal(reader.split_column(i), split).to_numpy(zero_copy_only=False))
-                           + reader.offsets[i] for i in range(reader.num_shards)])
+    return np.concatenate([np.flatnonzero(pc.equal(reader.shard(i).column("split"), split).to_numpy(
+        zero_copy_only=False)) + reader.offsets[i] for i in range(reader.num_shards)])
 
 
 def test_shard_entries_record_split_counts_and_piecewise_checksums(tmp_path):

@@ -403,9 +403,9 @@ def test_a_mutated_artifact_is_refused_naming_it_or_reads_the_same(name, case, p
 
 @pytest.mark.parametrize("name, key", [("table_manifest", "manifest_sha256"), ("table_manifest_copy", "manifest_sha256"),
                                        ("cache_manifest", "manifest_sha256"), ("shard_record", "record_sha256")])
-def test_an_artifact_written_before_its_checksum_reads_the_same(name, key, pristine, tmp_path):
-    """A checksum is verified when present: the same artifact without one, as earlier releases wrote it, reads as
-    before."""
+def test_an_artifact_without_its_checksum_is_refused_naming_it(name, key, pristine, tmp_path):
+    """Every artifact of format 1 is written with its checksum: one without it is refused, naming it (a shard's
+    completion record reads as not complete, and the shard is built again)."""
     art = ARTIFACTS[name]
     src, rel, data, original = pristine[name]
     root = str(tmp_path / "copy")
@@ -414,7 +414,10 @@ def test_an_artifact_written_before_its_checksum_reads_the_same(name, key, prist
     del d[key]
     with open(os.path.join(root, rel), "w") as f:
         json.dump(d, f, indent=1)
-    assert art.read(root) == original
+    outcome, detail = classify(art, root, original)
+    assert outcome == ("none" if name == "shard_record" else "refused"), f"{outcome}: {detail}"
+    if outcome == "refused":
+        assert f"has no checksum ({key})" in detail, detail
 
 
 def test_a_table_manifest_naming_a_missing_data_file_is_refused_naming_it(pristine, tmp_path):

@@ -29,11 +29,12 @@ Every loader is a ``Loader(config, source, executor)``: the source says what row
 prefetch thread, Ray tasks); ``CacheLoader``, ``RawLoader`` and ``ArrayLoader`` build one over their source.
 
 Modules: ``plan`` (pure sample plan), ``augment`` (batch augmentation), ``source`` (one gather per batch over
-memory-mapped shards, the split index), ``loader`` (the plan, collation, stats), ``state`` (the saved position),
-``executor`` (where reads run, the prefetch thread), ``cache_loader``, ``arrays`` (a split given as arrays),
-``budget`` (the node's in-RAM budget for ``memory`` mode), ``decode`` and ``raw`` (decode per step),
-``inflight`` (waiting on Ray tasks in plan order), ``ray_exec`` (the Ray tasks, object-store memory mode),
-``ray_data`` (Ray Data export), ``device`` (pinning, CUDA copies), ``cli``.
+memory-mapped shards, the split index), ``loader`` (the plan, collation, stats), ``parts`` (the source and
+executor protocols), ``state`` (the saved position), ``executor`` (where reads run, the prefetch thread),
+``cache_loader``, ``arrays`` (a split given as arrays), ``budget`` (the node's in-RAM budget for ``memory``
+mode), ``decode`` and ``raw`` (decode per step), ``inflight`` (waiting on Ray tasks in plan order), ``ray_exec``
+(the Ray tasks, object-store memory mode), ``ray_data`` (Ray Data export), ``device`` (pinning, CUDA copies),
+``cli``.
 """
 
 from __future__ import annotations

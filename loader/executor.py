@@ -11,45 +11,14 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from .config import LoaderConfig
-from .inflight import RemoteBatch, in_order
+from .inflight import in_order
+from .parts import Source
 from .source import RawBatch
-
-
-class Source(Protocol):
-    """What rows exist and how to read them: a cache, a metadata table decoded per step, arrays in memory.
-
-    ``num_samples`` rows named by split index ``0..num_samples-1``; ``read`` returns the given split indices in
-    the given order. ``submit`` starts a Ray task that reads them (sources that cannot run in Ray refuse
-    ``mode="ray"`` when built). ``block_starts`` says where the plan's shuffle blocks start for ``block_size = 0``
-    (a cache's chunks), or raises ``ConfigError`` when the source has no chunks."""
-
-    num_samples: int
-    fingerprint: str
-    split: str | None  # recorded in the state; None when the fingerprint alone names the data
-    layout: str
-    shape: tuple[int, ...]
-    reads_block: bool  # reading waits on I/O that a prefetch thread should overlap
-    description: str  # how rows are read here, for ``Loader.execution``
-
-    def read(self, indices: np.ndarray) -> RawBatch: ...
-
-    def submit(self, indices: np.ndarray, step: int, max_retries: int) -> RemoteBatch: ...
-
-    def block_starts(self) -> np.ndarray | None: ...
-
-    def close(self) -> None: ...
-
-
-class Executor(Protocol):
-    background: bool  # a prefetch thread collates ahead of the consumer
-    description: str | None  # where reads run, when not the source's own description (for ``Loader.execution``)
-
-    def raws(self, source: Source, indices: Callable[[int], np.ndarray], steps: range) -> Iterator[RawBatch]: ...
 
 
 class InProcess:

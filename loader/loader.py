@@ -27,7 +27,8 @@ from . import plan
 from .augment import apply_augment
 from .config import LoaderConfig
 from .device import DeviceMover
-from .executor import Executor, Source, executor_for, prefetched
+from .executor import executor_for, prefetched
+from .parts import Executor, Source
 from .source import RawBatch
 from .state import make_state, plan_mismatch, position
 

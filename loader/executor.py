@@ -52,8 +52,8 @@ def executor_for(config: LoaderConfig, source: Source) -> InProcess | RayTasks:
     mode = config.mode
     if mode == "ray":
         return RayTasks(config.prefetch, config.ray_max_retries)
-    return InProcess(mode in ("thread", "memory") or (mode == "auto" and (needs_batch_work(config)
-                                                                          or source.reads_block)))
+    overlaps = needs_batch_work(config) or source.reads_block  # what "auto" runs a prefetch thread for
+    return InProcess(mode in ("thread", "memory") or (mode == "auto" and overlaps))
 
 
 def needs_batch_work(config: LoaderConfig) -> bool:

@@ -24,11 +24,17 @@ and a rank may get an empty batch when it is shorter than the world size).
 Arrays already in memory (synthetic data, tests): ``ArrayLoader(images, labels, rank, world_size, cfg)``, the
 same plan, augmentation and state.
 
+Every loader is a ``Loader(config, source, executor)``: the source says what rows exist and how to read one
+(``CacheSource``, ``RawSource``, ``ArraySource``), the executor where reading runs (the caller's thread, a
+prefetch thread, Ray tasks); ``CacheLoader``, ``RawLoader`` and ``ArrayLoader`` build one over their source.
+
 Modules: ``plan`` (pure sample plan), ``augment`` (batch augmentation), ``source`` (one gather per batch over
-memory-mapped shards, the split index), ``base`` (execution modes, state, stats), ``cache_loader``, ``arrays``
-(a split given as arrays), ``budget`` (the node's in-RAM budget for ``memory`` mode), ``decode`` and ``raw``
-(decode per step), ``inflight`` (waiting on Ray tasks in plan order), ``ray_exec`` (the Ray tasks, object-store
-memory mode), ``ray_data`` (Ray Data export), ``device`` (pinning, CUDA copies), ``cli``.
+memory-mapped shards, the split index), ``loader`` (the plan, collation, stats), ``parts`` (the source and
+executor protocols), ``state`` (the saved position), ``executor`` (where reads run, the prefetch thread),
+``cache_loader``, ``arrays`` (a split given as arrays), ``budget`` (the node's in-RAM budget for ``memory``
+mode), ``decode`` and ``raw`` (decode per step), ``inflight`` (waiting on Ray tasks in plan order), ``ray_exec``
+(the Ray tasks, object-store memory mode), ``ray_data`` (Ray Data export), ``device`` (pinning, CUDA copies),
+``cli``.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ _LAZY = {
     "LoaderConfig": ".config",
     "CacheLoader": ".cache_loader",
     "ArrayLoader": ".arrays",
-    "LoaderStats": ".base",
+    "Loader": ".loader",
+    "LoaderStats": ".loader",
     "RawLoader": ".raw",
     "plan_epoch": ".plan",
     "epoch_order": ".plan",

@@ -1,8 +1,8 @@
 """``ArrayLoader``: per-rank torch batches of the shared plan over a split already held in memory as arrays.
 
-The plan, augmentation, resumable state and statistics are the cache loader's (``PlannedLoader``); only where
-rows come from differs: three arrays instead of a cache, gathered the way ``mode="memory"`` gathers an in-RAM
-split. For data made in the process (the trainer's synthetic shapes), tests and notebooks.
+The plan, augmentation, resumable state and statistics are every loader's (``Loader``); only the source differs:
+three arrays instead of a cache (``ArraySource``), gathered the way ``mode="memory"`` gathers an in-RAM split.
+For data made in the process (the trainer's synthetic shapes), tests and notebooks.
 """
 
 from __future__ import annotations
@@ -10,20 +10,47 @@ from __future__ import annotations
 import numpy as np
 from dutycycle.engine.errors import ConfigError
 
-from .base import PlannedLoader
 from .config import LoaderConfig
+from .loader import Loader
 from .source import MemorySplit, RawBatch
 
 
-class ArrayLoader(PlannedLoader):
+class ArraySource:
+    """Images (uint8 [N, *shape] in ``layout``), labels and sample ids in this process; named by ``fingerprint``
+    alone (no split)."""
+
+    split = None
+    reads_block = False  # a gather from RAM: nothing for a prefetch thread to overlap
+    description = "arrays in memory"
+    in_memory, memory_refused = False, None
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, sample_ids: np.ndarray, fingerprint: str,
+                 layout: str):
+        self.arrays = MemorySplit(images, np.asarray(labels, dtype=np.int64), sample_ids)
+        self.num_samples, self.fingerprint = len(labels), fingerprint
+        self.layout, self.shape = layout, tuple(images.shape[1:])
+
+    def read(self, indices: np.ndarray) -> RawBatch:
+        return self.arrays.read(indices)
+
+    def submit(self, indices: np.ndarray, step: int, max_retries: int):
+        raise ConfigError("LoaderConfig.mode='ray' does not apply to arrays in this process; use sync or thread")
+
+    def block_starts(self) -> np.ndarray:
+        raise ConfigError("block_size=0 cuts shuffle blocks at a cache's checksum chunks, and this ArrayLoader "
+                          "reads no cache; use a block_size >= 1")
+
+    def close(self) -> None:
+        """Nothing to release: the arrays are the caller's."""
+
+
+class ArrayLoader(Loader):
     """Iterate ``images`` (uint8 [N, *shape] in ``layout``) and ``labels`` (int [N]) as this rank's batches.
 
     ``sample_ids`` default to the row numbers. ``fingerprint`` names the data in the plan's key and in saved
     states (a state saved over other arrays is refused): pass one that changes when the arrays do.
     ``mode="ray"`` does not apply (the arrays live in this process).
     """
-
-    _local_source = "arrays in memory"
 
     def __init__(
         self,
@@ -46,12 +73,5 @@ class ArrayLoader(PlannedLoader):
                 f"{len(labels)} labels"
             )
         ids = np.arange(len(labels)) if sample_ids is None else np.asarray(sample_ids)
-        self.split = MemorySplit(images, np.asarray(labels, dtype=np.int64), ids)
-        self.layout, self.shape = layout, tuple(images.shape[1:])
-        super().__init__(len(labels), fingerprint, rank, world_size, config)
-
-    def _reads_block(self) -> bool:
-        return False  # a gather from RAM: nothing for a prefetch thread to overlap
-
-    def _read_local(self, indices: np.ndarray) -> RawBatch:
-        return self.split.read(indices)
+        super().__init__(config, ArraySource(images, labels, ids, fingerprint, layout), rank=rank,
+                         world_size=world_size)

@@ -10,6 +10,7 @@ the flip bit.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -98,8 +99,6 @@ def crop_flip(images: np.ndarray, config: AugmentConfig, seed: int, epoch: int, 
 def to_tensor(images: np.ndarray, config: AugmentConfig, layout: str = "HWC"):
     """uint8 numpy batch -> torch ``[B, C, H, W]``: uint8 (zero-copy; channels_last memory for HWC caches) or,
     with ``normalize``, contiguous float32 ``(x / 255 - mean) / std``."""
-    import warnings
-
     import torch
 
     if config.normalize:

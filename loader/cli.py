@@ -28,6 +28,7 @@ def parse_steps(text: str, num_steps: int) -> range:
 def plan_records(cache_uri, split, world_size, ranks, steps, epoch, seed, global_batch, drop_last=True, shuffle=True,
                  partitions=1):
     """Yield one dict per (step, rank): the sample ids and labels that rank gets."""
+    # here, not at the top: every `dutycycle` command imports this module, and these load pyarrow and numpy
     from dutycycle.engine.cache.reader import CacheReader
 
     from .plan import check_partitions, num_steps, rank_plan

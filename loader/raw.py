@@ -21,19 +21,80 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from dutycycle.engine.cache.materialize import plan_rows
 from dutycycle.engine.errors import ConfigError
 from dutycycle.engine.roots import OUTSIDE_ROOTS, RootCheck, refusal
+from dutycycle.engine.runner import configure
 from dutycycle.engine.transform import TransformSpec
 
-from .base import PlannedLoader
 from .config import LoaderConfig
 from .decode import decode_batch
 from .inflight import RemoteBatch
+from .loader import Loader
 from .source import RawBatch
 
 
-class RawLoader(PlannedLoader):
-    """Per-rank batches of the shared plan, decoded from the files named by a metadata table at every step."""
+class RawSource:
+    """``split`` of the table at ``table_uri``, the rows ``materialize`` would cache, decoded when read."""
+
+    reads_block = True  # every read downloads and decodes: overlap it
+    description = "per-batch reads"
+    in_memory, memory_refused = False, None
+
+    def __init__(self, table_uri: str, spec: TransformSpec, split: str, raw_threads: int, where: str | None = None,
+                 allowed_roots=None):
+        self.spec, self.split, self.table_uri = spec, split, table_uri
+        self.layout, self.shape = spec.layout, tuple(spec.shape)
+        # The row plan is a small Daft query: run it where Daft's default says (native unless DAFT_RUNNER), not
+        # on a Ray runner Daft would infer inside a Ray Train worker, whose CPUs the workers already hold.
+        configure()
+        plan = plan_rows(table_uri, spec, where, allowed_roots=allowed_roots)
+        self.roots, self.outside = RootCheck(plan.roots), plan.outside
+        if plan.outside:
+            warnings.warn(f"raw loader: {plan.outside} rows {OUTSIDE_ROOTS} are left out: "
+                          + refusal(plan.outside_examples[0], plan.roots), stacklevel=3)
+        keep = [i for i, s in enumerate(plan.splits) if s == split]
+        if not keep:
+            raise ConfigError(
+                f"split {split!r} has no readable samples in table {table_uri!r}; splits there: "
+                f"{', '.join(sorted(set(plan.splits))) or 'none'}"
+                + (f" ({plan.outside} rows {OUTSIDE_ROOTS} were left out)" if plan.outside else "")
+            )
+        self.uris = [plan.uris[i] for i in keep]
+        self.sample_ids = np.asarray([plan.sample_ids[i] for i in keep], dtype=str)
+        self.labels = np.asarray(plan.labels, dtype=np.int64)[keep]
+        self.classes = list(plan.classes)
+        self.num_samples, self.fingerprint = len(keep), plan.fingerprint
+        self.raw_threads = raw_threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    def read(self, indices: np.ndarray) -> RawBatch:
+        if self._pool is None and self.raw_threads > 1:
+            self._pool = ThreadPoolExecutor(self.raw_threads, thread_name_prefix="dutycycle-raw")
+        images = decode_batch([self.uris[i] for i in indices], self.spec, self.roots, self._pool)
+        return RawBatch(images, self.labels[indices], self.sample_ids[indices].tolist())
+
+    def submit(self, indices: np.ndarray, step: int, max_retries: int) -> RemoteBatch:
+        from .ray_exec import submit_decode  # imports ray, which only the Ray modes need
+
+        uris = [self.uris[i] for i in indices]
+        return submit_decode(uris, self.spec.to_json(), self.roots.roots, max_retries, self.labels[indices],
+                             self.sample_ids[indices].tolist())
+
+    def block_starts(self) -> np.ndarray:
+        raise ConfigError("block_size=0 cuts shuffle blocks at a cache's checksum chunks, and this RawLoader reads "
+                          "no cache; use a block_size >= 1")
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+
+class RawLoader(Loader):
+    """Per-rank batches of the shared plan, decoded from the files named by a metadata table at every step.
+    ``spec``, ``table_uri``, ``uris``, ``labels``, ``sample_ids``, ``classes``, ``roots`` and ``outside`` are the
+    source's."""
 
     def __init__(
         self,
@@ -46,9 +107,6 @@ class RawLoader(PlannedLoader):
         where: str | None = None,
         allowed_roots=None,
     ):
-        from dutycycle.engine.cache.materialize import plan_rows
-        from dutycycle.engine.runner import configure
-
         config = config or LoaderConfig()
         if config.mode == "memory":
             raise ConfigError("LoaderConfig.mode='memory' does not apply to the raw path; use sync, thread or ray")
@@ -56,45 +114,8 @@ class RawLoader(PlannedLoader):
             spec = TransformSpec()
         elif not isinstance(spec, TransformSpec):
             spec = TransformSpec.from_json(spec)
-        self.spec, self.split, self.table_uri = spec, split, table_uri
-        self.layout, self.shape = spec.layout, tuple(spec.shape)
-        # The row plan is a small Daft query: run it where Daft's default says (native unless DAFT_RUNNER), not
-        # on a Ray runner Daft would infer inside a Ray Train worker, whose CPUs the workers already hold.
-        configure()
-        plan = plan_rows(table_uri, spec, where, allowed_roots=allowed_roots)
-        self.roots, self.outside = RootCheck(plan.roots), plan.outside
-        if plan.outside:
-            warnings.warn(f"raw loader: {plan.outside} rows {OUTSIDE_ROOTS} are left out: "
-                          + refusal(plan.outside_examples[0], plan.roots), stacklevel=2)
-        keep = [i for i, s in enumerate(plan.splits) if s == split]
-        if not keep:
-            raise ConfigError(
-                f"split {split!r} has no readable samples in table {table_uri!r}; splits there: "
-                f"{', '.join(sorted(set(plan.splits))) or 'none'}"
-                + (f" ({plan.outside} rows {OUTSIDE_ROOTS} were left out)" if plan.outside else "")
-            )
-        self.uris = [plan.uris[i] for i in keep]
-        self.sample_ids = np.asarray([plan.sample_ids[i] for i in keep], dtype=str)
-        self.labels = np.asarray(plan.labels, dtype=np.int64)[keep]
-        self.classes = list(plan.classes)
-        super().__init__(len(keep), plan.fingerprint, rank, world_size, config)
-        self._pool: ThreadPoolExecutor | None = None
-
-    def _read_local(self, indices: np.ndarray) -> RawBatch:
-        if self._pool is None and self.config.raw_threads > 1:
-            self._pool = ThreadPoolExecutor(self.config.raw_threads, thread_name_prefix="dutycycle-raw")
-        images = decode_batch([self.uris[i] for i in indices], self.spec, self.roots, self._pool)
-        return RawBatch(images, self.labels[indices], self.sample_ids[indices].tolist())
-
-    def _submit_remote(self, indices: np.ndarray, step: int) -> RemoteBatch:
-        from .ray_exec import submit_decode  # imports ray
-
-        uris = [self.uris[i] for i in indices]
-        return submit_decode(uris, self.spec.to_json(), self.roots.roots, self.config.ray_max_retries,
-                             self.labels[indices], self.sample_ids[indices].tolist())
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
-
+        source = RawSource(table_uri, spec, split, config.raw_threads, where, allowed_roots)
+        super().__init__(config, source, rank=rank, world_size=world_size)
+        self.spec, self.table_uri, self.classes = source.spec, source.table_uri, source.classes
+        self.uris, self.labels, self.sample_ids = source.uris, source.labels, source.sample_ids
+        self.roots, self.outside = source.roots, source.outside

@@ -36,9 +36,9 @@ class _ReadShards:
         self.cache_uri, self.split, self.read = cache_uri, split, read
 
     def __call__(self, items: dict[str, Any]) -> dict[str, np.ndarray]:
-        from .ray_exec import _gatherer
+        from .ray_exec import shard_gatherer  # imports ray, which only a Ray Data read task needs
 
-        gatherer = _gatherer(self.cache_uri, self.read)
+        gatherer = shard_gatherer(self.cache_uri, self.read)
         reader = gatherer.reader
         parts = []
         for shard, rows in zip(items["shard"], items["rows"], strict=True):

@@ -19,6 +19,7 @@ from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError
 from dutycycle.engine.roots import RootCheck
 from dutycycle.engine.transform import TransformSpec
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .decode import decode_batch
 from .inflight import RemoteBatch, get
@@ -32,7 +33,7 @@ KILL_STEP_ENV = "DUTYCYCLE_TEST_KILL_STEP"
 _GATHERERS: dict[tuple, ShardGatherer] = {}  # per worker process: shards opened once
 
 
-def _gatherer(cache_uri: str, read: ReadConfig | None) -> ShardGatherer:
+def shard_gatherer(cache_uri: str, read: ReadConfig | None) -> ShardGatherer:
     key = (cache_uri, read)
     g = _GATHERERS.get(key)
     if g is None:
@@ -56,7 +57,7 @@ def _maybe_die(kill_marker: str | None) -> None:
 @ray.remote(num_cpus=1)
 def read_rows_task(cache_uri: str, rows: np.ndarray, kill_marker: str | None = None, read: ReadConfig | None = None):
     _maybe_die(kill_marker)
-    raw = _gatherer(cache_uri, read).read(rows)
+    raw = shard_gatherer(cache_uri, read).read(rows)
     return raw.images, raw.labels, raw.sample_ids
 
 
@@ -73,8 +74,6 @@ def submit_read(cache_uri: str, rows: np.ndarray, step: int, max_retries: int, r
     cache are there, and the batch lands in this node's object store, where the loader maps it without a
     transfer. Soft: when the node cannot take the task (its CPUs are all reserved by training, or it is gone),
     Ray places it elsewhere rather than waiting."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
     task = read_rows_task.options(max_retries=max_retries, scheduling_strategy=here)
     return RemoteBatch(task.remote(cache_uri, rows, kill_marker_for(step), read))

@@ -19,12 +19,17 @@ whatever the number of shards. Remote shards read by range (and ids of varying w
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+from dutycycle.engine.cache import node
 from dutycycle.engine.cache.reader import CacheReader
 from dutycycle.engine.cache.shards import ShardView
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
@@ -177,8 +182,6 @@ class ShardGatherer:
             return self._read_by_shard(shard, local, pixels)
 
     def _ids_by_shard(self, shard: np.ndarray, local: np.ndarray) -> list[str]:
-        import pyarrow as pa
-
         ids = np.empty(len(shard), dtype=object)
         for s in np.unique(shard).tolist():
             sel = np.flatnonzero(shard == s)
@@ -200,7 +203,7 @@ class ShardGatherer:
 
 def rows_in_split(split_column, split: str, offset: int) -> np.ndarray:
     """Global cache rows (``offset`` + position) of one shard's rows whose ``split`` column equals ``split``."""
-    import pyarrow.compute as pc
+    import pyarrow.compute as pc  # loaded when a split column is first read, not by every importer of the loader
 
     return np.flatnonzero(pc.equal(split_column, split).to_numpy(zero_copy_only=False)).astype(np.int64) + offset
 
@@ -293,8 +296,6 @@ def split_rows(reader: CacheReader, split: str) -> np.ndarray | SplitIndex:
     in the node folder, so the other processes of the node map one shared copy instead of each reading every
     shard again.
     """
-    from dutycycle.engine.cache import node
-
     counts = reader.manifest.split_counts
     if split not in counts or counts[split] == 0:
         raise ConfigError(
@@ -310,10 +311,6 @@ def split_rows(reader: CacheReader, split: str) -> np.ndarray | SplitIndex:
                 f"cache {reader.uri!r}: its shards' entries count {len(index)} {split!r} rows but its manifest says "
                 f"{counts[split]}; materialize the cache again")
         return index
-    import hashlib
-    import io
-    from concurrent.futures import ThreadPoolExecutor
-
     root = reader.node_root()
     key = hashlib.sha256(f"{reader.fingerprint}\0{split}".encode()).hexdigest()[:24]
     path = os.path.join(root, "index", f"split-{key}.npy")

@@ -2,9 +2,9 @@
 
 Everything is validated here, in the driver, before any worker starts: an unknown key or a bad value raises
 ``ConfigError`` naming the dotted key. Each section checks its own values (``check``); ``validate`` adds the few
-checks that need two sections. The data section holds the loader's own config objects (``[data.augment]`` is the
-loader's ``AugmentConfig``, ``[data.read]`` the cache reader's ``ReadConfig``) and derives its ``LoaderConfig``s
-in one method. The resolved tree is printed and saved as ``RUN_DIR/config.json``. The parallel section, the
+checks that need two sections. The data section holds the training loader's ``LoaderConfig``, whose fields are
+keys of ``[data]`` itself (``[data.augment]`` is its ``AugmentConfig``, ``[data.read]`` the cache reader's
+``ReadConfig``), and derives the training and validation configs from it in one method. The resolved tree is printed and saved as ``RUN_DIR/config.json``. The parallel section, the
 longest, is in config_parallel.py (imported from here as ``ParallelSection``).
 """
 
@@ -17,12 +17,21 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError
 from dutycycle.loader.config import MODES, AugmentConfig, LoaderConfig
 
 from .config_parallel import ParallelSection
-from .configtree import build, not_negative, one_of, parse_overrides, positive, renamed, set_dotted
+from .configtree import (
+    as_tree,
+    build,
+    flat,
+    not_negative,
+    one_of,
+    parse_overrides,
+    positive,
+    renamed,
+    set_dotted,
+)
 
 # -------------------------------------------------------------------------------------------- sections
 
@@ -35,6 +44,15 @@ LOADER_SET_BY_TRAINER = {
 }
 
 
+def _training_loader() -> LoaderConfig:
+    return LoaderConfig(global_batch_size=128, prefetch=2)
+
+
+# LoaderConfig fields that are no keys of the data section: the loader's mode is data.loader_mode, its seed
+# run.seed, and the rest (LOADER_SET_BY_TRAINER) the trainer sets.
+LOADER_HIDDEN = ("mode", "seed", *LOADER_SET_BY_TRAINER)
+
+
 @dataclass
 class DataSection:
     # Where batches come from: "cache" (a materialized cache), "raw" (decode the metadata table per step) or
@@ -43,43 +61,37 @@ class DataSection:
     cache: str = ""  # cache URI when source = "cache"
     table: str = ""  # metadata table URI when source = "raw"
     size: int = 32  # sample side for source = "raw" / "synthetic"
-    global_batch_size: int = 128  # samples per optimizer step, over all ranks and micro-batches
     micro_batches: int = 1  # gradient accumulation: micro-batches per optimizer step on each rank
     eval_batch_size: int = 256  # per rank
     loader_mode: str = "auto"  # the loader's execution mode inside a worker (see launch.py for why)
-    prefetch: int = 2
-    drop_last: bool = True
     synthetic_samples: int = 512  # source = "synthetic": training samples (val gets a quarter)
     slow_ms: float = 0.0  # add this much sleep per batch (to show what a slow loader costs)
-    # The loader's own options, with the loader's defaults (dutycycle.loader.config.LoaderConfig): augmentation
-    # ([data.augment]: crop_padding, flip, normalize, mean, std), how shards are reached ([data.read]), the
-    # shuffle's block and window, Ray task retries, raw-path decode threads, the in-RAM share of "memory" mode.
-    augment: AugmentConfig = field(default_factory=AugmentConfig)
-    read: ReadConfig = field(default_factory=ReadConfig)
-    block_size: int = LoaderConfig.block_size
-    window: int = LoaderConfig.window
-    partitions: int = LoaderConfig.partitions  # canonical partitions of the training plan (docs: the data path)
-    ray_max_retries: int = LoaderConfig.ray_max_retries
-    raw_threads: int = LoaderConfig.raw_threads
-    memory_fraction: float = LoaderConfig.memory_fraction
+    # The training loader's own config (dutycycle.loader.config.LoaderConfig), its fields keys of this table:
+    # global_batch_size (samples per optimizer step, over all ranks and micro-batches; 128 here), prefetch (2
+    # here), drop_last, augmentation ([data.augment]: crop_padding, flip, normalize, mean, std), how shards are
+    # reached ([data.read]), the shuffle's block and window, partitions (canonical partitions of the training
+    # plan; docs: the data path), Ray task retries, raw-path decode threads, the in-RAM share of "memory" mode.
+    loader: LoaderConfig = flat(_training_loader, hidden=LOADER_HIDDEN)
+
+    def __getattr__(self, name: str) -> Any:
+        # data.global_batch_size, data.augment, ...: the keys this table takes from the loader's config
+        if name in _LOADER_KEYS and "loader" in self.__dict__:
+            return getattr(self.__dict__["loader"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def loader_configs(self, seed: int, world_size: int) -> tuple[LoaderConfig, LoaderConfig]:
         """The loader configs for training and for validation (every sample once across ``world_size`` ranks,
         in cache order, no random augmentation, the same normalization)."""
-        shared = dict(seed=seed, mode=self.loader_mode, prefetch=self.prefetch, read=self.read,
-                      block_size=self.block_size, window=self.window, ray_max_retries=self.ray_max_retries,
-                      raw_threads=self.raw_threads, memory_fraction=self.memory_fraction)
-        a = self.augment
-        train = LoaderConfig(global_batch_size=self.global_batch_size, drop_last=self.drop_last, augment=a,
-                             partitions=self.partitions, **shared)
-        val = LoaderConfig.for_eval(global_batch_size=self.eval_batch_size * world_size,
-                                    augment=AugmentConfig.eval(a.normalize, a.mean, a.std), **shared)
+        train = dataclasses.replace(self.loader, seed=seed, mode=self.loader_mode)
+        a = train.augment
+        val = dataclasses.replace(train, global_batch_size=self.eval_batch_size * world_size, drop_last=False,
+                                  shuffle=False, partitions=1, augment=AugmentConfig.eval(a.normalize, a.mean, a.std))
         return train, val
 
     def check(self, where: str) -> None:
         one_of(f"{where}.source", self.source, ("cache", "raw", "synthetic"))
         one_of(f"{where}.loader_mode", self.loader_mode, MODES)
-        positive(where, self, "global_batch_size", "micro_batches", "eval_batch_size", "size")
+        positive(where, self, "micro_batches", "eval_batch_size", "size")  # global_batch_size: the LoaderConfig's
         not_negative(where, self, "slow_ms")
         if self.source == "cache" and not self.cache:
             raise ConfigError(f"{where}.cache is empty; set it to a materialized cache URI (dutycycle materialize ...)")
@@ -89,6 +101,9 @@ class DataSection:
             self.loader_configs(seed=0, world_size=1)
         except ConfigError as e:
             raise renamed(e, LoaderConfig, where) from None
+
+
+_LOADER_KEYS = frozenset(f.name for f in dataclasses.fields(LoaderConfig)) - set(LOADER_HIDDEN)
 
 
 @dataclass
@@ -260,7 +275,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return as_tree(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

@@ -13,9 +13,59 @@ from typing import Any
 
 from dutycycle.engine.errors import ConfigError
 
+# Field metadata of a section that holds another component's config dataclass: that dataclass's fields are keys
+# of the section's own table (``data.prefetch``, not ``data.loader.prefetch``), all but the hidden ones.
+FLAT = "config_flat"
+
+
+def flat(default_factory, hidden: tuple[str, ...] = ()):
+    """A section field holding a config dataclass whose fields (less ``hidden``) are keys of this section."""
+    return dataclasses.field(default_factory=default_factory, metadata={FLAT: frozenset(hidden)})
+
 
 def field_types(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def section_keys(cls) -> dict[str, tuple[Any, str | None]]:
+    """The keys of section ``cls``: name -> (its type, the flat field holding it, or None for a field of its own)."""
+    hints = field_types(cls)
+    keys: dict[str, tuple[Any, str | None]] = {}
+    for f in dataclasses.fields(cls):
+        if FLAT not in f.metadata:
+            keys[f.name] = (hints[f.name], None)
+            continue
+        inner = field_types(hints[f.name])
+        for g in dataclasses.fields(hints[f.name]):
+            if g.name not in f.metadata[FLAT]:
+                keys[g.name] = (inner[g.name], f.name)
+    return keys
+
+
+def as_tree(section) -> dict[str, Any]:
+    """A section (or the whole config) as the nested dict ``build`` takes back: flat fields spread into their
+    section's table."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if FLAT in f.metadata:
+            out.update({k: v for k, v in as_tree(value).items() if k not in f.metadata[FLAT]})
+        elif dataclasses.is_dataclass(value):
+            out[f.name] = as_tree(value)
+        else:
+            out[f.name] = _plain(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """What ``dataclasses.asdict`` makes of a field value: containers copied, tuples kept."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return value
 
 
 def coerce(key: str, value: Any, tp: Any) -> Any:
@@ -90,20 +140,28 @@ def build(cls, data: dict[str, Any], prefix: str = "", aliases: dict[str, str] |
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix} must be a table, got {data!r}")
     data = {aliases.get(f"{prefix}.{k}", f"{prefix}.{k}").rsplit(".", 1)[-1]: v for k, v in data.items()}
-    hints = field_types(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    keys = section_keys(cls)
+    unknown = sorted(set(data) - set(keys))
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(f"unknown config key {key!r}; valid keys here: {', '.join(sorted(names))}")
-    kwargs = {}
+        raise ConfigError(f"unknown config key {key!r}; valid keys here: {', '.join(sorted(keys))}")
+    kwargs: dict[str, Any] = {}
+    held: dict[str, dict[str, Any]] = {}  # flat field -> the values of its keys given here
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = build(tp, value, key, aliases)
+        tp, holder = keys[name]
+        value = build(tp, value, key, aliases) if dataclasses.is_dataclass(tp) else coerce(key, value, tp)
+        if holder is None:
+            kwargs[name] = value
         else:
-            kwargs[name] = coerce(key, value, tp)
+            held.setdefault(holder, {})[name] = value
+    for f in dataclasses.fields(cls):
+        if FLAT in f.metadata:
+            default = f.default_factory()
+            try:  # the loader's config objects check their values when built
+                kwargs[f.name] = dataclasses.replace(default, **held.get(f.name, {}))
+            except ConfigError as e:
+                raise renamed(e, type(default), prefix) from None
     try:  # the loader's config objects check their values when built
         return cls(**kwargs)
     except ConfigError as e:
@@ -119,10 +177,10 @@ def set_dotted(root: type, tree: dict[str, Any], dotted: str, raw: str, aliases:
     node = tree
     for i, part in enumerate(parts):
         key = ".".join(parts[: i + 1])
-        names = {f.name for f in dataclasses.fields(cls)}
-        if part not in names:
-            raise ConfigError(f"unknown config key {key!r}; valid keys here: {', '.join(sorted(names))}")
-        tp = field_types(cls)[part]
+        keys = section_keys(cls)
+        if part not in keys:
+            raise ConfigError(f"unknown config key {key!r}; valid keys here: {', '.join(sorted(keys))}")
+        tp = keys[part][0]
         last = i == len(parts) - 1
         if dataclasses.is_dataclass(tp):
             if last:

@@ -322,13 +322,12 @@ def build_loader_state(root: str) -> str:
 
 
 def read_loader_state(root: str):
-    """trainer_state.json read as resume reads it (without the manifest's checksum in front), its loader state
-    loaded into a fresh ArraySource: the position and the next batch."""
-    from dutycycle.trainer.checkpoint import manifest as mf
-    from dutycycle.trainer.checkpoint.state import TrainerState
+    """trainer_state.json read as resume reads it (the manifest's checksum of the file first: the loader state
+    has none of its own), its loader state loaded into a fresh ArraySource: the position and the next batch."""
+    from dutycycle.trainer.checkpoint import resume
 
-    uri = os.path.join(root, "ckpt", "step-00000001", mf.TRAINER_STATE)
-    state = TrainerState.from_json(mf.read_json_bounded(uri), uri)
+    selected = resume.select(os.path.join(root, "ckpt", "step-00000001"), 0, 1)
+    state = resume.read_trainer_state(selected)
     source = array_source()
     source.load_state_dict(state.loader)
     batch = next(iter(source))

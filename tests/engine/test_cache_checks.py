@@ -160,7 +160,7 @@ def test_chunk_split_counts_follow_the_rows(tmp_path):
                     for k in range(len(info.chunk_sha256))]
             assert per_chunk == want
     loader = CacheLoader(uri, "val", config=LoaderConfig(global_batch_size=10, block_size=0, mode="sync"))
-    starts = loader._block_starts()
+    starts = loader.source.block_starts()
     assert starts[0] == 0 and np.all(np.diff(starts) > 0) and len(starts) == 6  # 3 chunks in each shard
 
 

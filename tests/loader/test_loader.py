@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
-from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig
+from dutycycle.loader import AugmentConfig, CacheLoader, Loader, LoaderConfig
 from dutycycle.loader.augment import augment_params
+from dutycycle.loader.cache_loader import CacheSource
 
 from ..support import REPO
 from ..support.cachemaker import make_cache, pixel_index, sample_pixels
@@ -309,18 +310,22 @@ def test_pin_memory_without_cuda_is_a_no_op(cache):
     assert batch["image"].device.type == "cpu" and "_ready" not in batch
 
 
-class CountingLoader(CacheLoader):
-    """Counts the batches the execution layer has read or submitted (to observe back-pressure)."""
+class CountingSource(CacheSource):
+    """A cache source that counts the batches the executor has read or submitted (to observe back-pressure)."""
 
     reads = 0
 
-    def _read_local(self, indices):
+    def read(self, indices):
         self.reads += 1
-        return super()._read_local(indices)
+        return super().read(indices)
 
-    def _submit_remote(self, indices, step):
+    def submit(self, indices, step, max_retries):
         self.reads += 1
-        return super()._submit_remote(indices, step)
+        return super().submit(indices, step, max_retries)
+
+
+def counting_loader(uri: str, config: LoaderConfig) -> Loader:
+    return Loader(config, CountingSource(uri, "train", config.read))
 
 
 def assert_bounded_prefetch(loader, prefetch):
@@ -332,12 +337,12 @@ def assert_bounded_prefetch(loader, prefetch):
     time.sleep(1.0)  # give an unbounded producer time to run far ahead
     # consumed 1 + queue `prefetch` + 1 held by the blocked producer (+ `prefetch` Ray tasks in flight)
     limit = 1 + prefetch + 1 + (prefetch if loader.config.mode == "ray" else 0)
-    assert loader.reads <= limit
+    assert 0 < loader.source.reads <= limit
     it.close()
 
 
 def test_thread_mode_prefetch_is_bounded(tmp_path):
     uri = str(tmp_path / "c")
     make_cache(uri, 200, shards=2)
-    loader = CountingLoader(uri, "train", config=cfg(mode="thread", global_batch_size=8, prefetch=2))
+    loader = counting_loader(uri, cfg(mode="thread", global_batch_size=8, prefetch=2))
     assert_bounded_prefetch(loader, 2)

@@ -200,7 +200,7 @@ def test_mapped_shards_stay_open_past_the_ranged_limit(tmp_path):
     for epoch in (0, 1):
         loader.set_epoch(epoch)
         assert sum(len(b["label"]) for b in loader) == 576
-    assert loader.reader.num_shards == 300 and loader._gatherer.opens == 300
+    assert loader.reader.num_shards == 300 and loader.source._gatherer.opens == 300
     assert ReadConfig().open_limit(mapped=True) == sh.MAPPED_OPEN > 300
     assert ReadConfig().open_limit(mapped=False) == sh.RANGED_OPEN == 256
     assert ReadConfig(max_open_shards=7).open_limit(mapped=True) == 7

@@ -13,7 +13,7 @@ from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig, to_ray_da
 from dutycycle.loader.ray_exec import KILL_MARKER_ENV, KILL_STEP_ENV
 
 from ..support.cachemaker import make_cache
-from .test_loader import CountingLoader, _corrupt, as_arrays, assert_bounded_prefetch, assert_same
+from .test_loader import _corrupt, as_arrays, assert_bounded_prefetch, assert_same, counting_loader
 
 pytestmark = pytest.mark.ray
 
@@ -40,15 +40,15 @@ def test_ray_modes_match_sync(ray_cluster, cache, mode):
 def test_ray_mode_keeps_a_bounded_number_of_tasks_in_flight(ray_cluster, tmp_path):
     uri = str(tmp_path / "c")
     make_cache(uri, 200, shards=2)
-    loader = CountingLoader(uri, "train", config=cfg(mode="ray", global_batch_size=8, prefetch=2))
+    loader = counting_loader(uri, cfg(mode="ray", global_batch_size=8, prefetch=2))
     assert_bounded_prefetch(loader, 2)
 
 
 def test_memory_mode_shares_one_object_store_copy(ray_cluster, cache):
     a = CacheLoader(cache, "train", 0, 2, cfg(mode="memory"))
     b = CacheLoader(cache, "train", 1, 2, cfg(mode="memory"))
-    assert a._memory_keepalive[1] == b._memory_keepalive[1]  # the same object, mapped twice
-    assert not a._memory.images.flags.writeable  # a view of shared memory, not a private copy
+    assert a.source._memory_keepalive[1] == b.source._memory_keepalive[1]  # the same object, mapped twice
+    assert not a.source._memory.images.flags.writeable  # a view of shared memory, not a private copy
 
 
 def test_killed_read_task_is_retried_without_loss_or_duplicates(ray_cluster, cache, tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
-"""Loader state that knows its plan: ``state_dict()`` records every plan input, ``load_state_dict`` refuses a state
-whose plan differs (naming the field, the saved value and this loader's), ``force=True`` continues this loader's
-own plan from the saved position with a warning, an older state lacking fields is refused naming them, a state
-changed after it was made fails its checksum, and a round trip at the same config resumes exactly."""
+"""Loader state that knows its plan: ``state_dict()`` records every plan input and ``format: 1``,
+``load_state_dict`` refuses a state whose plan differs (naming the field, the saved value and this loader's),
+``force=True`` continues this loader's own plan from the saved position with a warning, a state lacking fields is
+refused naming them, a state of another format (or none) is refused naming the format it has, and a round trip
+at the same config resumes exactly."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import numpy as np
 import pytest
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 from dutycycle.loader import ArrayLoader, AugmentConfig, CacheLoader, LoaderConfig
-from dutycycle.loader import base as loader_base
-from dutycycle.loader.base import PLAN_FIELDS, STATE_VERSION
+from dutycycle.loader import plan as loader_plan
 from dutycycle.loader.plan import PLAN_VERSION
+from dutycycle.loader.state import PLAN_FIELDS, STATE_FORMAT
 
 from ..support.cachemaker import make_cache
 from .test_loader import as_arrays, assert_same, take
@@ -74,13 +75,13 @@ def saved_and_other(field, halves, monkeypatch):
         saver, other = cache_pair(halves)
     elif how == "patched":  # a state written by a dutycycle whose plan had another version
         saver, other = arrays(), arrays()
-        monkeypatch.setattr(loader_base, "PLAN_VERSION", PLAN_VERSION + 1)
+        monkeypatch.setattr(loader_plan, "PLAN_VERSION", PLAN_VERSION + 1)
     else:
         saver, other = how[0](), how[1]()
     saver.set_epoch(1)
     take(saver, 2)
     state = json.loads(json.dumps(saver.state_dict()))  # as a checkpoint stores it
-    monkeypatch.setattr(loader_base, "PLAN_VERSION", PLAN_VERSION)
+    monkeypatch.setattr(loader_plan, "PLAN_VERSION", PLAN_VERSION)
     return saver, state, other
 
 
@@ -88,7 +89,8 @@ def test_state_records_every_plan_input(halves):
     loader = CacheLoader(halves, "a", config=config())
     state = loader.state_dict()
     assert set(PLAN_FIELDS) <= set(state)
-    assert state["version"] == STATE_VERSION and state["plan_version"] == PLAN_VERSION
+    assert state["format"] == STATE_FORMAT == 1 and state["plan_version"] == PLAN_VERSION
+    assert "sha256" not in state and "version" not in state  # a checkpoint's manifest checksums the file
     assert (state["split"], state["fingerprint"], state["num_samples"]) == ("a", loader.fingerprint, 32)
     assert (state["seed"], state["global_batch_size"], state["drop_last"], state["shuffle"]) == (3, 16, True, True)
     assert (state["block_size"], state["window"]) == (8, 32)
@@ -146,45 +148,51 @@ def test_a_round_trip_at_the_same_config_resumes_exactly(cache, world_size):
     assert_same(expected, got)
 
 
-def test_an_older_state_without_the_new_fields_is_refused_naming_them():
-    """Decision: a state from before the plan was recorded in full (version 1: no block_size, window or
-    plan_version) is refused, naming each missing field; nothing shows the run used the same ones. force=True
-    loads its position."""
+def test_a_state_missing_plan_fields_is_refused_naming_them():
+    """A state lacking some plan inputs is refused, naming each missing field: nothing shows the run used the
+    same ones. force=True loads its position."""
     saver = arrays()
     take(saver, 2)
     state = saver.state_dict()
-    old = {k: v for k, v in state.items() if k not in ("block_size", "window", "plan_version", "sha256")}
-    old["version"] = 1
+    partial = {k: v for k, v in state.items() if k not in ("block_size", "window", "plan_version")}
     with pytest.raises(ConfigError) as err:
-        arrays().load_state_dict(old)
+        arrays().load_state_dict(partial)
     msg = str(err.value)
     for field in ("block_size", "window", "plan_version"):
         assert f"{field} is missing (this loader has {field}=" in msg
-    assert "state version 1" in msg and "force=True" in msg
+    assert "format 1 records them all" in msg and "force=True" in msg
     loader = arrays()
     with pytest.warns(UserWarning, match="block_size is missing"):
-        loader.load_state_dict(old, force=True)
+        loader.load_state_dict(partial, force=True)
     assert (loader.epoch, loader.step) == (0, 2)
 
 
-def test_a_state_changed_after_it_was_made_is_refused_even_with_force():
+@pytest.mark.parametrize("found", [2, 0, "1", None])
+def test_a_state_of_another_format_or_none_is_refused_naming_it(found):
     saver = arrays()
     take(saver, 2)
     state = saver.state_dict()
-    for changed in (dict(state, step=3), dict(state, epoch=5), dict(state, world_size=8), dict(state, extra=1)):
-        for force in (False, True):
-            with pytest.raises(CorruptArtifactError, match="loader state fails its sha256 check"):
-                arrays().load_state_dict(changed, force=force)
-    # without its checksum (a state written by hand) the fields alone decide
+    other = dict(state, format=found) if found is not None else {k: v for k, v in state.items() if k != "format"}
+    for force in (False, True):
+        with pytest.raises(CorruptArtifactError, match=re.escape(f"loader state has format={found!r}; this "
+                                                                 "dutycycle reads loader state format 1 only")):
+            arrays().load_state_dict(other, force=force)
+    assert issubclass(CorruptArtifactError, ValueError)
+
+
+def test_fields_outside_the_plan_do_not_stop_a_resume():
+    """The state is judged by its format, position and plan inputs; what else it carries is information."""
+    saver = arrays()
+    take(saver, 2)
     loader = arrays()
-    loader.load_state_dict({k: v for k, v in dict(state, step=3).items() if k != "sha256"})
-    assert loader.step == 3
+    loader.load_state_dict(dict(saver.state_dict(), step=3, world_size=8, extra=1))
+    assert (loader.epoch, loader.step) == (0, 3)
 
 
 @pytest.mark.parametrize("bad, words", [
     ([1, 2], "loader state is a list, not a mapping"),
-    ({"epoch": 0, "step": 0}, "loader state has version=None"),
-    ("version=99", "loader state has version=99, newer than"),
+    ({"epoch": 0, "step": 0}, "loader state has format=None"),
+    ("format=2", "loader state has format=2; this dutycycle reads loader state format 1 only"),
     ("epoch=-1", "loader state has epoch=-1"),
     ("step=1.0", "loader state has step=1.0"),
     ("step=True", "loader state has step=True"),
@@ -194,7 +202,6 @@ def test_a_malformed_state_is_refused_naming_the_field(bad, words):
     state = arrays().state_dict()
     if isinstance(bad, str):
         key, value = bad.split("=")
-        state = {k: v for k, v in state.items() if k != "sha256"}  # reach the field checks, not the checksum
         state[key] = json.loads(value.lower()) if value in ("True",) else json.loads(value)
     else:
         state = bad

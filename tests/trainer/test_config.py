@@ -132,3 +132,22 @@ def test_every_loader_option_is_reachable_from_a_config_key():
 def test_the_loaders_own_checks_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, ["data.source=synthetic", override])
+
+
+def test_the_data_section_holds_the_loaders_config_under_the_keys_users_write():
+    """``[data]`` takes the training LoaderConfig's fields as its own keys: the config tree (printed, saved as
+    config.json, sent to workers) stays flat, and the loader's hidden fields are no keys."""
+    from dutycycle.loader import LoaderConfig
+
+    cfg = load_config(None, ["data.source=synthetic", "data.prefetch=3", "data.global_batch_size=64",
+                             "data.augment.flip=true"])
+    assert isinstance(cfg.data.loader, LoaderConfig)
+    assert (cfg.data.loader.prefetch, cfg.data.prefetch, cfg.data.global_batch_size) == (3, 3, 64)
+    tree = cfg.to_dict()["data"]
+    assert "loader" not in tree and tree["prefetch"] == 3 and tree["augment"]["flip"] is True
+    assert not {"mode", "seed", "shuffle", "pin_memory", "device"} & set(tree)
+    assert from_dict(cfg.to_dict()) == cfg
+    for key in ("data.loader.prefetch", "data.seed", "data.mode", "data.shuffle"):
+        with pytest.raises(ConfigError, match=f"unknown config key {key.rsplit('.', 1)[0]!r}|unknown config key "
+                                              f"{key!r}"):
+            load_config(None, ["data.source=synthetic", f"{key}=1"])

@@ -1,0 +1,285 @@
+"""The planned loader: plan an epoch, read it through a source and an executor, hand out batches, remember the
+position.
+
+``Loader(config, source, executor)`` is composed of two parts. The source says what rows exist and how to read
+them (``CacheSource``: a transformed-sample cache; ``RawSource``: a metadata table decoded per step;
+``ArraySource``: arrays in memory). The executor says where reading runs (``executor.InProcess``: the caller's
+thread or a prefetch thread; ``executor.RayTasks``: Ray tasks). Everything else lives here, once for every
+source: the deterministic plan (``plan``), collation into torch, augmentation, device transfer, the resumable
+state (``state``) and the consumer-wait statistics, so every path yields batches of the same format from the
+same plan. ``CacheLoader``, ``RawLoader`` and ``ArrayLoader`` build a ``Loader`` over their source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+from dutycycle.engine.cache.shards import ReadStats
+from dutycycle.engine.errors import ConfigError, CorruptArtifactError
+
+from . import plan
+from .augment import apply_augment
+from .config import LoaderConfig
+from .device import DeviceMover
+from .executor import executor_for, prefetched
+from .parts import Executor, Source
+from .source import RawBatch
+from .state import make_state, plan_mismatch, position
+
+
+@dataclass
+class LoaderStats(ReadStats):
+    """One loader's counters: what its cache reader fetched and hashed in this process (``ReadStats``: a
+    ``CacheLoader`` and its ``reader`` share this object) and how long the consumer blocked in ``__next__``
+    (the trainer's data wait). ``reset()`` zeroes them all."""
+
+    total_wait_s: float = 0.0
+    count: int = 0
+    last_wait_s: float = 0.0
+    max_wait_s: float = 0.0
+
+    def record(self, seconds: float) -> None:
+        self.total_wait_s += seconds
+        self.count += 1
+        self.last_wait_s = seconds
+        self.max_wait_s = max(self.max_wait_s, seconds)
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+
+class Loader:
+    """This rank's batches of the deterministic plan over ``source``, read where ``executor`` says (by default
+    the one ``config.mode`` names, ``executor.executor_for``)."""
+
+    def __init__(self, config: LoaderConfig, source: Source, executor: Executor | None = None, rank: int = 0,
+                 world_size: int = 1, stats: LoaderStats | None = None):
+        if not isinstance(config, LoaderConfig):
+            raise ConfigError(f"config={config!r} is invalid; pass a dutycycle.loader.LoaderConfig")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"rank={rank} with world_size={world_size} is invalid; use 0 <= rank < world_size")
+        if config.global_batch_size % world_size:
+            raise ConfigError(
+                f"global_batch_size={config.global_batch_size} is not divisible by world_size={world_size}; "
+                "choose a global batch size that is a multiple of the world size"
+            )
+        if config.drop_last and source.num_samples < config.global_batch_size:
+            raise ConfigError(
+                f"the split has {source.num_samples} samples, fewer than global_batch_size="
+                f"{config.global_batch_size}, so drop_last leaves no batch; lower the batch size or set drop_last=False"
+            )
+        import torch  # noqa: F401  (loaded here so its import time never counts as the consumer's data wait)
+
+        self.config, self.source = config, source
+        self.executor = executor if executor is not None else executor_for(config, source)
+        self.rank, self.world_size = rank, world_size
+        self.batch_size = config.global_batch_size // world_size
+        self.epoch, self.step = 0, 0
+        self.stats = stats if stats is not None else LoaderStats()
+        self._plan_cache: tuple[int, plan.RankPlan] | None = None  # (epoch, this rank's plan for it)
+        moves = config.pin_memory or config.device is not None
+        self._mover = DeviceMover(config.pin_memory, config.device) if moves else None
+        self._block_starts()  # block_size = 0 without a cache's chunks is refused here, not at the first batch
+
+    # ---------------------------------------------------------------- what the source holds
+
+    @property
+    def num_samples(self) -> int:
+        return self.source.num_samples
+
+    @property
+    def fingerprint(self) -> str:
+        return self.source.fingerprint
+
+    @property
+    def split(self) -> str | None:
+        return self.source.split
+
+    @property
+    def layout(self) -> str:
+        return self.source.layout
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape
+
+    @property
+    def in_memory(self) -> bool:
+        return self.source.in_memory
+
+    @property
+    def memory_refused(self) -> str | None:
+        """Why an opted-in in-RAM split was not granted (``mode="memory"``), or None."""
+        return self.source.memory_refused
+
+    @property
+    def background(self) -> bool:
+        return self.executor.background
+
+    @property
+    def execution(self) -> str:
+        """What the mode chose: where rows come from and which thread collates them."""
+        where = self.executor.description or self.source.description
+        if self.memory_refused:
+            where += " (memory refused)"
+        return f"{self.config.mode}: {where}, {'prefetch thread' if self.background else 'caller thread'}"
+
+    # ---------------------------------------------------------------- plan
+
+    def __len__(self) -> int:
+        """Steps (global batches) per epoch."""
+        return plan.num_steps(self.num_samples, self.config.global_batch_size, self.config.drop_last)
+
+    def global_batches(self, epoch: int | None = None) -> list[np.ndarray]:
+        """The epoch's global batches (split indices), identical on every rank and at every world size. O(N): for
+        tools and tests; reading uses this rank's own plan (``rank_plan``)."""
+        c = self.config
+        return plan.plan_epoch(self.num_samples, c.seed, self.epoch if epoch is None else epoch, self.fingerprint,
+                               c.global_batch_size, c.drop_last, shuffle=c.shuffle, block_size=c.block_size,
+                               window=c.window, partitions=c.partitions, block_starts=self._block_starts())
+
+    def rank_plan(self, epoch: int | None = None) -> plan.RankPlan:
+        """This rank's samples for every step of the epoch, computed from the partitions it reads (cached per
+        epoch: O(N / world size) when there are at least as many partitions as ranks)."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._plan_cache is None or self._plan_cache[0] != epoch:
+            c = self.config
+            got = plan.rank_plan(self.num_samples, c.seed, epoch, self.fingerprint, c.global_batch_size,
+                                 c.drop_last, self.rank, self.world_size, shuffle=c.shuffle, block_size=c.block_size,
+                                 window=c.window, partitions=c.partitions, block_starts=self._block_starts())
+            self._plan_cache = (epoch, got)
+        return self._plan_cache[1]
+
+    def rank_indices(self, step: int, epoch: int | None = None) -> np.ndarray:
+        """This rank's split indices at ``step`` of ``epoch``."""
+        return self.rank_plan(epoch).indices(step)
+
+    def _block_starts(self) -> np.ndarray | None:
+        """Where the plan's shuffle blocks start when ``block_size = 0`` (the source's chunks); None otherwise."""
+        return self.source.block_starts() if self.config.block_size == 0 else None
+
+    # ---------------------------------------------------------------- position and state
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the start of ``epoch``; a no-op when already in it (so a resumed position survives)."""
+        if epoch != self.epoch:
+            self.epoch, self.step = int(epoch), 0
+
+    def _plan_inputs(self) -> dict[str, Any]:
+        """Everything the sequence of global batches depends on (``plan.plan_epoch``'s arguments but the epoch,
+        and the plan's own version), as plain JSON values."""
+        c = self.config
+        starts = self._block_starts()
+        return {
+            "plan_version": plan.PLAN_VERSION,
+            "split": self.split,
+            "fingerprint": str(self.fingerprint),
+            "num_samples": int(self.num_samples),
+            "seed": int(c.seed),
+            "global_batch_size": int(c.global_batch_size),
+            "drop_last": bool(c.drop_last),
+            "shuffle": bool(c.shuffle),
+            "block_size": int(c.block_size),
+            "window": int(c.window),
+            "partitions": int(c.partitions),
+            # block_size = 0: where the cache's chunks cut the blocks (a layout the fingerprint does not name)
+            "block_starts_sha256": None if starts is None else hashlib.sha256(starts.tobytes()).hexdigest(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the batches already handed out (not those prefetched) and every input of the plan
+        (``state.PLAN_FIELDS``), as plain JSON values (``state``)."""
+        return make_state(self.epoch, self.step, self._plan_inputs(), self.world_size)
+
+    def load_state_dict(self, state: dict[str, Any], force: bool = False) -> None:
+        """Continue from ``state``'s position (epoch and next global batch), at any world size.
+
+        Every plan input saved in the state must equal this loader's (``state.PLAN_FIELDS``: split, cache
+        fingerprint, sample count, seed, global batch size, drop_last, shuffle, block size, window, partitions,
+        plan version); otherwise the saved position would index another sequence of batches, and the state is
+        refused with a ``ConfigError`` naming each differing or missing field, its saved value and this loader's.
+        ``force=True`` loads the position anyway, with a warning, and continues this loader's own plan (its
+        config, seed included) from there; the step is clamped to this loader's epoch length.
+
+        A malformed state (not a mapping, a missing or invalid epoch or step, a ``format`` other than
+        ``state.STATE_FORMAT``, a step past this plan's epoch) raises ``CorruptArtifactError``, with or without
+        ``force``.
+        """
+        epoch, step = position(state)
+        msg = plan_mismatch(state, self._plan_inputs())
+        if msg is not None and not force:
+            raise ConfigError(msg)
+        if msg is not None:
+            warnings.warn(f"{msg}. force=True was passed: continuing this loader's plan at epoch {epoch}, step "
+                          f"{min(step, len(self))}", UserWarning, stacklevel=2)
+        elif step > len(self):
+            raise CorruptArtifactError(f"loader state has step={step} but an epoch of this plan has {len(self)} "
+                                       "steps; the state is refused")
+        self.epoch = epoch
+        self.step = min(step, len(self))
+
+    # ---------------------------------------------------------------- iteration
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Yield this rank's batches from the current position to the end of the epoch, then move to the next."""
+        if self.step >= len(self):
+            self.epoch, self.step = self.epoch + 1, 0
+        epoch, start, stop = self.epoch, self.step, len(self)
+        produced = self._produce(epoch, range(start, stop))
+        try:
+            for step in range(start, stop):
+                t0 = time.perf_counter()
+                batch = next(produced)
+                if self._mover is not None:
+                    batch = self._mover.wait(batch)
+                self.stats.record(time.perf_counter() - t0)
+                self.step = step + 1  # consumed from here on: a state saved now resumes after this batch
+                yield batch
+            self.epoch, self.step = epoch + 1, 0
+        finally:
+            produced.close()
+
+    def _produce(self, epoch: int, steps: range) -> Iterator[dict[str, Any]]:
+        raws = self.executor.raws(self.source, lambda step: self.rank_plan(epoch).indices(step), steps)
+        batches = self._finished(epoch, raws)
+        return prefetched(batches, self.config.prefetch) if self.background else batches
+
+    def _finished(self, epoch: int, raws: Iterator[RawBatch]) -> Iterator[dict[str, Any]]:
+        try:
+            for raw in raws:
+                yield self.collate(raw, epoch)
+        finally:
+            raws.close()
+
+    def collate(self, raw: RawBatch, epoch: int) -> dict[str, Any]:
+        """numpy rows -> a batch dict of torch tensors (augmented, optionally pinned / on the device)."""
+        import torch
+
+        images = raw.images
+        aug = self.config.augment
+        if images.flags.writeable and images.ndim == 4 and not aug.random and not aug.normalize:
+            # uint8 out, nothing to compute: the zero-copy view apply_augment would return, minus its overhead
+            # (a warnings guard for read-only arrays, which a fresh batch array is not)
+            x = torch.from_numpy(images)
+            x = x.permute(0, 3, 1, 2) if self.layout == "HWC" else x
+        else:
+            if not images.flags.writeable and not aug.normalize and not aug.crop_padding:
+                images = images.copy()  # the tensor would alias read-only (object store) memory
+            x = apply_augment(images, aug, self.config.seed, epoch, raw.sample_ids, self.layout)
+        batch = {
+            "image": x,
+            "label": torch.from_numpy(np.array(raw.labels, dtype=np.int64)),  # tiny; a writable copy
+            "sample_id": raw.sample_ids,  # a list from every source (``RawBatch``)
+        }
+        return self._mover.move(batch) if self._mover is not None else batch
+
+    def close(self) -> None:
+        """Release what the source holds between epochs (thread pools); iterating again reopens them."""
+        self.source.close()

@@ -59,7 +59,7 @@ def to_ray_dataset(cache_uri: str, split: str = "train", config: LoaderConfig | 
     rows = split_rows(reader, split)  # also validates the split name
     if config is None:
         items = [{"shard": i, "rows": np.zeros(0, np.int64)} for i in range(reader.num_shards)
-                 if not reader.manifest.shards[i].split_counts or reader.manifest.shards[i].split_counts.get(split)]
+                 if reader.manifest.shards[i].split_counts.get(split)]
     else:
         batches = plan_epoch(
             len(rows), config.seed, epoch, reader.fingerprint, config.global_batch_size, config.drop_last,

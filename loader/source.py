@@ -19,23 +19,16 @@ whatever the number of shards. Remote shards read by range (and ids of varying w
 
 from __future__ import annotations
 
-import hashlib
-import io
-import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-from dutycycle.engine.cache import node
 from dutycycle.engine.cache.reader import CacheReader
 from dutycycle.engine.cache.shards import ShardView
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 from numpy.lib.stride_tricks import as_strided
-
-SCAN_THREADS = 16  # split columns read at once when an older cache's split index is built
 
 
 @dataclass
@@ -276,11 +269,6 @@ def chunk_block_starts(reader: CacheReader, split: str) -> np.ndarray:
     """Split indices where the split's rows enter a new checksum chunk (each shard's ``chunk_split_counts``): the
     plan's shuffle blocks for ``block_size = 0``, so each block is one chunk's rows of the split."""
     shards = reader.manifest.shards
-    if not all(s.chunk_split_counts for s in shards):
-        raise ConfigError(
-            f"block_size=0 cuts shuffle blocks at the cache's checksum chunks, and cache {reader.uri!r} was written "
-            "before its manifest recorded where each split's rows fall in them; materialize it again, or use a "
-            "block_size >= 1")
     counts = np.concatenate([np.asarray(s.chunk_split_counts.get(split, [0] * len(s.chunk_sha256)), np.int64)
                              for s in shards])
     counts = counts[counts > 0]
@@ -290,11 +278,8 @@ def chunk_block_starts(reader: CacheReader, split: str) -> np.ndarray:
 def split_rows(reader: CacheReader, split: str) -> np.ndarray | SplitIndex:
     """Global row indices of ``split`` in cache order (the order materialize wrote: sorted by sample id).
 
-    A cache whose manifest records each shard's split counts gets a ``SplitIndex``: nothing read until a batch
-    needs a shard. An older cache's index is built from every shard's ``split`` column, read concurrently (by
-    range on a remote cache; no pixels), verifying nothing (the batches that read a shard verify it), and kept
-    in the node folder, so the other processes of the node map one shared copy instead of each reading every
-    shard again.
+    Every shard's manifest entry records its split counts, so this is a ``SplitIndex``: nothing is read until a
+    batch needs a shard.
     """
     counts = reader.manifest.split_counts
     if split not in counts or counts[split] == 0:
@@ -304,36 +289,12 @@ def split_rows(reader: CacheReader, split: str) -> np.ndarray | SplitIndex:
         )
     if counts[split] == reader.num_samples:
         return np.arange(reader.num_samples, dtype=np.int64)
-    if all(s.split_counts for s in reader.manifest.shards):
-        index = SplitIndex(reader, split)
-        if len(index) != counts[split]:
-            raise CorruptArtifactError(
-                f"cache {reader.uri!r}: its shards' entries count {len(index)} {split!r} rows but its manifest says "
-                f"{counts[split]}; materialize the cache again")
-        return index
-    root = reader.node_root()
-    key = hashlib.sha256(f"{reader.fingerprint}\0{split}".encode()).hexdigest()[:24]
-    path = os.path.join(root, "index", f"split-{key}.npy")
-    with node.file_lock(node.lock_path(root, key)):
-        if node.trusted(path):  # an index this user wrote; any other file at its name is rebuilt over
-            rows = np.asarray(np.load(path, mmap_mode="r", allow_pickle=False))  # a plain view, not np.memmap
-            if rows.dtype == np.int64 and rows.ndim == 1 and len(rows) == counts[split]:
-                return rows
-        def rows_of(i: int) -> np.ndarray:
-            return rows_in_split(reader.split_column(i), split, int(reader.offsets[i]))
-
-        with ThreadPoolExecutor(SCAN_THREADS) as pool:  # each read waits on storage: in flight together
-            parts = list(pool.map(rows_of, range(reader.num_shards)))
-        rows = np.concatenate(parts).astype(np.int64)
-        if len(rows) != counts[split]:  # the shards disagree with their manifest: never train on a torn cache
-            raise CorruptArtifactError(
-                f"cache {reader.uri!r} has {len(rows)} {split!r} rows in its shards but its manifest says "
-                f"{counts[split]}; materialize the cache again"
-            )
-        buf = io.BytesIO()  # the index is 8 bytes a row: written whole, atomically, under the lock
-        np.save(buf, rows, allow_pickle=False)
-        node.write_file_atomic(path, buf.getvalue())
-    return np.asarray(np.load(path, mmap_mode="r", allow_pickle=False))
+    index = SplitIndex(reader, split)
+    if len(index) != counts[split]:
+        raise CorruptArtifactError(
+            f"cache {reader.uri!r}: its shards' entries count {len(index)} {split!r} rows but its manifest says "
+            f"{counts[split]}; materialize the cache again")
+    return index
 
 
 class MemorySplit:

@@ -17,7 +17,7 @@ from .. import io
 from ..errors import CorruptArtifactError
 from . import node
 from .format import read_manifest, resolve
-from .remote import EDGE_BYTES, ChunkCache, DiskCache, RangeFile, open_ranged
+from .remote import ChunkCache, DiskCache, open_ranged
 from .shards import ReadConfig, ReadStats, ShardView, open_mapped, view_of_table
 
 
@@ -150,30 +150,6 @@ class CacheReader:
                 "bytes); delete the cache folder and materialize it again"
             )
         return path
-
-    def split_column(self, i: int) -> pa.Array:
-        """Shard ``i``'s ``split`` column alone, read without the pixels (by range on a remote cache) and without
-        verifying the shard (the reads that use its pixels do). For building a split's row index."""
-        uri = self.shard_uri(i)
-        fs, path = io.filesystem(uri)
-        try:
-            if self.is_local:
-                source = pa.memory_map(path, "r")
-            else:
-                f = RangeFile(fs, path, self.manifest.shards[i].bytes, self.stats)
-                f.fetch([(0, EDGE_BYTES), (f.size - EDGE_BYTES, f.size)])  # footer and metadata in one round trip
-                source = pa.PythonFile(f, mode="r")
-            names = pa.ipc.open_file(source).schema.names
-            opts = pa.ipc.IpcReadOptions(included_fields=[names.index("split")])
-            batches = pa.ipc.open_file(source, options=opts)
-            return pa.concat_arrays([batches.get_batch(b).column(0) for b in range(batches.num_record_batches)])
-        except FileNotFoundError as e:
-            raise CorruptArtifactError(
-                f"cache shard {uri!r} listed in the manifest is missing; materialize the cache again"
-            ) from e
-        except (pa.ArrowInvalid, ValueError, OSError) as e:
-            raise CorruptArtifactError(f"cache shard {uri!r} has no readable split column ({e}); "
-                                       "delete the cache folder and materialize it again") from e
 
     def shard(self, i: int) -> pa.Table:
         """Shard ``i`` as a whole Arrow table (zero-copy over a memory map when mapped; a ranged cache downloads

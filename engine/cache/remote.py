@@ -33,7 +33,6 @@ from ..errors import ConfigError, CorruptArtifactError
 from . import node
 from .shards import ReadStats, ShardView, single_chunk
 
-EDGE_BYTES = 8 * 1024  # fetched from each end of a shard on open: footer, schema, batch metadata (more on demand)
 
 class RangeFile(_io.RawIOBase):
     """A remote object of known size as a seekable, read-only file; reads become ranged requests.

@@ -1,12 +1,12 @@
-"""Shared measurement helpers for benchmarks/*.py: throughput, time to first batch, peak RSS, one row per process,
-a local Ray cluster and a local S3-compatible server.
+"""Shared measurement helpers for benchmarks/*.py: throughput, time to first batch, peak RSS, one row per process
+and a local Ray cluster.
 
 Every benchmark row runs in its own Python process (``run_row``), so its peak memory is its own: the row
 measures the resident set of its whole process tree (itself, DataLoader workers, a local Ray cluster's
 daemons and workers) by sampling, and the kernel's high-water mark for the row process itself.
 
-Only the standard library is imported at module level: the peers' rows (``loader_peers.py``) import this module
-in a virtual environment without dutycycle.
+Only the standard library (and tests/support/memory.py, standard library too) is imported at module level: the
+peers' rows (``loader_peers.py``) import this module in a virtual environment without dutycycle.
 """
 
 from __future__ import annotations
@@ -22,24 +22,12 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tests.support.memory import peak_rss_bytes
+
 RESULT_PREFIX = "BENCH_RESULT "
 
 
 # ----------------------------------------------------------------------------------------------- memory
-
-
-def peak_rss_bytes() -> int:
-    """The kernel's peak resident set of this process (VmHWM), exact even for spikes between samples."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 class PeakRSS:
@@ -210,39 +198,6 @@ def local_ray() -> Iterator[float]:
         yield time.perf_counter() - t0
     finally:
         ray.shutdown()
-
-
-@contextmanager
-def moto_server() -> Iterator[str]:
-    """Run a moto S3 server on 127.0.0.1 (a free port) and yield its endpoint URL; stopped on exit."""
-    import urllib.request
-
-    from dutycycle.trainer.cluster.local import free_port
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/", timeout=1).read()
-                break
-            except Exception:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("moto server did not start") from None
-                time.sleep(0.2)
-        yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def quiet_ray_data() -> None:

@@ -25,7 +25,9 @@ from pathlib import Path
 
 from dutycycle.trainer.cluster.local import free_port
 
-ZERO = Path(__file__).with_name("zero.py")  # the workers start through zero.py's --worker entry
+from benchmarks.zero_worker import RESULT_PREFIX
+
+WORKER = Path(__file__).with_name("zero_worker.py")  # the ranks
 OFFLOAD_ROWS = "offload-memory"  # the --rows name of these rows
 OFFLOAD_VIT = {"width": 1024, "depth": 24, "heads": 16, "steps": 4, "skip": 1}
 OFFLOAD_QUICK = {"width": 64, "depth": 2, "heads": 2, "steps": 3, "skip": 1}
@@ -41,18 +43,18 @@ def run_offload_rows(world: int, args, workdir: str) -> list[dict]:
     for mode in MODES:
         run_dir = os.path.join(workdir, f"offload-{mode}-{world}")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-               str(free_port()), str(ZERO), "--worker", "--stage", "3", "--offload", mode, "--run-dir", run_dir,
+               str(free_port()), str(WORKER), "--stage", "3", "--offload", mode, "--run-dir", run_dir,
                "--offload-dir", os.path.join(workdir, "offload-files"), *flags]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("ZERO_RESULT ")), None)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
         name = f"stage3-offload-{mode}"
         if proc.returncode != 0 or line is None:
             rows.append({"name": name, "world_size": world, "returncode": proc.returncode,
                          "error": (proc.stdout + proc.stderr)[-12000:]})
             continue
-        r = json.loads(line.removeprefix("ZERO_RESULT "))
+        r = json.loads(line.removeprefix(RESULT_PREFIX))
         held, host = r["held_per_rank"][0], r["host_after_steps"]
         rows.append({"name": name, "world_size": world, "offload": mode, **shape, "process_wall_s":
                      time.perf_counter() - t0, "num_params": r["num_params"], "step_s_median": r["step_s_median"],

@@ -28,7 +28,7 @@
    loss and accuracy, and their ratio to fp32 (int8 is expected within 1.05x loss and 1 point of accuracy on
    this data; int4 reported).
 
-Every row runs benchmarks/zero.py's worker (the product's ``train_worker``) in fresh processes.
+Every row runs benchmarks/zero_worker.py (the product's ``train_worker``) in fresh processes.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ if __name__ == "__main__":  # run as `python benchmarks/zeropp.py`: the siblings
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.netns import launch, two_nodes, unavailable  # noqa: E402
-from benchmarks.zero import VIT_DEFAULTS, VIT_QUICK  # noqa: E402
+from benchmarks.zero_worker import RESULT_PREFIX, VIT_DEFAULTS, VIT_QUICK, WORKER  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -73,12 +73,12 @@ CONVERGENCE_ROWS = {
 
 
 def _run(net, world: int, flags: list[str], run_dir: str, timeout: float) -> dict:
-    argv = [sys.executable, str(HERE / "zero.py"), "--worker", "--stage", "3", "--run-dir", run_dir, *flags]
+    argv = [sys.executable, str(WORKER), "--stage", "3", "--run-dir", run_dir, *flags]
     ranks = launch(net, argv, world, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    line = next((x for x in ranks[0].stdout.splitlines() if x.startswith("ZERO_RESULT ")), None)
+    line = next((x for x in ranks[0].stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
     if line is None or any(r.returncode != 0 for r in ranks):
         return {"error": "\n".join(f"rank {r.rank} exit {r.returncode}: {r.stderr[-3000:]}" for r in ranks)}
-    return json.loads(line.removeprefix("ZERO_RESULT "))
+    return json.loads(line.removeprefix(RESULT_PREFIX))
 
 
 def speed(args, workdir: str) -> dict:
@@ -194,7 +194,7 @@ def convergence(args, workdir: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, default=1.0, help="inter-node link in Gbit/s (default 1)")
-    for name, default in VIT_DEFAULTS.items():  # benchmarks/zero.py's ViT
+    for name, default in VIT_DEFAULTS.items():  # the ZeRO benchmark's ViT
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--cnn-width", type=int, default=32, help="the demo CNN (default width 32, 3 blocks)")

@@ -249,15 +249,29 @@ def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
 
 
-def write_result(out: str, result: dict[str, Any], show: tuple[str, ...]) -> None:
-    """Write a benchmark's JSON to ``out`` and print the ``show`` keys of it."""
-    from pathlib import Path
+def default_out(name: str) -> str:
+    """Where a benchmark writes its JSON unless ``--out`` says otherwise: benchmarks/results/NAME.json."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{name}.json")
 
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in show}, indent=2))
-    print(f"wrote {path}", file=sys.stderr)
+
+def read_result(out: str) -> dict[str, Any]:
+    """What ``out`` holds already (for ``--merge``), or nothing."""
+    if not os.path.exists(out):
+        return {}
+    with open(out) as f:
+        return json.load(f)
+
+
+def write_result(out: str, result: dict[str, Any], show: tuple[str, ...] = ()) -> None:
+    """Write a benchmark's JSON to ``out`` whole or not at all, and print the ``show`` keys of it."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
+    if show:
+        print(json.dumps({k: result[k] for k in show if k in result}, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
 
 
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:

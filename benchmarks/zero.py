@@ -70,6 +70,8 @@ from dutycycle.trainer.cluster.local import free_port
 if __name__ == "__main__":  # run as `python benchmarks/zero.py`: the siblings import as `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks._common import default_out, machine, read_result, write_result  # noqa: E402
 from benchmarks.zero_activation import ACTIVATION_ROWS, activation_ratios, run_activation_rows  # noqa: E402
 from benchmarks.zero_offload import OFFLOAD_ROWS, offload_ratios, run_offload_rows  # noqa: E402
 from benchmarks.zero_worker import RESULT_PREFIX, STEPS, VIT_DEFAULTS, VIT_QUICK, WORKER  # noqa: E402
@@ -163,7 +165,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     v = VIT_DEFAULTS
     p.add_argument("--width", type=int, default=v["width"],
@@ -191,12 +193,16 @@ def main(argv: list[str] | None = None) -> int:
                         "speed ratio is the median of the pairs, which holds when the machine's speed drifts")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--quick", action="store_true", help="a tiny ViT and few steps: seconds, for the smoke test")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero.json"))
+    p.add_argument("--out", default=default_out("zero"))
     args = p.parse_args(argv)
     if args.quick:
         vars(args).update(VIT_QUICK, repeat=1)
     if args.micro_batches is None:
         args.micro_batches = 2 if args.quick else 4
+    return args
+
+
+def run(args) -> dict:
     rows, pairs = [], []
     with tempfile.TemporaryDirectory() as workdir:
         if 2 in args.worlds and {"allreduce-manual", "stage0-ddp"} <= set(args.rows):
@@ -239,19 +245,19 @@ def main(argv: list[str] | None = None) -> int:
     if ("allreduce-manual", 2) in by and ("stage0-ddp", 2) in by:
         pairs.append((by["allreduce-manual", 2], by["stage0-ddp", 2]))
     pairs = [(a, b) for a, b in pairs if "error" not in a and "error" not in b]
-    machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    measured_on = machine()
     settings = {k: v for k, v in vars(args).items() if k in ("width", "depth", "heads", "size", "batch", "steps",
                                                              "skip", "worlds", "rows", "repeat", "quick",
                                                              "micro_batches")}
-    old = json.loads(Path(args.out).read_text()) if args.merge and Path(args.out).exists() else {}
+    old = read_result(args.out) if args.merge else {}
     if old and not rows:  # only the activation or offload rows ran: the other rows' settings stay theirs
-        machine, settings = old.get("machine", machine), old.get("settings", settings)
+        measured_on, settings = old.get("machine", measured_on), old.get("settings", settings)
     if old:
         measured = {(r["name"], r["world_size"]) for r in rows}
         rows = [r for r in old.get("rows", []) if (r["name"], r["world_size"]) not in measured] + rows
     result = {
         "benchmark": "zero",
-        "machine": machine,
+        "machine": measured_on,
         "settings": settings,
         "rows": rows,
         "ratios": ratios(rows),
@@ -283,16 +289,89 @@ def main(argv: list[str] | None = None) -> int:
              "ddp_exposed_comm_share": b["exposed_comm_share"]} for a, b in pairs]
         result["ratios"]["stage0_samples_per_s_vs_manual_allreduce_2ranks_median_of_pairs"] = statistics.median(
             p["ratio"] for p in result["stage0_vs_manual_pairs"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(table(rows))
+    return result
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+ZERO_LABELS = {"allreduce-manual": "hand-written all-reduce (baseline)", "stage0-ddp": "stage 0 (DDP)",
+               "stage1": "stage 1", "stage2": "stage 2", "stage3": "stage 3", "stage3-offload": "stage 3 + offload"}
+
+
+def _held_text(h: dict) -> str:
+    return " / ".join(fmt.nbytes(h[k]) for k in ("params", "grads", "optimizer"))
+
+
+def render(d: dict) -> str:
+    s = d["settings"]
+    n = d["rows"][0]["num_params"]
+    caption = (f"A ViT of {n / 1e6:.1f}M parameters (width {s['width']}, {s['depth']} blocks, {s['size']}x{s['size']} "
+               f"images), AdamW, fp32, global batch {s['batch']}, {s['steps']} steps with the first {s['skip']} left "
+               f"out of the speed; each row its own torchrun job, one process and one thread per rank, on a "
+               f"{d['machine']['cpus']}-core machine.")
+    # results from before the stage 1 and 2 rows accumulated have no micro_batches: every row took one
+    micro = s.get("micro_batches")
+    if micro and micro > 1:
+        caption += (f" The stage 1 and 2 rows accumulate {micro} micro-batches per optimizer step, where the two "
+                    "differ: stage 1 gathers the parameters once per step and keeps them (and the full gradients) "
+                    "unsharded across the window, stage 2 gathers them again for every micro-batch; the other rows "
+                    "take one micro-batch.")
+    else:
+        caption += (" Every row takes one micro-batch per step, where stages 1 and 2 run the same torch settings: "
+                    "the gap between them is noise.")
+    rows = [[str(r["world_size"]), ZERO_LABELS.get(r["name"], r["name"]), str(r.get("micro_batches", 1)),
+             f"{r['samples_per_s']:.1f}", fmt.pct(r["exposed_comm_share"]), fmt.nbytes(sum(r["bytes_sent_per_step"].values())),
+             _held_text(r["held_per_rank"][0]), _held_text(r["zero_formula"])] for r in d["rows"]]
+    headers = ["ranks", "row", "micro-batches", "samples/s", "exposed comm", "sent per step per rank",
+               "params / grads / optimizer held by rank 0", "ZeRO formula"]
+    parts = [fmt.para(caption), fmt.table(headers, rows)]
+    if any(r.get("offload", "none") != "none" for r in d["rows"]):
+        parts.append(fmt.para("Stage 3 + offload ran on the CPU, where host memory is the device's memory: the row "
+                          "exercises the offload code path and its accounting, and measures no host-device "
+                          "transfer and no device memory saved; its speed next to stage 3 is noise plus what the "
+                          "offload path costs on the CPU alone."))
+    return "\n\n".join([*parts, fmt.source("zero")])
+
+
+def render_ratios(d: dict) -> str:
+    ratio = d["ratios"]
+    worlds = d["settings"]["worlds"]
+    rows = []
+    for w in worlds:
+        stages = [k for k in ratio if k.endswith(f"_optimizer_bytes_vs_stage0_over_N_{w}ranks")]
+        vals = sorted({round(ratio[k], 4) for k in stages})
+        rows.append([f"optimizer state per rank, stages 1-3, over stage 0's / {w}",
+                     " to ".join(f"{v:.4f}x" for v in vals)])
+    for w in worlds:
+        rows.append([f"bytes sent, stage 3 over stage 0, {w} ranks",
+                     fmt.times(ratio[f"stage3_bytes_sent_vs_stage0_{w}ranks"])])
+    for w in worlds:  # results from before the stage 1 and 2 rows accumulated do not have it
+        if f"stage1_bytes_sent_vs_stage2_{w}ranks" in ratio:
+            rows.append([f"bytes sent, stage 1 over stage 2, {d['settings']['micro_batches']} micro-batches, {w} ranks",
+                         fmt.times(ratio[f"stage1_bytes_sent_vs_stage2_{w}ranks"])])
+    pairs = fmt.table(
+        ["pair", "hand-written all-reduce", "DDP", "DDP / hand-written", "exposed comm, hand-written", "exposed comm, DDP"],
+        [[str(i), f"{p['manual_samples_per_s']:.1f}/s", f"{p['ddp_samples_per_s']:.1f}/s", fmt.times(p["ratio"]),
+          fmt.pct(p["manual_exposed_comm_share"]), fmt.pct(p["ddp_exposed_comm_share"])]
+         for i, p in enumerate(d["stage0_vs_manual_pairs"], 1)],
+    )
+    median = ratio["stage0_samples_per_s_vs_manual_allreduce_2ranks_median_of_pairs"]
+    return "\n\n".join([fmt.table(["ratio", "value"], rows),
+                        f"Stage 0 against the hand-written all-reduce, 2 ranks, alternating pairs in one run "
+                        f"(median {fmt.times(median)}):", pairs, fmt.source("zero")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    write_result(args.out, result)
+    print(table(result["rows"]))
     print(json.dumps(result["ratios"], indent=2))
-    if act_rows:
-        print(json.dumps(result["activation_checkpointing"]["ratios"], indent=2))
-    if off_rows:
-        print(json.dumps(result["offload_memory"]["ratios"], indent=2))
-    print(f"wrote {args.out}")
-    return 1 if any("error" in r for r in rows + act_rows + off_rows) else 0
+    parts = [result[k] for k in ("activation_checkpointing", "offload_memory") if k in result]
+    for part in parts:
+        print(json.dumps(part["ratios"], indent=2))
+    return 1 if any("error" in r for r in result["rows"] + [r for p in parts for r in p["rows"]]) else 0
 
 
 if __name__ == "__main__":

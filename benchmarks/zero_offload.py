@@ -25,6 +25,7 @@ from pathlib import Path
 
 from dutycycle.trainer.cluster.local import free_port
 
+from benchmarks import docs_format as fmt
 from benchmarks.zero_worker import RESULT_PREFIX
 
 WORKER = Path(__file__).with_name("zero_worker.py")  # the ranks
@@ -81,3 +82,40 @@ def offload_ratios(rows: list[dict]) -> dict:
         if none and host:
             out[f"host_offload_step_vs_no_offload_{world}ranks"] = host["step_s_median"] / none["step_s_median"]
     return out
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+OFFLOAD_LABELS = {"none": ("stage 3, no offload", "-"),
+                  "optimizer": ("stage 3, host offload (`offload = \"optimizer\"`)", "fitting on a GPU: state in host memory"),
+                  "nvme": ("stage 3, NVMe offload (`offload = \"nvme\"`)", "fitting beyond host memory: optimizer state on disk")}
+
+
+def render(zero: dict) -> str:
+    """benchmarks/zero.py's offload rows: host memory per rank and step time, no offload, host and NVMe offload."""
+    d = zero["offload_memory"]
+    rows = [r for r in d["rows"] if "error" not in r]
+    first = rows[0]
+    body = []
+    for r in rows:
+        label, serves = OFFLOAD_LABELS[r["offload"]]
+        host = r["host_after_steps"]
+        body.append([label, serves, fmt.nbytes(r["optimizer_state_bytes"]), fmt.nbytes(r["optimizer_state_resident_bytes"]),
+                     fmt.nbytes(host["private"]), fmt.nbytes(host["rss"]), fmt.nbytes(host["peak_rss"]), fmt.secs(r["step_s_median"])])
+    world = first["world_size"]
+    ratios = d["ratios"]
+    caption = (f"A ViT of {first['num_params'] / 1e6:.0f}M parameters (width {first['width']}, depth "
+               f"{first['depth']}), AdamW, fp32, stage 3 at {world} ranks on one machine, {first['steps']} steps "
+               f"(median of the last {first['steps'] - first['skip']}); rank 0's host memory after its last step, "
+               "from the kernel's accounting. On this CPU-only machine host offload keeps the state in the same "
+               "RAM as no offload, and the NVMe row's files are on the machine's virtual disk.")
+    cut = (f"NVMe offload's optimizer state resident in host memory: "
+           f"{fmt.times(ratios[f'nvme_resident_optimizer_state_vs_host_offload_{world}ranks'])} host offload's "
+           f"(target at most 0.1x); private memory {fmt.times(ratios[f'nvme_private_vs_host_offload_{world}ranks'])}; "
+           f"its step {fmt.times(ratios[f'nvme_step_vs_host_offload_{world}ranks'])} host offload's and "
+           f"{fmt.times(ratios[f'nvme_step_vs_no_offload_{world}ranks'])} no offload's. Every step reads and writes "
+           "the rank's whole state once; this machine's virtual disk absorbs that in its host's cache, so the "
+           "figure is a lower bound: a drive of B GB/s adds about 2 x state / B per step.")
+    headers = ["layout", "serves", "optimizer state", "of it in host memory", "private", "RSS", "peak RSS", "step"]
+    return "\n\n".join([fmt.para(caption), fmt.table(headers, body), fmt.para(cut), fmt.source("zero")])

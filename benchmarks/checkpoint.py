@@ -300,23 +300,20 @@ def recovery_row(args, workdir: Path) -> dict:
     }
 
 
-def _fmt(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def table(rows: list[dict]) -> str:
-    lines = ["| row | saves | stall per save (s) | write (MB/s) | MB per save | median step (s) | step after a save (s) "
-             "| loop wall (s) | end-to-end cost (s) | ... by step sum (s) | ... by process wall (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["name"] == "recovery" or "error" in r:
-            continue
-        lines.append(f"| {r['name']} | {r['saves']} | {_fmt(r['stall_s_per_save'], '.3f')} | "
-                     f"{_fmt(r['write_mb_per_s'], '.0f')} | {_fmt(r['bytes_per_save'] / 1e6 if r['saves'] else None, '.0f')} | "
-                     f"{_fmt(r['step_s_median'], '.2f')} | {_fmt(r['step_s_median_after_save'], '.2f')} | "
-                     f"{r['loop_wall_s']:.2f} | {_fmt(r.get('overhead_s'), '.2f')} | "
-                     f"{_fmt(r.get('overhead_steps_s'), '.2f')} | {_fmt(r.get('overhead_process_s'), '.2f')} |")
-    return "\n".join(lines)
+    """The rows as this run printed them (the docs' table is ``render``'s)."""
+    def cost(v: float | None) -> str | None:
+        return None if v is None else _signed_secs(v)
+
+    body = [[r["name"], r["saves"], fmt.secs(r["stall_s_per_save"]),
+             f"{r['write_mb_per_s']:.0f}" if r["write_mb_per_s"] is not None else None,
+             fmt.nbytes(r["bytes_per_save"]) if r["saves"] else None, fmt.secs(r["step_s_median"]),
+             fmt.secs(r["step_s_median_after_save"]), fmt.secs(r["loop_wall_s"]), cost(r.get("overhead_s")),
+             cost(r.get("overhead_steps_s")), cost(r.get("overhead_process_s"))]
+            for r in rows if r["name"] != "recovery" and "error" not in r]
+    return fmt.table(["row", "saves", "stall per save", "write (MB/s)", "per save", "median step",
+                      "step after a save", "loop wall", "end-to-end cost", "... by step sum", "... by process wall"],
+                     body)
 
 
 def parse_args(argv: list[str] | None = None):

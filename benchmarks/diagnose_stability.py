@@ -25,7 +25,6 @@ from benchmarks import docs_format as fmt  # noqa: E402
 from benchmarks._common import bench_env, default_out, machine, write_result  # noqa: E402
 
 
-
 def run_once(config: str, budget_s: float, out: Path, overrides: list[str]) -> dict:
     sets = [a for kv in overrides for a in ("--set", kv)]
     t0 = time.perf_counter()

@@ -53,10 +53,10 @@ from benchmarks._common import (  # noqa: E402
     emit,
     machine,
     markdown_table,
-    peak_rss_bytes,
     run_row,
     write_result,
 )
+from tests.support.memory import peak_rss_bytes  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 FP = "scale-benchmark"

@@ -148,21 +148,18 @@ def ratios(rows: list[dict]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| ranks | row | micro-batches | samples/s | exposed comm | sent per step (MB) | params / grads / "
-             "optimizer held per rank (MB) | ZeRO formula (MB) |", "|---|---|---|---|---|---|---|---|"]
-    mb = 1024 * 1024
+    """The rows as this run printed them (the docs' table is ``render``'s)."""
+    body = []
     for r in rows:
+        head = [r["world_size"], r["name"], r.get("micro_batches", 1)]
         if "error" in r:
-            lines.append(f"| {r['world_size']} | {r['name']} | {r.get('micro_batches', 1)} | error | | | | |")
+            body.append([*head, "error", None, None, None, None])
             continue
-        h = r["held_per_rank"][0]
-        z = r["zero_formula"]
-        lines.append(
-            f"| {r['world_size']} | {r['name']} | {r.get('micro_batches', 1)} | {r['samples_per_s']:.1f} | "
-            f"{r['exposed_comm_share']:.0%} | "
-            f"{sum(r['bytes_sent_per_step'].values()) / mb:.0f} | {h['params'] / mb:.0f} / {h['grads'] / mb:.0f} / "
-            f"{h['optimizer'] / mb:.0f} | {z['params'] / mb:.0f} / {z['grads'] / mb:.0f} / {z['optimizer'] / mb:.0f} |")
-    return "\n".join(lines)
+        body.append([*head, f"{r['samples_per_s']:.1f}", fmt.pct(r["exposed_comm_share"]),
+                     fmt.nbytes(sum(r["bytes_sent_per_step"].values())), _held_text(r["held_per_rank"][0]),
+                     _held_text(r["zero_formula"])])
+    return fmt.table(["ranks", "row", "micro-batches", "samples/s", "exposed comm", "sent per step",
+                      "params / grads / optimizer held per rank", "ZeRO formula"], body)
 
 
 def parse_args(argv: list[str] | None = None):

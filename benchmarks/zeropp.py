@@ -48,7 +48,6 @@ from benchmarks._common import default_out, machine, read_result, write_result  
 from benchmarks.netns import launch, two_nodes, unavailable  # noqa: E402
 from benchmarks.zero_worker import RESULT_PREFIX, VIT_DEFAULTS, VIT_QUICK, WORKER  # noqa: E402
 
-
 ALL_THREE = ["--quant-weights", "int8", "--quant-grads", "int8", "--hpz"]
 SPEED_ROWS = {  # name -> worker flags (all at stage 3, node size 2)
     "stage3": [],

@@ -1,6 +1,6 @@
 """dutycycle's benchmarks: side-by-side measurements against peers, each writing JSON to benchmarks/results/.
 
-Run one from a checkout as ``python benchmarks/<name>.py`` (``--help`` for its options). Each script has
+Run one from a checkout as ``python benchmarks/<name>.py`` (``--help`` for its options). Each that writes a results file has
 ``run(args)``, which measures and returns the JSON it writes (``_common.write_result``, to ``--out``, by default
 benchmarks/results/<name>.json), and ``render(result)``, its block of the docs (``render_docs.py`` assembles the
 pages from them; numbers are formatted by ``docs_format``). The modules import each other as

@@ -96,7 +96,6 @@ def parse_args(argv: list[str] | None = None):
 
 
 def run(args) -> dict:
-
     os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from dutycycle.engine.synth import synthesize

@@ -1,12 +1,12 @@
-"""Shared measurement helpers for benchmarks/*.py: throughput, time to first batch, peak RSS, one row per process,
-a local Ray cluster and a local S3-compatible server.
+"""Shared measurement helpers for benchmarks/*.py: throughput, time to first batch, peak RSS, one row per process
+and a local Ray cluster.
 
 Every benchmark row runs in its own Python process (``run_row``), so its peak memory is its own: the row
 measures the resident set of its whole process tree (itself, DataLoader workers, a local Ray cluster's
 daemons and workers) by sampling, and the kernel's high-water mark for the row process itself.
 
-Only the standard library is imported at module level: the peers' rows (``loader_peers.py``) import this module
-in a virtual environment without dutycycle.
+Only the standard library (and tests/support/memory.py, standard library too) is imported at module level: the
+peers' rows (``loader_peers.py``) import this module in a virtual environment without dutycycle.
 """
 
 from __future__ import annotations
@@ -22,24 +22,12 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tests.support.memory import peak_rss_bytes
+
 RESULT_PREFIX = "BENCH_RESULT "
 
 
 # ----------------------------------------------------------------------------------------------- memory
-
-
-def peak_rss_bytes() -> int:
-    """The kernel's peak resident set of this process (VmHWM), exact even for spikes between samples."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 class PeakRSS:
@@ -212,39 +200,6 @@ def local_ray() -> Iterator[float]:
         ray.shutdown()
 
 
-@contextmanager
-def moto_server() -> Iterator[str]:
-    """Run a moto S3 server on 127.0.0.1 (a free port) and yield its endpoint URL; stopped on exit."""
-    import urllib.request
-
-    from dutycycle.trainer.cluster.local import free_port
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/", timeout=1).read()
-                break
-            except Exception:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("moto server did not start") from None
-                time.sleep(0.2)
-        yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def quiet_ray_data() -> None:
     from ray.data import DataContext
 
@@ -294,15 +249,29 @@ def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
 
 
-def write_result(out: str, result: dict[str, Any], show: tuple[str, ...]) -> None:
-    """Write a benchmark's JSON to ``out`` and print the ``show`` keys of it."""
-    from pathlib import Path
+def default_out(name: str) -> str:
+    """Where a benchmark writes its JSON unless ``--out`` says otherwise: benchmarks/results/NAME.json."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{name}.json")
 
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in show}, indent=2))
-    print(f"wrote {path}", file=sys.stderr)
+
+def read_result(out: str) -> dict[str, Any]:
+    """What ``out`` holds already (for ``--merge``), or nothing."""
+    if not os.path.exists(out):
+        return {}
+    with open(out) as f:
+        return json.load(f)
+
+
+def write_result(out: str, result: dict[str, Any], show: tuple[str, ...] = ()) -> None:
+    """Write a benchmark's JSON to ``out`` whole or not at all, and print the ``show`` keys of it."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
+    if show:
+        print(json.dumps({k: result[k] for k in show if k in result}, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
 
 
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:

@@ -35,7 +35,8 @@ from dutycycle.engine.synth import draw_shapes
 if __name__ == "__main__":  # run as `python benchmarks/cache.py`: the siblings import as `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import PeakRSS, emit, machine, measure, run_row, write_result  # noqa: E402
+from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks._common import PeakRSS, default_out, emit, machine, measure, run_row, write_result  # noqa: E402
 
 BATCH = 256
 SIZE = 64
@@ -231,19 +232,18 @@ ROWS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=3000, help="number of synthetic JPEGs (default 3000)")
     p.add_argument("--min-seconds", type=float, default=3.0, help="steady-state seconds per throughput row")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "cache.json"))
+    p.add_argument("--out", default=default_out("cache"))
     p.add_argument("--workdir", default=None, help="keep the images and table here (the cache is rebuilt)")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.row:
-        emit(ROWS[args.row](Path(args.data), args.min_seconds))
-        return 0
+    return p.parse_args(argv)
 
+
+def run(args) -> dict:
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="dc-bench-cache-")
     root = Path(args.workdir or tmp.name)
     root.mkdir(parents=True, exist_ok=True)
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"materialize_images_per_s": mat.get("images_per_s"), "materialize_peak_rss_mb": mat.get("peak_rss_mb"),
                "reuse_s_fresh_process": rows["reuse"].get("seconds_including_imports"),
                "reuse_s_warm_process": mat.get("reuse_s_warm_process")}
-    result = {
+    return {
         "benchmark": "cache",
         "config": {"n": args.n, "batch_size": BATCH, "sample_shape": [SIZE, SIZE, 3], "min_seconds": args.min_seconds},
         "data": info,
@@ -289,7 +289,43 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "total_s": round(time.perf_counter() - t0, 1),
     }
-    write_result(args.out, result, ("samples_per_s", "ratios", "materialization"))
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+def render(d: dict) -> str:
+    r, ratio, tgt, m = d["rows"], d["ratios"], d["targets"], d["materialization"]
+    inter = r["interleaved"]
+    rows = [
+        ["(b) `CacheLoader`, `auto` mode, uint8 out", fmt.rate(inter["cache"]["samples_per_s"]),
+         fmt.rate(r["cache"]["samples_per_s"]), fmt.secs(r["cache"]["time_to_first_batch_s"])],
+        ["(c) the same split in one array in RAM, same plan and gather", fmt.rate(inter["ram"]["samples_per_s"]),
+         fmt.rate(r["ram"]["samples_per_s"]), fmt.secs(r["ram"]["time_to_first_batch_s"])],
+        ["(a) torch DataLoader, 2 workers, PIL decode of the JPEGs", "-", fmt.rate(r["torch-jpeg"]["samples_per_s"]),
+         fmt.secs(r["torch-jpeg"]["time_to_first_batch_s"])],
+    ]
+    reads = fmt.table(["loader", "samples/s, alternating epochs in one process", "samples/s, own process",
+                   "first batch"], rows)
+    ratios = fmt.table(["ratio", "value", "target"], [
+        ["(b) / (c), alternating epochs", fmt.times(ratio["cache_vs_ram"]), fmt.times(tgt["cache_vs_ram"])],
+        ["(b) / (a)", fmt.times(ratio["cache_vs_torch_jpeg"]), fmt.times(tgt["cache_vs_torch_jpeg"])],
+    ])
+    made = fmt.table(["materialization", "value"], [
+        ["images/s", fmt.rate(m["materialize_images_per_s"])],
+        ["peak RSS", fmt.mib(m["materialize_peak_rss_mb"])],
+        ["reusing the existing cache, fresh process (imports included)", fmt.secs(m["reuse_s_fresh_process"])],
+        ["reusing it again in the same process", fmt.secs(m["reuse_s_warm_process"])],
+    ])
+    return "\n\n".join([reads, ratios, made, fmt.source("cache")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.row:
+        emit(ROWS[args.row](Path(args.data), args.min_seconds))
+        return 0
+    write_result(args.out, run(args), ("samples_per_s", "ratios", "materialization"))
     return 0
 
 

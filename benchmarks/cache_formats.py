@@ -29,6 +29,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+if __name__ == "__main__":  # run as `python benchmarks/cache_formats.py`: the siblings import as `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import docs_format  # noqa: E402
+from benchmarks._common import default_out, write_result  # noqa: E402
+
 BATCH = 256
 FORMATS = ("arrow", "arrow-lz4", "parquet", "parquet-zstd")
 
@@ -128,18 +134,40 @@ def synthetic(n: int, seed: int = 0) -> tuple[list[str], np.ndarray, np.ndarray]
     return [f"{i:032x}" for i in range(n)], rng.integers(0, 4, n), images
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=3000)
     p.add_argument("--min-seconds", type=float, default=2.0)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "cache_formats.json"))
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=default_out("cache_formats"))
+    return p.parse_args(argv)
+
+
+def run(args) -> dict:
     ids, labels, images = synthetic(args.n)
     with tempfile.TemporaryDirectory(prefix="dc-formats-") as d:
-        result = {"benchmark": "cache_formats", "data": "synthetic photo-like", **compare(ids, labels, images, Path(d), args.min_seconds)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+        return {"benchmark": "cache_formats", "data": "synthetic photo-like",
+                **compare(ids, labels, images, Path(d), args.min_seconds)}
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+FORMAT_LABELS = {"arrow": "Arrow IPC, memory-mapped", "arrow-lz4": "Arrow IPC, lz4",
+                 "parquet": "Parquet, uncompressed", "parquet-zstd": "Parquet, zstd"}
+
+
+def render(d: dict) -> str:
+    rows = [[FORMAT_LABELS.get(r["format"], r["format"]), f"{r['size_vs_raw_pixels']:.3f}", docs_format.rate(r["samples_per_s"]),
+             f"{r['vs_ram']:.2f}"] for r in d["rows"]]
+    rows.append(["the same samples in one array in RAM", "-", docs_format.rate(d["ram_samples_per_s"]), "1"])
+    return "\n\n".join([docs_format.table(["format", "size vs raw pixels", "samples/s", "vs in-RAM gather"], rows),
+                        docs_format.source("cache_formats")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -72,6 +71,8 @@ from dutycycle.trainer.cluster.local import free_port
 if __name__ == "__main__":  # run as `python benchmarks/checkpoint.py`: the siblings import as `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks._common import default_out, machine, write_result  # noqa: E402
 from benchmarks.throttle import RATE_ENV, STATE_ENV  # noqa: E402
 
 ROWS = ("none", "sync", "async", "sync-throttled", "async-throttled")
@@ -299,26 +300,23 @@ def recovery_row(args, workdir: Path) -> dict:
     }
 
 
-def _fmt(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def table(rows: list[dict]) -> str:
-    lines = ["| row | saves | stall per save (s) | write (MB/s) | MB per save | median step (s) | step after a save (s) "
-             "| loop wall (s) | end-to-end cost (s) | ... by step sum (s) | ... by process wall (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["name"] == "recovery" or "error" in r:
-            continue
-        lines.append(f"| {r['name']} | {r['saves']} | {_fmt(r['stall_s_per_save'], '.3f')} | "
-                     f"{_fmt(r['write_mb_per_s'], '.0f')} | {_fmt(r['bytes_per_save'] / 1e6 if r['saves'] else None, '.0f')} | "
-                     f"{_fmt(r['step_s_median'], '.2f')} | {_fmt(r['step_s_median_after_save'], '.2f')} | "
-                     f"{r['loop_wall_s']:.2f} | {_fmt(r.get('overhead_s'), '.2f')} | "
-                     f"{_fmt(r.get('overhead_steps_s'), '.2f')} | {_fmt(r.get('overhead_process_s'), '.2f')} |")
-    return "\n".join(lines)
+    """The rows as this run printed them (the docs' table is ``render``'s)."""
+    def cost(v: float | None) -> str | None:
+        return None if v is None else _signed_secs(v)
+
+    body = [[r["name"], r["saves"], fmt.secs(r["stall_s_per_save"]),
+             f"{r['write_mb_per_s']:.0f}" if r["write_mb_per_s"] is not None else None,
+             fmt.nbytes(r["bytes_per_save"]) if r["saves"] else None, fmt.secs(r["step_s_median"]),
+             fmt.secs(r["step_s_median_after_save"]), fmt.secs(r["loop_wall_s"]), cost(r.get("overhead_s")),
+             cost(r.get("overhead_steps_s")), cost(r.get("overhead_process_s"))]
+            for r in rows if r["name"] != "recovery" and "error" not in r]
+    return fmt.table(["row", "saves", "stall per save", "write (MB/s)", "per save", "median step",
+                      "step after a save", "loop wall", "end-to-end cost", "... by step sum", "... by process wall"],
+                     body)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--width", type=int, default=768, help="ViT width (768 at depth 8: ~57M parameters)")
     p.add_argument("--depth", type=int, default=8)
@@ -342,13 +340,17 @@ def main(argv: list[str] | None = None) -> int:
                         "3, or 1 with --quick")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--quick", action="store_true", help="a tiny ViT and few steps: seconds, for the smoke test")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint.json"))
+    p.add_argument("--out", default=default_out("checkpoint"))
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.depth, args.heads, args.size, args.batch, args.steps, args.every = 32, 2, 2, 8, 4, 8, 3
     args.repeats = args.repeats or (1 if args.quick else 3)
     if args.throttle_mb_s is None:
         args.throttle_mb_s = 10.0 if args.quick else 200.0
+    return args
+
+
+def run(args) -> dict:
     rounds = []
     with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory(
             prefix="dc-throttled-", dir=args.throttle_backing or None) as throttle_root:
@@ -376,19 +378,131 @@ def main(argv: list[str] | None = None) -> int:
             print("recovery: " + ("error\n" + r["error"] if "error" in r else
                                   f"{r['recovery_s']:.1f} s from the kill to the first resumed step "
                                   f"(restore {r['restore_s']:.2f} s, {r['steps_lost']} steps lost)"), flush=True)
-    ratios = compute_ratios(rows)
-    result = {
+    return {
         "benchmark": "checkpoint",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "settings": vars(args), "rows": rows, "ratios": ratios,
+        "machine": machine(),
+        "settings": vars(args), "rows": rows, "ratios": compute_ratios(rows),
         "target": {"async_stall_vs_sync": 0.1, "async_overhead_vs_sync_throttled": 0.25},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(table(rows))
-    print(json.dumps(ratios, indent=2))
-    print(f"wrote {args.out}")
-    return 1 if any("error" in r for r in rows) else 0
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+CHECKPOINT_LABELS = {"none": "none (no checkpoints)", "sync": "synchronous (`async_save = false`)",
+                     "async": "asynchronous (the default)", "sync-throttled": "synchronous, throttled storage",
+                     "async-throttled": "asynchronous, throttled storage"}
+
+
+def _signed_secs(x: float) -> str:
+    return fmt.secs(x) if x >= 0 else "−" + fmt.secs(-x)
+
+
+def _cost_ratio(a: float, b: float, target: float | None = None) -> str:
+    """Asynchronous over synchronous end-to-end cost, with both costs; a synchronous cost at or below zero means
+    checkpoints cost less than the machine's noise, and no ratio is given."""
+    costs = f"{_signed_secs(a)} against {_signed_secs(b)}"
+    if b <= 0:
+        return f"not measurable ({costs}: within the run-to-run noise)"
+    goal = f", target {fmt.times(target)}" if target is not None else ""
+    return f"{fmt.times(a / b) if a > 0 else _signed_secs(a) + ' (no cost measurable)'} ({costs}{goal})"
+
+
+def render(d: dict) -> str:
+    s = d["settings"]
+    rows = {r["name"]: r for r in d["rows"]}
+    saved = rows["async"]
+    shown = [n for n in CHECKPOINT_LABELS if n in rows and "error" not in rows[n]]
+    # the training loop's wall time where the results have it (benchmarks/checkpoint.py's docstring says why);
+    # results written before it was recorded have only the whole process's
+    loop = all("loop_wall_s" in rows[n] for n in shown)
+    wall = "loop_wall_s" if loop else "process_wall_s"
+    base = rows["none"][wall]
+    throttled = [n for n in shown if n.endswith("-throttled")]
+    repeats = s.get("repeats") or 1
+
+    def cost_of(name: str) -> float:
+        # the benchmark's own cost (with rounds: the median of each round's cost against that round's run without
+        # checkpoints, not a difference of medians); results without it have only the whole process's wall
+        r = rows[name]
+        return r["overhead_s"] if loop and "overhead_s" in r else r[wall] - base
+
+    caption = (f"A ViT of {saved['num_params'] / 1e6:.1f}M parameters at {s['ranks']} ranks, ZeRO stage {s['stage']}, "
+               f"AdamW fp32 ({fmt.nbytes(saved['bytes_per_save'])} of model and optimizer state per save), a save every "
+               f"{s['every']} steps over {s['steps']} steps, through the torchrun launcher.")
+    if throttled:
+        caption += (f" Throttled storage: `checkpoint.dir` on a `throttled://` path whose writes are paced to "
+                    f"{s['throttle_mb_s']:g} MB/s for both ranks together (benchmarks/throttle.py).")
+    caption += (" End-to-end cost: the row's run wall time minus the run without checkpoints, measured "
+                + ("over the training loop (steps, final evaluation and the wait for the last save to commit; "
+                   "process start-up left out)." if loop else
+                   "over the whole torchrun process (start-up included: these results predate the loop's wall time)."))
+    if repeats > 1:
+        caption += (f" Every row ran {repeats} times in rounds; each figure is the median over the rounds, and a cost "
+                    "the median of each round's cost against that round's run without checkpoints.")
+    body = []
+    for name in shown:
+        r = rows[name]
+        has = r["saves"] > 0
+        body.append([CHECKPOINT_LABELS[name], fmt.secs(r["stall_s_per_save"]) if has else "-",
+                     f"{r['write_mb_per_s'] * 1e6 / 2**20:.0f} MiB/s" if has else "-",
+                     fmt.nbytes(r["bytes_per_save"]) if has else "-", fmt.secs(r["step_s_median"]),
+                     fmt.secs(r["step_s_median_after_save"]) if has else "-", fmt.secs(r[wall]),
+                     _signed_secs(cost_of(name)) if has else "-"])
+    headers = ["save mode", "stall per save", "write throughput", "bytes per save", "median step",
+               "median step after a save", "run wall (training loop)" if loop else "run wall (whole process)",
+               "end-to-end cost"]
+    ratio = d["ratios"]
+    target = d["target"]
+    cost = {n: cost_of(n) for n in shown if n != "none"}
+    facts = [
+        ["asynchronous stall over synchronous stall", f"{fmt.times(ratio['async_stall_vs_sync'])} "
+                                                      f"(target {fmt.times(target['async_stall_vs_sync'])})"],
+        ["asynchronous end-to-end cost over synchronous", _cost_ratio(cost["async"], cost["sync"])],
+    ]
+    if loop and "overhead_steps_s" in saved:
+        facts.append(["the same, by the sum of step times (stalls and contention, without the last save's drain)",
+                      _cost_ratio(saved["overhead_steps_s"], rows["sync"]["overhead_steps_s"])])
+    if {"sync-throttled", "async-throttled"} <= set(shown):
+        at = rows["async-throttled"]
+        facts += [
+            ["throttled storage: asynchronous stall over synchronous",
+             fmt.times(ratio["async_stall_vs_sync_throttled"])],
+            ["throttled storage: asynchronous end-to-end cost over synchronous",
+             _cost_ratio(cost["async-throttled"], cost["sync-throttled"],
+                         target.get("async_overhead_vs_sync_throttled"))],
+            ["throttled storage: saves that waited for the previous one", str(at["waited_for_previous_save"])],
+        ]
+        if "async_final_save_vs_sync_overhead_throttled" in ratio:
+            facts.append(["throttled storage: the asynchronous run's last save and its wait (no policy hides it), "
+                          "over the synchronous cost",
+                          f"{fmt.secs(at['final_save_s'])}, {fmt.times(ratio['async_final_save_vs_sync_overhead_throttled'])}"])
+    facts += [
+        ["asynchronous: time in the save call (state dict and hand-off)",
+         fmt.secs(saved["stall_s_per_save_in_maybe_save"])],
+        ["asynchronous: snapshot copy per save (overlapping the next forward/backward)", fmt.secs(saved["snapshot_s"])],
+        ["saves that waited for the previous one", str(saved["waited_for_previous_save"])],
+        ["step after an asynchronous save over the median step",
+         fmt.times(ratio["async_step_after_save_vs_median_step"])],
+    ]
+    rec = rows["recovery"]
+    recovery = fmt.table(["recovery (whole job SIGKILLed, same command again)", "value"], [
+        ["killed after step", str(rec["killed_after_step"])],
+        ["resumed from step", str(rec["resumed_from_step"])],
+        ["steps lost", str(rec["steps_lost"])],
+        ["find, verify and load the checkpoint", fmt.secs(rec["restore_s"])],
+        ["from the kill to the first resumed step", fmt.secs(rec["recovery_s"])],
+    ])
+    return "\n\n".join([fmt.para(caption), fmt.table(headers, body), fmt.table(["measured", "value"], facts), recovery,
+                        fmt.source("checkpoint")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    write_result(args.out, result, ("ratios",))
+    print(table(result["rows"]))
+    return 1 if any("error" in r for r in result["rows"]) else 0
 
 
 if __name__ == "__main__":

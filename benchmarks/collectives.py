@@ -42,7 +42,12 @@ from pathlib import Path
 if __name__ == "__main__":  # run as `python benchmarks/collectives.py`: the siblings import as `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import markdown_table  # noqa: E402
+from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    default_out,
+    markdown_table,  # noqa: E402
+    write_result,
+)
 from benchmarks.netns import launch, two_nodes, unavailable  # noqa: E402
 
 M = 1 << 20
@@ -285,7 +290,7 @@ def table(rows: list[dict]) -> str:
           r.get("time_vs_gloo_rs"), r["bytes_sent"], r["inter_node_bytes"], r["bytes_vs_fp32"]] for r in rows])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat, one shaped rate: seconds")
     p.add_argument("--sizes", default="1,4,16,64", help="loopback sizes, in Mi elements (default 1,4,16,64)")
@@ -294,13 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--no-netns", action="store_true", help="skip the two-node rows")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "collectives.json"))
+    p.add_argument("--out", default=default_out("collectives"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        worker(args.worker)
-        return 0
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return p.parse_args(argv)
+
+
+def run(args) -> dict:
     if args.quick:
         sizes, net_sizes, rates, repeats = [1 << 16], [1 << 16], [1.0, 0.0], 1
         codec_sizes, probe = [1 << 18], 1 << 20
@@ -339,12 +343,10 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
         result["two_nodes"] = {"ranks_per_node": 2, "runs": runs, "crossover": crossover(runs)}
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)  # the file appears whole or not at all
+    return result
 
+
+def show(result: dict) -> None:
     for world, r in result["loopback"].items():
         print(f"\n### loopback, {world} ranks\n")
         print(table(r["rows"]) if "rows" in r else r)
@@ -355,7 +357,75 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c['case']:>14} {c['numel'] // M:>3}M: wins {c['verdict']}")
     if "skipped" in result["two_nodes"]:
         print("two-node rows:", result["two_nodes"]["skipped"])
-    print(f"\nwrote {out} in {result['wall_s']} s")
+    print(f"\nmeasured in {result['wall_s']} s")
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+COLLECTIVE_COLUMNS = [("rs_gloo_fp32", "gloo reduce_scatter"), ("rs_fp32_flat", "fp32 all-to-all"),
+                      ("rs_int8_flat", "int8"), ("rs_int4_flat", "int4"), ("rs_int8_hier", "int8 two-hop"),
+                      ("ag_gloo_fp32", "gloo all-gather"), ("ag_int8", "int8 all-gather")]
+
+
+COLLECTIVE_CASES = {
+    "rs_fp32_flat": "fp32 reduce-scatter (all-to-all)", "rs_bf16_flat": "bf16 reduce-scatter",
+    "rs_int8_flat": "int8 reduce-scatter", "rs_int4_flat": "int4 reduce-scatter",
+    "rs_fp32_hier": "fp32 reduce-scatter, two hops", "rs_bf16_hier": "bf16 reduce-scatter, two hops",
+    "rs_int8_hier": "int8 reduce-scatter, two hops", "rs_int4_hier": "int4 reduce-scatter, two hops",
+    "ag_gloo_fp32": "gloo all-gather (fp32)", "ag_bf16": "bf16 all-gather", "ag_int8": "int8 all-gather",
+    "rs_gloo_fp32": "gloo reduce_scatter (fp32)",
+}
+
+
+def _link(run: dict) -> str:
+    measured = fmt.gbit(run["link"]["inter_node_gbit_s"])
+    return measured if run["rate_gbit"] else f"unshaped veth ({measured})"
+
+
+def render(d: dict) -> str:
+    runs = d["two_nodes"]["runs"]
+    rows = []
+    for run in runs:
+        by = {(r["case"], r["numel"]): r for r in run["rows"]}
+        for numel in sorted({r["numel"] for r in run["rows"]}):
+            rows.append([_link(run), fmt.elements(numel)] + [fmt.millis(by[(c, numel)]["wall_ms"]) for c, _ in
+                                                          COLLECTIVE_COLUMNS])
+    headers = ["link (measured)", "elements"] + [label for _, label in COLLECTIVE_COLUMNS]
+    links = fmt.table(["link limit", "measured inter-node", "measured intra-node"], [
+        [fmt.gbit(run["rate_gbit"]) if run["rate_gbit"] else "none", fmt.gbit(run["link"]["inter_node_gbit_s"]),
+         fmt.gbit(run["link"]["intra_node_gbit_s"])] for run in runs])
+    caption = (f"4 ranks as two nodes of {d['two_nodes']['ranks_per_node']}, fastest of {d['config']['repeats']} "
+               f"calls, one thread per rank, quantization included:")
+    return "\n\n".join([links, fmt.para(caption), fmt.table(headers, rows), fmt.source("collectives")])
+
+
+def render_crossover(d: dict) -> str:
+    rows = [[COLLECTIVE_CASES.get(c["case"], c["case"]), COLLECTIVE_CASES.get(c["baseline"], c["baseline"]),
+             fmt.elements(c["numel"]), c["verdict"]] for c in d["two_nodes"]["crossover"]]
+    lo, hi = d["two_nodes"]["crossover"][0]["measured_gbit_s"]
+    caption = f"Where each collective beats its baseline (a fit over measured links of {fmt.gbit(lo)} to {fmt.gbit(hi)}):"
+    return "\n\n".join([caption, fmt.table(["collective", "baseline", "elements", "faster"], rows),
+                        fmt.source("collectives")])
+
+
+def render_codec(d: dict) -> str:
+    rows = [[c["wire"], fmt.elements(c["numel"]), f"{c['encode_melem_s']:,.0f}", f"{c['encode_gb_s_of_fp32']:.1f}",
+             f"{c['decode_melem_s']:,.0f}", f"{c['decode_sum_melem_s']:,.0f}"] for c in d["codec"]]
+    headers = ["wire", "elements", "encode (M elements/s)", "encode (GB/s of fp32)", "decode (M elements/s)",
+               "decode and sum 4 senders (M elements/s)"]
+    return "\n\n".join([fmt.table(headers, rows), fmt.source("collectives")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return 0
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    result = run(args)
+    write_result(args.out, result)
+    show(result)
     return 0
 
 

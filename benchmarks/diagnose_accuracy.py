@@ -37,7 +37,9 @@ from pathlib import Path
 if __name__ == "__main__":  # run as `python benchmarks/diagnose_accuracy.py`: the siblings import as `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import machine, write_result  # noqa: E402
+from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks import throttle  # noqa: E402
+from benchmarks._common import default_out, machine, write_result  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 KIND = {"data": "data-bound", "comm": "communication-bound", "checkpoint": "checkpoint-bound",
@@ -137,8 +139,6 @@ def run_case(config: str, common: list[str], case: dict, tmp: Path, repeats: int
         sets = list(case["set"])
         rate_before = None
         if "throttle_mb_s" in case:  # the checkpoint path, paced (benchmarks/throttle.py)
-            from benchmarks import throttle
-
             rate_before = os.environ.get(throttle.RATE_ENV)
             os.environ[throttle.RATE_ENV] = f"{case['throttle_mb_s']:.6g}"
             throttle._LINK = None  # the link reads its rate once
@@ -151,8 +151,6 @@ def run_case(config: str, common: list[str], case: dict, tmp: Path, repeats: int
             continue
         finally:
             if "throttle_mb_s" in case:  # the pace of the next case is its own
-                from benchmarks import throttle
-
                 if rate_before is None:
                     os.environ.pop(throttle.RATE_ENV, None)
                 else:
@@ -191,7 +189,7 @@ def run_case(config: str, common: list[str], case: dict, tmp: Path, repeats: int
             "rest_of_step_vs_baseline": rest[len(rest) // 2] / base_step if rest and base_step else None}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default=str(HERE.parent / "configs" / "demo.toml"))
     p.add_argument("--cache", required=True, help="the demo's cache (dutycycle demo makes one)")
@@ -201,10 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify", action="store_true", help="also run each verdict's top remedy (slower)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every run (after the cache and the worker count)")
-    p.add_argument("--out", default=str(HERE / "results" / "diagnose_accuracy.json"))
-    args = p.parse_args(argv)
-    from benchmarks import throttle
+    p.add_argument("--out", default=default_out("diagnose_accuracy"))
+    return p.parse_args(argv)
 
+
+def run(args) -> dict:
     throttle.register()  # the throttled:// protocol, in this process (every run is in it)
 
     common = [f"data.cache={os.path.abspath(args.cache)}", "parallel.num_workers=1", "ray.max_failures=0",
@@ -217,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         wanted = set(args.causes.split(","))
         rows = [run_case(args.config, common, case, tmp, args.repeats, args.budget_s, args.verify, base["step_s"])
                 for case in cases(base, tmp) if case["cause"] in wanted]
-    result = {
+    return {
         "benchmark": "diagnose_accuracy",
         "config": {"config": os.path.relpath(args.config, HERE.parent), "overrides": args.overrides,
                    "repeats": args.repeats, "budget_s": args.budget_s, "workers": 1,
@@ -228,7 +227,42 @@ def main(argv: list[str] | None = None) -> int:
         "right_cause": {f"{r['cause']}: {r['strength']}": f"{r['hits']}/{r['of']}" for r in rows if r["of"]},
         "total_s": round(time.perf_counter() - t0, 1),
     }
-    write_result(args.out, result, ("right_cause",))
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+def render(d: dict) -> str:
+    c = d["config"]
+    rows = []
+    for r in d["cases"]:
+        shares = [x["share"] for x in r["runs"] if x.get("share") is not None]
+        measured = f"{fmt.pct(min(shares))} to {fmt.pct(max(shares))}" if shares else "-"
+        expected = fmt.pct(r["expected_share"]) if r["expected_share"] is not None else "-"
+        err = r["largest_share_error_points"]
+        ratios = [x["verified"]["measured_over_predicted"] for x in r["runs"] if "verified" in x]
+        kinds = sorted({x.get("kind", "failed") for x in r["runs"]})
+        right = f"{r['hits']} of {r['of']}" if r["of"] else f"a prediction case ({', '.join(kinds)})"
+        rest = r.get("rest_of_step_vs_baseline")
+        waits = [x["wait_error_ms"] for x in r["runs"] if "wait_error_ms" in x]
+        accounted = f"{min(waits):+.1f} to {max(waits):+.1f} ms" if waits else "-"
+        rows.append([r["cause"], r["strength"], right, expected, measured,
+                     f"{err:.1f}" if err is not None else "-", accounted, f"{rest:.2f}x" if rest else "-",
+                     f"{sum(abs(x - 1) <= 0.15 for x in ratios)} of {len(ratios)} within 15% "
+                     f"({min(ratios):.2f}x to {max(ratios):.2f}x)" if ratios else "-"])
+    line = (f"`python benchmarks/diagnose_accuracy.py --repeats {c['repeats']}"
+            + (" --verify" if c.get("verify") else "") + f"`: {c['workers']} worker, the demo's config and cache; "
+            f"baseline step {fmt.secs(d['baseline']['step_s'])}, whole benchmark {fmt.secs(d['total_s'])}.")
+    return "\n\n".join([fmt.para(line), fmt.table(["cause", "strength", "right cause", "injected share", "measured share",
+                                              "largest error (points)", "wait accounted - injected, per step",
+                                              "rest of the step / baseline step",
+                                              "measured / predicted"], rows),
+                         fmt.source("diagnose_accuracy")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    write_result(args.out, run(args), ("right_cause",))
     return 0
 
 

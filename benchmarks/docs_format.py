@@ -12,10 +12,6 @@ RESULTS = Path("benchmarks") / "results"
 WRAP = 115  # generated prose and recorded verdict lines, wrapped like the hand-written lines around them
 
 
-class RenderError(Exception):
-    """A page names an unknown block, its markers do not pair up, or a results file lacks a value a block uses."""
-
-
 def _three_figures(v: float) -> str:
     """Three significant figures for 1 <= v < 1000 (fewer below 1): 338, 11.0, 1.04."""
     return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
@@ -112,15 +108,6 @@ def verdict_block(text: str) -> str:
     lines = textwrap.wrap("[diagnose] verdict: " + text, WRAP, break_on_hyphens=False)
     return "```\n" + "\n".join(lines) + "\n```"
 
-
-def results_file(results: dict, name: str) -> dict:
-    try:
-        return results[name]
-    except KeyError:
-        raise RenderError(f"no results file {RESULTS.as_posix()}/{name}.json") from None
-
-
-# -- the blocks -----------------------------------------------------------------------------------------------------
 
 def command_line(text: str) -> str:
     """``cmd (a remark)`` as code followed by the remark."""

@@ -17,6 +17,13 @@ import shutil
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+if __name__ == "__main__":  # run as `python benchmarks/ingest.py`: the siblings import as `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks._common import default_out, write_result  # noqa: E402
 
 
 def _decode(path: str) -> int:
@@ -78,15 +85,17 @@ def _measure(ingest, src: str, work: str, name: str, runner: str | None) -> dict
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=5000, help="shape images to synthesize and ingest")
     parser.add_argument("--photos", type=int, default=200, help="camera-sized JPEGs (2048x1536) to ingest")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runner", default=None, help="native (default) or ray")
-    parser.add_argument("--out", default=None, help="also write the JSON here")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", default=default_out("ingest"))
+    return parser.parse_args(argv)
 
+
+def run(args) -> dict:
     os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from dutycycle.engine.synth import synthesize
@@ -110,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    result = {
+    return {
         "benchmark": "ingest",
         "cpus": os.cpu_count(),
         "runner": args.runner or os.environ.get("DAFT_RUNNER", "native"),
@@ -118,14 +127,32 @@ def main(argv: list[str] | None = None) -> dict:
         "note": "end-to-end ingest (scan, read, hash, header parse, write Parquet, commit) vs decoding every "
         "file to RGB with PIL; ratio > 1: ingest is faster",
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return result
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+def render(d: dict) -> str:
+    cols = ["ingest_no_phash", "ingest_phash", "pil_decode_1proc", "pil_decode_pool"]
+    headers = ["data", "images", "ingest, no perceptual hash", "ingest (default: with hash)",
+               "PIL full decode, 1 process", f"PIL full decode, {d['cpus']} processes",
+               "ingest vs the decode pool"]
+    rows = []
+    for name, ds in d["datasets"].items():
+        ips = ds["images_per_s"]
+        rows.append([f"`{name}`", fmt.count(ds["images"])] + [f"{fmt.rate(ips[c])}/s" for c in cols]
+                    + [fmt.times(ds["ratios"]["ingest_phash_vs_pil_decode_pool"])])
+    note = fmt.para(f"Runner: {d['runner']}. {fmt.sentence(d['note'])}")
+    return "\n\n".join([fmt.table(headers, rows), note, fmt.source("ingest")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    write_result(args.out, result)
+    print(json.dumps(result, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -42,7 +42,6 @@ and private (``peak_private_mb``, without mapped files and shared memory).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -53,7 +52,17 @@ from typing import Any
 if __name__ == "__main__":  # run as `python benchmarks/loader.py`: the siblings import as `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import PeakRSS, emit, local_ray, machine, markdown_table, run_row  # noqa: E402
+from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    PeakRSS,
+    default_out,
+    emit,
+    local_ray,
+    machine,
+    markdown_table,
+    run_row,
+    write_result,
+)
 
 PRIMARY = "dutycycle-auto"
 HERE = Path(__file__).resolve().parent
@@ -175,9 +184,9 @@ def render_markdown(rows: dict[str, dict[str, Any]], ratios: list[dict[str, Any]
     return text + "\n\n" + markdown_table(["ratio", "value", "target", "met"], ratio_rows)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(HERE / "results" / "loader.json"))
+    p.add_argument("--out", default=default_out("loader"))
     p.add_argument("--n", type=int, default=None, help="number of synthetic images (default 6000, 600 with --quick)")
     p.add_argument("--samples", type=int, default=None,
                    help="samples in the cache the reading rows use (default 300,000: about 3.7 GB in 300 shards; "
@@ -192,18 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: measure rows in this process
     p.add_argument("--data", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    n = args.n or (600 if args.quick else 6000)
-    samples = args.samples if args.samples is not None else (0 if args.quick else 300_000)
-    min_seconds = args.min_seconds if args.min_seconds is not None else (0.2 if args.quick else 4.0)
-
-    if args.row:
-        emit(run_group(args.row.split(","), Path(args.data), min_seconds))
-        return 0
-
-    names = [r for r in args.rows.split(",") if r and not (args.no_peers_venv and r in VENV_ROWS)]
-    unknown = [r for r in names if r not in ROWS]
-    if unknown:
+    args.n = args.n or (600 if args.quick else 6000)
+    args.samples = args.samples if args.samples is not None else (0 if args.quick else 300_000)
+    args.min_seconds = args.min_seconds if args.min_seconds is not None else (0.2 if args.quick else 4.0)
+    args.names = [r for r in args.rows.split(",") if r and not (args.no_peers_venv and r in VENV_ROWS)]
+    unknown = [r for r in args.names if r not in ROWS]
+    if unknown and not args.row:
         p.error(f"unknown row {unknown[0]!r}; choose from {', '.join(ROWS)}")
+    return args
+
+
+def run(args) -> dict:
+    n, samples, min_seconds, names = args.n, args.samples, args.min_seconds, args.names
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="dc-bench-loader-")
     root = Path(args.workdir or tmp.name)
     root.mkdir(parents=True, exist_ok=True)
@@ -237,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if tmp is not None:
             tmp.cleanup()
-    ratios = summarize(rows)
-    result = {
+    return {
         "benchmark": "loader",
         "config": {"n": n, "samples": samples, "batch_size": 256, "sample_shape": [3, 64, 64], "min_seconds": min_seconds,
                    "quick": args.quick, "primary": PRIMARY, "targets_by_group": TARGETS,
@@ -246,14 +254,63 @@ def main(argv: list[str] | None = None) -> int:
         "data": info,
         "machine": machine(),
         "rows": [{"name": k, "group": ROWS[k][0], "description": ROWS[k][1], **v} for k, v in rows.items()],
-        "ratios": ratios,
+        "ratios": summarize(rows),
         "total_s": round(time.perf_counter() - t0, 1),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(render_markdown(rows, ratios))
-    print(f"\nwrote {out} in {result['total_s']} s", file=sys.stderr)
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+def _loader_rows(d: dict) -> list[dict]:
+    return [r for r in d["rows"] if isinstance(r.get("samples_per_s"), (int, float))]
+
+
+def render(d: dict) -> str:
+    data = d["data"]
+    shape = "x".join(str(s) for s in d["config"]["sample_shape"])
+    formats = ", ".join(f"{fmt.count(n)} {k.upper()}" for k, n in data["formats"].items())
+    caption = (f"{fmt.count(data['n'])} synthetic images ({formats}, {fmt.nbytes(data['image_bytes'])}) made into a cache of "
+               f"{shape} uint8 samples by {data['cache_writer']}; batch {d['config']['batch_size']}; "
+               f"each row in its own process on a {d['machine']['cpus']}-core machine.")
+    rows = [[r["group"], r["description"], fmt.rate(r["samples_per_s"]), fmt.secs(r["time_to_first_batch_s"]),
+             fmt.mib(r["peak_rss_mb"]), fmt.mib(r["peak_private_mb"])] for r in _loader_rows(d)]
+    headers = ["group", "loader", "samples/s", "first batch", "peak RSS", "peak private"]
+    return "\n\n".join([fmt.para(caption), fmt.table(headers, rows), fmt.source("loader")])
+
+
+def render_ratios(d: dict) -> str:
+    by_name = {r["name"]: r for r in d["rows"]}
+    rows = [[f"`{d['config']['primary']}` vs {r['against']}", fmt.times(r["value"]), fmt.times(r["target"]),
+             "yes" if r["met"] else "no"] for r in d["ratios"]]
+    inter = by_name["interleaved"]
+    rates = ", ".join(f"`{k}` {fmt.rate(v)} samples/s" for k, v in inter["samples_per_s"].items())
+    auto, thread = by_name["dutycycle-auto"], by_name["dutycycle-thread"]
+    batch = d["config"]["batch_size"]
+    handoff = batch / thread["samples_per_s"] - batch / auto["samples_per_s"]
+    lines = (f"Alternating epochs in one process ({fmt.count(inter['epochs_each'])} epochs each): {rates}. "
+             f"The prefetch thread's hand-off, when the consumer does no work: {fmt.secs(handoff)} per batch "
+             f"(`dutycycle-thread` against `dutycycle-auto`, batch {batch}).")
+    return "\n\n".join([fmt.table(["ratio", "value", "target", "met"], rows), fmt.para(lines), fmt.source("loader")])
+
+
+def render_remote(d: dict) -> str:
+    # no request column: the recorded counts predate a fix to how ranged fetches were counted
+    rows = [[r["description"], fmt.secs(r["time_to_first_batch_s"]), fmt.nbytes(r["bytes_fetched"]),
+             fmt.nbytes(r["cache_bytes"]), fmt.times(r["bytes_fetched"] / r["cache_bytes"])]
+            for r in _loader_rows(d) if "requests" in r]
+    headers = ["remote cache", "first batch (cold node)", "fetched", "cache size", "fetched / cache"]
+    return "\n\n".join([fmt.table(headers, rows), fmt.source("loader")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.row:
+        emit(run_group(args.row.split(","), Path(args.data), args.min_seconds))
+        return 0
+    result = run(args)
+    write_result(args.out, result)
+    print(render_markdown({r["name"]: r for r in result["rows"]}, result["ratios"]))
     return 0
 
 

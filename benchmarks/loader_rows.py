@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import local_ray, measure, moto_server, quiet_ray_data
+from benchmarks._common import local_ray, measure, quiet_ray_data
 from benchmarks.loader_data import SEED, SIZE, cache_arrays, list_files
+from tests.support.objectstore import moto_server
 
 BATCH = 256
 SLOW_BATCHES = 12  # the decoding rows are timed over this many batches after the warm-up one, not an epoch

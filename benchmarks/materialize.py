@@ -49,7 +49,17 @@ import numpy as np
 if __name__ == "__main__":  # run as `python benchmarks/materialize.py`: the siblings import as `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import PeakRSS, emit, local_ray, machine, run_row, tree_cpu_seconds, write_result  # noqa: E402
+from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    PeakRSS,
+    default_out,
+    emit,
+    local_ray,
+    machine,
+    run_row,
+    tree_cpu_seconds,
+    write_result,
+)
 from benchmarks.cache import prepare  # noqa: E402
 
 SIZE = 64
@@ -208,7 +218,7 @@ PLAN_ROWS = ("plan_daft", "plan_lists", "plan_daft_ray", "plan_daft_large")
 PLAN_LARGE_PEAK_MB = 1024  # target: planning the large table (10M rows) within 1 GB of driver memory
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=3000, help="number of synthetic JPEGs (default 3000)")
     p.add_argument("--repeat", type=int, default=3, help="processes per row; the median is reported")
@@ -216,18 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan-rows", type=int, default=1_000_000, help="rows of the planning table (0: skip)")
     p.add_argument("--plan-rows-large", type=int, default=10_000_000,
                    help="rows of the large planning table, for linearity and the 1 GB target (0: skip)")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "materialize.json"))
+    p.add_argument("--out", default=default_out("materialize"))
     p.add_argument("--workdir", default=None, help="keep the images and table here")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dest", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.row:
-        t0 = time.perf_counter()
-        r = ROWS[args.row](Path(args.data), Path(args.dest))
-        emit({**r, "seconds_in_process": time.perf_counter() - t0})
-        return 0
+    return p.parse_args(argv)
 
+
+def run(args) -> dict:
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="dc-bench-materialize-")
     root = Path(args.workdir or tmp.name)
     root.mkdir(parents=True, exist_ok=True)
@@ -287,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios["plan_rows_large_over_small"] = round(large["rows"] / small["rows"], 2)
         ratios["plan_large_peak_mb"] = large["peak_rss_self_mb"]
         ratios.setdefault("met", {})["plan_large_peak_mb"] = large["peak_rss_self_mb"] <= PLAN_LARGE_PEAK_MB
-    result = {
+    return {
         "benchmark": "materialize",
         "config": {"n": args.n, "size": SIZE, "rows_per_shard": ROWS_PER_SHARD, "repeat": args.repeat,
                    "plan_rows": args.plan_rows, "plan_rows_large": args.plan_rows_large},
@@ -298,7 +305,58 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {**TARGETS, "plan_large_peak_mb_at_most": PLAN_LARGE_PEAK_MB},
         "total_s": round(time.perf_counter() - t0, 1),
     }
-    write_result(args.out, result, ("rows", "ratios"))
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+MATERIALIZE_ROWS = {
+    "materialize": "`materialize`, native runner (the default)",
+    "serial": "hand-written loop, one process",
+    "pool": "hand-written loop, process pool",
+    "ray": "`materialize`, Ray runner",
+}
+
+
+PLAN_ROWS = {
+    "plan_daft": "one bucketing query, then bucket by bucket, native runner (what `materialize` runs)",
+    "plan_lists": "Python lists per row",
+    "plan_daft_ray": "the same, Ray runner",
+    "plan_daft_large": "what `materialize` runs, native runner, the large table",
+}
+
+
+def render(d: dict) -> str:
+    r = d["rows"]
+    build = fmt.table(
+        ["row", "median", "runs (min-max)", "images/s", "CPU seconds", "shards", "driver peak RSS"],
+        [[label, fmt.secs(r[k]["seconds"]), f"{min(r[k]['runs_seconds']):.1f}-{max(r[k]['runs_seconds']):.1f} s",
+          fmt.rate(r[k]["images_per_s"]), f"{r[k]['cpu_s']:.1f}", str(r[k]["shards"]), fmt.mib(r[k]["peak_rss_self_mb"])]
+         for k, label in MATERIALIZE_ROWS.items() if k in r],
+    )
+    ratios = d["ratios"]
+    line = (f"`materialize` against the loop: {fmt.times(ratios['materialize_vs_serial'])}; against the pool: "
+            f"{fmt.times(ratios['materialize_vs_pool'])} (target {fmt.times(d['targets']['materialize_vs_pool'])}). "
+            + (f"Ray's shards byte-identical to the native runner's: "
+               f"{'yes' if r['ray']['same_shards_as_native'] else 'no'}." if "ray" in r else
+               "The Ray row was not run (`--ray`); tests/engine/test_cache_ray.py checks its shards byte for byte."))
+    plan = fmt.table(
+        ["planning", "table rows", "median", "runs (min-max)", "driver peak RSS"],
+        [[label, fmt.count(r[k]["rows"]), fmt.secs(r[k]["seconds"]),
+          f"{min(r[k]['runs_seconds']):.1f}-{max(r[k]['runs_seconds']):.1f} s", fmt.mib(r[k]["peak_rss_self_mb"])]
+         for k, label in PLAN_ROWS.items() if k in r],
+    )
+    return "\n\n".join([build, fmt.para(line), plan, fmt.source("materialize")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.row:
+        t0 = time.perf_counter()
+        r = ROWS[args.row](Path(args.data), Path(args.dest))
+        emit({**r, "seconds_in_process": time.perf_counter() - t0})
+        return 0
+    write_result(args.out, run(args), ("rows", "ratios"))
     return 0
 
 

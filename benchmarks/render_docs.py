@@ -7,8 +7,10 @@ recorded verdict lines) between marker comments in README.md and docs/*.md::
     ...generated, do not edit...
     <!-- /render:loader -->
 
-Everything outside the markers is written by hand. A block names one of ``BLOCKS``; a page that names a block that
-does not exist, or a results file that lacks a value a block needs, is an error, not a silently empty table.
+Everything outside the markers is written by hand. A block names one of ``BLOCKS``: the results file it renders and
+the function that renders it, which lives in the benchmark that writes the file (``render`` for its main block).
+A page that names a block that does not exist, or a results file that lacks a value a block needs, is an error,
+not a silently empty table.
 
     python benchmarks/render_docs.py            # rewrite the pages in place
     python benchmarks/render_docs.py --check    # exit 1, naming the pages that differ from what would be written
@@ -22,15 +24,87 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 if __name__ == "__main__":  # run as `python benchmarks/render_docs.py`: the siblings import as `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.docs_blocks import BLOCKS  # noqa: E402
-from benchmarks.docs_format import RESULTS, RenderError  # noqa: E402
+from benchmarks import (  # noqa: E402
+    cache,
+    cache_formats,
+    checkpoint,
+    collectives,
+    diagnose_accuracy,
+    diagnose_stability,
+    ingest,
+    loader,
+    materialize,
+    recorded,
+    scale,
+    train,
+    zero,
+    zero_offload,
+    zeropp,
+)
+from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks.docs_format import RESULTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class RenderError(Exception):
+    """A page names an unknown block, its markers do not pair up, or a results file lacks a value a block uses."""
+
+
+def results_index(results: dict) -> str:
+    """Every results file and the machine it was measured on."""
+    rows = []
+    for name in sorted(results):
+        d = results[name]
+        cpus = (d.get("machine") or {}).get("cpus", d.get("cpus"))
+        rows.append([f"[`{name}.json`](../{RESULTS.as_posix()}/{name}.json)", f"{cpus} CPUs" if cpus else "not recorded"])
+    return fmt.table(["results file", "machine"], rows)
+
+
+INDEX = "results-index"  # the one block over every results file
+BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {  # block -> (the results file it renders, its renderer)
+    "demo-run": ("demo", recorded.render_demo),
+    "demo-verdict": ("demo", recorded.render_demo_verdict),
+    "diagnose-example": ("diagnose_example", recorded.render_diagnose_example),
+    "diagnose-stability": ("diagnose_stability", diagnose_stability.render),
+    "diagnose-accuracy": ("diagnose_accuracy", diagnose_accuracy.render),
+    "diagnose-comm-prediction": ("zeropp", zeropp.render_comm_prediction),
+    "ingest": ("ingest", ingest.render),
+    "materialize": ("materialize", materialize.render),
+    "cache-formats": ("cache_formats", cache_formats.render),
+    "cache": ("cache", cache.render),
+    "loader": ("loader", loader.render),
+    "loader-ratios": ("loader", loader.render_ratios),
+    "loader-remote": ("loader", loader.render_remote),
+    "scale": ("scale", scale.render),
+    "train": ("train", train.render),
+    "zero": ("zero", zero.render),
+    "zero-ratios": ("zero", zero.render_ratios),
+    "zero-offload": ("zero", zero_offload.render),
+    "zeropp": ("zeropp", zeropp.render),
+    "zeropp-convergence": ("zeropp", zeropp.render_convergence),
+    "layouts": ("zeropp", zeropp.render_layouts),
+    "collectives": ("collectives", collectives.render),
+    "collectives-crossover": ("collectives", collectives.render_crossover),
+    "collectives-codec": ("collectives", collectives.render_codec),
+    "checkpoint": ("checkpoint", checkpoint.render),
+}
+
+
+def render_block(name: str, results: dict) -> str:
+    """The markdown of block ``name`` from the results files (``results``: file stem -> its JSON)."""
+    if name == INDEX:
+        return results_index(results)
+    stem, render = BLOCKS[name]
+    if stem not in results:
+        raise RenderError(f"no results file {RESULTS.as_posix()}/{stem}.json")
+    return render(results[stem])
 
 # A marker is a line of its own, so prose may quote one inline without opening a block.
 MARKER = re.compile(r"^<!-- render:(?P<name>[\w-]+) -->\n(?P<body>.*?)^<!-- /render:(?P=name) -->$", re.S | re.M)
@@ -58,10 +132,10 @@ def render_text(text: str, results: dict, page: str = "page") -> str:
 
     def one(m: re.Match) -> str:
         name = m.group("name")
-        if name not in BLOCKS:
-            raise RenderError(f"{page}: unknown render block {name!r} (known: {', '.join(sorted(BLOCKS))})")
+        if name not in BLOCKS and name != INDEX:
+            raise RenderError(f"{page}: unknown render block {name!r} (known: {', '.join(sorted([*BLOCKS, INDEX]))})")
         try:
-            body = BLOCKS[name](results)
+            body = render_block(name, results)
         except (KeyError, IndexError, TypeError) as e:
             raise RenderError(f"{page}: block {name!r}: a results file lacks a value it needs ({e!r})") from e
         return f"<!-- render:{name} -->\n{body.rstrip()}\n<!-- /render:{name} -->"

@@ -47,13 +47,24 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit, machine, markdown_table, peak_rss_bytes, run_row, write_result  # noqa: E402
+from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    default_out,
+    emit,
+    machine,
+    markdown_table,
+    run_row,
+    write_result,
+)
+from tests.support.memory import peak_rss_bytes  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 FP = "scale-benchmark"
 SEED = 0
 TARGETS = {"plan_s_per_rank": 1.0, "plan_peak_mib_per_rank": 64.0, "shards_per_node_vs_ideal": 1.25,
            "range_amplification": 1.25, "disk_copy_vs_share": 1.25}
+KEYS = ("plan_s_per_rank", "plan_peak_mib_per_rank", "shards_per_node_vs_ideal", "range_amplification",
+        "disk_copy_vs_share", "reopens_per_batch")  # the product's figures, beside the baseline's
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -303,7 +314,7 @@ def measure_row(args, name: str, partitions: int, block_size: int) -> dict:
     return row
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan-cost", nargs=9, help=argparse.SUPPRESS)  # a row process
     p.add_argument("--samples", type=int, default=100_000_000)
@@ -321,11 +332,11 @@ def main() -> None:
     p.add_argument("--no-peers-venv", action="store_true", help="leave out py1e (it runs in the peers' venv)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--quick", action="store_true", help="1M samples, 64 ranks: seconds, for the smoke test")
-    p.add_argument("--out", default=str(HERE / "results" / "scale.json"))
-    args = p.parse_args()
+    p.add_argument("--out", default=default_out("scale"))
+    args = p.parse_args(argv)
     if args.plan_cost:
-        row_plan_cost(args.plan_cost)
-        return
+        return args
+    # imported past the row processes' return: a --plan-cost process measures its memory from a small start
     from dutycycle.engine.cache.shards import ReadConfig
     from dutycycle.loader.config import LoaderConfig
 
@@ -342,6 +353,10 @@ def main() -> None:
     args.chunk_rows = max(1, args.chunk_bytes // args.sample_bytes)  # as materialize records and the reader fetches
     if args.world_size % args.ranks_per_node:
         raise SystemExit(f"--world-size {args.world_size} is not a multiple of --ranks-per-node {args.ranks_per_node}")
+    return args
+
+
+def run(args) -> dict:
     py1e = None
     if not args.no_peers_venv:
         from benchmarks.loader_peers import ensure_venv
@@ -351,29 +366,64 @@ def main() -> None:
     rows = [measure_row(args, *spec) for spec in row_specs(args)]
     q = quality(args, py1e)
     product, baseline = rows[0], rows[-1]
-    keys = ("plan_s_per_rank", "plan_peak_mib_per_rank", "shards_per_node_vs_ideal", "range_amplification",
-            "disk_copy_vs_share", "reopens_per_batch")
-    result = {
+    return {
         "benchmark": "scale", "machine": machine(),
         "settings": {k: v for k, v in vars(args).items() if k != "plan_cost"},
-        **{k: product[k] for k in keys},
+        **{k: product[k] for k in KEYS},
         "range_amplification_blocks_64": rows[1]["range_amplification"],
         "batchmate_repeat_vs_permutation": q["batchmate_repeat_partitioned_vs_permutation"],
         "batchmate_repeat_blocks_64_vs_permutation": q["batchmate_repeat_partitioned-blocks-64_vs_permutation"],
         "batchmate_repeat_py1e_vs_permutation": q.get("batchmate_repeat_py1e_vs_permutation"),
         "label_entropy_vs_permutation": q["label_entropy_partitioned_vs_permutation"],
-        "baseline": {**{k: baseline[k] for k in keys},
+        "baseline": {**{k: baseline[k] for k in KEYS},
                      "batchmate_repeat_vs_permutation": q["batchmate_repeat_unpartitioned_vs_permutation"],
                      "label_entropy_vs_permutation": q["label_entropy_unpartitioned_vs_permutation"]},
         "rows": rows, "quality": q, "targets": TARGETS, "wall_s": time.perf_counter() - t0,
     }
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+def render(d: dict) -> str:
+    st = d["settings"]
+    caption = (f"{fmt.count(st['samples'])} samples in shards of {fmt.count(st['shard_samples'])}, {fmt.count(st['world_size'])} "
+               f"ranks on {fmt.count(st['world_size'] // st['ranks_per_node'])} nodes of {st['ranks_per_node']}, global "
+               f"batch {fmt.count(st['global_batch'])}, {fmt.nbytes(st['sample_bytes'])} per sample; ranged reads in "
+               f"{fmt.nbytes(st['chunk_bytes'])} chunks through a {fmt.nbytes(st['cache_bytes'])} chunk cache. Shuffle "
+               f"quality from {fmt.count(d['quality']['samples'])} samples over two epochs.")
+    def blocks(n: int) -> str:
+        return "blocks at the cache's chunks" if n == 0 else f"blocks of {fmt.count(n)}"
+
+    rows = [[f"{r['name']} ({fmt.count(r['partitions'])} partition{'s' if r['partitions'] > 1 else ''}, "
+             f"{blocks(r['block_size'])})",
+             fmt.secs(r["plan_s_per_rank"]), fmt.mib(r["plan_peak_mib_per_rank"]), fmt.times(r["shards_per_node_vs_ideal"]),
+             fmt.times(r["disk_copy_vs_share"]), fmt.times(r["range_amplification"]), f"{r['reopens_per_batch']:.3g}"]
+            for r in d["rows"]]
+    headers = ["plan", "plan per rank", "plan memory per rank", "shards per node vs ideal",
+               "node-local copy vs share", "range bytes fetched per used", "shard reopens per batch"]
+    q = d["quality"]["rows"]
+    qrows = [[name, f"{v['batchmate_repeat']:.3g}", f"{v['label_entropy_bits']:.4g}"] for name, v in q.items()]
+    return "\n\n".join([fmt.para(caption), fmt.table(headers, rows),
+                         fmt.table(["shuffle", "batch-mates met again next epoch", "label entropy per batch (bits)"],
+                               qrows), fmt.source("scale")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.plan_cost:
+        row_plan_cost(args.plan_cost)
+        return 0
+    result = run(args)
+    rows, q = result["rows"], result["quality"]
     print(markdown_table(["row", "plan s/rank", "plan MiB/rank", "shards/node vs ideal", "range amplification",
                           "reopens/batch"],
                          [[r["name"], r["plan_s_per_rank"], r["plan_peak_mib_per_rank"], r["shards_per_node_vs_ideal"],
                            r["range_amplification"], r["reopens_per_batch"]] for r in rows]), file=sys.stderr)
     print(json.dumps(q["rows"], indent=1), file=sys.stderr)
-    write_result(args.out, result, keys)
+    write_result(args.out, result, KEYS)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

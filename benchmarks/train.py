@@ -14,12 +14,17 @@ Ratios compare rows of this same run: cache over raw, and 2 workers over 1.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+if __name__ == "__main__":  # run as `python benchmarks/train.py`: the siblings import as `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks._common import default_out, machine, write_result  # noqa: E402
 
 
 def prepare(workdir: str, n: int, size: int) -> tuple[str, str]:
@@ -65,16 +70,19 @@ def run_one(source: str, workers: int, table: str, cache: str, args, run_dir: st
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=2000, help="synthetic images (default 2000)")
     p.add_argument("--size", type=int, default=32, help="sample side in pixels (default 32)")
     p.add_argument("--batch", type=int, default=128, help="global batch size (default 128)")
     p.add_argument("--width", type=int, default=32, help="CNN width (default 32, the demo model)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "train.json"))
+    p.add_argument("--out", default=default_out("train"))
     p.add_argument("--workdir", default=None, help="keep images, table, cache and runs here")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def run(args) -> dict:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("DAFT_ANALYTICS_ENABLED", "0")
 
@@ -101,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
 
     by = {(r["source"], r["workers"]): r["samples_per_s"] for r in rows}
-    result = {
+    return {
         "benchmark": "train",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": machine(),
         "settings": vars(args) | {"prepare_s": prep_s},
         "rows": rows,
         "ratios": {
@@ -115,10 +123,34 @@ def main(argv: list[str] | None = None) -> int:
         "notes": "samples/s over the training loop's wall time minus evaluation (Ray start-up excluded); "
         "all four runs take the same steps over the same global batches with the same model.",
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["ratios"], indent=2))
-    print(f"wrote {args.out}")
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+def render(d: dict) -> str:
+    s = d["settings"]
+    caption = (f"{fmt.count(s['n'])} images at {s['size']}x{s['size']}, global batch {s['batch']}, {s['steps']} steps, "
+               f"the demo's CNN at width {s['width']}, Ray Train workers with gloo on a {d['machine']['cpus']}-core "
+               "machine.")
+    labels = {"cache": "cache", "raw": "raw (decode per step)"}
+    rows = [[labels.get(r["source"], r["source"]), str(r["workers"]), fmt.rate(r["samples_per_s"]),
+             fmt.pct(r["time_fractions"]["forward_backward"], 1), fmt.pct(r["comm_fraction"], 1),
+             fmt.pct(r["data_wait_fraction"], 1), fmt.pct(r["goodput"])] for r in d["rows"]]
+    headers = ["data", "workers", "samples/s", "forward+backward", "communication", "data wait", "goodput"]
+    ratio = d["ratios"]
+    ratios = fmt.table(["ratio (samples/s)", "value"], [
+        ["cache over raw, 1 worker", fmt.times(ratio["cache_over_raw_1_worker"])],
+        ["cache over raw, 2 workers", fmt.times(ratio["cache_over_raw_2_workers"])],
+        ["2 workers over 1, from the cache", fmt.times(ratio["two_over_one_worker_cache"])],
+        ["2 workers over 1, raw", fmt.times(ratio["two_over_one_worker_raw"])],
+    ])
+    return "\n\n".join([fmt.para(caption), fmt.table(headers, rows), ratios, fmt.para(fmt.sentence(d["notes"])), fmt.source("train")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    write_result(args.out, run(args), ("ratios",))
     return 0
 
 

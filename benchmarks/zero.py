@@ -7,7 +7,8 @@ Rows, at 2 and 4 ranks (torchrun, gloo, one process per rank on this machine): s
 and stage 3 with optimizer offload, all on the same ViT (default widened to ~22M parameters), the same synthetic
 global batches, AdamW, fp32. At 2 ranks a baseline row runs the trainer's previous gradient sync: after the last
 backward, gradients copied into flat 25 MB buckets, all-reduced (SUM) and divided by the world size, blocking.
-Every row goes through the same step loop (``train_worker``); only the wrapping differs.
+Every row goes through the same step loop (``train_worker``, in benchmarks/zero_worker.py, the ranks' code); only
+the wrapping differs.
 
 Micro-batches: the stage 1 and stage 2 rows accumulate over ``--micro-batches`` micro-batches per optimizer step
 (default 4, ``--quick`` 2; the global batch must divide by ranks x micro-batches), the other rows take one. At one
@@ -54,7 +55,6 @@ holds and the step time::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -70,17 +70,11 @@ from dutycycle.trainer.cluster.local import free_port
 if __name__ == "__main__":  # run as `python benchmarks/zero.py`: the siblings import as `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.zero_activation import (  # noqa: E402
-    ACTIVATION_ROWS,
-    activation_ratios,
-    activation_worker,
-    run_activation_rows,
-)
+from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks._common import default_out, machine, read_result, write_result  # noqa: E402
+from benchmarks.zero_activation import ACTIVATION_ROWS, activation_ratios, run_activation_rows  # noqa: E402
 from benchmarks.zero_offload import OFFLOAD_ROWS, offload_ratios, run_offload_rows  # noqa: E402
-
-# the ViT every row trains (~22M parameters) and the tiny one of --quick (with its steps); zeropp.py uses both
-VIT_DEFAULTS = {"width": 512, "depth": 7, "heads": 8, "size": 16, "batch": 16, "skip": 2}
-VIT_QUICK = {"width": 32, "depth": 2, "heads": 2, "size": 8, "batch": 8, "steps": 3, "skip": 1}
+from benchmarks.zero_worker import RESULT_PREFIX, STEPS, VIT_DEFAULTS, VIT_QUICK, WORKER  # noqa: E402
 
 ROWS = [  # (name, zero_stage, offload, baseline)
     ("allreduce-manual", 0, "none", True),
@@ -96,122 +90,6 @@ OFFLOAD_NOTE = ("CPU-only run: host memory is the device's memory, so offload he
                 "saved")
 
 
-# ------------------------------------------------------------------------------------------ the baseline
-
-
-def manual_allreduce_parallelize(model, parallel, world, *, device, micro_batches=1, **_):
-    """The trainer's gradient sync before DDP/FSDP2 (the old ``AllReduceSync``), as a Strategy: written as it
-    was, bucketed (``parallel.bucket_mb``), one all-reduce per bucket after the last micro-batch's backward,
-    nothing overlapped."""
-    import torch
-    import torch.distributed as dist
-    from dutycycle.trainer.parallel.apply import Strategy
-    from dutycycle.trainer.parallel.comm import CommMeter
-    from dutycycle.trainer.parallel.plan import make_plan
-    from dutycycle.trainer.parallel.traffic import Topology
-
-    class ManualAllReduce(Strategy):
-        @contextlib.contextmanager
-        def micro_step(self, micro: int):
-            yield
-            if micro == self.plan.micro_batches - 1:
-                with self.meter.blocking():
-                    self._sync()
-
-        def _sync(self):
-            params = [p for p in self.module.parameters() if p.requires_grad]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            limit = max(1, int(parallel.bucket_mb * 1024 * 1024))
-            bucket, size = [], 0
-            for p in [*params, None]:
-                nbytes = 0 if p is None else p.grad.numel() * p.grad.element_size()
-                # a new bucket past ``bucket_mb`` or where the dtype changes (torch.cat needs one dtype)
-                if bucket and (p is None or size + nbytes > limit or p.grad.dtype != bucket[0].grad.dtype):
-                    flat = torch.cat([q.grad.reshape(-1) for q in bucket])
-                    self.meter.count("all_reduce", flat.numel() * flat.element_size(), None, factor=2)
-                    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                    flat.div_(world.size)
-                    offset = 0
-                    for q in bucket:
-                        q.grad.copy_(flat[offset:offset + q.grad.numel()].view_as(q.grad))
-                        offset += q.grad.numel()
-                    bucket, size = [], 0
-                if p is not None:
-                    bucket.append(p)
-                    size += nbytes
-
-    meter = CommMeter(world.rank, Topology.uniform(world.size, world.size), host_timing=device.type == "cpu")
-    return ManualAllReduce(model=model, module=model, plan=make_plan(0, world.size, micro_batches), meter=meter,
-                           name="allreduce-manual")
-
-
-# ------------------------------------------------------------------------------------------------ worker
-
-
-def worker(args) -> None:
-    """One rank, started by torchrun: train and (rank 0) print the row's figures as one JSON line."""
-    import torch.distributed as dist
-    from dutycycle.trainer.config import load_config
-    from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
-    from dutycycle.trainer.step.metrics import read_metrics
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo")
-    model = [f"model.name={args.model}", f"model.width={args.width}", f"model.depth={args.depth}"]
-    if args.model == "vit":
-        model += [f"model.heads={args.heads}", "model.patch=4"]
-    samples = args.samples or args.batch * (args.steps + 1)
-    cfg = load_config(None, [
-        "data.source=synthetic", f"data.size={args.size}", f"data.global_batch_size={args.batch}",
-        f"data.synthetic_samples={samples}", *model, f"run.max_steps={args.steps}", "run.eval_every=0",
-        f"run.eval_max_batches={args.eval_batches}", "run.log_every=0", "run.report=false",
-        "run.save_model=false", f"run.dir={args.run_dir}", f"parallel.num_workers={world}",
-        f"parallel.zero_stage={args.stage}", f"parallel.offload={args.offload}", f"optim.lr={args.lr}",
-        f"optim.warmup_steps={max(2, args.steps // 20)}", f"data.augment.flip={str(args.model == 'cnn').lower()}",
-        f"parallel.quant_weights={args.quant_weights}", f"parallel.quant_grads={args.quant_grads}",
-        f"parallel.hpz={str(args.hpz).lower()}", f"parallel.node_size={args.node_size}",
-        f"parallel.replicate={args.replicate}", f"parallel.tensor={args.tensor}",
-        f"parallel.offload_dir={args.offload_dir}",
-        f"parallel.error_feedback={str(args.error_feedback).lower()}", f"data.micro_batches={args.micro}",
-        f"parallel.reduce_scatter={args.reduce_scatter}", f"parallel.overlap={str(not args.no_overlap).lower()}",
-    ])
-    set_threads(cfg, world)
-    fn = manual_allreduce_parallelize if args.baseline else None
-    summary = train_worker(cfg, WorkerContext(rank=rank, world_size=world, run_dir=args.run_dir),
-                           parallelize_fn=fn)
-    if rank == 0:
-        rows = [r for r in read_metrics(args.run_dir) if "loss" in r][args.skip:]
-        step_s = sum(r["step_s"] for r in rows)
-        out = {
-            "samples_per_s": args.batch * len(rows) / step_s,
-            "step_s_median": statistics.median(r["step_s"] for r in rows),
-            "exposed_comm_share": sum(r["comm"] for r in rows) / step_s,
-            "forward_backward_share": sum(r["forward_backward"] for r in rows) / step_s,
-            "optimizer_share": sum(r["optimizer"] for r in rows) / step_s,
-            "steps_measured": len(rows),
-            "num_params": summary["num_params"],
-            "final_loss": summary["final_loss"],
-            "val_loss": summary["val_loss"],
-            "val_accuracy": summary["val_accuracy"],
-            "traffic": summary["parallel"]["traffic"],
-            "bytes_sent_per_step": summary["parallel"]["traffic_per_step"],
-            "expected_bytes_per_step": summary["parallel"]["expected_traffic_per_step"],
-            # tensor parallelism's activation exchanges (inside the node), measured on the first step
-            "tensor_bytes_per_step": summary["parallel"]["tensor_traffic_per_step"],
-            "held_per_rank": summary["memory"]["held_per_rank"],
-            "expected_held": summary["memory"]["expected"],
-            "zero_formula": summary["memory"]["zero_formula"],
-            "threads_per_worker": summary["threads_per_worker"],
-            "host_after_steps": summary["memory"]["host_after_steps"],
-            "offload_files": summary["parallel"].get("offload_files"),
-        }
-        print("ZERO_RESULT " + json.dumps(out), flush=True)
-    dist.barrier()  # nobody tears down while a peer is still communicating
-    dist.destroy_process_group()
-
-
 # ------------------------------------------------------------------------------------------------- driver
 
 
@@ -219,20 +97,20 @@ def run_row(name, stage, offload, baseline, world, args, workdir) -> dict:
     run_dir = os.path.join(workdir, f"{name}-{world}")
     micro = args.micro_batches if name in ACCUMULATING else 1
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-           "--master-port", str(free_port()), __file__, "--worker", "--stage", str(stage), "--offload", offload,
+           "--master-port", str(free_port()), str(WORKER), "--stage", str(stage), "--offload", offload,
            "--run-dir", run_dir, "--micro", str(micro), *(["--baseline"] if baseline else []), *_shared_args(args)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     wall = time.perf_counter() - t0
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("ZERO_RESULT ")), None)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
     if proc.returncode != 0 or line is None:
         # torchrun's own summary comes last; the ranks' tracebacks and C++ aborts come before it
         return {"name": name, "world_size": world, "micro_batches": micro, "returncode": proc.returncode,
                 "error": (proc.stdout + proc.stderr)[-12000:]}
     return {"name": name, "world_size": world, "zero_stage": stage, "offload": offload, "micro_batches": micro,
             **({"note": OFFLOAD_NOTE} if offload != "none" else {}), "process_wall_s": wall,
-            **json.loads(line.removeprefix("ZERO_RESULT "))}
+            **json.loads(line.removeprefix(RESULT_PREFIX))}
 
 
 def _shared_args(args) -> list[str]:
@@ -270,47 +148,22 @@ def ratios(rows: list[dict]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| ranks | row | micro-batches | samples/s | exposed comm | sent per step (MB) | params / grads / "
-             "optimizer held per rank (MB) | ZeRO formula (MB) |", "|---|---|---|---|---|---|---|---|"]
-    mb = 1024 * 1024
+    """The rows as this run printed them (the docs' table is ``render``'s)."""
+    body = []
     for r in rows:
+        head = [r["world_size"], r["name"], r.get("micro_batches", 1)]
         if "error" in r:
-            lines.append(f"| {r['world_size']} | {r['name']} | {r.get('micro_batches', 1)} | error | | | | |")
+            body.append([*head, "error", None, None, None, None])
             continue
-        h = r["held_per_rank"][0]
-        z = r["zero_formula"]
-        lines.append(
-            f"| {r['world_size']} | {r['name']} | {r.get('micro_batches', 1)} | {r['samples_per_s']:.1f} | "
-            f"{r['exposed_comm_share']:.0%} | "
-            f"{sum(r['bytes_sent_per_step'].values()) / mb:.0f} | {h['params'] / mb:.0f} / {h['grads'] / mb:.0f} / "
-            f"{h['optimizer'] / mb:.0f} | {z['params'] / mb:.0f} / {z['grads'] / mb:.0f} / {z['optimizer'] / mb:.0f} |")
-    return "\n".join(lines)
+        body.append([*head, f"{r['samples_per_s']:.1f}", fmt.pct(r["exposed_comm_share"]),
+                     fmt.nbytes(sum(r["bytes_sent_per_step"].values())), _held_text(r["held_per_rank"][0]),
+                     _held_text(r["zero_formula"])])
+    return fmt.table(["ranks", "row", "micro-batches", "samples/s", "exposed comm", "sent per step",
+                      "params / grads / optimizer held per rank", "ZeRO formula"], body)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--offload", default="none", help=argparse.SUPPRESS)
-    p.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--micro", type=int, default=1, help=argparse.SUPPRESS)  # the worker's data.micro_batches
-    p.add_argument("--activation-worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
-    # worker options shared with benchmarks/zeropp.py
-    p.add_argument("--model", default="vit", choices=["vit", "cnn"], help=argparse.SUPPRESS)
-    p.add_argument("--quant-weights", default="none", help=argparse.SUPPRESS)
-    p.add_argument("--quant-grads", default="none", help=argparse.SUPPRESS)
-    p.add_argument("--hpz", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--replicate", type=int, default=1, help=argparse.SUPPRESS)  # hybrid sharding's groups
-    p.add_argument("--tensor", type=int, default=1, help=argparse.SUPPRESS)  # tensor-parallel group size
-    p.add_argument("--offload-dir", default="", help=argparse.SUPPRESS)  # offload = "nvme": the state files
-    p.add_argument("--error-feedback", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--reduce-scatter", default="auto", help=argparse.SUPPRESS)
-    p.add_argument("--no-overlap", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--node-size", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--samples", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--eval-batches", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--lr", type=float, default=0.003, help=argparse.SUPPRESS)
     v = VIT_DEFAULTS
     p.add_argument("--width", type=int, default=v["width"],
                    help="ViT width (default 512: ~22M parameters at depth 7)")
@@ -319,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=v["size"],
                    help="image side (default 16: 17 tokens of 4x4 patches)")
     p.add_argument("--batch", type=int, default=v["batch"], help="global batch size (default 16)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps per row (default 10)")
+    p.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps per row (default {STEPS})")
     p.add_argument("--skip", type=int, default=v["skip"],
                    help="first steps excluded from speed figures (default 2)")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -337,15 +190,16 @@ def main(argv: list[str] | None = None) -> int:
                         "speed ratio is the median of the pairs, which holds when the machine's speed drifts")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--quick", action="store_true", help="a tiny ViT and few steps: seconds, for the smoke test")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero.json"))
+    p.add_argument("--out", default=default_out("zero"))
     args = p.parse_args(argv)
-    if args.worker:
-        activation_worker(args) if args.activation_worker else worker(args)
-        return 0
     if args.quick:
         vars(args).update(VIT_QUICK, repeat=1)
     if args.micro_batches is None:
         args.micro_batches = 2 if args.quick else 4
+    return args
+
+
+def run(args) -> dict:
     rows, pairs = [], []
     with tempfile.TemporaryDirectory() as workdir:
         if 2 in args.worlds and {"allreduce-manual", "stage0-ddp"} <= set(args.rows):
@@ -388,19 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     if ("allreduce-manual", 2) in by and ("stage0-ddp", 2) in by:
         pairs.append((by["allreduce-manual", 2], by["stage0-ddp", 2]))
     pairs = [(a, b) for a, b in pairs if "error" not in a and "error" not in b]
-    machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    measured_on = machine()
     settings = {k: v for k, v in vars(args).items() if k in ("width", "depth", "heads", "size", "batch", "steps",
                                                              "skip", "worlds", "rows", "repeat", "quick",
                                                              "micro_batches")}
-    old = json.loads(Path(args.out).read_text()) if args.merge and Path(args.out).exists() else {}
+    old = read_result(args.out) if args.merge else {}
     if old and not rows:  # only the activation or offload rows ran: the other rows' settings stay theirs
-        machine, settings = old.get("machine", machine), old.get("settings", settings)
+        measured_on, settings = old.get("machine", measured_on), old.get("settings", settings)
     if old:
         measured = {(r["name"], r["world_size"]) for r in rows}
         rows = [r for r in old.get("rows", []) if (r["name"], r["world_size"]) not in measured] + rows
     result = {
         "benchmark": "zero",
-        "machine": machine,
+        "machine": measured_on,
         "settings": settings,
         "rows": rows,
         "ratios": ratios(rows),
@@ -432,16 +286,89 @@ def main(argv: list[str] | None = None) -> int:
              "ddp_exposed_comm_share": b["exposed_comm_share"]} for a, b in pairs]
         result["ratios"]["stage0_samples_per_s_vs_manual_allreduce_2ranks_median_of_pairs"] = statistics.median(
             p["ratio"] for p in result["stage0_vs_manual_pairs"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(table(rows))
+    return result
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+ZERO_LABELS = {"allreduce-manual": "hand-written all-reduce (baseline)", "stage0-ddp": "stage 0 (DDP)",
+               "stage1": "stage 1", "stage2": "stage 2", "stage3": "stage 3", "stage3-offload": "stage 3 + offload"}
+
+
+def _held_text(h: dict) -> str:
+    return " / ".join(fmt.nbytes(h[k]) for k in ("params", "grads", "optimizer"))
+
+
+def render(d: dict) -> str:
+    s = d["settings"]
+    n = d["rows"][0]["num_params"]
+    caption = (f"A ViT of {n / 1e6:.1f}M parameters (width {s['width']}, {s['depth']} blocks, {s['size']}x{s['size']} "
+               f"images), AdamW, fp32, global batch {s['batch']}, {s['steps']} steps with the first {s['skip']} left "
+               f"out of the speed; each row its own torchrun job, one process and one thread per rank, on a "
+               f"{d['machine']['cpus']}-core machine.")
+    # results from before the stage 1 and 2 rows accumulated have no micro_batches: every row took one
+    micro = s.get("micro_batches")
+    if micro and micro > 1:
+        caption += (f" The stage 1 and 2 rows accumulate {micro} micro-batches per optimizer step, where the two "
+                    "differ: stage 1 gathers the parameters once per step and keeps them (and the full gradients) "
+                    "unsharded across the window, stage 2 gathers them again for every micro-batch; the other rows "
+                    "take one micro-batch.")
+    else:
+        caption += (" Every row takes one micro-batch per step, where stages 1 and 2 run the same torch settings: "
+                    "the gap between them is noise.")
+    rows = [[str(r["world_size"]), ZERO_LABELS.get(r["name"], r["name"]), str(r.get("micro_batches", 1)),
+             f"{r['samples_per_s']:.1f}", fmt.pct(r["exposed_comm_share"]), fmt.nbytes(sum(r["bytes_sent_per_step"].values())),
+             _held_text(r["held_per_rank"][0]), _held_text(r["zero_formula"])] for r in d["rows"]]
+    headers = ["ranks", "row", "micro-batches", "samples/s", "exposed comm", "sent per step per rank",
+               "params / grads / optimizer held by rank 0", "ZeRO formula"]
+    parts = [fmt.para(caption), fmt.table(headers, rows)]
+    if any(r.get("offload", "none") != "none" for r in d["rows"]):
+        parts.append(fmt.para("Stage 3 + offload ran on the CPU, where host memory is the device's memory: the row "
+                          "exercises the offload code path and its accounting, and measures no host-device "
+                          "transfer and no device memory saved; its speed next to stage 3 is noise plus what the "
+                          "offload path costs on the CPU alone."))
+    return "\n\n".join([*parts, fmt.source("zero")])
+
+
+def render_ratios(d: dict) -> str:
+    ratio = d["ratios"]
+    worlds = d["settings"]["worlds"]
+    rows = []
+    for w in worlds:
+        stages = [k for k in ratio if k.endswith(f"_optimizer_bytes_vs_stage0_over_N_{w}ranks")]
+        vals = sorted({round(ratio[k], 4) for k in stages})
+        rows.append([f"optimizer state per rank, stages 1-3, over stage 0's / {w}",
+                     " to ".join(f"{v:.4f}x" for v in vals)])
+    for w in worlds:
+        rows.append([f"bytes sent, stage 3 over stage 0, {w} ranks",
+                     fmt.times(ratio[f"stage3_bytes_sent_vs_stage0_{w}ranks"])])
+    for w in worlds:  # results from before the stage 1 and 2 rows accumulated do not have it
+        if f"stage1_bytes_sent_vs_stage2_{w}ranks" in ratio:
+            rows.append([f"bytes sent, stage 1 over stage 2, {d['settings']['micro_batches']} micro-batches, {w} ranks",
+                         fmt.times(ratio[f"stage1_bytes_sent_vs_stage2_{w}ranks"])])
+    pairs = fmt.table(
+        ["pair", "hand-written all-reduce", "DDP", "DDP / hand-written", "exposed comm, hand-written", "exposed comm, DDP"],
+        [[str(i), f"{p['manual_samples_per_s']:.1f}/s", f"{p['ddp_samples_per_s']:.1f}/s", fmt.times(p["ratio"]),
+          fmt.pct(p["manual_exposed_comm_share"]), fmt.pct(p["ddp_exposed_comm_share"])]
+         for i, p in enumerate(d["stage0_vs_manual_pairs"], 1)],
+    )
+    median = ratio["stage0_samples_per_s_vs_manual_allreduce_2ranks_median_of_pairs"]
+    return "\n\n".join([fmt.table(["ratio", "value"], rows),
+                        f"Stage 0 against the hand-written all-reduce, 2 ranks, alternating pairs in one run "
+                        f"(median {fmt.times(median)}):", pairs, fmt.source("zero")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    write_result(args.out, result)
+    print(table(result["rows"]))
     print(json.dumps(result["ratios"], indent=2))
-    if act_rows:
-        print(json.dumps(result["activation_checkpointing"]["ratios"], indent=2))
-    if off_rows:
-        print(json.dumps(result["offload_memory"]["ratios"], indent=2))
-    print(f"wrote {args.out}")
-    return 1 if any("error" in r for r in rows + act_rows + off_rows) else 0
+    parts = [result[k] for k in ("activation_checkpointing", "offload_memory") if k in result]
+    for part in parts:
+        print(json.dumps(part["ratios"], indent=2))
+    return 1 if any("error" in r for r in result["rows"] + [r for p in parts for r in p["rows"]]) else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dutycycle.trainer.cluster.local import free_port
 
-ZERO = Path(__file__).with_name("zero.py")  # the workers start through zero.py's --worker entry
+WORKER = Path(__file__).with_name("zero_worker.py")  # the ranks start there, with --activation
 ACTIVATION_ROWS = "activation-checkpointing"  # the --rows name of the activation-memory rows (stages 0-3, off/on)
 ACTIVATION_REPEAT = 3  # measured forward+backward passes per configuration, after ACTIVATION_WARMUP
 # unmeasured first passes: FSDP2's lazy init and first all-gather buffers, DDP's bucket rebuild (its 2nd forward)
@@ -120,9 +120,9 @@ def activation_worker(args) -> None:
 
 
 def run_activation_rows(world, args, shared_args: list[str]) -> list[dict]:
-    """The activation rows at ``world`` ranks: zero.py's worker with ``--activation-worker`` under torchrun."""
+    """The activation rows at ``world`` ranks: zero_worker.py with ``--activation`` under torchrun."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-           str(free_port()), str(ZERO), "--worker", "--activation-worker", *shared_args]
+           str(free_port()), str(WORKER), "--activation", *shared_args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     line = next((x for x in proc.stdout.splitlines() if x.startswith("ACT_RESULT ")), None)

@@ -25,7 +25,10 @@ from pathlib import Path
 
 from dutycycle.trainer.cluster.local import free_port
 
-ZERO = Path(__file__).with_name("zero.py")  # the workers start through zero.py's --worker entry
+from benchmarks import docs_format as fmt
+from benchmarks.zero_worker import RESULT_PREFIX
+
+WORKER = Path(__file__).with_name("zero_worker.py")  # the ranks
 OFFLOAD_ROWS = "offload-memory"  # the --rows name of these rows
 OFFLOAD_VIT = {"width": 1024, "depth": 24, "heads": 16, "steps": 4, "skip": 1}
 OFFLOAD_QUICK = {"width": 64, "depth": 2, "heads": 2, "steps": 3, "skip": 1}
@@ -41,18 +44,18 @@ def run_offload_rows(world: int, args, workdir: str) -> list[dict]:
     for mode in MODES:
         run_dir = os.path.join(workdir, f"offload-{mode}-{world}")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-               str(free_port()), str(ZERO), "--worker", "--stage", "3", "--offload", mode, "--run-dir", run_dir,
+               str(free_port()), str(WORKER), "--stage", "3", "--offload", mode, "--run-dir", run_dir,
                "--offload-dir", os.path.join(workdir, "offload-files"), *flags]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("ZERO_RESULT ")), None)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
         name = f"stage3-offload-{mode}"
         if proc.returncode != 0 or line is None:
             rows.append({"name": name, "world_size": world, "returncode": proc.returncode,
                          "error": (proc.stdout + proc.stderr)[-12000:]})
             continue
-        r = json.loads(line.removeprefix("ZERO_RESULT "))
+        r = json.loads(line.removeprefix(RESULT_PREFIX))
         held, host = r["held_per_rank"][0], r["host_after_steps"]
         rows.append({"name": name, "world_size": world, "offload": mode, **shape, "process_wall_s":
                      time.perf_counter() - t0, "num_params": r["num_params"], "step_s_median": r["step_s_median"],
@@ -79,3 +82,40 @@ def offload_ratios(rows: list[dict]) -> dict:
         if none and host:
             out[f"host_offload_step_vs_no_offload_{world}ranks"] = host["step_s_median"] / none["step_s_median"]
     return out
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+OFFLOAD_LABELS = {"none": ("stage 3, no offload", "-"),
+                  "optimizer": ("stage 3, host offload (`offload = \"optimizer\"`)", "fitting on a GPU: state in host memory"),
+                  "nvme": ("stage 3, NVMe offload (`offload = \"nvme\"`)", "fitting beyond host memory: optimizer state on disk")}
+
+
+def render(zero: dict) -> str:
+    """benchmarks/zero.py's offload rows: host memory per rank and step time, no offload, host and NVMe offload."""
+    d = zero["offload_memory"]
+    rows = [r for r in d["rows"] if "error" not in r]
+    first = rows[0]
+    body = []
+    for r in rows:
+        label, serves = OFFLOAD_LABELS[r["offload"]]
+        host = r["host_after_steps"]
+        body.append([label, serves, fmt.nbytes(r["optimizer_state_bytes"]), fmt.nbytes(r["optimizer_state_resident_bytes"]),
+                     fmt.nbytes(host["private"]), fmt.nbytes(host["rss"]), fmt.nbytes(host["peak_rss"]), fmt.secs(r["step_s_median"])])
+    world = first["world_size"]
+    ratios = d["ratios"]
+    caption = (f"A ViT of {first['num_params'] / 1e6:.0f}M parameters (width {first['width']}, depth "
+               f"{first['depth']}), AdamW, fp32, stage 3 at {world} ranks on one machine, {first['steps']} steps "
+               f"(median of the last {first['steps'] - first['skip']}); rank 0's host memory after its last step, "
+               "from the kernel's accounting. On this CPU-only machine host offload keeps the state in the same "
+               "RAM as no offload, and the NVMe row's files are on the machine's virtual disk.")
+    cut = (f"NVMe offload's optimizer state resident in host memory: "
+           f"{fmt.times(ratios[f'nvme_resident_optimizer_state_vs_host_offload_{world}ranks'])} host offload's "
+           f"(target at most 0.1x); private memory {fmt.times(ratios[f'nvme_private_vs_host_offload_{world}ranks'])}; "
+           f"its step {fmt.times(ratios[f'nvme_step_vs_host_offload_{world}ranks'])} host offload's and "
+           f"{fmt.times(ratios[f'nvme_step_vs_no_offload_{world}ranks'])} no offload's. Every step reads and writes "
+           "the rank's whole state once; this machine's virtual disk absorbs that in its host's cache, so the "
+           "figure is a lower bound: a drive of B GB/s adds about 2 x state / B per step.")
+    headers = ["layout", "serves", "optimizer state", "of it in host memory", "private", "RSS", "peak RSS", "step"]
+    return "\n\n".join([fmt.para(caption), fmt.table(headers, body), fmt.para(cut), fmt.source("zero")])

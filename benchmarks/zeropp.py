@@ -28,7 +28,7 @@
    loss and accuracy, and their ratio to fp32 (int8 is expected within 1.05x loss and 1 point of accuracy on
    this data; int4 reported).
 
-Every row runs benchmarks/zero.py's worker (the product's ``train_worker``) in fresh processes.
+Every row runs benchmarks/zero_worker.py (the product's ``train_worker``) in fresh processes.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -44,10 +43,10 @@ from pathlib import Path
 if __name__ == "__main__":  # run as `python benchmarks/zeropp.py`: the siblings import as `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks._common import default_out, machine, read_result, write_result  # noqa: E402
 from benchmarks.netns import launch, two_nodes, unavailable  # noqa: E402
-from benchmarks.zero import VIT_DEFAULTS, VIT_QUICK  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
+from benchmarks.zero_worker import RESULT_PREFIX, VIT_DEFAULTS, VIT_QUICK, WORKER  # noqa: E402
 
 ALL_THREE = ["--quant-weights", "int8", "--quant-grads", "int8", "--hpz"]
 SPEED_ROWS = {  # name -> worker flags (all at stage 3, node size 2)
@@ -73,12 +72,12 @@ CONVERGENCE_ROWS = {
 
 
 def _run(net, world: int, flags: list[str], run_dir: str, timeout: float) -> dict:
-    argv = [sys.executable, str(HERE / "zero.py"), "--worker", "--stage", "3", "--run-dir", run_dir, *flags]
+    argv = [sys.executable, str(WORKER), "--stage", "3", "--run-dir", run_dir, *flags]
     ranks = launch(net, argv, world, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    line = next((x for x in ranks[0].stdout.splitlines() if x.startswith("ZERO_RESULT ")), None)
+    line = next((x for x in ranks[0].stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
     if line is None or any(r.returncode != 0 for r in ranks):
         return {"error": "\n".join(f"rank {r.rank} exit {r.returncode}: {r.stderr[-3000:]}" for r in ranks)}
-    return json.loads(line.removeprefix("ZERO_RESULT "))
+    return json.loads(line.removeprefix(RESULT_PREFIX))
 
 
 def speed(args, workdir: str) -> dict:
@@ -191,10 +190,10 @@ def convergence(args, workdir: str) -> dict:
     return {"rows": rows, "ratios": ratios}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, default=1.0, help="inter-node link in Gbit/s (default 1)")
-    for name, default in VIT_DEFAULTS.items():  # benchmarks/zero.py's ViT
+    for name, default in VIT_DEFAULTS.items():  # the ZeRO benchmark's ViT
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--cnn-width", type=int, default=32, help="the demo CNN (default width 32, 3 blocks)")
@@ -208,31 +207,146 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--rows", nargs="+", default=[], choices=[*SPEED_ROWS, *CONVERGENCE_ROWS],
                    help="run only these rows (default: all)")
-    p.add_argument("--out", default=str(HERE / "results" / "zeropp.json"))
+    p.add_argument("--out", default=default_out("zeropp"))
     p.add_argument("--merge", action="store_true",
                    help="keep the part skipped (speed or convergence) from the existing --out file")
     args = p.parse_args(argv)
     if args.quick:
         vars(args).update(VIT_QUICK)
         args.cnn_width, args.cnn_size, args.cnn_batch, args.cnn_steps, args.cnn_samples = 8, 16, 32, 6, 256
-    result = {"benchmark": "zeropp",
-              "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                          "platform": platform.platform()},
+    return args
+
+
+def run(args) -> dict:
+    result = {"benchmark": "zeropp", "machine": machine(),
               "settings": {k: v for k, v in vars(args).items() if k != "out"}}
     with tempfile.TemporaryDirectory() as workdir:
         if not args.skip_speed:
             result["speed"] = speed(args, workdir)
         if not args.skip_convergence:
             result["convergence"] = convergence(args, workdir)
-    if args.merge and Path(args.out).exists():
-        old = json.loads(Path(args.out).read_text())
-        for part in ("speed", "convergence"):
-            if part not in result and part in old:
-                result[part] = old[part]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    old = read_result(args.out) if args.merge else {}
+    for part in ("speed", "convergence"):
+        if part not in result and part in old:
+            result[part] = old[part]
+    return result
+
+
+# -- the docs' blocks (benchmarks/render_docs.py writes them between a page's render markers) --------------------------
+
+
+ZEROPP_LABELS = {"stage3": "nothing (gloo's reduce-scatter)",
+                 "stage3 fp32 all-to-all": "nothing (fp32 all-to-all reduce-scatter, two hops)",
+                 "stage3+qwZ": "qwZ (int8 weight gathers)",
+                 "stage3+qgZ-int8": "qgZ (int8 gradients, two hops)",
+                 "stage3+hpZ": "hpZ (backward gathers inside the node)",
+                 "stage3+qwZ+qgZ-int8": "qwZ + int8 qgZ (what `dutycycle diagnose` names for communication)",
+                 "stage3+qwZ+qgZ-int8+hpZ": "qwZ + int8 qgZ + hpZ",
+                 "stage3 hybrid": "hybrid sharding: 2 replica groups of 2, fp32 (`parallel.replicate = 2`)",
+                 "stage3 tensor 2": "tensor parallelism in each node, stage 3 over 2 data ranks (`parallel.tensor = 2`)",
+                 "stage3 no overlap": "nothing, blocking all-gathers",
+                 "stage3+qwZ+qgZ-int8+hpZ no overlap": "qwZ + int8 qgZ + hpZ, blocking all-gathers"}
+
+
+ZEROPP_ALL = "stage3+qwZ+qgZ-int8+hpZ"
+
+
+def render(d: dict) -> str:
+    s, speed = d["settings"], d["speed"]
+    rows, ratios = speed["rows"], speed["ratios"]
+    by = {r["name"]: r for r in rows}
+    # the headline is against the better fp32 row when the results have both (older results: stage 3 alone)
+    key = "speedup_vs_best_fp32" if "best_fp32_row" in ratios else "speedup_vs_stage3"
+    base = by[ratios.get("best_fp32_row", "stage3")]
+    caption = (f"The ViT of the ZeRO benchmark ({rows[0]['num_params'] / 1e6:.1f}M parameters) at stage 3, 4 ranks "
+               f"as two nodes of 2 joined by a {fmt.gbit(speed['rate_gbit'])} link, {s['steps']} steps (median step "
+               f"of the last {s['steps'] - s['skip']}). Speed-up against the faster of the unquantized rows "
+               f"(stage 3 with {ZEROPP_LABELS.get(base['name'], base['name'])}), so that quantization is not "
+               "credited with the change of algorithm.")
+    body = [[ZEROPP_LABELS.get(r["name"], r["name"]), fmt.secs(r["step_s_median"]), f"{r['samples_per_s']:.1f}",
+             fmt.pct(r["exposed_comm_share"]), fmt.nbytes(r["inter_node_bytes_per_step"]),
+             fmt.times(ratios[f"{r['name']}_{key}"])] for r in rows]
+    headers = ["stage 3 with", "step", "samples/s", "exposed comm", "inter-node bytes per step per rank", "speedup"]
+    last = by[ZEROPP_ALL]
+    cut = (f"{ZEROPP_LABELS[ZEROPP_ALL]} against that row: inter-node bytes "
+           f"{fmt.times(base['inter_node_bytes_per_step'] / last['inter_node_bytes_per_step'])} fewer, step "
+           f"{fmt.times(base['step_s_median'] / last['step_s_median'])} shorter")
+    if "stage3" in by and key != "speedup_vs_stage3":
+        cut += (f" (against gloo's reduce-scatter, an all-reduce underneath: "
+                f"{fmt.times(ratios[f'{ZEROPP_ALL}_speedup_vs_stage3'])})")
+    cut += "."
+    overlap = ratios.get(f"{ZEROPP_ALL}_exposed_comm_share_overlap_vs_blocking")
+    if overlap is not None:
+        cut += (f" Overlapping the all-gathers (prefetched and asynchronous, the default) against blocking ones: "
+                f"exposed communication share {fmt.times(overlap)} with all three, "
+                f"{fmt.times(ratios['stage3_exposed_comm_share_overlap_vs_blocking'])} at stage 3 alone.")
+    conditions = fmt.para(f"Conditions recorded with the results: {d['notes'].strip().rstrip('.')}.")
+    return "\n\n".join([fmt.para(caption), fmt.table(headers, body), fmt.para(cut), conditions, fmt.source("zeropp")])
+
+
+def render_comm_prediction(d: dict) -> str:
+    """diagnose's communication remedy over the rate-limited link: predicted from the fp32 row, then measured."""
+    p = d["speed"]["ratios"]["diagnose_comm_prediction"]
+    by = {r["name"]: r for r in d["speed"]["rows"]}
+    fp32 = by["stage3"]
+    return "\n\n".join([fmt.para(
+        f"`python benchmarks/zeropp.py` (root): the ViT at stage 3, 4 ranks as two nodes joined by a "
+        f"{fmt.gbit(d['speed']['rate_gbit'])} link. Diagnosed run: fp32, {fp32['samples_per_s']:.1f} samples/s with "
+        f"{fmt.pct(fp32['exposed_comm_share'])} of the step in exposed communication. The remedy "
+        f"(`--set {' --set '.join(p['set'])}`) is predicted from {p['from']}: {p['predicted_samples_per_s']:.1f} "
+        f"samples/s; measured in the same run: {p['measured_samples_per_s']:.1f} samples/s, "
+        f"**{fmt.times(p['measured_over_predicted'])} of the prediction** (target: within 15%)."), fmt.source("zeropp")])
+
+
+def render_convergence(d: dict) -> str:
+    s, conv = d["settings"], d["convergence"]
+    caption = (f"The demo's CNN (width {s['cnn_width']}) on {s['cnn_size']}x{s['cnn_size']} shape images, 2 ranks, "
+               f"stage 3, {s['cnn_steps']} steps of {s['cnn_batch']}:")
+    rows = [[r["name"], f"{r['val_loss']:.3g}", fmt.times(conv["ratios"][f"{r['name']}_val_loss_vs_fp32"]),
+             fmt.pct(r["val_accuracy"], 1)] for r in conv["rows"]]
+    return "\n\n".join([fmt.para(caption), fmt.table(["run", "validation loss", "vs fp32", "validation accuracy"], rows),
+                        fmt.source("zeropp")])
+
+
+# what each layout of the ZeRO++ run serves: making the run fit (state per rank) or making it faster (traffic)
+LAYOUT_ROWS = {"stage3": ("stage 3, flat", "fitting: state / W"),
+               "stage3+qwZ+qgZ-int8+hpZ": ("stage 3 + qwZ + int8 qgZ + hpZ", "speed, keeping stage 3's fit: "
+                                           "quantized bytes across nodes"),
+               "stage3 hybrid": ("stage 3, hybrid (2 groups of 2)", "speed, in fp32: state / S, more than "
+                                 "flat; only a gradient-shard all-reduce crosses nodes"),
+               "stage3 tensor 2": ("stage 3, tensor parallel 2 x data 2", "fitting a layer: a block's working set "
+                                   "and activations / T (not counted here), state as flat; stage 3 crosses nodes over "
+                                   "W / T ranks, the activation exchanges stay inside")}
+
+
+def render_layouts(d: dict) -> str:
+    """Which setting serves fitting and which serves speed, from the ZeRO++ run's rows (one model, one link)."""
+    speed = d["speed"]
+    by = {r["name"]: r for r in speed["rows"]}
+    flat = by["stage3"]
+    body = [[label, serves, fmt.nbytes(_held(by[name])), fmt.times(_held(by[name]) / _held(flat)),
+             fmt.nbytes(by[name]["inter_node_bytes_per_step"]), fmt.secs(by[name]["step_s_median"]),
+             fmt.times(flat["step_s_median"] / by[name]["step_s_median"])]
+            for name, (label, serves) in LAYOUT_ROWS.items() if name in by]
+    tp = by.get("stage3 tensor 2")
+    inside = "" if tp is None else (
+        f"The tensor-parallel row's activation exchanges, inside each node: "
+        f"{fmt.nbytes(sum(tp['tensor_bytes_per_step'].values()))} per step per rank (counted on the first step).")
+    caption = (f"Measured in the ZeRO++ run below ({by['stage3']['num_params'] / 1e6:.1f}M-parameter ViT, 4 ranks "
+               f"as two nodes of 2, a {fmt.gbit(speed['rate_gbit'])} link): model state held per rank (parameters, "
+               "gradients, optimizer state; the largest rank) and bytes each rank sends across nodes per step. "
+               "Offload (`parallel.offload`) serves fitting on a GPU only, moving state to host memory: its rows "
+               "are the ZeRO benchmark's (one node).")
+    parts = [fmt.para(caption), fmt.table(["layout", "serves", "state per rank", "vs flat", "across nodes per step", "step",
+                                   "speed-up"], body)]
+    return "\n\n".join([*parts, *([fmt.para(inside)] if inside else []), fmt.source("zeropp")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    write_result(args.out, result)
     print(json.dumps({k: v.get("ratios", v) for k, v in result.items() if k in ("speed", "convergence")}, indent=2))
-    print(f"wrote {args.out}")
     failed = any("error" in r for part in ("speed", "convergence") for r in result.get(part, {}).get("rows", []))
     return 1 if failed else 0
 

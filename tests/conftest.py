@@ -8,7 +8,7 @@ import tempfile
 import pytest
 from dutycycle.trainer.cluster.local import start_local_ray
 
-from benchmarks._common import moto_server
+from .support.objectstore import moto_server
 
 # Tests never reach the network: keep Ray and Daft from phoning home.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

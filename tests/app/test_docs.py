@@ -1,7 +1,8 @@
 """The docs a newcomer reads: a short README, pages whose figures are rendered from benchmarks/results/*.json, and
 links and paths that lead somewhere.
 
-The renderer is loaded from its file, so these tests do not depend on how benchmarks/ is packaged.
+The renderer runs as the command a person runs (``python benchmarks/render_docs.py``), in a subprocess: the tests
+do not import the benchmarks.
 """
 
 from __future__ import annotations
@@ -9,16 +10,25 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
-
-import pytest
-
-from benchmarks import render_docs as rd
-from benchmarks.docs_format import rate
 
 from ..support import REPO
 
 ROOT = REPO
+RENDER = ROOT / "benchmarks" / "render_docs.py"
+# a render block: its opening marker on a line of its own, its body, its closing marker (as the renderer reads them)
+BLOCK = re.compile(r"^<!-- render:(?P<name>[\w-]+) -->\n(?P<body>.*?)^<!-- /render:(?P=name) -->$", re.S | re.M)
+
+
+def render(root: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RENDER), *flags, "--root", str(root)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def block(page: str, name: str) -> str:
+    return next(m.group("body") for m in BLOCK.finditer(page) if m.group("name") == name)
 
 
 def _pages() -> list[Path]:
@@ -35,54 +45,59 @@ def _copy_tree(dest: Path) -> Path:
 
 def test_committed_pages_are_what_the_renderer_writes(tmp_path):
     root = _copy_tree(tmp_path)
-    assert rd.main(["--root", str(root)]) == 0
+    done = render(root)
+    assert done.returncode == 0, done.stderr
     stale = [p.relative_to(ROOT).as_posix() for p in _pages()
              if (root / p.relative_to(ROOT)).read_text() != p.read_text()]
     assert not stale, f"{stale} differ from benchmarks/results: run python benchmarks/render_docs.py"
 
 
 def test_every_results_file_is_rendered_somewhere():
-    used = set()
+    """Every results file is the source of a block (the committed blocks are what the renderer writes: above)."""
     text = "\n".join(p.read_text() for p in _pages())
-    for name in rd.MARKER.findall(text):
-        used.add(name[0])
-    results = rd.load_results(ROOT)
-    cited = set(re.findall(r"benchmarks/results/(\w+)\.json", "\n".join(
-        rd.BLOCKS[b](results) for b in used if b != "results-index")))
-    assert set(results) <= cited, f"results files no page renders: {sorted(set(results) - cited)}"
+    bodies = "\n".join(m.group("body") for m in BLOCK.finditer(text) if m.group("name") != "results-index")
+    cited = set(re.findall(r"benchmarks/results/(\w+)\.json", bodies))
+    results = {p.stem for p in (ROOT / "benchmarks" / "results").glob("*.json")}
+    assert results <= cited, f"results files no page renders: {sorted(results - cited)}"
 
 
-def test_a_changed_result_changes_the_page_and_fails_the_check(tmp_path, capsys):
+def test_a_changed_result_changes_the_page_and_fails_the_check(tmp_path):
     root = _copy_tree(tmp_path)
     path = root / "benchmarks" / "results" / "loader.json"
     data = json.loads(path.read_text())
-    auto = next(r for r in data["rows"] if r["name"] == data["config"]["primary"])
-    before = rate(auto["samples_per_s"])
+    primary = data["config"]["primary"]
+    auto = next(r for r in data["rows"] if r["name"] == primary)
     auto["samples_per_s"] = 123456.0
     path.write_text(json.dumps(data))
+    row = f"| {auto['group']} | {auto['description']} | "
+    before = next(line for line in block((ROOT / "docs" / "benchmarks.md").read_text(), "loader").splitlines()
+                  if line.startswith(row))
 
-    assert rd.main(["--check", "--root", str(root)]) == 1
-    assert "docs/benchmarks.md" in capsys.readouterr().err
-    assert rd.main(["--root", str(root)]) == 0
-    page = (root / "docs" / "benchmarks.md").read_text()
-    assert "| 123k |" in page and f"| {before} |" not in page.split("<!-- render:loader -->")[1].split(
-        "<!-- /render:loader -->")[0]
-    assert rd.main(["--check", "--root", str(root)]) == 0
+    checked = render(root, "--check")
+    assert checked.returncode == 1 and "docs/benchmarks.md" in checked.stderr
+    assert render(root).returncode == 0
+    after = next(line for line in block((root / "docs" / "benchmarks.md").read_text(), "loader").splitlines()
+                 if line.startswith(row))
+    assert after.startswith(row + "123k |") and after != before
+    assert render(root, "--check").returncode == 0
 
 
-def test_a_missing_value_or_unknown_block_is_an_error_not_an_empty_table(tmp_path, capsys):
+def test_a_missing_value_or_unknown_block_is_an_error_not_an_empty_table(tmp_path):
     root = _copy_tree(tmp_path)
     path = root / "benchmarks" / "results" / "checkpoint.json"
     data = json.loads(path.read_text())
     del data["ratios"]
     path.write_text(json.dumps(data))
-    assert rd.main(["--check", "--root", str(root)]) == 2
-    assert "checkpoint" in capsys.readouterr().err
+    broken = render(root, "--check")
+    assert broken.returncode == 2 and "checkpoint" in broken.stderr
 
-    with pytest.raises(rd.RenderError, match="unknown render block"):
-        rd.render_text("<!-- render:nope -->\n<!-- /render:nope -->\n", {})
-    with pytest.raises(rd.RenderError, match="do not pair up"):
-        rd.render_text("<!-- render:zero -->\n", {})
+    for text, error in [("<!-- render:nope -->\n<!-- /render:nope -->\n", "unknown render block"),
+                        ("<!-- render:zero -->\n", "do not pair up")]:
+        page = tmp_path / "one" / "docs" / "page.md"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(text)
+        broken = render(page.parent.parent, "--check")
+        assert broken.returncode == 2 and error in broken.stderr, broken.stderr
 
 
 def test_readme_is_short_and_keeps_the_two_setup_commands():

@@ -30,7 +30,7 @@ _CHILD = r"""
 import json, sys
 from dutycycle.engine import imageinfo  # noqa: F401 - numpy and PIL load before the first peak, not in the decode
 from dutycycle.engine.transform import TransformSpec, decode_and_transform
-from benchmarks._common import peak_rss_bytes as peak
+from tests.support.memory import peak_rss_bytes as peak
 
 with open(sys.argv[1], "rb") as f:
     data = f.read()

@@ -167,7 +167,7 @@ def test_bomb_under_pils_limit_is_refused_from_its_header_without_allocating():
     assert DEFAULT_MAX_PIXELS < w * h < Image.MAX_IMAGE_PIXELS
     code = (
         "import sys\n"
-        "from benchmarks._common import peak_rss_bytes  # VmHWM: ru_maxrss would start at pytest's peak\n"
+        "from tests.support.memory import peak_rss_bytes  # VmHWM: ru_maxrss would start at pytest's peak\n"
         "from tests.engine.test_hostile import png_bomb, BOMB_UNDER_PIL\n"
         "from dutycycle.engine import imageinfo\n"
         "from dutycycle.engine.transform import DecodeError, TransformSpec, decode_and_transform\n"

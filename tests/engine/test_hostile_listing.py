@@ -130,7 +130,7 @@ def test_file_that_grows_after_listing_is_read_only_up_to_the_cap(tmp_path):
     _jpeg(src / "a" / "x.jpg")
     code = f"""
 import os, sys
-from benchmarks._common import peak_rss_bytes  # VmHWM: ru_maxrss would start at pytest's peak
+from tests.support.memory import peak_rss_bytes  # VmHWM: ru_maxrss would start at pytest's peak
 from dutycycle.engine.table import probe, scan
 from dutycycle.engine.table.catalog import IngestConfig
 src = {str(src)!r}

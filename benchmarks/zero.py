@@ -7,7 +7,7 @@ Rows, at 2 and 4 ranks (torchrun, gloo, one process per rank on this machine): s
 and stage 3 with optimizer offload, all on the same ViT (default widened to ~22M parameters), the same synthetic
 global batches, AdamW, fp32. At 2 ranks a baseline row runs the trainer's previous gradient sync: after the last
 backward, gradients copied into flat 25 MB buckets, all-reduced (SUM) and divided by the world size, blocking.
-Every row goes through the same step loop (``train_worker``); only the wrapping differs.
+Every row goes through the same step loop (``Trainer.train``); only the wrapping differs.
 
 Micro-batches: the stage 1 and stage 2 rows accumulate over ``--micro-batches`` micro-batches per optimizer step
 (default 4, ``--quick`` 2; the global batch must divide by ranks x micro-batches), the other rows take one. At one
@@ -154,8 +154,9 @@ def worker(args) -> None:
     """One rank, started by torchrun: train and (rank 0) print the row's figures as one JSON line."""
     import torch.distributed as dist
     from dutycycle.trainer.config import load_config
-    from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
+    from dutycycle.trainer.step.loop import WorkerContext, set_threads
     from dutycycle.trainer.step.metrics import read_metrics
+    from dutycycle.trainer.step.trainer import Trainer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
@@ -179,8 +180,8 @@ def worker(args) -> None:
     ])
     set_threads(cfg, world)
     fn = manual_allreduce_parallelize if args.baseline else None
-    summary = train_worker(cfg, WorkerContext(rank=rank, world_size=world, run_dir=args.run_dir),
-                           parallelize_fn=fn)
+    with Trainer(cfg, WorkerContext(rank=rank, world_size=world, run_dir=args.run_dir), parallelize_fn=fn) as t:
+        summary = t.train()
     if rank == 0:
         rows = [r for r in read_metrics(args.run_dir) if "loss" in r][args.skip:]
         step_s = sum(r["step_s"] for r in rows)

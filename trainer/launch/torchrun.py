@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     from dutycycle.engine.errors import DutycycleError
     from dutycycle.trainer.config import load_config, use_gpu
     from dutycycle.trainer.configtree import add_overrides
-    from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
+    from dutycycle.trainer.step.loop import WorkerContext, set_threads
+    from dutycycle.trainer.step.trainer import Trainer
 
     from .train import finish_run, prepare_run
 
@@ -45,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1:
             dist.init_process_group("nccl" if gpu else "gloo")
         set_threads(cfg, local_world)
-        train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, run_dir=cfg.run.dir,
-                                        info={"launcher": "torchrun"}))
+        ctx = WorkerContext(rank=rank, world_size=world, device=device, run_dir=cfg.run.dir,
+                            info={"launcher": "torchrun"})
+        with Trainer(cfg, ctx) as trainer:
+            trainer.train()
         if world > 1:
             # only after success (torchtitan does the same): a rank that failed may leave peers inside a
             # collective, where a barrier would hang. Every rank reaches the barrier before any tears its groups

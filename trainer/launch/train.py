@@ -1,7 +1,7 @@
 """Launching a run: locally in this process, on Ray Train (TorchTrainer, the V2 API), or under torchrun.
 
-All three call the same ``loop.train_worker``. The driver validates the config, prints it and saves it in the
-run directory before any worker starts; after the run it reads ``summary.json`` and draws ``report.png``.
+All three run the same ``Trainer`` (step/trainer.py). The driver validates the config, prints it and saves it in
+the run directory before any worker starts; after the run it reads ``summary.json`` and draws ``report.png``.
 
 Placement on Ray: workers are gang-scheduled in one placement group. ``PACK`` (the default) puts them on as
 few nodes as possible; ``STRICT_PACK`` insists on one node. ``ray.label_selector`` (e.g. ``{zone = "a"}``)
@@ -22,7 +22,8 @@ import os
 from dutycycle.engine import io
 from dutycycle.trainer.cluster.local import start_local_ray
 from dutycycle.trainer.config import TrainConfig, describe, from_dict, use_gpu
-from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
+from dutycycle.trainer.step.loop import WorkerContext, set_threads
+from dutycycle.trainer.step.trainer import Trainer
 
 from .results import report_results, results_from, runtime_env
 
@@ -113,7 +114,9 @@ def train_local(cfg: TrainConfig, launched: float | None = None) -> dict:
     gpu = use_gpu(cfg, torch.cuda.device_count())
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     set_threads(cfg, 1)
-    train_worker(cfg, WorkerContext(rank=0, world_size=1, device=device, run_dir=cfg.run.dir, started=time.time()))
+    with Trainer(cfg, WorkerContext(rank=0, world_size=1, device=device, run_dir=cfg.run.dir,
+                                    started=time.time())) as trainer:
+        trainer.train()
     return finish_run(cfg, launched)
 
 
@@ -162,9 +165,10 @@ def _ray_train_fn(payload: dict) -> None:
     def report(metrics: dict) -> None:  # an evaluation's metrics: the barrier only, the hand-over in the background
         ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
 
-    summary = train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, report=report,
-                                              run_dir=payload["run_dir"], info=info, on_commit=on_commit,
-                                              node_labels=[w["node"] for w in where], started=started))
+    ctx = WorkerContext(rank=rank, world_size=world, device=device, report=report, run_dir=payload["run_dir"],
+                        info=info, on_commit=on_commit, node_labels=[w["node"] for w in where], started=started)
+    with Trainer(cfg, ctx) as trainer:
+        summary = trainer.train()
     report_results(cfg, payload["run_dir"], summary, rank, last_commit or None)
 
 

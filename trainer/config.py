@@ -23,6 +23,7 @@ from dutycycle.loader.config import MODES, AugmentConfig, LoaderConfig
 
 from .config_parallel import ParallelSection
 from .configtree import build, not_negative, one_of, parse_overrides, positive, renamed, set_dotted
+from .parallel.dims import ParallelDims
 
 # -------------------------------------------------------------------------------------------- sections
 
@@ -349,16 +350,17 @@ def _check_tensor_model(cfg: TrainConfig) -> None:
     """Tensor parallelism needs a model that says how to split its layers, in whole heads, and groups inside a
     node: refused here, before any worker starts, for the built-in models (a plug-in's plan is checked when it is
     applied, trainer/parallel/tensor.py)."""
-    t, m = cfg.parallel.tensor, cfg.model
-    if t == 1:
+    dims, m = ParallelDims.from_config(cfg.parallel, validate=False), cfg.model
+    if not dims.tp_enabled:
         return
+    t = dims.tensor
     if m.name == "cnn":
         raise ConfigError(f"parallel.tensor = {t} needs a model with a tensor-parallel plan, and model.name = 'cnn' "
                           "has none: use model.name = 'vit', or parallel.tensor = 1")
     if m.name == "vit" and m.heads % t:
         raise ConfigError(f"parallel.tensor = {t} must divide model.heads = {m.heads}: each rank takes whole heads")
-    if cfg.parallel.node_size and cfg.parallel.node_size % t:
-        raise ConfigError(f"parallel.tensor = {t} must divide parallel.node_size = {cfg.parallel.node_size}: a "
+    if dims.node_size and dims.node_size % t:
+        raise ConfigError(f"parallel.tensor = {t} must divide parallel.node_size = {dims.node_size}: a "
                           "tensor-parallel group sits on one node")
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from dutycycle.engine.errors import SourceError, TrainingDiverged
 from dutycycle.trainer.cluster.world import all_gather, broadcast
 from dutycycle.trainer.parallel import residuals
+from dutycycle.trainer.parallel.dims import ParallelDims
 from dutycycle.trainer.parallel.state import sharded_state_dict
 
 from . import manifest as mf
@@ -60,7 +61,7 @@ class Checkpointer:
         if c.every > 0 and self.root:
             self.saver = Saver(self.root, rank=self.rank, world_size=self.world, keep=c.keep,
                                async_save=c.async_save, device=self.device, on_phase=on_phase,
-                               keep_staging_buffers=cfg.parallel.offload != "nvme",
+                               keep_staging_buffers=not ParallelDims.from_config(cfg.parallel, validate=False).nvme,
                                background_nice=c.background_nice)
         self.skipped: set[tuple[int, int]] = set()
         self.stalls: list[float] = []

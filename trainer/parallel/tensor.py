@@ -27,15 +27,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-def mesh_2d(device: torch.device, world, tensor: int):
-    """The (data, tensor) mesh, rows the tensor-parallel groups as placed on the nodes. Collective."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from .plan import tensor_groups
-
-    return DeviceMesh(device.type, torch.tensor(tensor_groups(world, tensor)), mesh_dim_names=("data", "tensor"))
-
-
 def apply_tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool) -> int:
     """Split ``model`` over the 1-D tensor ``mesh`` by its own plan; returns the parameter elements this rank
     holds afterwards (what ZeRO then shards over the data ranks). A model without a plan is refused by name."""

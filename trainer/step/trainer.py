@@ -27,10 +27,11 @@ from dutycycle.trainer.checkpoint.manifest import check_shared, checkpoint_root
 from dutycycle.trainer.checkpoint.resume import apply_state
 from dutycycle.trainer.checkpoint.state import TrainerState, capture_rng
 from dutycycle.trainer.cluster.health import preflight
-from dutycycle.trainer.cluster.topology import check_layout, observe
+from dutycycle.trainer.cluster.topology import observe
 from dutycycle.trainer.cluster.world import all_gather
 from dutycycle.trainer.parallel import nvme
 from dutycycle.trainer.parallel.apply import parallelize
+from dutycycle.trainer.parallel.dims import ParallelDims
 from dutycycle.trainer.parallel.memory import MemorySampler, host_memory
 
 from . import metrics as M
@@ -84,7 +85,7 @@ class Trainer:
         (validated once: parallel/dims.py), and the pre-flight health check of every worker."""
         cfg, ctx = self.config, self.ctx
         self.world = observe(ctx.rank, ctx.world_size, cfg.parallel.node_size, labels=ctx.node_labels)
-        check_layout(self.world, cfg.parallel)
+        self.dims = ParallelDims.build(cfg.parallel, self.world)
         check_shared(cfg, self.world, checkpoint_root(cfg, ctx.run_dir))
         self.precision = resolve_precision(self.device, cfg.run.precision)
         self.health = None
@@ -97,7 +98,7 @@ class Trainer:
         import torch
 
         torch.manual_seed(self.config.run.seed)
-        self.train_src, self.val_src, self.info = make_sources(self.config, self.world)
+        self.train_src, self.val_src, self.info = make_sources(self.config, self.world, self.dims)
         self.account.setup_done("data_open")
 
     def _build_model(self) -> None:
@@ -125,7 +126,7 @@ class Trainer:
         self.optimizer = make_optimizer(self.strategy.module.parameters(), cfg.optim)
         self.offload_store = None
         self.offload_stats = None
-        if cfg.parallel.offload == "nvme":  # the optimizer state in files on local disk (parallel/nvme.py)
+        if self.dims.nvme:  # the optimizer state in files on local disk (parallel/nvme.py)
             self.offload_store = nvme.FileStore(nvme.offload_root(cfg.parallel), nvme.run_key(self.ctx.run_dir),
                                                 self.world.rank)
             nvme.attach(self.optimizer, self.offload_store, state_per_param=optimizer_state_tensors(cfg.optim) or 2)

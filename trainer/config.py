@@ -24,6 +24,7 @@ from dutycycle.loader.config import MODES, AugmentConfig, LoaderConfig
 from .config_parallel import ParallelSection
 from .configtree import build, not_negative, one_of, parse_overrides, positive, renamed, set_dotted
 from .parallel.dims import ParallelDims
+from .step.optim import OPTIMIZERS, check_optimizer
 
 # -------------------------------------------------------------------------------------------- sections
 
@@ -109,7 +110,7 @@ class ModelSection:
             if not module or not attr:
                 raise ConfigError(f"{where}.name = {self.name!r} must be a registered name or 'package.module:factory'")
         else:
-            from dutycycle.trainer.step.models import MODELS
+            from dutycycle.trainer.step.models import MODELS  # imports torch: loading a config stays light
 
             if self.name not in MODELS:
                 raise ConfigError(f"{where}.name = {self.name!r} is not registered ({', '.join(sorted(MODELS))}); "
@@ -134,8 +135,6 @@ class OptimSection:
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
 
     def check(self, where: str) -> None:
-        from dutycycle.trainer.step.optim import OPTIMIZERS
-
         one_of(f"{where}.name", self.name, tuple(OPTIMIZERS))
         one_of(f"{where}.schedule", self.schedule, ("cosine", "constant"))
         not_negative(where, self, "lr", "weight_decay", "grad_clip", "warmup_steps")
@@ -318,8 +317,6 @@ def from_dict(tree: dict[str, Any]) -> TrainConfig:
 def validate(cfg: TrainConfig) -> None:
     """Value checks that need more than a type; every message names the dotted key. Each section checks its
     own values (its ``check``); what follows needs two sections at once."""
-    from dutycycle.trainer.step.optim import check_optimizer
-
     for f in dataclasses.fields(cfg):
         getattr(cfg, f.name).check(f.name)
     per_step = cfg.parallel.num_workers * cfg.data.micro_batches

@@ -11,17 +11,18 @@ import argparse
 import os
 import sys
 
+from dutycycle.engine.errors import DutycycleError
+from dutycycle.trainer.config import load_config, use_gpu
+from dutycycle.trainer.configtree import add_overrides
+from dutycycle.trainer.step.loop import WorkerContext, set_threads
+from dutycycle.trainer.step.trainer import Trainer
+
+from .train import finish_run, prepare_run, resolve_run_dir
+
 
 def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
-    from dutycycle.engine.errors import DutycycleError
-    from dutycycle.trainer.config import load_config, use_gpu
-    from dutycycle.trainer.configtree import add_overrides
-    from dutycycle.trainer.step.loop import WorkerContext, set_threads
-    from dutycycle.trainer.step.trainer import Trainer
-
-    from .train import finish_run, prepare_run
 
     parser = argparse.ArgumentParser(prog="python -m dutycycle.trainer.launch.torchrun")
     parser.add_argument("config")
@@ -37,8 +38,6 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             prepare_run(cfg)
         else:
-            from .train import resolve_run_dir
-
             resolve_run_dir(cfg)
         device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
         if gpu:

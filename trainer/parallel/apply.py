@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from dutycycle.engine.errors import ConfigError
 from dutycycle.trainer.cluster.world import World
 from torch import nn
 
@@ -36,7 +37,9 @@ from .comm import (
     counting_hsdp_hook,
 )
 from .dims import ParallelDims
+from .fsdp_api import fsdp_modules, reshard_to_secondary, set_unshard_async
 from .plan import Quantization, ShardingPlan, make_plan, make_quantization
+from .qcollectives import make_hierarchy
 from .tensor import apply_tensor_parallel
 from .traffic import Topology
 
@@ -93,7 +96,6 @@ class DDPStrategy(Strategy):
                 yield
         except RuntimeError as e:
             if "find_unused_parameters" in str(e):  # DDP names its own keyword; name the config key instead
-                from dutycycle.engine.errors import ConfigError
 
                 raise ConfigError("a parameter got no gradient in a step, and DDP (parallel.zero_stage = 0) needs to "
                                   "know: set parallel.find_unused_parameters = true") from e
@@ -114,13 +116,10 @@ class FSDPStrategy(Strategy):
         root.set_reshard_after_backward(self.plan.reshards_after_backward(micro))
         yield
         if self.plan.keeps_secondary(micro):  # hpZ: down to the secondary shard, not further (plan.py)
-            from .fsdp_api import reshard_to_secondary
 
             reshard_to_secondary(root)
 
     def after_eval(self) -> None:
-        from .fsdp_api import fsdp_modules
-
         for m in fsdp_modules(self.model):
             m.reshard()
 
@@ -246,8 +245,6 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
 
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from .fsdp_api import fsdp_modules
-
     ensure_process_group(device)
     mesh = tp_mesh["data"] if tp_mesh is not None else dims.build_mesh(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
@@ -263,8 +260,6 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     fully_shard(model, **kwargs)
     hierarchy = None
     if quant.two_hop:
-        from .qcollectives import make_hierarchy
-
         # collective: every rank creates every node group, in one order
         hierarchy = make_hierarchy(topology, device=device)
     gather = QuantAllGather(meter, quant.weights_bits, quant.block, hpz=p.hpz) if quant.weights_bits < 32 \
@@ -291,7 +286,6 @@ def _prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:
     own is copied out, in backward the previous block's; the root (the first unit forward runs) prefetches the
     first block. Issued with ``async_op=True`` (fsdp_api.set_unshard_async) so the transfer runs while this
     block computes; FSDP2 waits for it when the prefetched block starts."""
-    from .fsdp_api import set_unshard_async
 
     if blocks:
         model.set_modules_to_forward_prefetch([blocks[0]])

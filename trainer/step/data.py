@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from dutycycle.engine.synth import CLASSES, draw_shapes
-from dutycycle.loader import ArrayLoader, AugmentConfig, LoaderConfig
+from dutycycle.engine.transform import TransformSpec
+from dutycycle.loader import ArrayLoader, AugmentConfig, CacheLoader, LoaderConfig, RawLoader
 from dutycycle.trainer.parallel.dims import ParallelDims
 
 
@@ -127,17 +128,12 @@ def make_sources(cfg, world, dims: ParallelDims | None = None):
 
 
 def _loader_sources(cfg, rank: int, world_size: int):
-    from dutycycle.loader import CacheLoader
-
     d = cfg.data
     train_cfg, val_cfg = d.loader_configs(cfg.run.seed, world_size)
     if d.source == "cache":
         train = CacheLoader(d.cache, "train", rank, world_size, config=train_cfg)
         val = CacheLoader(d.cache, "val", rank, world_size, config=val_cfg)
     else:
-        from dutycycle.engine.transform import TransformSpec
-        from dutycycle.loader import RawLoader
-
         spec = TransformSpec(size=d.size)
         train = RawLoader(d.table, spec, "train", rank, world_size, config=train_cfg)
         val = RawLoader(d.table, spec, "val", rank, world_size, config=val_cfg)

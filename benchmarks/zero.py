@@ -7,7 +7,7 @@ Rows, at 2 and 4 ranks (torchrun, gloo, one process per rank on this machine): s
 and stage 3 with optimizer offload, all on the same ViT (default widened to ~22M parameters), the same synthetic
 global batches, AdamW, fp32. At 2 ranks a baseline row runs the trainer's previous gradient sync: after the last
 backward, gradients copied into flat 25 MB buckets, all-reduced (SUM) and divided by the world size, blocking.
-Every row goes through the same step loop (``train_worker``, in benchmarks/zero_worker.py, the ranks' code); only
+Every row goes through the same step loop (``Trainer.train``, in benchmarks/zero_worker.py, the ranks' code); only
 the wrapping differs.
 
 Micro-batches: the stage 1 and stage 2 rows accumulate over ``--micro-batches`` micro-batches per optimizer step

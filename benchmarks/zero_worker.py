@@ -1,6 +1,6 @@
 """One rank of the ZeRO benchmarks (benchmarks/zero.py, benchmarks/zeropp.py, and zero.py's activation and offload
 rows), started by torchrun or benchmarks/netns.py's launcher: it trains through the product's step loop
-(``train_worker``) with the flags it is given and (rank 0) prints the row's figures as one JSON line.
+(``Trainer.train``) with the flags it is given and (rank 0) prints the row's figures as one JSON line.
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/zero_worker.py --stage 3 --run-dir DIR ...
 
@@ -90,8 +90,9 @@ def worker(args) -> None:
     """One rank, started by torchrun: train and (rank 0) print the row's figures as one JSON line."""
     import torch.distributed as dist
     from dutycycle.trainer.config import load_config
-    from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
+    from dutycycle.trainer.step.loop import WorkerContext, set_threads
     from dutycycle.trainer.step.metrics import read_metrics
+    from dutycycle.trainer.step.trainer import Trainer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
@@ -115,8 +116,8 @@ def worker(args) -> None:
     ])
     set_threads(cfg, world)
     fn = manual_allreduce_parallelize if args.baseline else None
-    summary = train_worker(cfg, WorkerContext(rank=rank, world_size=world, run_dir=args.run_dir),
-                           parallelize_fn=fn)
+    with Trainer(cfg, WorkerContext(rank=rank, world_size=world, run_dir=args.run_dir), parallelize_fn=fn) as t:
+        summary = t.train()
     if rank == 0:
         rows = [r for r in read_metrics(args.run_dir) if "loss" in r][args.skip:]
         step_s = sum(r["step_s"] for r in rows)

@@ -28,7 +28,7 @@
    loss and accuracy, and their ratio to fp32 (int8 is expected within 1.05x loss and 1 point of accuracy on
    this data; int4 reported).
 
-Every row runs benchmarks/zero_worker.py (the product's ``train_worker``) in fresh processes.
+Every row runs benchmarks/zero_worker.py (the product's ``Trainer``) in fresh processes.
 """
 
 from __future__ import annotations

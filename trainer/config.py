@@ -32,6 +32,8 @@ from .configtree import (
     renamed,
     set_dotted,
 )
+from .parallel.dims import ParallelDims
+from .step.optim import OPTIMIZERS, check_optimizer
 
 # -------------------------------------------------------------------------------------------- sections
 
@@ -123,7 +125,7 @@ class ModelSection:
             if not module or not attr:
                 raise ConfigError(f"{where}.name = {self.name!r} must be a registered name or 'package.module:factory'")
         else:
-            from dutycycle.trainer.step.models import MODELS
+            from dutycycle.trainer.step.models import MODELS  # imports torch: loading a config stays light
 
             if self.name not in MODELS:
                 raise ConfigError(f"{where}.name = {self.name!r} is not registered ({', '.join(sorted(MODELS))}); "
@@ -148,8 +150,6 @@ class OptimSection:
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
 
     def check(self, where: str) -> None:
-        from dutycycle.trainer.step.optim import OPTIMIZERS
-
         one_of(f"{where}.name", self.name, tuple(OPTIMIZERS))
         one_of(f"{where}.schedule", self.schedule, ("cosine", "constant"))
         not_negative(where, self, "lr", "weight_decay", "grad_clip", "warmup_steps")
@@ -332,8 +332,6 @@ def from_dict(tree: dict[str, Any]) -> TrainConfig:
 def validate(cfg: TrainConfig) -> None:
     """Value checks that need more than a type; every message names the dotted key. Each section checks its
     own values (its ``check``); what follows needs two sections at once."""
-    from dutycycle.trainer.step.optim import check_optimizer
-
     for f in dataclasses.fields(cfg):
         getattr(cfg, f.name).check(f.name)
     per_step = cfg.parallel.num_workers * cfg.data.micro_batches
@@ -364,16 +362,17 @@ def _check_tensor_model(cfg: TrainConfig) -> None:
     """Tensor parallelism needs a model that says how to split its layers, in whole heads, and groups inside a
     node: refused here, before any worker starts, for the built-in models (a plug-in's plan is checked when it is
     applied, trainer/parallel/tensor.py)."""
-    t, m = cfg.parallel.tensor, cfg.model
-    if t == 1:
+    dims, m = ParallelDims.from_config(cfg.parallel, validate=False), cfg.model
+    if not dims.tp_enabled:
         return
+    t = dims.tensor
     if m.name == "cnn":
         raise ConfigError(f"parallel.tensor = {t} needs a model with a tensor-parallel plan, and model.name = 'cnn' "
                           "has none: use model.name = 'vit', or parallel.tensor = 1")
     if m.name == "vit" and m.heads % t:
         raise ConfigError(f"parallel.tensor = {t} must divide model.heads = {m.heads}: each rank takes whole heads")
-    if cfg.parallel.node_size and cfg.parallel.node_size % t:
-        raise ConfigError(f"parallel.tensor = {t} must divide parallel.node_size = {cfg.parallel.node_size}: a "
+    if dims.node_size and dims.node_size % t:
+        raise ConfigError(f"parallel.tensor = {t} must divide parallel.node_size = {dims.node_size}: a "
                           "tensor-parallel group sits on one node")
 
 

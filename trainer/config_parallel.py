@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from dutycycle.engine.errors import ConfigError
 
 from .configtree import not_negative, one_of, positive
+from .parallel.dims import ParallelDims
 
 
 @dataclass
@@ -80,10 +81,6 @@ class ParallelSection:
     def check(self, where: str) -> None:
         one_of(f"{where}.use_gpu", self.use_gpu, ("auto", "true", "false"))
         one_of(f"{where}.offload", self.offload, ("none", "optimizer", "nvme"))
-        if self.offload == "nvme" and "://" in self.offload_dir:
-            raise ConfigError(f"{where}.offload_dir = {self.offload_dir!r} is remote: offloaded optimizer state is "
-                              "rewritten every step and must be on each node's local disk (an NVMe mount); set a "
-                              "local path")
         one_of(f"{where}.quant_weights", self.quant_weights, ("none", "int8"))
         one_of(f"{where}.quant_grads", self.quant_grads, ("none", "int8", "int4"))
         one_of(f"{where}.reduce_scatter", self.reduce_scatter, ("auto", "all_to_all", "native"))
@@ -94,9 +91,6 @@ class ParallelSection:
         positive(where, self, "num_workers")
         not_negative(where, self, "cpus_per_worker", "inject_comm_ms")
         one_of(f"{where}.zero_stage", self.zero_stage, (0, 1, 2, 3))
-        if self.offload != "none" and self.zero_stage == 0:
-            raise ConfigError(f"{where}.offload = {self.offload!r} needs sharded optimizer state; "
-                              f"set {where}.zero_stage = 1, 2 or 3")
         if self.reduce_every_micro_step and self.zero_stage == 1:
             raise ConfigError(f"{where}.reduce_every_micro_step = true contradicts {where}.zero_stage = 1, which holds "
                               "full gradients across the accumulation window; use zero_stage = 2 or 3 for that")
@@ -114,8 +108,8 @@ class ParallelSection:
         if self.quant_block < 2 or self.quant_block % 2:
             raise ConfigError(f"{where}.quant_block = {self.quant_block} must be an even number >= 2 (int4 packs two "
                               "values per byte); 256 is the default")
-        self._check_hybrid(where)
-        self._check_tensor(where)
+        # offload, hybrid sharding and tensor parallelism: the degrees against each other (parallel/dims.py)
+        ParallelDims.from_config(self, where=where)
         if self.hpz:
             if self.zero_stage != 3:
                 raise ConfigError(f"{where}.hpz = true needs {where}.zero_stage = 3 (got {self.zero_stage}): only "
@@ -124,51 +118,3 @@ class ParallelSection:
                 raise ConfigError(f"{where}.hpz = true needs {where}.node_size between 2 and {where}.num_workers - 1 "
                                   f"(got node_size = {self.node_size}, num_workers = {self.num_workers}): the "
                                   "secondary shard lives on the ranks of one node")
-
-    def _check_hybrid(self, where: str) -> None:
-        if self.replicate < 0:
-            raise ConfigError(f"{where}.replicate = {self.replicate} must be >= 0 (1 = flat sharding, 0 = one "
-                              "replica group per node)")
-        if self.replicate == 1:
-            return
-        if self.zero_stage == 0:
-            raise ConfigError(f"{where}.replicate = {self.replicate} shards inside each replica group, and "
-                              f"{where}.zero_stage = 0 shards nothing (DDP replicates on every rank): set "
-                              f"{where}.zero_stage = 1, 2 or 3, or {where}.replicate = 1")
-        if self.replicate and self.num_workers % self.replicate:
-            raise ConfigError(f"{where}.replicate = {self.replicate} must divide {where}.num_workers = "
-                              f"{self.num_workers}: every replica group holds the same number of ranks")
-        if self.replicate and self.num_workers // self.replicate < 2:
-            raise ConfigError(f"{where}.replicate = {self.replicate} leaves one rank per replica group of "
-                              f"{where}.num_workers = {self.num_workers}: nothing is sharded (that is DDP, "
-                              f"{where}.zero_stage = 0); use fewer groups")
-        # ZeRO++ is the other answer to slow inter-node links: quantize what crosses them. Hybrid sharding keeps
-        # the gathers inside the node in fp32 instead; the two are not combined here (FSDP2 issues HSDP's
-        # all-reduce itself, with no seam for a quantized one)
-        for key, value, off in (("quant_weights", self.quant_weights, "none"), ("quant_grads", self.quant_grads, "none"),
-                                ("reduce_scatter", self.reduce_scatter, "auto"), ("hpz", self.hpz, False)):
-            if value != off and not (key == "reduce_scatter" and value == "native"):
-                raise ConfigError(f"{where}.replicate = {self.replicate} (hybrid sharding) does not combine with "
-                                  f"{where}.{key} = {value!r}: hybrid keeps parameter gathers inside the node in "
-                                  f"fp32, ZeRO++ quantizes what crosses nodes; choose one ({where}.replicate = 1, "
-                                  f"or {where}.{key} = {off!r})")
-
-    def _check_tensor(self, where: str) -> None:
-        positive(where, self, "tensor")
-        if self.tensor == 1:
-            return
-        if self.num_workers % self.tensor:
-            raise ConfigError(f"{where}.tensor = {self.tensor} must divide {where}.num_workers = {self.num_workers}: "
-                              "every tensor-parallel group holds the same number of ranks")
-        if self.zero_stage == 0:
-            raise ConfigError(f"{where}.tensor = {self.tensor} composes with FSDP2 over the data-parallel ranks; "
-                              f"{where}.zero_stage = 0 is DDP: set {where}.zero_stage = 1, 2 or 3")
-        # one 2-D mesh (data, tensor): hybrid sharding would make it 3-D, and ZeRO++'s collectives and the offloads
-        # handle plain (1-D) shards only; each combination is refused by name rather than run half-checked
-        for key, value, off in (("replicate", self.replicate, 1), ("offload", self.offload, "none"),
-                                ("quant_weights", self.quant_weights, "none"), ("quant_grads", self.quant_grads, "none"),
-                                ("reduce_scatter", self.reduce_scatter, "auto"), ("hpz", self.hpz, False)):
-            if value != off and not (key == "reduce_scatter" and value == "native"):
-                raise ConfigError(f"{where}.tensor = {self.tensor} (tensor parallelism) does not combine with "
-                                  f"{where}.{key} = {value!r} here; set {where}.{key} = {off!r} or {where}.tensor = 1")
-

@@ -6,7 +6,7 @@ import hashlib
 
 import torch
 
-# ------------------------------------------------------------------------------- resume through train_worker
+# ------------------------------------------------------------------------------ resume through the Trainer
 
 
 def small_cfg(run_dir: str, *extra: str):
@@ -20,10 +20,12 @@ def small_cfg(run_dir: str, *extra: str):
 
 
 def train(cfg, rank: int = 0, world: int = 1) -> dict:
-    from dutycycle.trainer.step.loop import WorkerContext, train_worker
+    from dutycycle.trainer.step.loop import WorkerContext
+    from dutycycle.trainer.step.trainer import Trainer
 
     torch.set_num_threads(1)
-    return train_worker(cfg, WorkerContext(rank=rank, world_size=world, run_dir=cfg.run.dir))
+    with Trainer(cfg, WorkerContext(rank=rank, world_size=world, run_dir=cfg.run.dir)) as trainer:
+        return trainer.train()
 
 
 def resume_runs(rank: int, world: int, root: str, stages: list[int], more: tuple = ()) -> dict:

@@ -101,7 +101,7 @@ def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload:
     optimizer = make_optimizer(strategy.module.parameters(),
                                OptimSection(**{"name": optim_name, "lr": 0.02, "weight_decay": 0.1, "momentum": 0.9,
                                                **(optim_kwargs or {})}))
-    if parallel.offload == "nvme":  # as train_worker attaches it; small chunks, so a step has several
+    if parallel.offload == "nvme":  # as the Trainer attaches it; small chunks, so a step has several
         import os
 
         from dutycycle.trainer.parallel import nvme

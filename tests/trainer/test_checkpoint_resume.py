@@ -156,14 +156,16 @@ def _skip_reference(tmp_path, cfg):
     from dutycycle.trainer.checkpoint.checkpointer import Checkpointer
     from dutycycle.trainer.cluster.world import World
     from dutycycle.trainer.step.data import make_sources
-    from dutycycle.trainer.step.loop import WorkerContext, train_worker
+    from dutycycle.trainer.step.loop import WorkerContext
+    from dutycycle.trainer.step.trainer import Trainer
 
     cfg.checkpoint.every = 0
     ctx = WorkerContext(run_dir=str(tmp_path / "ref"))
     ck = Checkpointer(cfg, ctx, total_steps=cfg.run.max_steps, data_info=make_sources(cfg, World())[2])
     ck.skipped = {(0, 5)}
     torch.set_num_threads(1)
-    return train_worker(cfg, ctx, checkpointer=ck)
+    with Trainer(cfg, ctx, checkpointer=ck) as trainer:
+        return trainer.train()
 
 
 def test_nonfinite_loss_rolls_back_and_skips_the_batch(tmp_path):

@@ -70,14 +70,16 @@ def _through_the_loop(rank, world):
     import os
 
     from dutycycle.trainer.config import load_config
-    from dutycycle.trainer.step.loop import WorkerContext, train_worker
+    from dutycycle.trainer.step.loop import WorkerContext
+    from dutycycle.trainer.step.trainer import Trainer
 
     os.environ["DUTYCYCLE_NODE_ID"] = "node-" + "ab"[rank % 2]
     cfg = load_config(None, ["data.source=synthetic", "data.size=16", "data.global_batch_size=32",
                              "data.synthetic_samples=64", "model.width=8", "run.max_steps=2", "run.eval_every=0",
                              "run.log_every=0", "run.precision=fp64", f"parallel.num_workers={world}",
                              "parallel.zero_stage=3", "parallel.replicate=0"])
-    summary = train_worker(cfg, WorkerContext(rank=rank, world_size=world))
+    with Trainer(cfg, WorkerContext(rank=rank, world_size=world)) as trainer:
+        summary = trainer.train()
     return {k: summary["parallel"][k] for k in ("replicate", "shard_size", "node_ids", "traffic", "strategy")}
 
 

@@ -1,4 +1,4 @@
-"""End to end through ``train_worker`` (data plan, micro-batches, clipping, schedule, evaluation, summary):
+"""End to end through the ``Trainer`` (data plan, micro-batches, clipping, schedule, evaluation, summary):
 1 worker and 2 workers trained on the same global batches end with the same weights, at ZeRO stage 0 (DDP) and
 stage 3 (FSDP2), in float64. Tolerance as in test_zero.py: measured differences are ~1e-16."""
 
@@ -13,8 +13,9 @@ def _train(rank, world_size, stage, micro_batches):
     import torch
     from dutycycle.trainer.config import load_config
     from dutycycle.trainer.parallel.state import full_state_dict
-    from dutycycle.trainer.step.loop import WorkerContext, train_worker
+    from dutycycle.trainer.step.loop import WorkerContext
     from dutycycle.trainer.step.models import build_model
+    from dutycycle.trainer.step.trainer import Trainer
 
     cfg = load_config(None, ["data.source=synthetic", "data.size=16", "data.global_batch_size=32",
                              "data.synthetic_samples=128", "model.width=8", "run.max_steps=6", "run.eval_every=3",
@@ -23,10 +24,11 @@ def _train(rank, world_size, stage, micro_batches):
                              f"parallel.zero_stage={stage}", f"data.micro_batches={micro_batches}"])
     torch.set_num_threads(1)
     ctx = WorkerContext(rank=rank, world_size=world_size)
-    summary = train_worker(cfg, ctx)
+    with Trainer(cfg, ctx) as trainer:
+        summary = trainer.train()
     full = full_state_dict(ctx.state["strategy"])
     params = torch.cat([v.reshape(-1) for _, v in sorted(full.items())]) if full else None
-    torch.manual_seed(cfg.run.seed)  # the initialization train_worker started from
+    torch.manual_seed(cfg.run.seed)  # the initialization the Trainer started from
     init = build_model(cfg.model, 3, 4, 16).double().state_dict()
     init = torch.cat([v.reshape(-1) for _, v in sorted(init.items())])
     return {"params": params.tolist() if params is not None else None, "loss": summary["final_loss"],

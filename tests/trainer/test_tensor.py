@@ -190,7 +190,7 @@ def _through_the_loop(rank, world):
 
 @pytest.mark.timeout(450)
 def test_the_trainer_runs_tensor_parallel_on_the_observed_nodes():
-    """Through train_worker: the tensor-parallel groups are {0, 2} and {1, 3} (one per node), each group reads one
+    """Through the Trainer: the tensor-parallel groups are {0, 2} and {1, 3} (one per node), each group reads one
     batch (3 steps of 32 samples counted once), the loss matches data parallelism over 4 ranks in float64, and
     the summary's measured activation exchanges equal its formula."""
     r = run_distributed(_through_the_loop, 4, timeout=400)[0]

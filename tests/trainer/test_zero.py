@@ -272,7 +272,8 @@ def test_the_gradient_norm_without_clipping_is_global_on_ddp_and_fsdp2():
 def _bf16_summary(rank, world):
     import torch
     from dutycycle.trainer.config import load_config
-    from dutycycle.trainer.step.loop import WorkerContext, train_worker
+    from dutycycle.trainer.step.loop import WorkerContext
+    from dutycycle.trainer.step.trainer import Trainer
 
     torch.set_num_threads(1)
     # width 8: every parameter's first dimension divides by 2, so FSDP2 adds no padding to the counted bytes
@@ -280,13 +281,14 @@ def _bf16_summary(rank, world):
                              "data.synthetic_samples=32", "model.width=8", "run.max_steps=2", "run.eval_every=0",
                              "run.log_every=0", "run.precision=bf16", "parallel.zero_stage=3",
                              f"parallel.num_workers={world}"])
-    s = train_worker(cfg, WorkerContext(rank=rank, world_size=world))
+    with Trainer(cfg, WorkerContext(rank=rank, world_size=world)) as trainer:
+        s = trainer.train()
     return {k: s["parallel"][k] for k in ("traffic_per_step", "expected_traffic_per_step", "precision")} | {
         "num_params": s["num_params"]}
 
 
 def test_bf16_stage3_expected_traffic_matches_the_counted_bytes():
-    """Through train_worker's summary at 2 ranks: under bf16 mixed precision FSDP2 gathers bf16 parameters (2
+    """Through the Trainer's summary at 2 ranks: under bf16 mixed precision FSDP2 gathers bf16 parameters (2
     bytes) and reduce-scatters fp32 gradients (4 bytes); the expected figure used 4 bytes for both."""
     r = run_distributed(_bf16_summary, 2, timeout=240)[0]
     sent, expected = r["traffic_per_step"], r["expected_traffic_per_step"]

@@ -215,7 +215,8 @@ def test_bad_zeropp_config_names_the_key(overrides, match):
 
 def _converge(rank, world):
     from dutycycle.trainer.config import load_config
-    from dutycycle.trainer.step.loop import WorkerContext, train_worker
+    from dutycycle.trainer.step.loop import WorkerContext
+    from dutycycle.trainer.step.trainer import Trainer
 
     torch.set_num_threads(1)
     out = {}
@@ -225,7 +226,8 @@ def _converge(rank, world):
             "data.augment.flip=true", "model.width=16", "run.max_steps=100", "run.eval_every=0", "run.log_every=0",
             "optim.lr=0.005", "optim.warmup_steps=10", f"parallel.num_workers={world}", "parallel.zero_stage=3",
             *extra])
-        s = train_worker(cfg, WorkerContext(rank=rank, world_size=world))
+        with Trainer(cfg, WorkerContext(rank=rank, world_size=world)) as trainer:
+            s = trainer.train()
         out[name] = {"val_loss": s["val_loss"], "val_accuracy": s["val_accuracy"], "first": s["first_loss"]}
     return out
 

@@ -27,7 +27,7 @@ def checkpoint_root(cfg, run_dir: str) -> str:
 
 
 def make_checkpointer(cfg, ctx, *, total_steps: int, data_info=None, writer=None):
-    from .checkpointer import make_checkpointer as make
+    from .checkpointer import make_checkpointer as make  # imports torch: not at package import
 
     return make(cfg, ctx, total_steps=total_steps, data_info=data_info, writer=writer)
 
@@ -35,13 +35,13 @@ def make_checkpointer(cfg, ctx, *, total_steps: int, data_info=None, writer=None
 def find_latest(root: str):
     """The newest checkpoint under ``root`` whose manifest verifies, in this process (no process group):
     ``resume.Selected`` (step, uri, manifest, fallbacks) or None."""
-    from .resume import select
+    from .resume import select  # imports torch: not at package import
 
     return select(root, rank=0, world=1)
 
 
 def checkpoint_uri(ray_checkpoint):
     """The dutycycle checkpoint a Ray Train ``Checkpoint`` (e.g. ``Result.checkpoint``) points to."""
-    from .raytrain import checkpoint_uri as resolve
+    from .raytrain import checkpoint_uri as resolve  # imports fsspec: not at package import
 
     return resolve(ray_checkpoint)

@@ -30,7 +30,11 @@ from dataclasses import dataclass
 
 from dutycycle.engine.errors import SourceError, TrainingDiverged
 from dutycycle.trainer.cluster.world import all_gather, broadcast
+from dutycycle.trainer.parallel import residuals
+from dutycycle.trainer.parallel.dims import ParallelDims
+from dutycycle.trainer.parallel.state import sharded_state_dict
 
+from . import manifest as mf
 from . import resume
 from .manifest import checkpoint_root
 from .saver import Commit, Saver
@@ -57,7 +61,7 @@ class Checkpointer:
         if c.every > 0 and self.root:
             self.saver = Saver(self.root, rank=self.rank, world_size=self.world, keep=c.keep,
                                async_save=c.async_save, device=self.device, on_phase=on_phase,
-                               keep_staging_buffers=cfg.parallel.offload != "nvme",
+                               keep_staging_buffers=not ParallelDims.from_config(cfg.parallel, validate=False).nvme,
                                background_nice=c.background_nice)
         self.skipped: set[tuple[int, int]] = set()
         self.stalls: list[float] = []
@@ -82,22 +86,10 @@ class Checkpointer:
         t0 = time.perf_counter()
         if self.writer is not None:
             self.writer.flush()  # the rows up to this step, durable before any commit of it
-        from dutycycle.trainer.parallel import residuals
-        from dutycycle.trainer.parallel.state import sharded_state_dict
-
         self._arm(strategy, optimizer)
-        model_sd, optim_sd = sharded_state_dict(strategy, optimizer)
-        comm_layout = residuals.layout(strategy, self.world)
-        plan = strategy.plan
-        state = TrainerState(
-            step=step, epoch=int((loader_state or {}).get("epoch", 0)), loader=dict(loader_state or {}), rng=[],
-            world_size=self.world, skipped=sorted([e, b] for e, b in self.skipped),
-            schedule={"total_steps": self.total, "lr": self.cfg.optim.lr, "warmup_steps": self.cfg.optim.warmup_steps,
-                      "schedule": self.cfg.optim.schedule, "min_lr_ratio": self.cfg.optim.min_lr_ratio},
-            config=self.cfg.to_dict(), data=self.data,
-            strategy={"name": strategy.name, "zero_stage": plan.zero_stage, "replicate": plan.replicate, "tensor": plan.tensor,
-                      **({"residuals": comm_layout} if comm_layout else {})})
-        tensors = {"model": model_sd, "optim": optim_sd, **residuals.state_dict(strategy, self.rank)}
+        tensors = training_tensors(strategy, optimizer, self.rank)
+        state = trainer_state(self.cfg, strategy, step=step, loader_state=loader_state, world=self.world,
+                              skipped=self.skipped, total_steps=self.total, data=self.data)
         _, commit = self.saver.save(step, tensors, state, capture_rng(self.device))
         self._committed(commit)
         self.stalls.append(time.perf_counter() - t0)
@@ -118,7 +110,6 @@ class Checkpointer:
         in the backward that follows)."""
         if self._hooks is not None or not self.c.async_save:
             return
-        from dutycycle.trainer.parallel import residuals
 
         def waiter(phase):
             def hook(*_args, **_kwargs):
@@ -226,8 +217,6 @@ class Checkpointer:
         # commits at or after step s may hold its update: uncommit them whatever happens next
         self._wait()
         if self.rank == 0 and self.root:
-            from . import manifest as mf
-
             for step, uri in mf.list_steps(self.root):
                 if step >= err.step:
                     mf.remove(uri)
@@ -276,6 +265,28 @@ class Checkpointer:
             "resumed": self.restored, "nonfinite": self.events,
             "skipped_batches": sorted([e, b] for e, b in self.skipped),
         }
+
+
+def training_tensors(strategy, optimizer, rank: int) -> dict:
+    """The tensors a checkpoint holds: the model's and the optimizer's (sharded as the strategy holds them) and
+    this rank's error-feedback residuals. The live tensors, not copies."""
+    model_sd, optim_sd = sharded_state_dict(strategy, optimizer)
+    return {"model": model_sd, "optim": optim_sd, **residuals.state_dict(strategy, rank)}
+
+
+def trainer_state(cfg, strategy, *, step: int, loader_state: dict | None, world: int, skipped, total_steps: int,
+                  data: dict) -> TrainerState:
+    """What a checkpoint holds beside the tensors (state.py), the RNG states aside (the saver gathers them)."""
+    plan = strategy.plan
+    comm_layout = residuals.layout(strategy, world)
+    return TrainerState(
+        step=step, epoch=int((loader_state or {}).get("epoch", 0)), loader=dict(loader_state or {}), rng=[],
+        world_size=world, skipped=sorted([e, b] for e, b in skipped),
+        schedule={"total_steps": total_steps, "lr": cfg.optim.lr, "warmup_steps": cfg.optim.warmup_steps,
+                  "schedule": cfg.optim.schedule, "min_lr_ratio": cfg.optim.min_lr_ratio},
+        config=cfg.to_dict(), data=data,
+        strategy={"name": strategy.name, "zero_stage": plan.zero_stage, "replicate": plan.replicate,
+                  "tensor": plan.tensor, **({"residuals": comm_layout} if comm_layout else {})})
 
 
 def make_checkpointer(cfg, ctx, *, total_steps: int, data_info=None, writer=None) -> Checkpointer:

@@ -32,6 +32,10 @@ import tempfile
 import time
 import warnings
 
+from dutycycle.engine import io
+
+from .manifest import MANIFEST
+
 POINTER = "dutycycle_checkpoint.json"
 RUN_STATE = "checkpoint_manager_snapshot.json"  # Ray Train V2's record of reported checkpoints
 MAX_RUN_STATE_BYTES = 64 << 20
@@ -88,9 +92,6 @@ def _pointer(checkpoint) -> dict | None:
             data = json.load(f)
     if not isinstance(data, dict) or not isinstance(data.get("uri"), str):
         return None
-    from dutycycle.engine import io
-
-    from .manifest import MANIFEST
 
     return {"uri": data["uri"], "step": int(data.get("step", -1)),
             "committed": io.exists(io.join(data["uri"], MANIFEST))}
@@ -107,7 +108,6 @@ def latest_reported() -> dict | None:
 
 def run_state_problem(run_storage: str) -> str | None:
     """What is wrong with Ray Train's record in ``run_storage`` (``STORAGE/NAME``), or None (sound, or absent)."""
-    from dutycycle.engine import io
 
     uri = io.join(run_storage, RUN_STATE)
     if not io.exists(uri):
@@ -144,7 +144,6 @@ def set_aside_damaged_run_state(storage: str, name: str) -> str | None:
     """Before Ray Train starts run ``name`` under ``storage``: move a damaged record of its pointer checkpoints aside
     (renamed ``...json.damaged-<unix time>``), with a warning; returns where it went, or None when it was sound or
     absent."""
-    from dutycycle.engine import io
 
     run_storage = io.join(storage, name)
     problem = run_state_problem(run_storage)

@@ -20,9 +20,12 @@ from dataclasses import dataclass
 from dutycycle.engine import io
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 from dutycycle.trainer.cluster.world import all_gather, broadcast
+from dutycycle.trainer.parallel import residuals
+from dutycycle.trainer.parallel.state import sharded_state_dict
 
 from . import manifest as mf
 from .state import TrainerState, restore_rng
+from .storage import read_state
 
 
 class CheckpointWarning(UserWarning):
@@ -110,24 +113,27 @@ def load(selected: Selected, strategy, optimizer, source, *, rank: int, world: i
     verified checkpoint (every rank).
     ``state``: its trainer state when the caller has already read it. ``force_loader_state``: load the loader
     position even when the saved plan inputs differ from this run's (``checkpoint.force_loader_state``)."""
-    from dutycycle.trainer.parallel import residuals
-    from dutycycle.trainer.parallel.state import sharded_state_dict
-
-    from .storage import read_state
-
     if state is None:
         state = read_trainer_state(selected)
     model_sd, optim_sd = sharded_state_dict(strategy, optimizer)
     comm, dropped = residuals.load_targets(strategy, state.strategy.get("residuals"), rank, world, device)
     read_state({"model": model_sd, "optim": optim_sd, **comm}, selected.uri, set(selected.manifest.files))
+    apply_state(strategy, optimizer, source, {"model": model_sd, "optim": optim_sd, **comm}, state,
+                rank=rank, device=device, dropped=dropped, where=selected.uri, force_loader_state=force_loader_state)
+    return state
+
+
+def apply_state(strategy, optimizer, source, tensors: dict, state: TrainerState, *, rank: int, device=None,
+                dropped: str = "", where: str = "", force_loader_state: bool = False) -> None:
+    """Install loaded state: model and optimizer tensors, error-feedback residuals, the loader's position and this
+    rank's RNG (a resume from files and ``Trainer.load_state_dict`` alike)."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    set_state_dict(strategy.module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    residuals.apply(strategy, comm, rank, dropped, selected.uri)
+    set_state_dict(strategy.module, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+    residuals.apply(strategy, tensors, rank, dropped, where)
     try:
         source.load_state_dict(state.loader, force=force_loader_state)
     except ConfigError as e:  # the loader names the differing field; say how a trainer user accepts it
-        raise ConfigError(f"{e} [resuming from {selected.uri}: set checkpoint.force_loader_state = true to "
+        raise ConfigError(f"{e} [resuming from {where}: set checkpoint.force_loader_state = true to "
                           "continue this run's own sample order from the saved position]") from None
     restore_rng(state.rng_for(rank), device)
-    return state

@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 
 from dutycycle.engine import io
 from dutycycle.engine.errors import DestinationError
+from dutycycle.trainer.cluster.world import broadcast
 
 from . import manifest as mf
 from .state import TrainerState
+from .storage import drop_plan_cache, write_state
 
 
 @dataclass
@@ -144,8 +146,6 @@ class Saver:
         return commit
 
     def close(self) -> None:
-        from .storage import drop_plan_cache
-
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
@@ -167,8 +167,6 @@ class Saver:
 
     def _write_and_commit(self, step: int, state: dict, trainer_state: TrainerState, rng: dict,
                           snapshot_s: float) -> Commit:
-        from .storage import write_state
-
         uri = io.join(self.root, mf.step_name(step))
         self.on_phase("write")
         t0 = time.perf_counter()
@@ -216,8 +214,6 @@ class Saver:
     # ------------------------------------------------------------------------ collectives on the save group
 
     def _broadcast(self, obj):
-        from dutycycle.trainer.cluster.world import broadcast
-
         return broadcast(obj, self.world, self.group)
 
     def _gather(self, obj) -> list:

@@ -19,7 +19,10 @@ import os
 import socket
 import time
 
+from dutycycle.engine import io
 from dutycycle.engine.errors import DutycycleError
+
+from .world import all_gather
 
 N = 256
 
@@ -86,8 +89,6 @@ def preflight(rank: int, world: int, device, timeout_s: float, run_dir: str = ""
     on every worker when any failed."""
     import torch
 
-    from .world import all_gather
-
     device = device or torch.device("cpu")
     me = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "device": str(device)}
     dev = check_device(device, timeout_s)
@@ -96,8 +97,6 @@ def preflight(rank: int, world: int, device, timeout_s: float, run_dir: str = ""
               problems=dev["problems"] + net["problems"])
     records = all_gather(me, world)
     if rank == 0 and run_dir:
-        from dutycycle.engine import io
-
         io.write_json_atomic(io.join(run_dir, "health.json"), {"workers": records, "timeout_s": timeout_s})
     bad = [r for r in records if r["problems"]]
     if bad:

@@ -31,6 +31,8 @@ import os
 import tempfile
 
 from dutycycle.engine import io
+from dutycycle.engine.errors import DutycycleError
+from dutycycle.trainer.checkpoint.raytrain import POINTER, checkpoint_uri
 from dutycycle.trainer.step.metrics import read_summary
 
 RESULT_FILES = ("summary.json", "config.json", "metrics.jsonl", "health.json")
@@ -74,8 +76,6 @@ def report_results(cfg, run_dir: str, summary: dict, rank: int, last_commit: dic
                 with fs.open(path, "rb") as src, open(os.path.join(d, name), "wb") as dst:
                     dst.write(src.read())
         if last_commit:
-            from dutycycle.trainer.checkpoint.raytrain import POINTER
-
             with open(os.path.join(d, POINTER), "w") as f:
                 json.dump(last_commit, f)
         metrics = {SUMMARY_KEY: True, "steps": summary["steps"], "final_loss": summary["final_loss"],
@@ -86,8 +86,6 @@ def report_results(cfg, run_dir: str, summary: dict, rank: int, last_commit: dic
 def results_from(cfg, result) -> dict:
     """The summary from Ray Train's result; the result files copied into ``run.dir`` where the driver sees it
     without them (rank 0 wrote them on another node's disk)."""
-    from dutycycle.engine.errors import DutycycleError
-    from dutycycle.trainer.checkpoint.raytrain import checkpoint_uri
 
     ckpt = result.checkpoint
     if ckpt is None or not (result.metrics or {}).get(SUMMARY_KEY):

@@ -11,16 +11,18 @@ import argparse
 import os
 import sys
 
+from dutycycle.engine.errors import DutycycleError
+from dutycycle.trainer.config import load_config, use_gpu
+from dutycycle.trainer.configtree import add_overrides
+from dutycycle.trainer.step.loop import WorkerContext, set_threads
+from dutycycle.trainer.step.trainer import Trainer
+
+from .train import finish_run, prepare_run, resolve_run_dir
+
 
 def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
-    from dutycycle.engine.errors import DutycycleError
-    from dutycycle.trainer.config import load_config, use_gpu
-    from dutycycle.trainer.configtree import add_overrides
-    from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
-
-    from .train import finish_run, prepare_run
 
     parser = argparse.ArgumentParser(prog="python -m dutycycle.trainer.launch.torchrun")
     parser.add_argument("config")
@@ -36,8 +38,6 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             prepare_run(cfg)
         else:
-            from .train import resolve_run_dir
-
             resolve_run_dir(cfg)
         device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
         if gpu:
@@ -45,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1:
             dist.init_process_group("nccl" if gpu else "gloo")
         set_threads(cfg, local_world)
-        train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, run_dir=cfg.run.dir,
-                                        info={"launcher": "torchrun"}))
+        ctx = WorkerContext(rank=rank, world_size=world, device=device, run_dir=cfg.run.dir,
+                            info={"launcher": "torchrun"})
+        with Trainer(cfg, ctx) as trainer:
+            trainer.train()
         if world > 1:
             # only after success (torchtitan does the same): a rank that failed may leave peers inside a
             # collective, where a barrier would hang. Every rank reaches the barrier before any tears its groups

@@ -1,7 +1,7 @@
 """Launching a run: locally in this process, on Ray Train (TorchTrainer, the V2 API), or under torchrun.
 
-All three call the same ``loop.train_worker``. The driver validates the config, prints it and saves it in the
-run directory before any worker starts; after the run it reads ``summary.json`` and draws ``report.png``.
+All three run the same ``Trainer`` (step/trainer.py). The driver validates the config, prints it and saves it in
+the run directory before any worker starts; after the run it reads ``summary.json`` and draws ``report.png``.
 
 Placement on Ray: workers are gang-scheduled in one placement group. ``PACK`` (the default) puts them on as
 few nodes as possible; ``STRICT_PACK`` insists on one node. ``ray.label_selector`` (e.g. ``{zone = "a"}``)
@@ -21,11 +21,18 @@ import json
 import os
 
 from dutycycle.engine import formats, io
+from dutycycle.engine.errors import ConfigError, DutycycleError
+from dutycycle.trainer.checkpoint.raytrain import latest_reported, report_commit, set_aside_damaged_run_state
 from dutycycle.trainer.cluster.local import start_local_ray
+from dutycycle.trainer.cluster.topology import node_label
 from dutycycle.trainer.config import TrainConfig, describe, from_dict, use_gpu
-from dutycycle.trainer.step.loop import WorkerContext, set_threads, train_worker
+from dutycycle.trainer.step.loop import WorkerContext, set_threads
 from dutycycle.trainer.step.metrics import read_metrics, read_summary
+from dutycycle.trainer.step.report import write_report
+from dutycycle.trainer.step.trainer import Trainer
 
+from .account import job_time
+from .fits import alive_nodes, check_fits, describe_nodes, request_text
 from .results import report_results, results_from, runtime_env
 
 
@@ -68,14 +75,10 @@ def finish_run(cfg: TrainConfig, launched: float | None = None, fit_called: floa
     uri = io.join(cfg.run.dir, "summary.json")
     summary = read_summary(cfg.run.dir) if summary is None else summary
     if launched is not None and "attempt" in summary:
-        from .account import job_time
-
         summary["launch"] = job_time(summary, read_metrics(cfg.run.dir), launched=launched, fit_called=fit_called,
                                      closed=time.time())
     io.write_json_atomic(uri, summary)
     if cfg.run.report:
-        from dutycycle.trainer.step.report import write_report
-
         t0 = time.perf_counter()
         summary["report"] = write_report(cfg.run.dir)
         summary["report_draw_s"] = time.perf_counter() - t0
@@ -105,8 +108,6 @@ def train_local(cfg: TrainConfig, launched: float | None = None) -> dict:
     import torch
 
     if cfg.parallel.num_workers != 1:
-        from dutycycle.engine.errors import ConfigError
-
         raise ConfigError(
             f"parallel.num_workers = {cfg.parallel.num_workers} with --local; local mode runs one worker "
             "(drop --local to run on Ray, or use torchrun)"
@@ -114,7 +115,9 @@ def train_local(cfg: TrainConfig, launched: float | None = None) -> dict:
     gpu = use_gpu(cfg, torch.cuda.device_count())
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     set_threads(cfg, 1)
-    train_worker(cfg, WorkerContext(rank=0, world_size=1, device=device, run_dir=cfg.run.dir, started=time.time()))
+    with Trainer(cfg, WorkerContext(rank=0, world_size=1, device=device, run_dir=cfg.run.dir,
+                                    started=time.time())) as trainer:
+        trainer.train()
     return finish_run(cfg, launched)
 
 
@@ -138,7 +141,6 @@ def _ray_train_fn(payload: dict) -> None:
     set_threads(cfg, ctx.get_local_world_size())
     device = ray.train.torch.get_device() if payload["use_gpu"] else torch.device("cpu")
     rt = ray.get_runtime_context()
-    from dutycycle.trainer.cluster.topology import node_label
 
     me = {"rank": rank, "node_id": rt.get_node_id(), "node": node_label(), "labels": dict(rt.get_node_labels() or {})}
     where = [None] * world
@@ -149,7 +151,6 @@ def _ray_train_fn(payload: dict) -> None:
     # Ray's own labels (ray.io/...) are noise in a summary; keep the user's
     for w in where:
         w["labels"] = {k: v for k, v in w["labels"].items() if not k.startswith("ray.io/")}
-    from dutycycle.trainer.checkpoint.raytrain import latest_reported, report_commit
 
     # a restarted group resumes from the newest verified commit by itself (checkpoint.resume = "auto"); Ray
     # Train's own record of the last reported one is kept for the summary
@@ -163,9 +164,10 @@ def _ray_train_fn(payload: dict) -> None:
     def report(metrics: dict) -> None:  # an evaluation's metrics: the barrier only, the hand-over in the background
         ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
 
-    summary = train_worker(cfg, WorkerContext(rank=rank, world_size=world, device=device, report=report,
-                                              run_dir=payload["run_dir"], info=info, on_commit=on_commit,
-                                              node_labels=[w["node"] for w in where], started=started))
+    ctx = WorkerContext(rank=rank, world_size=world, device=device, report=report, run_dir=payload["run_dir"],
+                        info=info, on_commit=on_commit, node_labels=[w["node"] for w in where], started=started)
+    with Trainer(cfg, ctx) as trainer:
+        summary = trainer.train()
     report_results(cfg, payload["run_dir"], summary, rank, last_commit or None)
 
 
@@ -213,11 +215,9 @@ def train_ray(cfg: TrainConfig, launched: float | None = None) -> dict:
     storage = cfg.ray.storage_path or io.join(cfg.run.dir, "ray")
     if io.protocol(storage) == "file":
         storage = os.path.abspath(storage)
-    from dutycycle.trainer.checkpoint.raytrain import set_aside_damaged_run_state
 
     # dutycycle's commits decide where a run resumes: a damaged Ray Train record must not stop the start
     set_aside_damaged_run_state(storage, cfg.run.name)
-    from .fits import alive_nodes, check_fits
 
     per_worker = scaling_config(cfg, gpu).resources_per_worker
     if not cfg.ray.address:  # a cluster this process started (or joined on this machine) does not grow
@@ -255,16 +255,11 @@ def train_ray(cfg: TrainConfig, launched: float | None = None) -> dict:
 
 def _start_error(err: BaseException, cfg: TrainConfig, per_worker: dict):
     """A worker group that never started, as a dutycycle error naming the request and the wait; None otherwise."""
-    from dutycycle.engine.errors import ConfigError
-
-    from .fits import describe_nodes, request_text
 
     exc, seen = err, 0
     while exc is not None and seen < 10:
         if type(exc).__name__ == "WorkerGroupStartupTimeoutError":
             try:
-                from .fits import alive_nodes
-
                 nodes = describe_nodes(alive_nodes())
             except Exception:  # noqa: BLE001 - the message names what it can
                 nodes = "nodes unknown"
@@ -279,7 +274,6 @@ def _start_error(err: BaseException, cfg: TrainConfig, per_worker: dict):
 def _user_error(err: BaseException):
     """The first dutycycle user error (e.g. TrainingDiverged) raised by any worker, unwrapped from Ray's
     WorkerGroupError / RayTaskError layers; None when the failure is something else."""
-    from dutycycle.engine.errors import DutycycleError
 
     candidates = [err, *getattr(err, "worker_failures", {}).values()]
     for exc in candidates:

@@ -18,6 +18,7 @@ trainer keys on those names, and we keep torch's wrapper rather than patching ``
 
 from __future__ import annotations
 
+from dutycycle.engine.errors import ConfigError
 from torch import nn
 
 
@@ -25,7 +26,6 @@ def checkpoint_blocks(model: nn.Module) -> list[str]:
     """Wrap every block of ``model.blocks`` in place for non-reentrant activation checkpointing; return the
     wrapped names (``blocks.0``, ...). Raises ConfigError for a model without blocks: the option would do nothing,
     and a user who asked for it would otherwise believe activation memory was saved."""
-    from dutycycle.engine.errors import ConfigError
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         CheckpointWrapper,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from dutycycle.engine.errors import ConfigError
 from dutycycle.trainer.cluster.world import World
 from torch import nn
 
@@ -35,7 +36,11 @@ from .comm import (
     counting_allreduce_hook,
     counting_hsdp_hook,
 )
-from .plan import Quantization, ShardingPlan, make_plan, make_quantization, replica_groups
+from .dims import ParallelDims
+from .fsdp_api import fsdp_modules, reshard_to_secondary, set_unshard_async
+from .plan import Quantization, ShardingPlan, make_plan, make_quantization
+from .qcollectives import make_hierarchy
+from .tensor import apply_tensor_parallel
 from .traffic import Topology
 
 
@@ -65,6 +70,7 @@ class Strategy:
     tensor_numel: int | None = None
     tensor_traffic: object = None  # tensor.TensorTraffic of the first step, once it ran
     sequence_parallel: bool = False
+    dims: ParallelDims | None = None  # the degrees it was built for (dims.py)
 
     @contextlib.contextmanager
     def micro_step(self, micro: int):
@@ -90,7 +96,6 @@ class DDPStrategy(Strategy):
                 yield
         except RuntimeError as e:
             if "find_unused_parameters" in str(e):  # DDP names its own keyword; name the config key instead
-                from dutycycle.engine.errors import ConfigError
 
                 raise ConfigError("a parameter got no gradient in a step, and DDP (parallel.zero_stage = 0) needs to "
                                   "know: set parallel.find_unused_parameters = true") from e
@@ -111,13 +116,10 @@ class FSDPStrategy(Strategy):
         root.set_reshard_after_backward(self.plan.reshards_after_backward(micro))
         yield
         if self.plan.keeps_secondary(micro):  # hpZ: down to the secondary shard, not further (plan.py)
-            from .fsdp_api import reshard_to_secondary
 
             reshard_to_secondary(root)
 
     def after_eval(self) -> None:
-        from .fsdp_api import fsdp_modules
-
         for m in fsdp_modules(self.model):
             m.reshard()
 
@@ -211,23 +213,18 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     p, world_size = parallel, world.size
     topology = Topology(world.node_ids)  # as the ranks reported it (cluster/topology.py)
     meter = CommMeter(world.rank, topology, host_timing=device.type == "cpu")
-    tensor = p.tensor
-    groups = None
-    if p.replicate != 1 and p.zero_stage > 0:  # hybrid sharding, its groups from the observed placement
-        groups = replica_groups(world, p.replicate)
-        if len(groups) == 1:  # replicate = 0 on one node: one group is flat sharding
-            groups = None
-    plan = make_plan(p.zero_stage, world_size, micro_batches, p.reduce_every_micro_step, p.offload != "none",
-                     reshard_group=world.node_size if p.hpz else 0, replicate=len(groups) if groups else 1,
-                     optimizer_on_disk=p.offload == "nvme", tensor=tensor)
+    # the degrees on the observed placement (hybrid sharding's groups, replicate = 0 resolved per node); the
+    # layout checks ran where the run built its own (the Trainer), so they are not repeated here
+    dims = ParallelDims.build(p, world, validate=False)
+    plan = make_plan(dims.zero_stage, world_size, micro_batches, p.reduce_every_micro_step, dims.offload_enabled,
+                     reshard_group=world.node_size if p.hpz else 0, replicate=dims.replicate,
+                     optimizer_on_disk=dims.nvme, tensor=dims.tensor)
     quant = make_quantization(p, world)
     compute_dtype = torch.float64 if precision == "fp64" else torch.float32
     tp_mesh = tensor_rank = tensor_numel = None
-    if tensor > 1:  # first, as torchtitan orders it: tensor parallelism, activation checkpointing, then FSDP2
-        from .tensor import apply_tensor_parallel, mesh_2d
-
+    if dims.tp_enabled:  # first, as torchtitan orders it: tensor parallelism, activation checkpointing, FSDP2
         ensure_process_group(device)
-        tp_mesh = mesh_2d(device, world, tensor)
+        tp_mesh = dims.build_mesh(device)
         tensor_numel = apply_tensor_parallel(model, tp_mesh["tensor"], p.sequence_parallel)
         tensor_rank = tp_mesh["tensor"].get_local_rank()
     if p.activation_checkpointing:
@@ -236,21 +233,20 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
 
     if not plan.fsdp:
         if world_size == 1:
-            return Strategy(model=model, module=model, plan=plan, meter=meter, compute_dtype=compute_dtype)
+            return Strategy(model=model, module=model, plan=plan, meter=meter, compute_dtype=compute_dtype,
+                            dims=dims)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=p.bucket_mb,
                   gradient_as_bucket_view=True, find_unused_parameters=p.find_unused_parameters)
         ddp.register_comm_hook(None, counting_allreduce_hook(meter))
         return DDPStrategy(model=ddp, module=model, plan=plan, meter=meter, name="ddp",
-                           compute_dtype=compute_dtype)
+                           compute_dtype=compute_dtype, dims=dims)
 
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from .fsdp_api import fsdp_modules
-
     ensure_process_group(device)
-    mesh = tp_mesh["data"] if tp_mesh is not None else device_mesh(device, world_size, groups)
+    mesh = tp_mesh["data"] if tp_mesh is not None else dims.build_mesh(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
         else MixedPrecisionPolicy()
     # pinned host memory needs an accelerator (it raises on a CPU-only machine)
@@ -264,8 +260,6 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     fully_shard(model, **kwargs)
     hierarchy = None
     if quant.two_hop:
-        from .qcollectives import make_hierarchy
-
         # collective: every rank creates every node group, in one order
         hierarchy = make_hierarchy(topology, device=device)
     gather = QuantAllGather(meter, quant.weights_bits, quant.block, hpz=p.hpz) if quant.weights_bits < 32 \
@@ -279,23 +273,12 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
             if quant.grads_all_to_all else CountingReduceScatter(meter))
         if p.find_unused_parameters:
             m.set_reduce_scatter_unused_params(True, recurse=False)
-        if groups:
+        if dims.hybrid_enabled:
             m.set_all_reduce_hook(counting_hsdp_hook(meter, mesh.get_group("replicate")))
     return FSDPStrategy(model=model, module=model, plan=plan, meter=meter, name="fsdp2",
                         compute_dtype=compute_dtype, units=[n for n, _ in units], quant=quant,
                         tensor_rank=tensor_rank or 0, tensor_numel=tensor_numel,
-                        sequence_parallel=tensor > 1 and p.sequence_parallel)
-
-
-def device_mesh(device: torch.device, world_size: int, groups: list[list[int]] | None):
-    """FSDP2's mesh: 1-D over the world, or hybrid sharding's 2-D (replicate, shard) mesh whose rows are the
-    shard groups as placed on the nodes (plan.hybrid_groups; not necessarily consecutive ranks, which is why the
-    mesh is built from the rank table rather than ``init_device_mesh``). Collective: every rank builds it."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    if not groups:
-        return init_device_mesh(device.type, (world_size,))
-    return DeviceMesh(device.type, torch.tensor(groups), mesh_dim_names=("replicate", "shard"))
+                        sequence_parallel=dims.tp_enabled and p.sequence_parallel, dims=dims)
 
 
 def _prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:
@@ -303,7 +286,6 @@ def _prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:
     own is copied out, in backward the previous block's; the root (the first unit forward runs) prefetches the
     first block. Issued with ``async_op=True`` (fsdp_api.set_unshard_async) so the transfer runs while this
     block computes; FSDP2 waits for it when the prefetched block starts."""
-    from .fsdp_api import set_unshard_async
 
     if blocks:
         model.set_modules_to_forward_prefetch([blocks[0]])

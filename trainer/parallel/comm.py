@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .fsdp_api import AllGather, ReduceScatter
+from .qcollectives import quantized_reduce_scatter, start_quantized_all_gather
 from .traffic import Topology, Traffic
 
 
@@ -179,8 +180,6 @@ class QuantAllGather(CountingAllGather):
         self.bits, self.block = bits, block
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        from .qcollectives import start_quantized_all_gather
-
         if self.secondary(group):
             return super().__call__(output_tensor, input_tensor, group, async_op)
         work, finish = start_quantized_all_gather(output_tensor, input_tensor, group, bits=self.bits,
@@ -205,8 +204,6 @@ class QuantReduceScatter(CountingReduceScatter):
         self.residual: torch.Tensor | None = None
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        from .qcollectives import quantized_reduce_scatter
-
         if self.error_feedback and (self.residual is None or self.residual.numel() != input_tensor.numel()):
             self.residual = torch.zeros(input_tensor.numel(), dtype=torch.float32, device=input_tensor.device)
         with self.meter.blocking():

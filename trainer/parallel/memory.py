@@ -16,6 +16,8 @@ import torch
 
 from .fsdp_api import held_tensors
 from .fsdp_api import local_tensor as _local
+from .nvme import FILE_BACKED
+from .residuals import held_bytes as residual_bytes
 
 
 def _storage_key(t: torch.Tensor):
@@ -47,13 +49,10 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
                          *(p.grad for p in model.parameters() if p.grad is not None)], seen)
     opt = opt_file = 0
     if optimizer is not None:
-        from .nvme import FILE_BACKED
-
         state = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         in_file = [v for v in state if _local(v).untyped_storage().data_ptr() in FILE_BACKED]
         opt_file = _sum_unique(in_file, seen)  # offload = "nvme": pages of a file, not host memory (nvme.py)
         opt = _sum_unique(state, seen)
-    from .residuals import held_bytes as residual_bytes
 
     return {"params": params, "grads": grads, "optimizer": opt, "residuals": residual_bytes(model),
             "optimizer_file": opt_file}

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dutycycle.engine.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ShardingPlan:
@@ -144,7 +146,6 @@ def replica_groups(world, replicate: int) -> list[list[int]]:
     """Hybrid sharding's shard groups (``hybrid_groups``) on the observed placement (``world``, a
     ``cluster.world.World``), ``replicate`` resolved (0: one group per node). Refused, naming the placement, when a group would span nodes (its gathers would cross
     the slow links hybrid sharding exists to avoid) or hold a single rank (nothing to shard: that is DDP)."""
-    from dutycycle.engine.errors import ConfigError
 
     r = replicate or world.num_nodes
     size = world.size // r if world.size % r == 0 else 0
@@ -163,7 +164,6 @@ def tensor_groups(world, tensor: int) -> list[list[int]]:
     ranks cut in order into groups of ``tensor``, as ``hybrid_groups`` cuts them. Row i of the 2-D (data, tensor)
     mesh is group i; its ranks compute every layer together on one batch (data-parallel rank i). Refused, naming
     the placement, when a group would span nodes: tensor parallelism exchanges activations in every layer."""
-    from dutycycle.engine.errors import ConfigError
 
     if any(len(ranks) % tensor for ranks in world.nodes):
         raise ConfigError(f"parallel.tensor = {tensor} cannot run on this placement ({world.placement()}): a "

@@ -51,6 +51,7 @@ from functools import cached_property
 
 import torch
 import torch.distributed as dist
+from dutycycle.engine.errors import ConfigError
 
 from .quant import DEFAULT_BLOCK, check_format, decode, decode_sum, encode
 from .traffic import Topology, Traffic
@@ -97,7 +98,6 @@ def _group_ranks(group) -> tuple[int, ...]:
 def node_layout(topology: Topology) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
     """``(node_ranks, peers)``: each node's global ranks (ascending; nodes in order of their lowest rank) and,
     for each local index j, the ranks holding that index on every node (ascending). Nodes must be equal."""
-    from dutycycle.engine.errors import ConfigError
 
     nodes: dict = {}
     for r, node in enumerate(topology.node_ids):
@@ -152,7 +152,6 @@ def make_hierarchy(topology: Topology, backend: str | None = None,
     ``init_process_group``. Every rank creates every group (``dist.new_group`` is collective over the world),
     in the same order: nodes first, then local indices. ``device``: where the collectives' tensors live (CPU
     if not given), so the two-hop index tensors are built there once."""
-    from dutycycle.engine.errors import ConfigError
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if topology.world_size != world:
@@ -195,8 +194,6 @@ def _all_to_all_sum(buf: torch.Tensor, group, group_ranks: Sequence[int], n: int
 
 
 def _is_avg(op) -> bool:
-    from dutycycle.engine.errors import ConfigError
-
     if op == dist.ReduceOp.AVG:
         return True
     if op == dist.ReduceOp.SUM:

@@ -51,6 +51,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from dutycycle.engine.errors import ConfigError
 
 DEFAULT_BLOCK = 256
 QMAX = {8: 127, 4: 7}
@@ -85,7 +86,6 @@ class Quantized:
 
 def check_format(bits: int, block: int, *, wire: bool = False) -> None:
     """Refuse an unknown format or block size with the values and the fix."""
-    from dutycycle.engine.errors import ConfigError
 
     allowed = WIRE_BITS if wire else tuple(QMAX)
     if bits not in allowed:
@@ -168,7 +168,6 @@ def _data_nbytes(numel: int, bits: int) -> int:
 
 def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK) -> Quantized:
     """Quantize floating-point ``x`` blockwise along its last dimension (see the module docstring)."""
-    from dutycycle.engine.errors import ConfigError
 
     check_format(bits, block)
     if not x.is_floating_point():

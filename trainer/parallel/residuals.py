@@ -22,6 +22,9 @@ import sys
 
 import torch
 
+from .comm import QuantReduceScatter
+from .fsdp_api import custom_reduce_scatters
+
 KEY = "residuals"
 
 
@@ -30,8 +33,6 @@ def holders(strategy) -> list:
     error feedback or outside FSDP2)."""
     if not getattr(strategy, "quant", None) or not strategy.quant.error_feedback or strategy.name != "fsdp2":
         return []
-    from .comm import QuantReduceScatter
-    from .fsdp_api import custom_reduce_scatters
 
     return [rs for rs in custom_reduce_scatters(strategy.model) if isinstance(rs, QuantReduceScatter)]
 
@@ -80,7 +81,6 @@ def apply(strategy, loaded: dict, rank: int, why_dropped: str, where: str) -> No
 
 def held_bytes(model: torch.nn.Module) -> int:
     """Bytes of the residuals a model's reduce-scatters hold now (0 without error feedback)."""
-    from .fsdp_api import custom_reduce_scatters
 
     total = 0
     for rs in custom_reduce_scatters(model):

@@ -24,22 +24,13 @@ from __future__ import annotations
 import math
 
 import torch
+from dutycycle.engine.errors import ConfigError
 from torch.utils._python_dispatch import TorchDispatchMode
-
-
-def mesh_2d(device: torch.device, world, tensor: int):
-    """The (data, tensor) mesh, rows the tensor-parallel groups as placed on the nodes. Collective."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from .plan import tensor_groups
-
-    return DeviceMesh(device.type, torch.tensor(tensor_groups(world, tensor)), mesh_dim_names=("data", "tensor"))
 
 
 def apply_tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool) -> int:
     """Split ``model`` over the 1-D tensor ``mesh`` by its own plan; returns the parameter elements this rank
     holds afterwards (what ZeRO then shards over the data ranks). A model without a plan is refused by name."""
-    from dutycycle.engine.errors import ConfigError
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan_fn = getattr(model, "tensor_parallel_plan", None)
@@ -56,7 +47,6 @@ def tensor_share(model: torch.nn.Module, tensor: int, sequence_parallel: bool = 
     alone (no process group: the diagnosis sizes layouts with it): column-wise layers hold 1/T of their weight
     and bias, row-wise ones 1/T of their weight and all of their bias, the rest everything. None when the model
     has no plan or the plan refuses ``tensor``. What ``apply_tensor_parallel`` returns, for a divisible model."""
-    from dutycycle.engine.errors import ConfigError
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan_fn = getattr(model, "tensor_parallel_plan", None)

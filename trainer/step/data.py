@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from dutycycle.engine.synth import CLASSES, draw_shapes
-from dutycycle.loader import ArrayLoader, AugmentConfig, LoaderConfig
-from dutycycle.trainer.parallel.plan import data_ranks
+from dutycycle.engine.transform import TransformSpec
+from dutycycle.loader import ArrayLoader, AugmentConfig, CacheLoader, LoaderConfig, RawLoader
+from dutycycle.trainer.parallel.dims import ParallelDims
 
 
 @dataclass
@@ -99,12 +100,13 @@ def take(it, source, skip: set[tuple[int, int]]):
 # ---------------------------------------------------------------------------------------------- factories
 
 
-def make_sources(cfg, world):
+def make_sources(cfg, world, dims: ParallelDims | None = None):
     """Build ``(train_source, val_source, DataInfo)`` for one rank of ``world`` (a ``cluster.world.World``) from
-    the config's data section. Under tensor parallelism (``parallel.tensor``) the batch is split over the
-    data-parallel ranks: a tensor-parallel group's ranks read the same samples."""
+    the config's data section. ``dims``: the run's parallel degrees; under tensor parallelism the batch is split
+    over the data-parallel ranks (a tensor-parallel group's ranks read the same samples). None: every rank is a
+    data-parallel rank."""
     d = cfg.data
-    rank, world_size = data_ranks(world, cfg.parallel.tensor)
+    rank, world_size = dims.data_ranks(world.rank) if dims is not None else (world.rank, world.size)
     if d.source == "synthetic":
         n_train, n_val = d.synthetic_samples, max(d.synthetic_samples // 4, world_size)
         # one draw for both splits so they share a distribution; the seed is fixed by run.seed
@@ -118,26 +120,20 @@ def make_sources(cfg, world):
         info = DataInfo(len(CLASSES), 3, d.size, n_train, n_val, fingerprint=fingerprint,
                         lineage={"synthetic": {"samples": n_train, "size": d.size, "seed": cfg.run.seed + 1000}})
     elif d.source in ("cache", "raw"):
-        train, val, info = _loader_sources(cfg, world)
+        train, val, info = _loader_sources(cfg, rank, world_size)
     else:  # validated in config
         raise AssertionError(d.source)
     train.delay_s = d.slow_ms / 1000.0
     return train, val, info
 
 
-def _loader_sources(cfg, world):
-    from dutycycle.loader import CacheLoader
-
+def _loader_sources(cfg, rank: int, world_size: int):
     d = cfg.data
-    rank, world_size = data_ranks(world, cfg.parallel.tensor)
     train_cfg, val_cfg = d.loader_configs(cfg.run.seed, world_size)
     if d.source == "cache":
         train = CacheLoader(d.cache, "train", rank, world_size, config=train_cfg)
         val = CacheLoader(d.cache, "val", rank, world_size, config=val_cfg)
     else:
-        from dutycycle.engine.transform import TransformSpec
-        from dutycycle.loader import RawLoader
-
         spec = TransformSpec(size=d.size)
         train = RawLoader(d.table, spec, "train", rank, world_size, config=train_cfg)
         val = RawLoader(d.table, spec, "val", rank, world_size, config=val_cfg)

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from .timing import ALL_PHASES
+from dutycycle.engine import io
+from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, zero_formula
+from dutycycle.trainer.parallel.state import full_state_dict, to_safetensors
+from dutycycle.trainer.parallel.tensor import expected_for
+
+from .optim import OPTIMIZERS
+from .timing import ALL_PHASES, gather_stats
 
 
 def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info, wall, eval_s, steps, epochs,
@@ -13,11 +19,6 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
     """Gather per-rank totals and memory, write the consolidated model, build the summary (every rank calls
     this: it holds collectives)."""
     import torch
-    from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, zero_formula
-    from dutycycle.trainer.parallel.state import full_state_dict, to_safetensors
-    from dutycycle.trainer.parallel.tensor import expected_for
-
-    from .timing import gather_stats
 
     world = ctx.world_size
     totals = dict(timer.totals)
@@ -28,8 +29,6 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
     held = gather_stats([sampler.peak[k] for k in held_keys])
     full = full_state_dict(strategy)  # a collective; rank 0 gets the tensors
     if ctx.rank == 0 and ctx.run_dir and cfg.run.save_model:
-        from dutycycle.engine import io
-
         io.write_bytes_atomic(io.join(ctx.run_dir, "model.safetensors"), to_safetensors(full))
 
     plan = strategy.plan
@@ -41,28 +40,7 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
     # reduce dtype (fp32 there, the master's otherwise); DDP all-reduces the fp32 gradients autocast leaves
     # the parameters ZeRO shards: one tensor-parallel rank's share under tensor parallelism, all of them otherwise
     numel = strategy.tensor_numel or num_params
-    gathered_bytes, reduced_bytes = numel * compute, numel * master
-    traffic = strategy.meter.traffic["train"]
-    parallel = {
-        "zero_stage": plan.zero_stage, "strategy": strategy.name, "offload": cfg.parallel.offload,
-        "micro_batches": plan.micro_batches, "reduce_every_micro_step": plan.reduce_every_micro_step,
-        "reshard_after_forward": plan.reshard_after_forward, "units": strategy.units, "precision": precision,
-        # hybrid sharding: replica groups, and the ranks each parameter is sharded over (the world when flat)
-        "replicate": plan.replicate, "shard_size": plan.shard_size,
-        # tensor parallelism: ranks per group, the token split, and its activation exchanges (measured on the
-        # first step, and the formula's: parallel/tensor.py)
-        "tensor": plan.tensor, "sequence_parallel": strategy.sequence_parallel, "tensor_numel": numel,
-        "tensor_traffic_per_step": dict(strategy.tensor_traffic.bytes) if strategy.tensor_traffic else {},
-        "expected_tensor_traffic_per_step": expected_for(strategy.module, plan, cfg.data.global_batch_size, compute,
-                                                         strategy.sequence_parallel),
-        "quantization": dataclasses.asdict(strategy.quant),
-        "node_ids": list(strategy.meter.topology.node_ids),  # each rank's node, as observed
-        "comm_exposed_measured": strategy.meter.host_timing,
-        "traffic": traffic.to_dict(),
-        "traffic_per_step": {k: v / max(1, steps) for k, v in traffic.per_kind_bytes().items()},
-        "expected_traffic_per_step": expected_traffic(plan, gathered_bytes, reduced_bytes),
-        "eval_traffic": strategy.meter.traffic["eval"].to_dict(),
-    }
+    parallel = _parallel(cfg, strategy, precision, numel=numel, compute=compute, master=master, steps=steps)
     memory = {
         "held_per_rank": [dict(zip(held_keys, r.tolist(), strict=True)) for r in held],
         "expected": expected_held(plan, numel, master, compute, master, optim_bytes or 0,
@@ -89,11 +67,36 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
     )
 
 
+def _parallel(cfg, strategy, precision: str, *, numel: int, compute: int, master: int, steps: int) -> dict:
+    """The layout as run, and its traffic measured and by formula."""
+    plan = strategy.plan
+    gathered_bytes, reduced_bytes = numel * compute, numel * master
+    traffic = strategy.meter.traffic["train"]
+    return {
+        "zero_stage": plan.zero_stage, "strategy": strategy.name, "offload": cfg.parallel.offload,
+        "micro_batches": plan.micro_batches, "reduce_every_micro_step": plan.reduce_every_micro_step,
+        "reshard_after_forward": plan.reshard_after_forward, "units": strategy.units, "precision": precision,
+        # hybrid sharding: replica groups, and the ranks each parameter is sharded over (the world when flat)
+        "replicate": plan.replicate, "shard_size": plan.shard_size,
+        # tensor parallelism: ranks per group, the token split, and its activation exchanges (measured on the
+        # first step, and the formula's: parallel/tensor.py)
+        "tensor": plan.tensor, "sequence_parallel": strategy.sequence_parallel, "tensor_numel": numel,
+        "tensor_traffic_per_step": dict(strategy.tensor_traffic.bytes) if strategy.tensor_traffic else {},
+        "expected_tensor_traffic_per_step": expected_for(strategy.module, plan, cfg.data.global_batch_size, compute,
+                                                         strategy.sequence_parallel),
+        "quantization": dataclasses.asdict(strategy.quant),
+        "node_ids": list(strategy.meter.topology.node_ids),  # each rank's node, as observed
+        "comm_exposed_measured": strategy.meter.host_timing,
+        "traffic": traffic.to_dict(),
+        "traffic_per_step": {k: v / max(1, steps) for k, v in traffic.per_kind_bytes().items()},
+        "expected_traffic_per_step": expected_traffic(plan, gathered_bytes, reduced_bytes),
+        "eval_traffic": strategy.meter.traffic["eval"].to_dict(),
+    }
+
+
 def optimizer_state_tensors(optim) -> int | None:
     """Full-size state tensors per parameter (the ``step`` scalars aside), for the formula; None for factored
     state (adafactor), not a multiple of the parameter count."""
-    from .optim import OPTIMIZERS
-
     spec = OPTIMIZERS[optim.name]
     if spec.state is None:
         return None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 PHASES = ("data_wait", "h2d", "forward_backward", "comm", "optimizer", "checkpoint", "eval")
 ALL_PHASES = (*PHASES, "other")
@@ -135,6 +136,109 @@ class StepTimer:
                 self.totals[k] += v
             out.append(secs)
         return out
+
+
+# Spans that fold into another name: a rollback's restore is counted with the resume's
+SPAN_INTO = {"rollback": "restore"}
+
+
+@dataclass
+class Span:
+    """One finished span: its name and how long it took (set when the span closes)."""
+
+    name: str
+    seconds: float = 0.0
+
+
+class TimeAccount:
+    """Every clock read of a worker's run, and every sum over them. The trainer sends events; this adds them up.
+
+    Events, in the order a run sends them:
+
+    - ``setup_done(name)``: a setup phase (``health_check``, ``data_open``, ``model_build``) ended; it began
+      where the last one ended (the first where the account was made). ``worker_init`` is the launcher's part,
+      from ``started`` (the wall clock when the launcher entered the worker) to the account's creation;
+    - ``loop_started()``: setup is over; returns the attempt record (``started``, ``setup``, ``loop_started``);
+    - ``span(name)`` / ``begin(name)`` and ``end(name)``: one-time spans outside the steps (``ONE_TIME``:
+      restore, loader_start, final_save; ``rollback``, counted as restore), ``eval`` passes, and
+      ``memory_probe`` (a result of the run: its time moves from the loop to the results);
+    - ``start_step()``, ``phase(name)``, ``between(name)``, ``end_step()``: a step's phases (``StepTimer``);
+      ``close_steps()`` at the end of the steps;
+    - ``loop_ended()`` after the final save, ``attempt()`` once the results are gathered: the attempt record
+      with ``loop_s`` (the loop's wall time, the memory probe left out) and ``results_s`` (after it).
+    """
+
+    def __init__(self, device=None, started: float | None = None):
+        now = time.time()
+        self.started = started if started is not None else now
+        self.setup = {"worker_init": max(0.0, now - self.started)}
+        self.spans: dict[str, float] = dict.fromkeys((*ONE_TIME, "eval", "memory_probe"), 0.0)
+        self.timer = StepTimer(device)
+        self._mark = time.perf_counter()
+        self._open: dict[str, float] = {}
+        self._record: dict = {}
+        self.loop_s = 0.0
+
+    # ------------------------------------------------------------------------------ setup and the loop
+
+    def setup_done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.setup[name] = now - self._mark
+        self._mark = now
+
+    def loop_started(self) -> dict:
+        self.setup_done("model_build")
+        self._loop_t0 = self._mark
+        self._record = {"started": self.started, "setup": self.setup, "loop_started": time.time()}
+        return self._record
+
+    def loop_ended(self) -> None:
+        self.loop_s = time.perf_counter() - self._loop_t0 - self.spans["memory_probe"]
+
+    def attempt(self) -> dict:
+        """The attempt's record as the job's account reads it (launch/account.py)."""
+        results_s = time.perf_counter() - self._loop_t0 - self.loop_s
+        return {**self._record, "loop_s": self.loop_s, "results_s": results_s}
+
+    # ---------------------------------------------------------------------------------------- spans
+
+    def begin(self, name: str) -> None:
+        self._open[name] = time.perf_counter()
+
+    def end(self, name: str) -> float:
+        seconds = time.perf_counter() - self._open.pop(name)
+        key = SPAN_INTO.get(name, name)
+        self.spans[key] += seconds
+        return seconds
+
+    @contextmanager
+    def span(self, name: str):
+        """A span around a block; the yielded ``Span`` holds its seconds once the block is done."""
+        record = Span(name)
+        self.begin(name)
+        yield record
+        record.seconds = self.end(name)
+
+    @property
+    def once(self) -> dict[str, float]:
+        return {k: self.spans[k] for k in ONE_TIME}
+
+    # ---------------------------------------------------------------------------------------- steps
+
+    def start_step(self) -> None:
+        self.timer.start_step()
+
+    def phase(self, name: str, host: bool = False):
+        return self.timer.phase(name, host=host)
+
+    def between(self, name: str):
+        return self.timer.between(name)
+
+    def end_step(self) -> dict:
+        return self.timer.end_step()
+
+    def close_steps(self) -> None:
+        self.timer.close()
 
 
 def gather_stats(values):

@@ -144,6 +144,7 @@ def test_an_experiment_past_the_deadline_is_stopped_with_a_reason(tmp_path):
     assert time.time() - t0 < 12 + 10 + 40, out[-2000:]
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_a_ray_experiment_past_the_deadline_ends_when_its_actors_are_killed(tmp_path):
     """2 workers on Ray Train (the subprocess's own local Ray), 30 s per batch: the end-to-end run is cut at the

@@ -202,6 +202,7 @@ def _cfg(run_dir, *extra):
                               "optim.warmup_steps=1", f"run.dir={run_dir}", "run.log_every=0", *extra])
 
 
+@pytest.mark.slow
 def test_a_raw_decoding_config_is_data_bound_and_the_cache_is_not(shapes, tmp_path, capsys):
     table, cache, _ = shapes
     only = ["compute", "loader", "end_to_end"]
@@ -232,6 +233,7 @@ def test_a_raw_decoding_config_is_data_bound_and_the_cache_is_not(shapes, tmp_pa
     assert not raw_values(page), raw_values(page)  # numbers with units, no None or reprs
 
 
+@pytest.mark.slow
 def test_a_large_model_at_two_workers_is_communication_bound(ray_cluster, tmp_path):
     cfg = _cfg(tmp_path / "run", "data.source=synthetic", "data.size=8", "data.synthetic_samples=256",
                "data.global_batch_size=8", "model.name=vit", "model.width=256", "model.depth=4", "model.heads=4",

@@ -115,6 +115,7 @@ def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 120) -> str:
     raise AssertionError(f"never printed {text!r}: {''.join(seen)[-2000:]}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_stops_the_diagnosis_and_writes_what_was_measured(tmp_path, sig, code):
     # the loader sleeps 2 s per batch: the end-to-end run is in flight when the signal comes
@@ -132,6 +133,7 @@ def test_a_signal_stops_the_diagnosis_and_writes_what_was_measured(tmp_path, sig
     assert "interrupted by" in saved["findings"]["end_to_end"]["error"]
 
 
+@pytest.mark.slow
 def test_an_experiment_past_the_deadline_is_stopped_with_a_reason(tmp_path):
     # 30 s per batch: the end-to-end run cannot finish inside a 12 s budget
     t0 = time.time()

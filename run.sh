@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point that does all set-up on a fresh machine (Python 3.11), then runs what you ask:
 #   ./run.sh demo [ARGS]   the main job end to end on the embedded default data
-#   ./run.sh test [ARGS]   lint and the whole test suite
+#   ./run.sh test [ARGS]   lint and the whole test suite (pytest ARGS: -m "not slow" for the fast subset)
 #   ./run.sh setup         only create .venv
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -56,3 +56,11 @@ def s3(s3_endpoint, monkeypatch):
     s3fs.S3FileSystem.clear_instance_cache()
     yield f"s3://{bucket}"
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def pytest_collection_modifyitems(items):
+    """A test that uses the session's Ray cluster is marked ``ray`` (``-m "not ray"`` leaves it out); tests that
+    start a cluster of their own, in a subprocess, carry the mark by hand."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)

@@ -152,21 +152,6 @@ def test_dependencies_point_one_way_between_packages():
     assert against == []
 
 
-def test_engine_has_no_heavy_imports_at_module_level():
-    """``import dutycycle.engine`` and its modules stay light: ray and torch load inside the functions that need
-    them."""
-    modules = _modules()
-    offenders = []
-    for m, (path, _) in modules.items():
-        if not m.startswith("dutycycle.engine"):
-            continue
-        for node in ast.parse(open(path, encoding="utf-8").read()).body:
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [(m, n) for n in names if n.split(".")[0] in ("ray", "torch")]
-    assert offenders == []
-
-
 def test_cycle_finder_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []

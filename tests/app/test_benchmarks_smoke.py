@@ -53,6 +53,7 @@ def test_loader_benchmark_quick(tmp_path):
     assert "| dutycycle-thread |" in proc.stdout and "| webdataset |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_ingest_benchmark_quick(tmp_path):
     """benchmarks/ingest.py runs end to end at a tiny size and reports both rates and their ratio."""
     out = tmp_path / "ingest.json"
@@ -94,6 +95,7 @@ def test_zero_benchmark_quick(tmp_path):
     assert "| 2 | stage3 |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_zero_offload_rows_quick(tmp_path):
     """The offload rows at a tiny size: NVMe offload keeps none of its optimizer state resident after the steps,
     the two in-memory rows all of it (read from /proc by the workers)."""
@@ -115,6 +117,7 @@ def _namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_collectives_benchmark_quick(tmp_path):
     """benchmarks/collectives.py --quick reports every row with the byte ratios the formats promise, runs the
@@ -240,6 +243,7 @@ def test_checkpoint_benchmark_quick(tmp_path):
     assert "| async |" in proc.stdout and "| async-throttled |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_scale_benchmark_quick(tmp_path):
     """benchmarks/scale.py runs at a tiny size, reports every key the data path's targets name for the product
     and the baseline, and the partitioned plan touches fewer shards per node than the unpartitioned one."""

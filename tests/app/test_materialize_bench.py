@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from ..support import REPO
 
 BENCH = REPO / "benchmarks" / "materialize.py"
 
 
+@pytest.mark.slow
 def test_materialize_benchmark_quick(tmp_path):
     out = tmp_path / "materialize.json"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "DAFT_ANALYTICS_ENABLED": "0"}

@@ -41,6 +41,7 @@ def test_committed_notebook_has_no_outputs(name):
     assert code and all(not c.outputs and c.execution_count is None for c in code)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_notebook_executes_in_a_real_kernel(name, tmp_path, monkeypatch):
     from nbclient import NotebookClient

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from ..support import REPO
 
 PACKAGES = ("dutycycle.engine", "dutycycle.loader", "dutycycle.trainer")
@@ -54,6 +56,7 @@ def test_pyproject_lists_every_package_in_the_tree():
     assert listed == {p.replace("/", ".") for p in _tree_packages()}
 
 
+@pytest.mark.slow
 def test_built_wheel_ships_every_package_and_config(tmp_path, wheel):
     names = zipfile.ZipFile(wheel).namelist()
     shipped = {os.path.dirname(n) for n in names if n.endswith("/__init__.py")}

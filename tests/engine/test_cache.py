@@ -303,6 +303,7 @@ def _cli(*args, env_extra=None, timeout=300):
                           env=env, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_cli_materialize_and_reuse(tmp_path):
     table, rows = make_shapes_table(str(tmp_path / "data"), n=8, n_errors=2)
     out = _cli("materialize", table, str(tmp_path / "cache"), "--size", "24", "--layout", "CHW")
@@ -320,6 +321,7 @@ def test_cli_materialize_and_reuse(tmp_path):
     assert bad.returncode == 2 and "--where" in bad.stderr and "colour" in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_cli_ray_runner_matches_native(tmp_path):
     table, rows = make_shapes_table(str(tmp_path / "data"), n=12, n_errors=1)

@@ -46,6 +46,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_two_node_ray_cluster_builds_the_same_bytes_as_native(tmp_path):
     table, rows = make_shapes_table(str(tmp_path / "data"), n=38, n_errors=2)

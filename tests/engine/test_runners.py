@@ -64,7 +64,7 @@ def source(tmp_path_factory):
     return root, expected
 
 
-@pytest.mark.parametrize("runner", ["native", "ray"])
+@pytest.mark.parametrize("runner", ["native", pytest.param("ray", marks=[pytest.mark.slow, pytest.mark.ray])])
 def test_same_results_on_both_runners(source, runner, tmp_path, s3):
     root, expected = source
     s3src = f"{s3}/src"

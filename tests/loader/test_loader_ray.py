@@ -77,6 +77,7 @@ def test_corrupt_shard_surfaces_as_itself(ray_cluster, tmp_path, mode):
     assert type(info.value) is CorruptArtifactError  # not a RayTaskError wrapper
 
 
+@pytest.mark.slow
 def test_to_ray_dataset_gives_every_sample_once(ray_cluster, cache):
     loader = CacheLoader(cache, "val", config=cfg(mode="sync"))
     ds = to_ray_dataset(cache, "val")
@@ -111,6 +112,7 @@ def _train_worker(config):
         json.dump({"world_size": ctx.get_world_size(), "seen": seen}, f)
 
 
+@pytest.mark.slow
 def test_for_ray_train_gives_each_worker_its_plan_slice(ray_cluster, cache, tmp_path):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

@@ -79,6 +79,7 @@ def run_ranks(uri: str, warmup: str) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_four_loader_processes_share_the_split_through_the_page_cache(tmp_path):
     uri = str(tmp_path / "cache")

@@ -243,15 +243,18 @@ def reshard_load(rank: int, world: int, sources: list[str], dst: str | None) -> 
 
 
 def health_with_bad_worker(rank: int, world: int, run_dir: str) -> dict:
-    """Rank 1's device returns wrong products (stood in for at the matmul seam); both ranks must refuse to
+    """Rank 1's device returns wrong products (stood in for by ``FaultyMatmul``); both ranks must refuse to
     train, naming rank 1."""
+    from contextlib import nullcontext
+
     from dutycycle.trainer.cluster import health
 
-    if rank == 1:
-        health._matmul = lambda a, b: (a @ b) + 1e-2
+    from .faulty import FaultyMatmul
+
     cfg = small_cfg(run_dir, f"parallel.num_workers={world}", "model.name=cnn")
     try:
-        train(cfg, rank, world)
+        with FaultyMatmul(lambda c: c + 1e-2) if rank == 1 else nullcontext():
+            train(cfg, rank, world)
     except health.HealthCheckError as e:
         return {"error": str(e)}
     return {"error": None}

@@ -112,6 +112,7 @@ def parity():
     return run_distributed(_parity_worker, 2, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_checkpointing_trains_the_same_weights_at_every_stage(parity, stage):
     for r in parity:
@@ -123,6 +124,7 @@ def test_checkpointing_trains_the_same_weights_at_every_stage(parity, stage):
             assert s["units"] == ["blocks.0", "blocks.1"]  # FSDP2 shards each wrapped block as its own unit
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_blocks_are_recomputed_in_backward(parity, stage):
     """One forward per micro-batch without checkpointing; forward plus recomputation with it."""
@@ -132,6 +134,7 @@ def test_blocks_are_recomputed_in_backward(parity, stage):
         assert ac == {"0": 2 * STEPS * MICRO, "1": 2 * STEPS * MICRO}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_saved_names_are_the_plain_models(parity, stage):
     """DCP's model and optimizer keys and the consolidated (safetensors) keys carry no wrapper segment, and the
@@ -144,6 +147,7 @@ def test_saved_names_are_the_plain_models(parity, stage):
     assert parity[0][str(stage)]["full_keys"] == sorted(DropNet().state_dict())
 
 
+@pytest.mark.slow
 def test_dropout_needs_the_rng_restored(parity):
     assert parity[0]["rng_control_diff"] > 1e-6
 

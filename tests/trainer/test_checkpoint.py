@@ -21,6 +21,7 @@ from dutycycle.trainer.checkpoint.state import TrainerState, capture_rng
 from dutycycle.trainer.checkpoint.storage import read_state
 
 from ..support import ckpt_worker as cw
+from ..support.faulty import FaultyMatmul
 
 
 def state_for(step: int) -> dict:
@@ -358,7 +359,7 @@ def test_bad_checkpoint_config_names_the_key(override, key):
         load_config(None, ["data.source=synthetic", *override.split(" --set ")])
 
 
-def test_health_check_names_a_wrong_or_slow_device(tmp_path, monkeypatch):
+def test_health_check_names_a_wrong_or_slow_device(tmp_path):
     from dutycycle.trainer.cluster import health
 
     records = health.preflight(0, 1, torch.device("cpu"), 30.0, str(tmp_path))
@@ -366,8 +367,8 @@ def test_health_check_names_a_wrong_or_slow_device(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "health.json").read_text())["workers"][0]["pid"] == os.getpid()
     with pytest.raises(health.HealthCheckError, match=r"rank 0 .*matmul took"):
         health.preflight(0, 1, torch.device("cpu"), 1e-9)
-    monkeypatch.setattr(health, "_matmul", lambda a, b: (a @ b).index_fill_(0, torch.tensor([3]), 0.0))
-    with pytest.raises(health.HealthCheckError, match=r"matmul wrong in \d+ of 65536 entries"):
+    wrong_row = FaultyMatmul(lambda c: c.index_fill_(0, torch.tensor([3]), 0.0))
+    with wrong_row, pytest.raises(health.HealthCheckError, match=r"matmul wrong in \d+ of 65536 entries"):
         health.preflight(0, 1, torch.device("cpu"), 30.0)
 
 

@@ -27,6 +27,7 @@ def kill_points(root: str, kills: int, seed: int, phases: str | None = None) -> 
     return json.loads(line.removeprefix("KILLER "))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_save_killed_anywhere_leaves_the_newest_commit_loadable(tmp_path):
     out = kill_points(str(tmp_path / "ckpt"), kills=24, seed=0)
@@ -43,6 +44,7 @@ def test_a_save_killed_anywhere_leaves_the_newest_commit_loadable(tmp_path):
     assert all(r["after"] < 99999999 for r in res)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_s3_save_killed_during_upload_and_a_run_that_resumes_from_s3(s3, tmp_path):
     out = kill_points(f"{s3}/kills", kills=8, seed=1, phases="write,commit")

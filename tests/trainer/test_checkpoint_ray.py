@@ -25,6 +25,7 @@ def _reference(rank, world, run_dir):
     return cw.train(cw.small_cfg(run_dir, *EXTRA), rank, world)["weights_sha256"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_killed_worker_restarts_the_group_and_the_run_finishes_with_the_same_weights(ray_cluster, tmp_path):
     from dutycycle.trainer.launch.train import train
@@ -92,6 +93,7 @@ def test_a_killed_worker_restarts_the_group_and_the_run_finishes_with_the_same_w
     assert time.time() - killed_at < 300
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_damaged_ray_train_record_is_set_aside_and_the_run_resumes_from_the_newest_commit(ray_cluster, tmp_path):
     """64 bytes flipped in Ray Train's record of its pointer checkpoints stopped the next start inside Ray Train's

@@ -99,6 +99,7 @@ def test_a_commit_lands_only_after_its_steps_metrics_row(tmp_path, monkeypatch, 
     assert b["weights_sha256"] == a["weights_sha256"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_rank_killed_before_the_saved_steps_row_leaves_no_commit_of_that_step(tmp_path):
     """The same at 2 real ranks: rank 1 SIGKILLs itself at the collective that makes step 12's row. Rank 0 loses
@@ -114,6 +115,7 @@ def test_a_rank_killed_before_the_saved_steps_row_leaves_no_commit_of_that_step(
     assert [r["step"] for r in rows(run) if "loss" in r] == list(range(1, 17))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resume_after_a_crash_is_bit_identical_at_two_ranks_stages_0_2_3(tmp_path):
     results = run_distributed(cw.resume_runs, 2, str(tmp_path), [0, 2, 3], timeout=280)
@@ -136,6 +138,7 @@ def resharded(tmp_path_factory):
     return saved, {"2 to 1": (at1, w2), "2 to 4": (at4, w2), "1 back to 2": (back, w1), "4 back to 2": (back, w4)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", ["0", "1", "2", "3"])
 def test_resharding_round_trips_load_exactly(resharded, stage):

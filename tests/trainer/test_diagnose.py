@@ -202,6 +202,7 @@ def _cfg(run_dir, *extra):
                               "optim.warmup_steps=1", f"run.dir={run_dir}", "run.log_every=0", *extra])
 
 
+@pytest.mark.slow
 def test_a_raw_decoding_config_is_data_bound_and_the_cache_is_not(shapes, tmp_path, capsys):
     table, cache, _ = shapes
     only = ["compute", "loader", "end_to_end"]
@@ -232,6 +233,7 @@ def test_a_raw_decoding_config_is_data_bound_and_the_cache_is_not(shapes, tmp_pa
     assert not raw_values(page), raw_values(page)  # numbers with units, no None or reprs
 
 
+@pytest.mark.slow
 def test_a_large_model_at_two_workers_is_communication_bound(ray_cluster, tmp_path):
     cfg = _cfg(tmp_path / "run", "data.source=synthetic", "data.size=8", "data.synthetic_samples=256",
                "data.global_batch_size=8", "model.name=vit", "model.width=256", "model.depth=4", "model.heads=4",
@@ -245,6 +247,7 @@ def test_a_large_model_at_two_workers_is_communication_bound(ray_cluster, tmp_pa
     assert "quantized" in sc and "parallel.quant_grads = int8" in v["fix"]
 
 
+@pytest.mark.ray
 def test_a_model_over_the_memory_budget_is_memory_bound_with_the_stage_that_fits(tmp_path):
     cfg = _cfg(tmp_path / "run", "data.source=synthetic", "data.size=16", "model.name=vit", "model.width=128",
                "model.depth=4", "parallel.num_workers=4", "data.global_batch_size=64")
@@ -276,6 +279,7 @@ def test_a_model_over_the_memory_budget_is_memory_bound_with_the_stage_that_fits
     assert tp[2]["traffic_bytes"] > flat3["traffic_bytes"]  # the activations cross the group in every block
 
 
+@pytest.mark.ray
 def test_a_tensor_parallel_config_is_diagnosed_as_configured(tmp_path):
     """parallel.tensor = 2: the loader experiment reads as one process (the whole batch, not a group's share) and
     the memory experiment's configured row is the tensor-parallel layout, with its own formula."""
@@ -290,6 +294,7 @@ def test_a_tensor_parallel_config_is_diagnosed_as_configured(tmp_path):
     assert out["verdict"]["kind"] != "memory-bound"
 
 
+@pytest.mark.ray
 def test_on_two_nodes_the_memory_verdict_names_the_least_communicating_layout_that_fits(tmp_path):
     """4 workers as 2 nodes of 2, a budget of 7 MB: flat stage 3 (3.2 MB a rank) fits, and so does hybrid stage 3
     in 2 replica groups (6.4 MB), whose only traffic across nodes is the all-reduce of a gradient shard (a third

@@ -115,6 +115,7 @@ def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 120) -> str:
     raise AssertionError(f"never printed {text!r}: {''.join(seen)[-2000:]}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_stops_the_diagnosis_and_writes_what_was_measured(tmp_path, sig, code):
     # the loader sleeps 2 s per batch: the end-to-end run is in flight when the signal comes
@@ -132,6 +133,7 @@ def test_a_signal_stops_the_diagnosis_and_writes_what_was_measured(tmp_path, sig
     assert "interrupted by" in saved["findings"]["end_to_end"]["error"]
 
 
+@pytest.mark.slow
 def test_an_experiment_past_the_deadline_is_stopped_with_a_reason(tmp_path):
     # 30 s per batch: the end-to-end run cannot finish inside a 12 s budget
     t0 = time.time()
@@ -144,6 +146,7 @@ def test_an_experiment_past_the_deadline_is_stopped_with_a_reason(tmp_path):
     assert time.time() - t0 < 12 + 10 + 40, out[-2000:]
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_a_ray_experiment_past_the_deadline_ends_when_its_actors_are_killed(tmp_path):
     """2 workers on Ray Train (the subprocess's own local Ray), 30 s per batch: the end-to-end run is cut at the

@@ -119,6 +119,7 @@ def test_the_memory_remedy_predicts_the_bytes_per_rank_and_verify_reads_what_the
     assert got["measured_over_predicted"] == pytest.approx(1.0, rel=0.01), got
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_memory_remedy_at_two_workers_is_verified_on_ray(ray_cluster, tmp_path):
     """Two workers on Ray Train, stage 0 over a budget of 0.8x its model state: the memory experiment names the

@@ -25,6 +25,7 @@ def runs(tmp_path_factory):
     return root, run_distributed(ef_worker.ef_runs, 2, str(root), timeout=400)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(450)
 def test_a_resume_with_error_feedback_is_bit_identical(runs):
     _, r = runs
@@ -37,6 +38,7 @@ def test_a_resume_with_error_feedback_is_bit_identical(runs):
     assert [control["losses"][str(s)] for s in range(11, 15)] != [a["losses"][str(s)] for s in range(11, 15)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(450)
 def test_a_rollback_restores_the_committed_residuals(runs):
     """A NaN loss at step 6 (its gradients NaN too, through the int4 exchange) rolls back to the commit of step 4;
@@ -49,6 +51,7 @@ def test_a_rollback_restores_the_committed_residuals(runs):
     assert c["losses"] == a["losses"]
 
 
+@pytest.mark.slow
 def test_the_residuals_are_in_every_checkpoint_and_in_the_memory_figures(runs):
     root, r = runs
     for step in (12, 14):
@@ -70,6 +73,7 @@ def test_the_residuals_are_in_every_checkpoint_and_in_the_memory_figures(runs):
         assert held["residuals"] > held["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_residuals_saved_at_another_world_size_are_dropped_with_one_line(runs, tmp_path, capfd):
     root, _ = runs

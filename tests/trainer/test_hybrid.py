@@ -94,6 +94,7 @@ def four_ranks():
     return run_distributed(_worker, 4, timeout=400)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(450)
 def test_hybrid_sharding_equals_one_process_in_float64(four_ranks):
     for name, c in four_ranks[0]["configs"].items():
@@ -101,6 +102,7 @@ def test_hybrid_sharding_equals_one_process_in_float64(four_ranks):
         assert c["shard_size"] == 2, name
 
 
+@pytest.mark.slow
 def test_groups_follow_the_observed_placement(four_ranks):
     """A replica group is one node's ranks, whatever their numbers: with nodes a, b, a, b the shard groups are
     {0, 2} and {1, 3} and the all-reduce pairs 0 with 1 (same shard, other node)."""
@@ -112,6 +114,7 @@ def test_groups_follow_the_observed_placement(four_ranks):
     assert [g[0] for g in consecutive] == [[0, 1], [0, 1], [2, 3], [2, 3]]
 
 
+@pytest.mark.slow
 def test_the_trainer_builds_the_groups_from_the_nodes_its_ranks_report(four_ranks):
     got = four_ranks[0]["observed"]
     assert got["node_ids"] == ["node-a", "node-b", "node-a", "node-b"]
@@ -120,6 +123,7 @@ def test_the_trainer_builds_the_groups_from_the_nodes_its_ranks_report(four_rank
     assert got["traffic"]["inter_node_bytes"] == kinds["all_reduce"]["inter_node_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_bytes_per_step_match_the_formula_and_only_the_all_reduce_crosses_nodes(four_ranks):
     for r in four_ranks:
         for name, c in r["configs"].items():
@@ -137,6 +141,7 @@ def test_bytes_per_step_match_the_formula_and_only_the_all_reduce_crosses_nodes(
     assert c["expected_sent"] == {"reduce_scatter": grads / 2, "all_gather": 2 * grads / 2, "all_reduce": grads / 2}
 
 
+@pytest.mark.slow
 def test_memory_held_matches_the_formula_over_the_replica_group(four_ranks):
     """Within 1% plus the optimizer's step counters: state divided by the group's 2 ranks, not the world's 4."""
     for r in four_ranks:
@@ -147,6 +152,7 @@ def test_memory_held_matches_the_formula_over_the_replica_group(four_ranks):
             assert c["expected_held"]["optimizer"] == pytest.approx(c["numel"] * 8 / 2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(450)
 def test_checkpoints_load_across_hybrid_and_flat_layouts(tmp_path):
     """Saved hybrid (2 groups of 2), loaded into flat stage 3 over 4 ranks, saved there and loaded hybrid again:

@@ -43,6 +43,7 @@ def _nvme_against_host_offload(rank, world):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_nvme_offload_trains_bit_identically_to_host_offload_with_the_state_out_of_memory():
     """Stages 1-3 at 2 ranks, float64, chunks of 4 KiB (every step steps several chunks): the weights equal host
@@ -112,6 +113,7 @@ def test_a_remote_or_network_offload_dir_is_refused():
     check_offload_dir("/tmp")  # this machine's real mount table: a local disk
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resume_with_nvme_offload_is_bit_identical_and_leaves_no_files(tmp_path):
     """Crash at step 11 after the commit at step 8, start again: the weights equal the uninterrupted run's

@@ -48,6 +48,7 @@ def runs():
     return one, two
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 3])
 def test_one_and_two_workers_reach_the_same_weights(runs, stage):
     import torch

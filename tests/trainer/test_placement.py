@@ -79,6 +79,7 @@ def placed(tmp_path_factory):
     return json.loads(line[0][len("RESULT "):])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(660)
 def test_workers_stay_in_the_requested_zone_and_pack(placed):
     """Two workers asked for zone b: none lands in zone a (the head, which has free CPUs and runs the driver),
@@ -90,6 +91,7 @@ def test_workers_stay_in_the_requested_zone_and_pack(placed):
     assert {w["node"] for w in workers} == {"b2"}, workers
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(660)
 def test_an_uneven_placement_is_observed_and_accounted(placed):
     """Three workers in zone b: two on b2, one on b1. Each rank's node is what the ranks reported (not
@@ -114,6 +116,7 @@ def test_an_uneven_placement_is_observed_and_accounted(placed):
         assert {f"__{rank}_0.distcp" for rank in range(3)} <= set(files) and "manifest.json" in files, files
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(660)
 def test_what_an_uneven_placement_cannot_do_is_refused_before_training(placed):
     local = placed["local_checkpoints"]["error"]

@@ -251,6 +251,7 @@ def _check_bytes(b: dict, world: int, node_size: int) -> None:
         assert ag["inter_node_bytes"] == (world - node_size) * _wire(N, bits)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quantized_collectives_two_ranks():
     results = run_distributed(_collective_checks, 2, timeout=240)
@@ -258,6 +259,7 @@ def test_quantized_collectives_two_ranks():
     _check_bytes(results[0]["bytes"], 2, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quantized_collectives_four_ranks_as_two_nodes():
     results = run_distributed(_collective_checks, 4, timeout=240)

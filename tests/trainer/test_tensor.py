@@ -91,12 +91,14 @@ def four_ranks():
     return run_distributed(_worker, 4, list(CONFIGS), timeout=400)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(450)
 def test_tensor_2_by_data_2_equals_one_process_in_float64(four_ranks):
     for name, c in four_ranks[0].items():
         assert c["diff"] <= TOLERANCE, f"{name}: max |w - w_ref| = {c['diff']:.3g}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tensor_2_alone_equals_one_process_at_2_ranks():
     """Two ranks, one tensor-parallel group: every layer split, no data parallelism left (FSDP2 over one rank)."""
@@ -106,12 +108,14 @@ def test_tensor_2_alone_equals_one_process_at_2_ranks():
     assert [r["stage3 sequence parallel"]["groups"] for r in got] == [[[0], [0, 1]], [[1], [0, 1]]]
 
 
+@pytest.mark.slow
 def test_groups_are_consecutive_ranks_of_a_node_and_share_a_batch(four_ranks):
     groups = [r["stage3 sequence parallel"]["groups"] for r in four_ranks]
     assert [g[1] for g in groups] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # tensor groups
     assert [g[0] for g in groups] == [[0, 2], [1, 3], [0, 2], [1, 3]]  # data groups
 
 
+@pytest.mark.slow
 def test_activation_exchanges_match_the_formula(four_ranks):
     """Measured on the first step from DTensor's own collectives: all-gathers, reduce-scatters (sequence parallel)
     or all-reduces (without), byte for byte what parallel/tensor.py's formula says."""
@@ -122,6 +126,7 @@ def test_activation_exchanges_match_the_formula(four_ranks):
                 assert c["tensor_sent"][kind] == pytest.approx(expected, rel=1e-12), (name, kind)
 
 
+@pytest.mark.slow
 def test_fsdp_bytes_per_step_are_over_the_data_ranks_on_one_tensor_share(four_ranks):
     for r in four_ranks:
         for name, c in r.items():
@@ -132,6 +137,7 @@ def test_fsdp_bytes_per_step_are_over_the_data_ranks_on_one_tensor_share(four_ra
                 assert sent[kind] == pytest.approx(expected, rel=1e-12), (name, kind)
 
 
+@pytest.mark.slow
 def test_memory_held_matches_the_formula_on_one_tensor_share(four_ranks):
     """Each rank holds its tensor share (the blocks' weights halved, the rest whole) divided by the 2 data ranks:
     parameters and gradients within 1% of the formula; AdamW's two state tensors exactly the rank's unsharded
@@ -148,6 +154,7 @@ def test_memory_held_matches_the_formula_on_one_tensor_share(four_ranks):
             assert 0 <= c["held"]["optimizer"] - c["local"] * 16 <= 8 * 32, (name, c["held"]["optimizer"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(450)
 def test_checkpoints_load_across_tensor_and_data_layouts(tmp_path):
     """Saved tensor 2 x data 2, loaded into data 4, saved there and loaded back: model and optimizer state
@@ -188,6 +195,7 @@ def _through_the_loop(rank, world):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(450)
 def test_the_trainer_runs_tensor_parallel_on_the_observed_nodes():
     """Through the Trainer: the tensor-parallel groups are {0, 2} and {1, 3} (one per node), each group reads one
@@ -208,6 +216,7 @@ def test_the_trainer_runs_tensor_parallel_on_the_observed_nodes():
     assert dp["tensor_traffic_per_step"] == dp["expected_tensor_traffic_per_step"] == {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_tensor_parallel_resume_after_a_crash_is_bit_identical(tmp_path):
     """Two ranks, one tensor-parallel group, stage 3: a run crashed at step 11 resumes from its step-8 commit (model,

@@ -25,6 +25,7 @@ def cfg_for(cache, run_dir, *extra):
                               "run.eval_every=6", f"run.dir={run_dir}", "run.report=false", *extra])
 
 
+@pytest.mark.slow
 def test_two_workers_on_ray_train_at_stage3_match_the_local_launch(ray_cluster, cache, tmp_path):
     """ZeRO-3 (FSDP2) under Ray Train's TorchTrainer, unchanged, reaches the same loss and weights as one local
     process over the same global batches (float64: differences are reordered sums, ~1e-16)."""
@@ -54,6 +55,7 @@ def test_two_workers_on_ray_train_at_stage3_match_the_local_launch(ray_cluster, 
     assert (tmp_path / "run" / "ray").is_dir()
 
 
+@pytest.mark.slow
 def test_local_mode_equals_one_worker_ray_run_bit_for_bit(ray_cluster, cache, tmp_path):
     local = train(cfg_for(cache, tmp_path / "local", "run.max_steps=8"), local=True, quiet=True)
     ray_run = train(cfg_for(cache, tmp_path / "ray", "run.max_steps=8"), quiet=True)
@@ -63,6 +65,7 @@ def test_local_mode_equals_one_worker_ray_run_bit_for_bit(ray_cluster, cache, tm
     assert ray_run["val_accuracy"] == local["val_accuracy"]
 
 
+@pytest.mark.slow
 def test_data_wait_is_large_from_a_slow_loader_and_small_from_the_cache(cache, tmp_path):
     """A loader slowed by 250 ms per batch dominates the step time of a tiny model; reading the cache with the
     loader's prefetching does not. (Ratios of two runs of the same model, not absolute times.)"""
@@ -75,6 +78,7 @@ def test_data_wait_is_large_from_a_slow_loader_and_small_from_the_cache(cache, t
     assert slow["goodput"] < fast["goodput"]
 
 
+@pytest.mark.slow
 def test_torchrun_entry_trains_two_ranks(cache, tmp_path):
     """The torchrun-compatible entry: two gloo ranks started by torch.distributed.run."""
     import os
@@ -98,6 +102,7 @@ def test_torchrun_entry_trains_two_ranks(cache, tmp_path):
     assert summary["parallel"]["traffic"]["per_kind"]["all_reduce"]["calls"] >= 4
 
 
+@pytest.mark.slow
 def test_results_reach_the_driver_through_ray_train_storage(ray_cluster, cache, tmp_path):
     """The workers write their run directory where the driver cannot see it (``memory://`` is private to each
     process, like a local disk on another node): the summary and result files still reach the driver, through

@@ -93,6 +93,7 @@ def partition_shards(cache: str) -> list[set[int]]:
     return [set(reader.locate(rows[bounds[p]:bounds[p + 1]])[0].tolist()) for p in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(660)
 def test_each_node_reads_only_its_partition_and_the_run_is_the_one_node_run(runs):
     cache, out = runs

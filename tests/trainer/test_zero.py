@@ -173,6 +173,7 @@ def exactness(request):
 TOLERANCE = 1e-10
 
 
+@pytest.mark.slow
 def test_every_stage_equals_one_process_in_float64(exactness):
     world, results = exactness
     r0 = results[0]
@@ -191,11 +192,13 @@ def test_every_stage_equals_one_process_in_float64(exactness):
             assert c["units"] == ["blocks.0"], config
 
 
+@pytest.mark.slow
 def test_stage0_is_ddp_bit_for_bit(exactness):
     _, results = exactness
     assert results[0]["ddp_bitwise"] is True
 
 
+@pytest.mark.slow
 def test_ddp_unused_parameter_error_names_the_config_key(exactness):
     _, results = exactness
     for r in results:
@@ -203,6 +206,7 @@ def test_ddp_unused_parameter_error_names_the_config_key(exactness):
         assert "parallel.find_unused_parameters = true" in r["unused_error"]
 
 
+@pytest.mark.slow
 def test_stale_weights_trap_is_detected(exactness):
     """The control: stage 1 that leaves parameters unsharded after the last backward really does go wrong, so
     the exactness test above would catch the trap."""
@@ -210,6 +214,7 @@ def test_stale_weights_trap_is_detected(exactness):
     assert results[0]["stale_diff"] > 1e-6
 
 
+@pytest.mark.slow
 def test_bytes_sent_per_step_match_the_stage_formula(exactness):
     """Logical bytes (an ideal direct exchange of the padded payload), counted in code, not timed."""
     world, results = exactness
@@ -220,6 +225,7 @@ def test_bytes_sent_per_step_match_the_stage_formula(exactness):
                 assert a["sent"][kind] == pytest.approx(expected, rel=1e-12), (config, kind, a)
 
 
+@pytest.mark.slow
 def test_stage3_sends_one_and_a_half_times_stage0(exactness):
     world, results = exactness
     acc = results[0]["accounting"]
@@ -229,6 +235,7 @@ def test_stage3_sends_one_and_a_half_times_stage0(exactness):
     assert stage0 == pytest.approx(2 * acc["8-0-1-False"]["numel"] * 4 * (world - 1) / world, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_memory_held_matches_the_stage_formula(exactness):
     """Within 1% of the formula plus FSDP2's padding (each parameter's rows padded to a multiple of W) and the
     optimizer's per-tensor step counters; at stage >= 1 the optimizer state is 1/W of stage 0's (+1%)."""
@@ -257,6 +264,7 @@ def _unclipped_norms(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_the_gradient_norm_without_clipping_is_global_on_ddp_and_fsdp2():
     """optim.grad_clip = 0 still computes the global gradient norm (the step log's non-finite check reads it):
     on FSDP2 shards it equals the clipping norm and one process's, not a rank's partial norm; it adds no counted
@@ -287,6 +295,7 @@ def _bf16_summary(rank, world):
         "num_params": s["num_params"]}
 
 
+@pytest.mark.slow
 def test_bf16_stage3_expected_traffic_matches_the_counted_bytes():
     """Through the Trainer's summary at 2 ranks: under bf16 mixed precision FSDP2 gathers bf16 parameters (2
     bytes) and reduce-scatters fp32 gradients (4 bytes); the expected figure used 4 bytes for both."""

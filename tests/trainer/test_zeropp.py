@@ -86,12 +86,14 @@ def four():
     return run_distributed(_four_rank_worker, 4, timeout=300)
 
 
+@pytest.mark.slow
 def test_every_rank_computes_with_the_same_weights(four):
     for name in CONFIGS:
         probes = [r[name]["probe"] for r in four]
         assert all(p == probes[0] for p in probes), name  # bit for bit: each rank dequantized its own slot too
 
 
+@pytest.mark.slow
 def test_quantized_bytes_against_fp32(four):
     r = four[0]
     fp32 = r["fp32"]
@@ -103,6 +105,7 @@ def test_quantized_bytes_against_fp32(four):
     assert r["grads-int8-twohop"]["rs_inter"] > 0
 
 
+@pytest.mark.slow
 def test_hpz_backward_gathers_stay_inside_the_node(four):
     for name in ("fp32-hpz", "int8-twohop-hpz"):
         for r in four:
@@ -113,6 +116,7 @@ def test_hpz_backward_gathers_stay_inside_the_node(four):
     assert four[0]["fp32-hpz"]["ag_inter"] * 2 == four[0]["fp32"]["ag_inter"]
 
 
+@pytest.mark.slow
 def test_the_fp32_all_to_all_reduce_scatter_is_the_same_sum(four):
     """``parallel.reduce_scatter = "all_to_all"``: qgZ's exchange without quantization (two hops here) gives the
     fp32 step up to fp32 summation order (4 terms: a few ulp of each gradient, ~1e-7 relative; 1e-5 leaves room
@@ -122,6 +126,7 @@ def test_the_fp32_all_to_all_reduce_scatter_is_the_same_sum(four):
     assert 0 < r["fp32-a2a"]["rs_inter"] <= r["fp32"]["rs_inter"] / NODE
 
 
+@pytest.mark.slow
 def test_overlapped_gathers_change_nothing_but_when_they_wait(four):
     """With overlap (the default) the all-gathers, plain and int8, start asynchronously and are waited on where
     FSDP2 needs the weights; the step's result is bit-identical to blocking gathers and the bytes are the same.
@@ -133,6 +138,7 @@ def test_overlapped_gathers_change_nothing_but_when_they_wait(four):
             assert r[on]["async_started"] > 0 and r[off]["async_started"] == 0, (on, r[on]["async_started"])
 
 
+@pytest.mark.slow
 def test_hpz_keeps_the_secondary_shard_across_micro_batches(four):
     """Two micro-batches: one forward gather across nodes per step (not one per micro-batch); the second forward
     and both backwards gather from the secondary shard inside the node; the weights equal stage 3's exactly."""
@@ -154,6 +160,7 @@ def _relative_update_error(r, name):
     return (diff / step) ** 0.5
 
 
+@pytest.mark.slow
 def test_one_quantized_step_is_close_to_fp32_and_hpz_is_exact(four):
     """Gradient quantization (qgZ), one SGD step: AVG divides by the world size once, and the update lands within
     the quantization error: int8 within 2% (per block at most absmax/254 per contribution), int4 within 15%
@@ -166,6 +173,7 @@ def test_one_quantized_step_is_close_to_fp32_and_hpz_is_exact(four):
         assert 0 < err <= bound, (name, err)
 
 
+@pytest.mark.slow
 def test_error_feedback_reaches_every_quantized_reduce_scatter(four):
     """After one step, error feedback's residual starts at zero so the update equals two hops without it (the
     accuracy test above cannot tell them apart): instead every module's reduce-scatter must now hold what its
@@ -180,6 +188,7 @@ def test_error_feedback_reaches_every_quantized_reduce_scatter(four):
                 assert all(x is None for x in res), (name, res)
 
 
+@pytest.mark.slow
 def test_int8_weight_gathers_perturb_the_forward_by_int8_error(four):
     """qwZ: forward runs on int8-gathered weights (about absmax/254 per block): the output moves by well under 2%
     (measured 0.6%), and the master weights stay full precision (qgZ-only runs above match to 2%). The gradient of
@@ -232,6 +241,7 @@ def _converge(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_demo_model_with_qwz_and_int8_qgz_converges_like_fp32():
     """The demo's CNN on shape images (16x16 here, 100 steps): int8 weights and gradients learn as much as fp32.
 

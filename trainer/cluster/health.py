@@ -31,10 +31,6 @@ class HealthCheckError(DutycycleError):
     """A worker failed the pre-flight check: its device computes wrong values, or it or the network is too slow."""
 
 
-def _matmul(a, b):
-    return a @ b  # module level so a test can stand in a faulty device on one worker
-
-
 def check_device(device, timeout_s: float) -> dict:
     import torch
 
@@ -42,11 +38,11 @@ def check_device(device, timeout_s: float) -> dict:
     a64 = torch.randn(N, N, generator=g, dtype=torch.float64)
     b64 = torch.randn(N, N, generator=g, dtype=torch.float64)
     a, b = a64.float().to(device), b64.float().to(device)
-    _matmul(a, b)  # warm-up (kernel selection, lazy init)
+    a @ b  # warm-up (kernel selection, lazy init)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    c = _matmul(a, b)
+    c = a @ b
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0

@@ -17,6 +17,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from dutycycle.trainer.checkpoint import manifest as mf
+from dutycycle.trainer.step.metrics import read_metrics
+
 
 @dataclass
 class KillReport:
@@ -56,8 +59,6 @@ class KillOneWorker(threading.Thread):
         return False
 
     def run(self) -> None:
-        from dutycycle.trainer.checkpoint import manifest as mf
-        from dutycycle.trainer.step.metrics import read_metrics
 
         health = os.path.join(self.run_dir, "health.json")
 

@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from dutycycle.engine.errors import DutycycleError
+
 # Modules that expose `register(subparsers)`, in the order their commands are listed.
 COMMAND_MODULES = [
     "dutycycle.engine.cli",
@@ -27,8 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dutycycle.engine.errors import DutycycleError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

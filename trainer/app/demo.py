@@ -17,6 +17,23 @@ import os
 import time
 import tomllib
 
+from dutycycle.engine import formats, io
+from dutycycle.engine.cache.materialize import materialize
+from dutycycle.engine.inspect import contact_sheet
+from dutycycle.engine.synth import synthesize
+from dutycycle.engine.table.catalog import ingest
+from dutycycle.engine.table.table import open_table
+from dutycycle.engine.transform import TransformSpec
+from dutycycle.trainer.checkpoint import checkpoint_root
+from dutycycle.trainer.config import load_config, packaged_config
+from dutycycle.trainer.diagnose import diagnose
+from dutycycle.trainer.launch.account import format_job
+from dutycycle.trainer.launch.train import train
+from dutycycle.trainer.step.metrics import format_breakdown
+
+from .chaos import KillOneWorker
+from .demo_report import write
+
 # The demo trains with configs/demo.toml (shipped in the package as dutycycle.configs), the file that
 # `dutycycle train configs/demo.toml` reads, so the two cannot drift apart. On top of it the demo sets only where
 # its cache and run directory are and how many workers train (training_overrides); --small also applies
@@ -59,8 +76,6 @@ def training_overrides(workers: int, run_dir: str, cache: str, small: bool = Fal
 def training_config(workers: int, run_dir: str, cache: str, small: bool = False,
                     overrides: list[str] | None = None):
     """The demo's resolved training config: configs/demo.toml, the demo's overrides, then ``overrides``."""
-    from dutycycle.trainer.config import load_config, packaged_config
-
     base = tomllib.loads(packaged_config("demo.toml"))
     return load_config(None, [*training_overrides(workers, run_dir, cache, small), *(overrides or [])], base=base)
 
@@ -71,16 +86,6 @@ def _say(msg: str) -> None:
 
 def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
              overrides: list[str] | None = None) -> dict:
-    from dutycycle.engine import io
-    from dutycycle.engine.cache.materialize import materialize
-    from dutycycle.engine.inspect import contact_sheet
-    from dutycycle.engine.synth import synthesize
-    from dutycycle.engine.table.catalog import ingest
-    from dutycycle.engine.table.table import open_table
-    from dutycycle.engine.transform import TransformSpec
-    from dutycycle.trainer.launch.train import train
-    from dutycycle.trainer.step.metrics import format_breakdown
-
     plan = SMALL if small else DEMO
     if io.protocol(out) == "file":
         out = os.path.abspath(out)
@@ -132,10 +137,6 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
          f"steps; run directory {run_dir}")
     chaos = None
     if cfg.parallel.num_workers > 1 and cfg.ray.max_failures > 0 and cfg.checkpoint.every and io.protocol(run_dir) == "file":
-        from dutycycle.trainer.checkpoint import checkpoint_root
-
-        from .chaos import KillOneWorker
-
         chaos = KillOneWorker(run_dir, checkpoint_root(cfg, run_dir), plan["kill_after_step"])
         chaos.start()
         _say(f"failure injection: rank 1 will be killed (SIGKILL) once step {plan['kill_after_step']} is logged")
@@ -153,8 +154,6 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
          f"world size {summary['world_size']})")
     _say("training loop " + format_breakdown(summary))
     if summary.get("launch"):
-        from dutycycle.trainer.launch.account import format_job
-
         _say(format_job(summary["launch"]))
     if recovery:
         if recovery.get("recovery_s") is not None:
@@ -166,8 +165,6 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
             _say(f"recovery: no failure was injected ({recovery.get('error')})")
 
     t = time.perf_counter()
-    from dutycycle.trainer.diagnose import diagnose
-
     d = plan["diagnose"]
     _say(f"diagnose: the same config, budget {d['budget_s']} s")
     diagnosis = diagnose(cfg, out=io.join(out, "diagnose"), budget_s=d["budget_s"], only=d["only"],
@@ -181,9 +178,7 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
                                                         "data_wait_fraction", "comm_fraction", "time_breakdown")},
               "recovery": recovery, "diagnosis": {"verdict": diagnosis["verdict"], "files": diagnosis["files"],
                             "remedies": diagnosis.get("remedies", [])}}
-    from .demo_report import write
-
     result["html"] = write(out, result)
     _say(f"report: {summary.get('report')}; everything together: {result['html']}")
-    io.write_json_atomic(io.join(out, "demo.json"), {k: v for k, v in result.items() if k != "summary"})
+    io.write_json_atomic(io.join(out, "demo.json"), formats.stamp({k: v for k, v in result.items() if k != "summary"}))
     return result

@@ -8,6 +8,9 @@ import html
 import os
 
 from dutycycle.engine import io
+from dutycycle.trainer.diagnose.remedies import predicted_text
+from dutycycle.trainer.launch.account import NAMES
+from dutycycle.trainer.step.timing import JOB_ONE_TIME, PHASES
 
 
 def _img(uri: str | None) -> str:
@@ -91,8 +94,6 @@ def checkpoint_rows(s: dict) -> list[tuple[str, str]]:
 def time_tables(s: dict) -> str:
     """Where the time went: from launch to exit when the job's account is there (per step apart from once),
     else the training loop's (mean per rank)."""
-    from dutycycle.trainer.launch.account import NAMES
-    from dutycycle.trainer.step.timing import JOB_ONE_TIME, PHASES
 
     if not s.get("launch"):
         bd = s["time_breakdown"]
@@ -113,7 +114,6 @@ def time_tables(s: dict) -> str:
 
 
 def _top_remedy(found: list[dict]) -> str:
-    from dutycycle.trainer.diagnose.remedies import predicted_text
 
     if not found:
         return ""

@@ -382,7 +382,7 @@ def test_ray_train_pointer_resolves_to_the_commit(tmp_path):
     (commit / "manifest.json").write_text("{}")
     pointer = tmp_path / "pointer"
     pointer.mkdir()
-    (pointer / POINTER).write_text(json.dumps({"uri": str(commit), "step": 8}))
+    (pointer / POINTER).write_text(json.dumps({"format": 1, "uri": str(commit), "step": 8}))
     assert checkpoint_uri(Checkpoint.from_directory(str(pointer))) == {"uri": str(commit), "step": 8}
     (pointer / POINTER).unlink()
     assert checkpoint_uri(Checkpoint.from_directory(str(pointer))) is None

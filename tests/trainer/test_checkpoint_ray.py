@@ -142,7 +142,7 @@ def test_a_pointer_to_a_commit_that_is_gone_resolves_to_none(tmp_path):
     (commit / "manifest.json").write_text("{}")
     pointer = tmp_path / "pointer"
     pointer.mkdir()
-    (pointer / POINTER).write_text(json.dumps({"uri": str(commit), "step": 4}))
+    (pointer / POINTER).write_text(json.dumps({"format": 1, "uri": str(commit), "step": 4}))
     ckpt = ray.train.Checkpoint.from_directory(str(pointer))
     assert checkpoint_uri(ckpt) == {"uri": str(commit), "step": 4}
     (commit / "manifest.json").unlink()  # uncommitted (a rollback removes the manifest first)

@@ -60,3 +60,42 @@ def test_a_run_summary_of_another_format_is_refused(tmp_path, found, said):
     (tmp_path / "summary.json").write_text(json.dumps(_set({"format": 1, "steps": 4}, found)))
     with pytest.raises(FormatError, match=f"summary.json' {said}"):
         read_summary(str(tmp_path))
+
+
+@pytest.mark.parametrize("found, said", FOUND)
+def test_a_ray_train_pointer_of_another_format_is_refused(tmp_path, found, said):
+    from dutycycle.trainer.checkpoint import checkpoint_uri
+    from dutycycle.trainer.checkpoint.raytrain import POINTER
+    from ray.train import Checkpoint
+
+    commit = tmp_path / "checkpoints" / mf.step_name(8)
+    commit.mkdir(parents=True)
+    (commit / mf.MANIFEST).write_text("{}")
+    pointer = tmp_path / "pointer"
+    pointer.mkdir()
+    record = {"format": 1, "uri": str(commit), "step": 8}
+    (pointer / POINTER).write_text(json.dumps(record))
+    assert checkpoint_uri(Checkpoint.from_directory(str(pointer))) == {"uri": str(commit), "step": 8}
+    (pointer / POINTER).write_text(json.dumps(_set(record, found)))
+    with pytest.raises(FormatError, match=f"{POINTER} {said}"):
+        checkpoint_uri(Checkpoint.from_directory(str(pointer)))
+
+
+def test_a_health_record_of_another_format_names_the_file_in_the_chaos_report(tmp_path):
+    """The failure injector reads the workers' PIDs from health.json: one of another format is not trusted."""
+    import torch
+    from dutycycle.trainer.app.chaos import KillOneWorker
+    from dutycycle.trainer.cluster import health
+
+    health.preflight(0, 1, torch.device("cpu"), 30.0, str(tmp_path))
+    record = json.loads((tmp_path / "health.json").read_text())
+    assert record["format"] == 1 and record["workers"][0]["pid"] == os.getpid()
+    (tmp_path / "health.json").write_text(json.dumps(_set(record, 2)))
+    writer = MetricsWriter(str(tmp_path))
+    writer.log({"step": 5, "loss": 1.0})
+    writer.close()
+    ckpt = tmp_path / "checkpoints"
+    mf.write_manifest(str(ckpt / mf.step_name(4)), mf.Manifest(step=4, world_size=1, files={}))
+    chaos = KillOneWorker(str(tmp_path), str(ckpt), 1, timeout_s=10)
+    chaos.run()
+    assert "health.json has format 2" in chaos.report.error

@@ -17,6 +17,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from dutycycle.engine import formats
+from dutycycle.engine.errors import FormatError
 from dutycycle.trainer.checkpoint import manifest as mf
 from dutycycle.trainer.step.metrics import read_metrics
 
@@ -74,9 +76,11 @@ class KillOneWorker(threading.Thread):
             return
         try:
             with open(health) as f:
-                workers = json.load(f)["workers"]
+                record = json.load(f)
+            formats.check(record, health)
+            workers = record["workers"]
             victim = next(w for w in workers if w["rank"] == self.rank)
-        except (OSError, KeyError, StopIteration, json.JSONDecodeError) as e:
+        except (OSError, KeyError, StopIteration, json.JSONDecodeError, FormatError) as e:
             self.report.error = f"no PID for rank {self.rank} in {health}: {e}"
             return
         self.report.killed_at_step = newest_step()

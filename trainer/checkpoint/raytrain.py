@@ -32,7 +32,7 @@ import tempfile
 import time
 import warnings
 
-from dutycycle.engine import io
+from dutycycle.engine import formats, io
 
 from .manifest import MANIFEST
 
@@ -61,7 +61,7 @@ def report_commit(step: int, uri: str, metrics: dict | None = None) -> None:
     # the upload thread reads the folder later, and removes it once uploaded
     d = tempfile.mkdtemp(prefix="dutycycle-pointer-")
     with open(os.path.join(d, POINTER), "w") as f:
-        json.dump({"uri": uri, "step": step}, f)
+        json.dump(formats.stamp({"uri": uri, "step": step}), f)
     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d),
                      checkpoint_upload_mode=CheckpointUploadMode.ASYNC, delete_local_checkpoint_after_upload=True)
 
@@ -90,10 +90,10 @@ def _pointer(checkpoint) -> dict | None:
             return None
         with open(path) as f:
             data = json.load(f)
-    if not isinstance(data, dict) or not isinstance(data.get("uri"), str):
+    formats.check(data, path)
+    if not isinstance(data.get("uri"), str):
         return None
-
-    return {"uri": data["uri"], "step": int(data.get("step", -1)),
+    return {"uri": data["uri"], "step": int(data["step"]),
             "committed": io.exists(io.join(data["uri"], MANIFEST))}
 
 

@@ -40,9 +40,8 @@ class TrainerState:
         try:
             return cls(step=int(d["step"]), epoch=int(d["epoch"]), loader=dict(d["loader"]),
                        rng=[dict(r) for r in d["rng"]], world_size=int(d["world_size"]),
-                       skipped=[[int(e), int(b)] for e, b in d.get("skipped", [])],
-                       schedule=dict(d.get("schedule", {})), config=dict(d.get("config", {})),
-                       data=dict(d.get("data", {})), strategy=dict(d.get("strategy", {})))
+                       skipped=[[int(e), int(b)] for e, b in d["skipped"]], schedule=dict(d["schedule"]),
+                       config=dict(d["config"]), data=dict(d["data"]), strategy=dict(d["strategy"]))
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptArtifactError(f"{where} is malformed ({type(e).__name__}: {e})") from None
 

@@ -19,7 +19,7 @@ import os
 import socket
 import time
 
-from dutycycle.engine import io
+from dutycycle.engine import formats, io
 from dutycycle.engine.errors import DutycycleError
 
 from .world import all_gather
@@ -93,7 +93,8 @@ def preflight(rank: int, world: int, device, timeout_s: float, run_dir: str = ""
               problems=dev["problems"] + net["problems"])
     records = all_gather(me, world)
     if rank == 0 and run_dir:
-        io.write_json_atomic(io.join(run_dir, "health.json"), {"workers": records, "timeout_s": timeout_s})
+        io.write_json_atomic(io.join(run_dir, "health.json"),
+                             formats.stamp({"workers": records, "timeout_s": timeout_s}))
     bad = [r for r in records if r["problems"]]
     if bad:
         names = "; ".join(f"rank {r['rank']} (host {r['host']}, pid {r['pid']}, {r['device']}): "

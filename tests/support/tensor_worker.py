@@ -39,15 +39,13 @@ def _strategy(rank: int, world: int, parallel: dict):
 def _step(strategy, optimizer, rank: int, world: int, seed: int) -> None:
     import contextlib
 
-    from dutycycle.trainer.cluster.world import World
-    from dutycycle.trainer.parallel.plan import data_ranks
     from dutycycle.trainer.step.loop import optimizer_step
     from dutycycle.trainer.step.timing import StepTimer
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(GLOBAL_BATCH, 3, 8, 8, generator=g, dtype=torch.float64)
     y = torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=g)
-    d, n = data_ranks(World(rank, world), strategy.plan.tensor)
+    d, n = strategy.dims.data_ranks(rank)
     per = GLOBAL_BATCH // n
     optimizer_step(strategy, optimizer, x[d * per:(d + 1) * per], y[d * per:(d + 1) * per], micro_batches=1,
                    timer=StepTimer(), autocast=contextlib.nullcontext, grad_clip=0.05, lr=0.02)

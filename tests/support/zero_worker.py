@@ -82,6 +82,7 @@ def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload:
     from dutycycle.trainer.cluster.world import World
     from dutycycle.trainer.config import OptimSection, ParallelSection
     from dutycycle.trainer.parallel.apply import parallelize
+    from dutycycle.trainer.parallel.dims import ParallelDims
     from dutycycle.trainer.parallel.memory import MemorySampler
     from dutycycle.trainer.step.loop import optimizer_step
     from dutycycle.trainer.step.optim import make_optimizer
@@ -110,9 +111,7 @@ def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload:
         nvme.attach(optimizer, store, chunk_bytes=nvme_chunk_bytes)
     sampler = MemorySampler()
     # the data-parallel ranks split each global batch (a tensor-parallel group's ranks take the same slice)
-    from dutycycle.trainer.parallel.plan import data_ranks
-
-    rank_d, world_d = data_ranks(placed, parallel.tensor)
+    rank_d, world_d = ParallelDims.build(parallel, placed, validate=False).data_ranks()
     per = GLOBAL_BATCH // world_d
     norms = []
     for step, (x, y) in enumerate(make_batches(dtype)[:steps]):

@@ -233,7 +233,11 @@ def test_a_tensor_parallel_resume_after_a_crash_is_bit_identical(tmp_path):
 
 def test_tensor_groups_cut_each_node_and_refuse_a_group_across_nodes():
     from dutycycle.trainer.cluster.topology import observe
-    from dutycycle.trainer.parallel.plan import data_ranks, tensor_groups
+    from dutycycle.trainer.parallel.dims import ParallelDims
+    from dutycycle.trainer.parallel.plan import tensor_groups
+
+    def data_ranks(world, tensor):
+        return ParallelDims(world_size=4, zero_stage=1, tensor=tensor, world=world).data_ranks()
 
     assert tensor_groups(observe(0, 4, labels=["a", "b", "a", "b"]), 2) == [[0, 2], [1, 3]]
     assert [data_ranks(observe(r, 4, labels=["a", "b", "a", "b"]), 2) for r in range(4)] == [(0, 2), (1, 2)] * 2

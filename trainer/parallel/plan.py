@@ -173,15 +173,6 @@ def tensor_groups(world, tensor: int) -> list[list[int]]:
     return hybrid_groups(world.nodes, world.size // tensor)
 
 
-def data_ranks(world, tensor: int) -> tuple[int, int]:
-    """``(rank, size)`` of this rank among the data-parallel ranks: what the loader splits the global batch by.
-    The ranks of one tensor-parallel group share a data rank (they must see the same samples)."""
-    if tensor == 1:
-        return world.rank, world.size
-    groups = tensor_groups(world, tensor)
-    return next(i for i, g in enumerate(groups) if world.rank in g), len(groups)
-
-
 # ------------------------------------------------------------------------------------------------- memory
 
 

@@ -2,7 +2,7 @@
 composed with FSDP2 over the data-parallel ranks on a 2-D (data, tensor) mesh, as torchtitan composes them.
 
 Each tensor-parallel group is T ranks of one node (plan.tensor_groups, from the observed placement); the groups
-are the mesh's rows, and row i is data-parallel rank i: its T ranks read the same batch (plan.data_ranks) and
+are the mesh's rows, and row i is data-parallel rank i: its T ranks read the same batch (ParallelDims.data_ranks) and
 compute each layer together. The split is the model's own (``model.tensor_parallel_plan(T, sequence_parallel)``,
 ``torch.distributed.tensor.parallel`` styles by module name; TinyViT's is Megatron's), applied before activation
 checkpointing and FSDP2, which then shards the tensor-parallel DTensors further over the data dimension.

@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 
 from .context import Context, data_info
+from .findings import MemoryFinding
 
 
-def memory(ctx: Context) -> dict:
+def memory(ctx: Context) -> MemoryFinding:
     """Model-state bytes per rank (parameters, gradients, optimizer state) for every layout: ZeRO stages without
     offload, with host offload and with NVMe offload (the optimizer state on disk), on several nodes hybrid
     sharding (one replica group per node) at each stage, and tensor parallelism in groups inside a node where
@@ -65,9 +66,8 @@ def memory(ctx: Context) -> dict:
     # the configured layout is always a row: config.validate refuses a tensor size this model or node cannot take
     mine = next(r for r in rows if r["zero_stage"] == cfg.parallel.zero_stage and r["offload"] == offload
                 and r["replicate"] == mine_replicate and r["tensor"] == cfg.parallel.tensor)
-    return {"num_params": numel, "workers": w, "node_size": node_size, "budget_bytes": budget, "budget_from": source,
-            "rows": rows,
-            "configured": mine, "activations_counted": False}
+    return MemoryFinding(num_params=numel, workers=w, node_size=node_size, budget_bytes=budget, budget_from=source,
+                         rows=rows, configured=mine, activations_counted=False)
 
 
 def _layout_row(stage, offload, replicate: int, tensor: int, share: int, ctx, model, w: int, node_size: int,

@@ -64,21 +64,31 @@ class ExperimentFailed(Exception):
         self.error, self.traceback = error, traceback
 
 
-def _kill_group(proc: subprocess.Popen) -> str:
-    """End ``proc``'s process group: SIGTERM, ``GRACE_S`` for its leader to go, then SIGKILL for whatever is left
-    of the group (a loader's worker processes, a local Ray the experiment started); says how it went."""
+def _ended(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` has ended, left unreaped: while its zombie holds the pid, the id of its process group cannot
+    be taken by a new process, so signalling the group never reaches a stranger."""
+    return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _wait(proc: subprocess.Popen, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``proc`` to end (unreaped), in short sleeps: Python runs a signal's handler
+    (Ctrl-C, SIGTERM) between them. Whether it ended."""
+    end = time.perf_counter() + seconds
+    while not _ended(proc):
+        if time.perf_counter() >= end:
+            return False
+        time.sleep(min(0.2, max(0.0, end - time.perf_counter())))
+    return True
+
+
+def _end_group(proc: subprocess.Popen) -> str:
+    """End ``proc``'s process group and reap ``proc``: SIGTERM, ``GRACE_S`` for its leader to go, then SIGKILL for
+    whatever is left in the group (a loader's worker processes, a hung child); says how it went."""
     how = "its process group was sent SIGTERM"
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(GRACE_S)
-    except ProcessLookupError:  # the group ended on its own meanwhile
-        pass
-    except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGTERM)
+    if not _wait(proc, GRACE_S):
         how += f", then SIGKILL after {GRACE_S:.0f} s"
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the leader is gone; what it left in the group goes too
-    except ProcessLookupError:
-        pass
+    os.killpg(proc.pid, signal.SIGKILL)  # the leader, unreaped, still holds the group's id
     proc.wait()
     return how + ", and ended"
 
@@ -97,8 +107,9 @@ def ray_address(cfg) -> str | None:
 
 def run_bounded(call: str, job: dict, seconds: float, *, ray: str | None = None):
     """``call`` (``module:function``) run in a process of its own with ``job`` (worker.py's keys but ``call`` and
-    ``result``), waited for at most ``seconds``; returns the function's result (a dict) or raises its error
-    (``RuntimeError`` with the experiment's message), ``Overran`` or ``Died``. ``ray``: the cluster to join."""
+    ``result``), waited for at most ``seconds``; returns the function's result (a dict) or raises
+    ``ExperimentFailed`` (its error, as the experiment's process wrote it), ``Overran`` or ``Died``. ``ray``: the
+    GCS address of the cluster it joins."""
     with tempfile.TemporaryDirectory(prefix="dutycycle-diagnose-") as tmp:
         result = os.path.join(tmp, "result.json")
         spec = os.path.join(tmp, "job.json")
@@ -108,22 +119,15 @@ def run_bounded(call: str, job: dict, seconds: float, *, ray: str | None = None)
         if ray:
             env["RAY_ADDRESS"] = ray
         proc = subprocess.Popen([sys.executable, "-m", WORKER, spec], env=env, start_new_session=True)
-        end = time.perf_counter() + seconds
         try:
-            # in short waits: Python runs a signal's handler (Ctrl-C, SIGTERM) between them
-            while proc.poll() is None and time.perf_counter() < end:
-                try:
-                    proc.wait(min(0.2, max(0.0, end - time.perf_counter())))
-                except subprocess.TimeoutExpired:
-                    pass
+            done = _wait(proc, seconds)
         except BaseException:  # Interrupted, KeyboardInterrupt: the experiment goes too
-            _kill_group(proc)
+            _end_group(proc)
             raise
-        if proc.poll() is None:
-            how = _kill_group(proc)
+        how = _end_group(proc)  # after a finished experiment: whatever it left running in its group
+        if not done:
             raise Overran(f"stopped at its deadline: the budget had {seconds:.0f} s left for it (raise --budget-s; "
                           f"a worker group waiting for resources or a hung collective also ends here); {how}")
-        _kill_group(proc)  # anything the finished experiment left running in its group
         if not os.path.exists(result):
             rc = proc.returncode
             how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"

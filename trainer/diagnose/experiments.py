@@ -23,8 +23,16 @@ import statistics
 import time
 from typing import Any
 
-from dutycycle.engine import io
+from dutycycle.engine import io, open_cache
+from dutycycle.trainer.cluster.world import World
+from dutycycle.trainer.launch.train import train
+from dutycycle.trainer.step.data import make_sources
+from dutycycle.trainer.step.loop import flops_per_sample, resolve_precision
+from dutycycle.trainer.step.metrics import peak_flops, read_metrics
+from dutycycle.trainer.step.models import build_model
+from dutycycle.trainer.step.optim import make_optimizer
 
+from . import failures as fm
 from . import noise
 from .context import Context, data_info, once, share_steps, variant
 from .findings import (
@@ -44,8 +52,6 @@ from .layouts import memory
 def short_run(ctx: Context, name: str, *overrides: str, steps: int | None = None) -> dict:
     """A short training run of the config (its launcher: Ray Train, or this process for one worker) of ``steps``
     optimizer steps (default ``ctx.steps``)."""
-    from dutycycle.trainer.launch.train import train
-
     run_dir = io.join(ctx.workdir, name)
     # never a resume unless asked (the failures experiment asks): a diagnosis written again into the same folder
     # would otherwise resume each run from its last commit and train nothing, reporting the old rows
@@ -83,8 +89,6 @@ def short_run(ctx: Context, name: str, *overrides: str, steps: int | None = None
 
 def _steady_rows(run_dir: str) -> list[dict]:
     """Per-step rows without the first two (lazy initialization, the memory-sampling step)."""
-    from dutycycle.trainer.step.metrics import read_metrics
-
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
     return rows[2:] if len(rows) > 4 else rows
 
@@ -104,10 +108,6 @@ def compute(ctx: Context) -> ComputeFinding:
     cores: samples/s per worker, times the workers for the ideal aggregate (no communication)."""
     import torch
     import torch.nn.functional as F
-    from dutycycle.trainer.step.loop import flops_per_sample, resolve_precision
-    from dutycycle.trainer.step.metrics import peak_flops
-    from dutycycle.trainer.step.models import build_model
-    from dutycycle.trainer.step.optim import make_optimizer
 
     cfg = ctx.cfg
     info = data_info(ctx)
@@ -192,17 +192,12 @@ def table_of(cfg) -> str | None:
     if cfg.data.table:
         return cfg.data.table
     if cfg.data.source == "cache" and cfg.data.cache:
-        from dutycycle.engine import open_cache
-
         return open_cache(cfg.data.cache).manifest.source or None
     return None
 
 
 def loader(ctx: Context) -> LoaderFinding:
     """Global batches per second from each source alone, in this process, with training's augmentation."""
-    from dutycycle.trainer.cluster.world import World
-    from dutycycle.trainer.step.data import make_sources
-
     cfg = ctx.cfg
     gbs = cfg.data.global_batch_size
     out: dict[str, Any] = {"global_batch_size": gbs, "intervals": {}}
@@ -368,8 +363,6 @@ def failures(ctx: Context) -> FailuresFinding:
     worker count, modelled (``failures.py``): a short run that commits every other step (the stall per save,
     in the configured mode), then the same run started again, which resumes from its newest commit as a
     restarted worker group does (the restart: launch to the first step, restore included)."""
-    from . import failures as fm
-
     cfg = ctx.cfg
     mode = str(cfg.checkpoint.async_save).lower()
     common = (*_synthetic(ctx), f"checkpoint.dir={io.join(ctx.workdir, 'fail-ckpt')}", "checkpoint.every=2",

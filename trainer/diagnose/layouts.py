@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import os
 
+from dutycycle.loader.budget import node_memory_limit
+from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, inter_node_bytes, make_plan
+from dutycycle.trainer.parallel.tensor import expected_for, tensor_share
+from dutycycle.trainer.step.models import build_model
+from dutycycle.trainer.step.summary import optimizer_state_tensors
+
 from .context import Context, data_info
 from .findings import MemoryFinding
 
@@ -19,9 +25,6 @@ def memory(ctx: Context) -> MemoryFinding:
     least communication to the most: bytes per step across nodes first (parallel.node_size; 0 = one node), then
     in all, NVMe offload after every other layout, so the first row that fits is the cheapest layout that fits."""
     import torch
-    from dutycycle.trainer.parallel.tensor import tensor_share
-    from dutycycle.trainer.step.models import build_model
-    from dutycycle.trainer.step.summary import optimizer_state_tensors
 
     cfg = ctx.cfg
     info = data_info(ctx)
@@ -76,9 +79,6 @@ def _layout_row(stage, offload, replicate: int, tensor: int, share: int, ctx, mo
     nodes. Under tensor parallelism ZeRO shards one tensor rank's ``share`` over the W / T data ranks, which span
     the nodes as a flat group of W / T would with node_size / T ranks per node; the activation exchanges stay
     inside the node."""
-    from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, inter_node_bytes, make_plan
-    from dutycycle.trainer.parallel.tensor import expected_for
-
     cfg = ctx.cfg
     plan = make_plan(stage, w, cfg.data.micro_batches, cfg.parallel.reduce_every_micro_step, bool(offload),
                      replicate=replicate, optimizer_on_disk=offload == "nvme", tensor=tensor)
@@ -102,7 +102,6 @@ def device_budget(gpu: bool, workers: int) -> tuple[int, str]:
 
     if gpu:
         return int(torch.cuda.get_device_properties(0).total_memory), "GPU memory"
-    from dutycycle.loader.budget import node_memory_limit
 
     total = node_memory_limit() or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total // max(1, workers), "host memory (cgroup limit if lower) / workers"

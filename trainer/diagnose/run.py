@@ -36,6 +36,8 @@ from .report import describe, write
 from .verdict import decide
 
 GRACE_S = 5.0  # from SIGTERM to SIGKILL for an experiment's process group
+# the experiments whose short runs train, on Ray Train at several workers; the others measure in their process
+TRAINING = frozenset({"end_to_end", "scaling", "checkpoint", "failures"})
 WORKER = "dutycycle.trainer.diagnose.worker"
 
 
@@ -184,8 +186,9 @@ def _measure(chosen: list, ctx: Context, deadline: float, budget_s: float, say) 
                     # inside the try: a signal that lands as the line is written is this experiment's (seen: the
                     # report was lost when SIGTERM came right after the line, before the try)
                     say(f"{tag} ...")
-                    cluster = cluster or ray_address(ctx.cfg)
-                    res = _experiment(key, fn, ctx, left, cluster)
+                    if key in TRAINING:
+                        cluster = cluster or ray_address(ctx.cfg)
+                    res = _experiment(key, fn, ctx, left, cluster if key in TRAINING else None)
                 except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through _on_signal
                     interrupted = _as_interrupt(e)
                     res = {"error": f"interrupted by {interrupted}: stopped with what was measured so far"}

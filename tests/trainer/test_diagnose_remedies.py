@@ -100,6 +100,7 @@ def test_the_memory_remedy_predicts_the_bytes_per_rank_and_verify_reads_what_the
     the bytes its rank held. One worker here: every stage holds the same state, so the memory experiment's own
     row for the configured stage is the prediction a real run must meet (fp64, so the byte counts are exact)."""
     from dutycycle.trainer.diagnose.experiments import Context, short_run
+    from dutycycle.trainer.diagnose.findings import to_dict
     from dutycycle.trainer.diagnose.layouts import memory
     from dutycycle.trainer.diagnose.remedies import memory_remedy, verify
 
@@ -107,7 +108,7 @@ def test_the_memory_remedy_predicts_the_bytes_per_rank_and_verify_reads_what_the
                              "data.global_batch_size=16", "model.width=8", "run.precision=fp64",
                              "parallel.zero_stage=2", f"run.dir={tmp_path / 'run'}", "run.log_every=0"])
     ctx = Context(cfg=cfg, workdir=str(tmp_path / "runs"), steps=3, memory_budget_bytes=10**9)
-    mem = memory(ctx)
+    mem = to_dict(memory(ctx))
     assert memory_remedy({"memory": mem}) is None  # it fits as configured: nothing to change
     mine = mem["configured"]
     # over a budget just below the configured stage's state, with the stage-2 row marked as the one that fits
@@ -127,6 +128,7 @@ def test_the_memory_remedy_at_two_workers_is_verified_on_ray(ray_cluster, tmp_pa
     2 ranks and reads what the most loaded one held: within 1% (fp64; the CNN's rows divide by 2, so FSDP2 pads
     nothing; the step counters aside)."""
     from dutycycle.trainer.diagnose.experiments import Context, short_run
+    from dutycycle.trainer.diagnose.findings import to_dict
     from dutycycle.trainer.diagnose.layouts import memory
     from dutycycle.trainer.diagnose.remedies import memory_remedy, verify
 
@@ -134,9 +136,9 @@ def test_the_memory_remedy_at_two_workers_is_verified_on_ray(ray_cluster, tmp_pa
                              "data.global_batch_size=16", "model.width=8", "run.precision=fp64",
                              "parallel.num_workers=2", "parallel.zero_stage=0", "parallel.cpus_per_worker=1",
                              f"run.dir={tmp_path / 'run'}", "run.log_every=0"])
-    state = memory(Context(cfg=cfg, workdir=str(tmp_path / "probe"), steps=3))["configured"]["device_bytes"]
+    state = memory(Context(cfg=cfg, workdir=str(tmp_path / "probe"), steps=3)).configured["device_bytes"]
     ctx = Context(cfg=cfg, workdir=str(tmp_path / "runs"), steps=3, memory_budget_bytes=int(0.8 * state))
-    r = memory_remedy({"memory": memory(ctx)})
+    r = memory_remedy({"memory": to_dict(memory(ctx))})
     assert r is not None and r["predicted_bytes_per_rank"] <= 0.8 * state, r
     assert any(s.startswith("parallel.zero_stage=") and s != "parallel.zero_stage=0" for s in r["set"]), r
     got = verify(ctx, r, short_run)

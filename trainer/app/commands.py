@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 from dutycycle.trainer.configtree import add_overrides
 
@@ -90,23 +88,12 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         raise ConfigError(f"--scale {args.scale} must be a worker count, e.g. --scale 16384")
     cfg = load_config(args.config, args.overrides)
     out = args.out or io.join(cfg.run.dir, "diagnose")
-    from dutycycle.trainer.diagnose import run
-
-    try:
-        diagnose(cfg, out=out, budget_s=args.budget_s, memory_budget_mb=args.memory_budget_mb,
-                 only=[x for x in args.only.split(",") if x] or None, config_name=args.config, scale=args.scale, verify=args.verify)
-        code = 0
-    except run.Interrupted as e:
-        print("dutycycle diagnose: interrupted", file=sys.stderr)
-        code = 128 + e.signum
-    if code or run.leftovers():
-        # an abandoned or interrupted experiment leaves threads (a loader's prefetch, native thread pools) that
-        # would hold the interpreter's exit, or abort it ("terminate called without an active exception"): the
-        # report is written and the Ray work stopped, so end the process now, with the signal's code
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    # SIGINT / SIGTERM: the report is written, then diagnose raises an Interrupted carrying the signal, which the
+    # CLI turns into exit 130 / 143
+    diagnose(cfg, out=out, budget_s=args.budget_s, memory_budget_mb=args.memory_budget_mb,
+             only=[x for x in args.only.split(",") if x] or None, config_name=args.config, scale=args.scale,
+             verify=args.verify)
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

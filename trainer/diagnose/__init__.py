@@ -1,6 +1,7 @@
 """``dutycycle diagnose``: short, measured experiments on the user's own config and data, then a verdict naming the
 run's dominant wait (memory, data, communication, checkpoints, or none: compute-bound) and the setting that
-addresses it. experiments.py measures, verdict.py decides, report.py writes, run.py orchestrates."""
+addresses it. experiments.py measures (each experiment in a process of its own, worker.py, its result typed by
+findings.py), verdict.py decides, report.py writes, run.py orchestrates."""
 
 from __future__ import annotations
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dutycycle.trainer.cluster.world import World
+from dutycycle.trainer.config import load_config
+from dutycycle.trainer.step.data import make_sources
+
 
 @dataclass
 class Context:
@@ -39,8 +43,6 @@ def share_steps(ctx: Context) -> int:
 
 def variant(cfg, *overrides: str) -> Any:
     """A copy of ``cfg`` with ``--set``-style overrides applied and validated."""
-    from dutycycle.trainer.config import load_config
-
     return load_config(None, list(overrides), base=cfg.to_dict())
 
 
@@ -53,9 +55,6 @@ def once(ctx: Context, key: str, make):
 
 def data_info(ctx: Context):
     """The configured data's description (shape, classes, fingerprint)."""
-    from dutycycle.trainer.cluster.world import World
-    from dutycycle.trainer.step.data import make_sources
-
     # one process reads for itself: the whole global batch, not a tensor-parallel group's share of it
     return once(ctx, "data_info", lambda: make_sources(variant(ctx.cfg, "data.loader_mode=sync", "parallel.tensor=1"),
                                                         World())[2])

@@ -1,8 +1,9 @@
 """The experiments behind ``dutycycle diagnose``, each short and measured on the user's own config and data.
 
-Each experiment is a function ``(ctx: Context) -> dict`` of measured numbers; it keeps within ``ctx.seconds``
-where it loops (training runs are short: ``ctx.steps`` optimizer steps). An experiment that does not apply says
-so (``{"applicable": False, "why": ...}``); one that fails raises, and the runner reports it and goes on.
+Each experiment is a function ``(ctx: Context) -> finding`` of measured numbers (its dataclass in findings.py);
+it keeps within ``ctx.seconds`` where it loops (training runs are short: ``ctx.steps`` optimizer steps). An
+experiment that does not apply says so (``NotApplicable``); one that fails raises, and the runner reports it and
+goes on. Each runs in a process of its own (run.py, worker.py).
 
 1. compute   the model's step on a synthetic batch already on the device: the ceiling the loader must feed
 2. loader    the loaders alone: decode per step (raw), the cache, and one slice of it held in RAM
@@ -22,18 +23,35 @@ import statistics
 import time
 from typing import Any
 
-from dutycycle.engine import io
+from dutycycle.engine import io, open_cache
+from dutycycle.trainer.cluster.world import World
+from dutycycle.trainer.launch.train import train
+from dutycycle.trainer.step.data import make_sources
+from dutycycle.trainer.step.loop import flops_per_sample, resolve_precision
+from dutycycle.trainer.step.metrics import peak_flops, read_metrics
+from dutycycle.trainer.step.models import build_model
+from dutycycle.trainer.step.optim import make_optimizer
 
+from . import failures as fm
 from . import noise
 from .context import Context, data_info, once, share_steps, variant
+from .findings import (
+    CheckpointFinding,
+    ComputeFinding,
+    EndToEndFinding,
+    FailuresFinding,
+    H2DFinding,
+    LoaderFinding,
+    NotApplicable,
+    ScalingFinding,
+    from_dict,
+)
 from .layouts import memory
 
 
 def short_run(ctx: Context, name: str, *overrides: str, steps: int | None = None) -> dict:
     """A short training run of the config (its launcher: Ray Train, or this process for one worker) of ``steps``
     optimizer steps (default ``ctx.steps``)."""
-    from dutycycle.trainer.launch.train import train
-
     run_dir = io.join(ctx.workdir, name)
     # never a resume unless asked (the failures experiment asks): a diagnosis written again into the same folder
     # would otherwise resume each run from its last commit and train nothing, reporting the old rows
@@ -71,8 +89,6 @@ def short_run(ctx: Context, name: str, *overrides: str, steps: int | None = None
 
 def _steady_rows(run_dir: str) -> list[dict]:
     """Per-step rows without the first two (lazy initialization, the memory-sampling step)."""
-    from dutycycle.trainer.step.metrics import read_metrics
-
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
     return rows[2:] if len(rows) > 4 else rows
 
@@ -87,15 +103,11 @@ def _synthetic(ctx: Context, steps: int | None = None) -> list[str]:
             f"data.synthetic_samples={max(ctx.cfg.data.global_batch_size * ((steps or ctx.steps) + 1), 256)}"]
 
 
-def compute(ctx: Context) -> dict:
+def compute(ctx: Context) -> ComputeFinding:
     """One worker's optimizer step on a random batch already on the device, with that worker's share of the
     cores: samples/s per worker, times the workers for the ideal aggregate (no communication)."""
     import torch
     import torch.nn.functional as F
-    from dutycycle.trainer.step.loop import flops_per_sample, resolve_precision
-    from dutycycle.trainer.step.metrics import peak_flops
-    from dutycycle.trainer.step.models import build_model
-    from dutycycle.trainer.step.optim import make_optimizer
 
     cfg = ctx.cfg
     info = data_info(ctx)
@@ -147,7 +159,7 @@ def compute(ctx: Context) -> dict:
                 torch.cuda.get_device_name(device))
             if fps and peak:
                 out["mfu"] = fps * rate / peak
-        return out
+        return from_dict(ComputeFinding, out)
     finally:
         torch.set_num_threads(threads_before)
 
@@ -180,17 +192,12 @@ def table_of(cfg) -> str | None:
     if cfg.data.table:
         return cfg.data.table
     if cfg.data.source == "cache" and cfg.data.cache:
-        from dutycycle.engine import open_cache
-
         return open_cache(cfg.data.cache).manifest.source or None
     return None
 
 
-def loader(ctx: Context) -> dict:
+def loader(ctx: Context) -> LoaderFinding:
     """Global batches per second from each source alone, in this process, with training's augmentation."""
-    from dutycycle.trainer.cluster.world import World
-    from dutycycle.trainer.step.data import make_sources
-
     cfg = ctx.cfg
     gbs = cfg.data.global_batch_size
     out: dict[str, Any] = {"global_batch_size": gbs, "intervals": {}}
@@ -209,7 +216,7 @@ def loader(ctx: Context) -> dict:
         if name in ("cache", "synthetic") and "in_ram" not in out:
             out["in_ram"], out["intervals"]["in_ram"] = _rate(_in_ram_batches(train, gbs), gbs, seconds)
     out["slow_ms"] = cfg.data.slow_ms
-    return out
+    return from_dict(LoaderFinding, out)
 
 
 def _epochs(source):
@@ -241,7 +248,7 @@ def _in_ram_batches(source, gbs: int, hold: int = 8):
 # --------------------------------------------------------------------------------------------- 3 end to end
 
 
-def end_to_end(ctx: Context) -> dict:
+def end_to_end(ctx: Context) -> EndToEndFinding:
     """Short runs of the config as it is (and from raw, when a table is known): where the step's time goes."""
     cfg = ctx.cfg
     out = {"configured": cfg.data.source,
@@ -249,17 +256,17 @@ def end_to_end(ctx: Context) -> dict:
     table = once(ctx, "table", lambda: table_of(cfg))
     if cfg.data.source == "cache" and table:
         out["raw"] = short_run(ctx, "e2e-raw", "data.source=raw", f"data.table={table}")
-    return out
+    return from_dict(EndToEndFinding, out)
 
 
 # ----------------------------------------------------------------------------------------------------- 4 h2d
 
 
-def h2d(ctx: Context) -> dict:
+def h2d(ctx: Context) -> H2DFinding | NotApplicable:
     import torch
 
     if not torch.cuda.is_available() or ctx.cfg.parallel.use_gpu == "false":
-        return {"applicable": False, "why": "a CPU run has no host-to-device copy"}
+        return NotApplicable("a CPU run has no host-to-device copy")
     info = data_info(ctx)
     x = torch.empty(ctx.cfg.data.global_batch_size // ctx.cfg.parallel.num_workers, info.channels, info.size,
                     info.size).pin_memory()
@@ -274,20 +281,20 @@ def h2d(ctx: Context) -> dict:
     torch.cuda.synchronize()
     per_batch = (time.perf_counter() - t0) / n
     e2e = ctx.results.get("end_to_end", {}).get(ctx.cfg.data.source, {})
-    return {"applicable": True, "copy_s_per_batch": per_batch, "gb_per_s": x.numel() * 4 / per_batch / 1e9,
-            "share_of_step": per_batch / e2e["step_s"] if e2e.get("step_s") else None}
+    return H2DFinding(applicable=True, copy_s_per_batch=per_batch, gb_per_s=x.numel() * 4 / per_batch / 1e9,
+                      share_of_step=per_batch / e2e["step_s"] if e2e.get("step_s") else None)
 
 
 # ------------------------------------------------------------------------------------------------- 5 scaling
 
 
-def scaling(ctx: Context) -> dict:
+def scaling(ctx: Context) -> ScalingFinding | NotApplicable:
     """1 vs N workers on synthetic data of the same shape (the loader out of the picture), at the configured ZeRO
     stage, then with quantized collectives (stage >= 1: int8 gradients, and int8 weight gathers at stage 3)."""
     cfg = ctx.cfg
     n = cfg.parallel.num_workers
     if n == 1:
-        return {"applicable": False, "why": "parallel.num_workers = 1: nothing to scale"}
+        return NotApplicable("parallel.num_workers = 1: nothing to scale")
     steps = share_steps(ctx)  # each run's rate and shares decide the verdict or predict a remedy's gain
     synth = _synthetic(ctx, steps)
     one = short_run(ctx, "scale-1", *synth, "parallel.num_workers=1", "parallel.zero_stage=0",
@@ -312,13 +319,13 @@ def scaling(ctx: Context) -> dict:
         q = short_run(ctx, f"scale-{n}-int8", *synth, f"parallel.zero_stage={stage}", *quant, steps=steps)
         out["quantized"] = {"zero_stage": stage, "settings": quant, **q,
                             "speedup": q["samples_per_s"] / one["samples_per_s"]}
-    return out
+    return from_dict(ScalingFinding, out)
 
 
 # ---------------------------------------------------------------------------------------------- 6 checkpoint
 
 
-def checkpoint(ctx: Context) -> dict:
+def checkpoint(ctx: Context) -> CheckpointFinding:
     """Stall per save, synchronous and asynchronous, from short runs that save every other step (synthetic data of
     the same shape, so the loader does not blur the stall) to the configured checkpoint storage."""
     cfg = ctx.cfg
@@ -345,19 +352,17 @@ def checkpoint(ctx: Context) -> dict:
         out[mode] = {"stall_s_per_save": stall.get("mean", 0.0), "saves": len(saves),
                      "stall_interval": noise.ratio_interval(saves, [1.0] * len(saves)) if saves else [0.0, 0.0],
                      **run}
-    return out
+    return from_dict(CheckpointFinding, out)
 
 
 # ------------------------------------------------------------------------------------------------ 8 failures
 
 
-def failures(ctx: Context) -> dict:
+def failures(ctx: Context) -> FailuresFinding:
     """What a failure costs this run, measured, and what failures cost at the configured (or ``--scale``)
     worker count, modelled (``failures.py``): a short run that commits every other step (the stall per save,
     in the configured mode), then the same run started again, which resumes from its newest commit as a
     restarted worker group does (the restart: launch to the first step, restore included)."""
-    from . import failures as fm
-
     cfg = ctx.cfg
     mode = str(cfg.checkpoint.async_save).lower()
     common = (*_synthetic(ctx), f"checkpoint.dir={io.join(ctx.workdir, 'fail-ckpt')}", "checkpoint.every=2",
@@ -378,7 +383,7 @@ def failures(ctx: Context) -> dict:
            "configured_every": cfg.checkpoint.every,
            **fm.assess(costs, workers, cfg.checkpoint.every)}
     out["to_reach_97"] = fm.to_reach(0.97, costs, workers)
-    return out
+    return from_dict(FailuresFinding, out)
 
 
 EXPERIMENTS = (

@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import os
 
+from dutycycle.loader.budget import node_memory_limit
+from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, inter_node_bytes, make_plan
+from dutycycle.trainer.parallel.tensor import expected_for, tensor_share
+from dutycycle.trainer.step.models import build_model
+from dutycycle.trainer.step.summary import optimizer_state_tensors
+
 from .context import Context, data_info
+from .findings import MemoryFinding
 
 
-def memory(ctx: Context) -> dict:
+def memory(ctx: Context) -> MemoryFinding:
     """Model-state bytes per rank (parameters, gradients, optimizer state) for every layout: ZeRO stages without
     offload, with host offload and with NVMe offload (the optimizer state on disk), on several nodes hybrid
     sharding (one replica group per node) at each stage, and tensor parallelism in groups inside a node where
@@ -18,9 +25,6 @@ def memory(ctx: Context) -> dict:
     least communication to the most: bytes per step across nodes first (parallel.node_size; 0 = one node), then
     in all, NVMe offload after every other layout, so the first row that fits is the cheapest layout that fits."""
     import torch
-    from dutycycle.trainer.parallel.tensor import tensor_share
-    from dutycycle.trainer.step.models import build_model
-    from dutycycle.trainer.step.summary import optimizer_state_tensors
 
     cfg = ctx.cfg
     info = data_info(ctx)
@@ -65,9 +69,8 @@ def memory(ctx: Context) -> dict:
     # the configured layout is always a row: config.validate refuses a tensor size this model or node cannot take
     mine = next(r for r in rows if r["zero_stage"] == cfg.parallel.zero_stage and r["offload"] == offload
                 and r["replicate"] == mine_replicate and r["tensor"] == cfg.parallel.tensor)
-    return {"num_params": numel, "workers": w, "node_size": node_size, "budget_bytes": budget, "budget_from": source,
-            "rows": rows,
-            "configured": mine, "activations_counted": False}
+    return MemoryFinding(num_params=numel, workers=w, node_size=node_size, budget_bytes=budget, budget_from=source,
+                         rows=rows, configured=mine, activations_counted=False)
 
 
 def _layout_row(stage, offload, replicate: int, tensor: int, share: int, ctx, model, w: int, node_size: int,
@@ -76,9 +79,6 @@ def _layout_row(stage, offload, replicate: int, tensor: int, share: int, ctx, mo
     nodes. Under tensor parallelism ZeRO shards one tensor rank's ``share`` over the W / T data ranks, which span
     the nodes as a flat group of W / T would with node_size / T ranks per node; the activation exchanges stay
     inside the node."""
-    from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, inter_node_bytes, make_plan
-    from dutycycle.trainer.parallel.tensor import expected_for
-
     cfg = ctx.cfg
     plan = make_plan(stage, w, cfg.data.micro_batches, cfg.parallel.reduce_every_micro_step, bool(offload),
                      replicate=replicate, optimizer_on_disk=offload == "nvme", tensor=tensor)
@@ -102,7 +102,6 @@ def device_budget(gpu: bool, workers: int) -> tuple[int, str]:
 
     if gpu:
         return int(torch.cuda.get_device_properties(0).total_memory), "GPU memory"
-    from dutycycle.loader.budget import node_memory_limit
 
     total = node_memory_limit() or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total // max(1, workers), "host memory (cgroup limit if lower) / workers"

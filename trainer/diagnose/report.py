@@ -11,9 +11,13 @@ import json
 import textwrap
 
 from dutycycle.engine import formats, io
+from dutycycle.trainer.step.report import (
+    COLORS,  # the run report's colours: a wait looks the same in both pictures
+)
 
 from .experiments import EXPERIMENTS
 from .remedies import measured_text, predicted_text
+from .verdict import _mb
 
 
 def describe(key: str, res: dict) -> str:
@@ -60,7 +64,6 @@ def describe(key: str, res: dict) -> str:
                    if res.get("recommended_every") else ""))
     if key == "memory":
         mine = res["configured"]
-        from .verdict import _mb
 
         offload = {True: " + offload", "nvme": " + NVMe offload"}.get(mine["offload"], "")
         return (f"stage {mine['zero_stage']}{offload}: "
@@ -87,9 +90,6 @@ def figure(findings: dict, found: list[dict] | None = None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
-    from dutycycle.trainer.step.report import (
-        COLORS,  # the run report's colours: a wait looks the same in both pictures
-    )
 
     checked = [r for r in found or [] if "measured_over_predicted" in r]
     fig, axes = plt.subplots(1, 4 if checked else 3, figsize=(20 if checked else 15, 4.2))
@@ -143,7 +143,6 @@ def figure(findings: dict, found: list[dict] | None = None):
         labels = [f"{r['zero_stage']}{ {True: '+off', 'nvme': '+nvme'}.get(r['offload'], '')}"
                   f"{'/h' + str(r['replicate']) if r.get('replicate', 1) > 1 else ''}"
                   f"{'/t' + str(r['tensor']) if r.get('tensor', 1) > 1 else ''}" for r in mem["rows"]]
-        from .verdict import _mb
 
         held = [r["device_bytes"] / 2**20 for r in mem["rows"]]
         bars = c.bar(labels, held, color=["#2ca02c" if r["fits"] else "#d62728" for r in mem["rows"]])

@@ -1,37 +1,44 @@
 """Run the experiments within a time budget, one progress line each; a failed experiment is reported and the
 others still run; then decide and write the report.
 
-The budget is kept, not hoped for: each experiment runs in a worker thread while this thread waits at most for
-what is left of the budget. One that overruns (a worker group that never starts, a hung collective) is stopped
-with a named reason: the Ray actors it started are killed, which ends its training run and its thread, and the
-next experiment starts on the same Ray. Ctrl-C (SIGINT) or SIGTERM stops the experiment in flight the same way,
-writes the report of what was measured so far, and ends the command (exit 130 or 143, from the CLI). Running
-the experiments off the main thread also keeps Ray Train from taking over SIGINT while it trains.
+The budget is kept, not hoped for: each experiment runs in a fresh Python process (worker.py) in a process group
+of its own, waited for at most what is left of the budget. One that overruns (a worker group that never starts,
+a hung collective) is killed whole, its group sent SIGTERM and, after ``GRACE_S``, SIGKILL, and is reported with
+a named reason; the next experiment starts. Ctrl-C (SIGINT) or SIGTERM kills the experiment in flight the same
+way, writes the report of what was measured so far, and ends the command (exit 130 or 143, from the CLI).
+
+Ray: an experiment's process joins the caller's cluster (a notebook's, or the one started here for a config on
+Ray) as a driver of its own, so killing its group ends its Ray job, and Ray ends that job's actors (the Ray Train
+controller and workers) by itself; the caller's own actors and its connection stay.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-import traceback
 
 from dutycycle.engine import io
+from dutycycle.engine.errors import ConfigError
+from dutycycle.trainer.launch.train import init_ray
 
-from .experiments import EXPERIMENTS, Context, short_run
+from .context import Context
+from .experiments import EXPERIMENTS
+from .findings import FindingError, read, to_dict
+from .projection import comm_measured_at, models
 from .remedies import measured_text, predicted_text, remedies
-from .remedies import verify as check_remedy
 from .report import describe, write
 from .verdict import decide
 
-GRACE_S = 10.0  # how long an abandoned experiment's thread is given to notice that its Ray work is gone
-ABANDONED: list[threading.Thread] = []  # experiments stopped at a deadline or a signal whose threads still run
-
-
-def leftovers() -> bool:
-    """Whether an abandoned experiment still runs (with threads of its own, a loader's prefetch, that the
-    interpreter would wait for at exit): the CLI then ends the process itself once the report is written."""
-    return any(t.is_alive() for t in ABANDONED)
+GRACE_S = 5.0  # from SIGTERM to SIGKILL for an experiment's process group
+# the experiments whose short runs train, on Ray Train at several workers; the others measure in their process
+TRAINING = frozenset({"end_to_end", "scaling", "checkpoint", "failures"})
+WORKER = "dutycycle.trainer.diagnose.worker"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -43,127 +50,170 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-class _Overran(Exception):
-    pass
+class Overran(Exception):
+    """An experiment still running at its deadline (killed)."""
 
 
-def _live_actors() -> set[str]:
-    """The ids of this process's Ray job's actors that are not dead (empty without Ray).
-
-    Ray's public state API (``ray.util.state``) asks the dashboard, which dutycycle does not start, so the actor
-    table is read from the GCS client (``ray._private.state``)."""
-    try:
-        import ray
-    except ImportError:
-        return set()
-    if not ray.is_initialized():
-        return set()
-    from ray._private.state import state
-
-    job = ray.get_runtime_context().get_job_id()
-    return {a["ActorID"] for a in state.actor_table(None).values()
-            if a["JobID"] == job and a["State"] != "DEAD" and not a["IsDetached"]}
+class Died(Exception):
+    """An experiment's process that ended without writing its result (killed from outside, out of memory)."""
 
 
-def _kill_actors_since(before: set[str]) -> int:
-    """Kill the live actors of this job that were not alive ``before`` the experiment (its Ray Train controller;
-    actors of the caller, a notebook's or another experiment's, are left alone); returns how many. The driver's
-    wait on a killed controller raises ActorDiedError in the experiment's thread, which then ends like any failed
-    experiment; the training workers, owned by the controller, die with their owner (Ray's ownership). Killed by
-    id through the core worker (what ``ray.kill`` does with a handle; the handles live in Ray Train's frames)."""
+class ExperimentFailed(Exception):
+    """An experiment that raised in its process: its error line and traceback, as it wrote them."""
+
+    def __init__(self, error: str, traceback: str):
+        super().__init__(error)
+        self.error, self.traceback = error, traceback
+
+
+def _ended(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` has ended, left unreaped: while its zombie holds the pid, the id of its process group cannot
+    be taken by a new process, so signalling the group never reaches a stranger."""
+    return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _wait(proc: subprocess.Popen, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``proc`` to end (unreaped), in short sleeps: Python runs a signal's handler
+    (Ctrl-C, SIGTERM) between them. Whether it ended."""
+    end = time.perf_counter() + seconds
+    while not _ended(proc):
+        if time.perf_counter() >= end:
+            return False
+        time.sleep(min(0.2, max(0.0, end - time.perf_counter())))
+    return True
+
+
+def _end_group(proc: subprocess.Popen) -> str:
+    """End ``proc``'s process group and reap ``proc``: SIGTERM, ``GRACE_S`` for its leader to go, then SIGKILL for
+    whatever is left in the group (a loader's worker processes, a hung child); says how it went."""
+    how = "its process group was sent SIGTERM"
+    os.killpg(proc.pid, signal.SIGTERM)
+    if not _wait(proc, GRACE_S):
+        how += f", then SIGKILL after {GRACE_S:.0f} s"
+    os.killpg(proc.pid, signal.SIGKILL)  # the leader, unreaped, still holds the group's id
+    proc.wait()
+    return how + ", and ended"
+
+
+def ray_address(cfg) -> str | None:
+    """The Ray cluster an experiment's process joins (its GCS address), or None for a config off Ray. A config
+    on Ray (several workers) without a cluster in the caller gets one started here, once: each experiment's
+    process then joins it rather than start and stop a cluster of its own."""
+    if cfg.parallel.num_workers <= 1:
+        return None
     import ray
 
-    core = ray._private.worker.global_worker.core_worker
-    killed = 0
-    for actor_id in _live_actors() - before:
+    init_ray(cfg)  # a no-op when the caller (a notebook) is connected already
+    return ray.get_runtime_context().gcs_address
+
+
+def run_bounded(call: str, job: dict, seconds: float, *, ray: str | None = None):
+    """``call`` (``module:function``) run in a process of its own with ``job`` (worker.py's keys but ``call`` and
+    ``result``), waited for at most ``seconds``; returns the function's result (a dict) or raises
+    ``ExperimentFailed`` (its error, as the experiment's process wrote it), ``Overran`` or ``Died``. ``ray``: the
+    GCS address of the cluster it joins."""
+    with tempfile.TemporaryDirectory(prefix="dutycycle-diagnose-") as tmp:
+        result = os.path.join(tmp, "result.json")
+        spec = os.path.join(tmp, "job.json")
+        with open(spec, "w") as f:
+            json.dump({**job, "call": call, "result": result}, f)
+        env = dict(os.environ)
+        if ray:
+            env["RAY_ADDRESS"] = ray
+        proc = subprocess.Popen([sys.executable, "-m", WORKER, spec], env=env, start_new_session=True)
         try:
-            core.kill_actor(ray.ActorID.from_hex(actor_id), True)  # no_restart
-        except ray.exceptions.ActorHandleNotFoundError:  # another actor's (a worker of the controller's)
-            continue
-        killed += 1
-    return killed
+            done = _wait(proc, seconds)
+        except BaseException:  # Interrupted, KeyboardInterrupt: the experiment goes too
+            _end_group(proc)
+            raise
+        how = _end_group(proc)  # after a finished experiment: whatever it left running in its group
+        if not done:
+            raise Overran(f"stopped at its deadline: the budget had {seconds:.0f} s left for it (raise --budget-s; "
+                          f"a worker group waiting for resources or a hung collective also ends here); {how}")
+        if not os.path.exists(result):
+            rc = proc.returncode
+            how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+            raise Died(f"the experiment's process {how} without writing its result")
+        with open(result) as f:
+            got = json.load(f)
+    if "error" in got:
+        raise ExperimentFailed(got["error"], got.get("traceback", ""))
+    return got["result"]
 
 
-def _stop(worker: threading.Thread, before: set[str] | None) -> str:
-    """End the experiment running in ``worker`` (past its deadline, or on a signal) and say how.
+def job_for(ctx: Context) -> dict:
+    return {"config": ctx.cfg.to_dict(), "workdir": ctx.workdir, "seconds": ctx.seconds, "steps": ctx.steps,
+            "memory_budget_bytes": ctx.memory_budget_bytes, "scale": ctx.scale, "results": ctx.results}
 
-    First its Ray actors are killed, so that the thread ends with an error of its own while Ray stays up for the
-    next experiment. Only if it still runs after ``GRACE_S`` is the driver disconnected (``ray.shutdown``), which
-    ends the job's remaining work. Disconnecting first, the old order, let a thread still inside a Ray call make
-    Ray's core worker end the whole process ("The core worker has already been shutdown ... The process will
-    exit"): one of three diagnoses of the demo's config whose last experiment reached the deadline exited 1."""
+
+def _experiment(key: str, fn, ctx: Context, seconds: float, ray: str | None) -> dict:
+    """One experiment's result as its finding's dict, or ``{"error": ...}``."""
     try:
-        import ray
-    except ImportError:
-        ray = None
-    end = time.perf_counter() + GRACE_S  # one grace for both steps: the command's end stays budget + GRACE_S
-    how = "no Ray work to stop"
-    if ray is not None and ray.is_initialized():
-        if before is None:
-            how = "its Ray actors could not be told from the caller's (the actor table could not be read)"
-        else:
-            try:
-                how = f"its {_kill_actors_since(before)} Ray actors were killed"
-            except Exception as e:  # noqa: BLE001 - a Ray internal that moved: disconnecting below stops the work
-                how = f"its Ray actors could not be killed ({type(e).__name__}: {e})"
-        # most of the grace for the kill to end the thread (about 20 ms when it works), the rest after a disconnect
-        worker.join(0.7 * GRACE_S)
-        if worker.is_alive() and ray.is_initialized():
-            ray.shutdown()
-            how += "; Ray was disconnected"
-    worker.join(max(0.0, end - time.perf_counter()))
-    if worker.is_alive():
-        ABANDONED.append(worker)
-        return how + "; the experiment was abandoned"
-    return how + " and the experiment ended"
-
-
-def _ray_from_main_thread(cfg) -> None:
-    """Start (or join) Ray here, in the main thread, before an experiment's thread would: Ray's local daemons die
-    with the thread that started them (a parent-death signal is per thread on Linux), so a cluster started by one
-    experiment's thread was gone when the next experiment needed it."""
-    if cfg.parallel.num_workers > 1:
-        from dutycycle.trainer.launch.train import init_ray
-
-        init_ray(cfg)
-
-
-def _run_bounded(fn, ctx: Context, seconds: float):
-    """``fn(ctx)`` in a worker thread, waited for at most ``seconds``; its exception is raised here."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["result"] = fn(ctx)
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, which raises it
-            box["error"] = e
-
-    worker = threading.Thread(target=target, name="dutycycle-diagnose-experiment", daemon=True)
-    try:
-        before: set[str] | None = _live_actors()  # the caller's actors: only the experiment's are killed
-    except Exception:  # noqa: BLE001 - a Ray internal that moved: an overrun then disconnects Ray instead
-        before = None
-    worker.start()
-    end = time.perf_counter() + seconds
-    try:
-        # in short waits: a signal may land on another thread, and Python runs its handler only when this (the
-        # main) thread next runs bytecode; one long join would hold Ctrl-C until the experiment ended
-        while worker.is_alive() and time.perf_counter() < end:
-            worker.join(min(0.2, max(0.0, end - time.perf_counter())))
-    except BaseException:  # Interrupted, KeyboardInterrupt: stop the experiment's Ray work, then go
-        _stop(worker, before)
-        raise
-    if worker.is_alive():
-        how = _stop(worker, before)
-        raise _Overran(f"stopped at its deadline: the budget had {seconds:.0f} s left for it (raise --budget-s; "
-                       f"a worker group waiting for resources or a hung collective also ends here); {how}")
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+        got = run_bounded(f"{fn.__module__}:{fn.__name__}", job_for(ctx), seconds, ray=ray)
+        return to_dict(read(key, got))
+    except Overran as e:
+        return {"error": f"TimeoutError: {e}"}
+    except Died as e:
+        return {"error": f"Died: {e}"}
+    except ExperimentFailed as e:
+        return {"error": e.error, "traceback": e.traceback}
+    except FindingError as e:
+        return {"error": f"FindingError: {e}"}
 
 
 def _on_signal(signum, frame):
     raise Interrupted(signum)
+
+
+def _as_interrupt(e: KeyboardInterrupt) -> Interrupted:
+    return e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+
+
+def _measure(chosen: list, ctx: Context, deadline: float, budget_s: float, say) -> Interrupted | None:
+    """Each chosen experiment in turn, into ``ctx.results``, a line said for each; the signal that stopped them,
+    if one did (the experiment in flight is then recorded as interrupted)."""
+    findings, cluster = ctx.results, None
+    try:
+        for i, (key, title, fn) in enumerate(chosen, 1):
+            tag = f"[diagnose] {i}/{len(chosen)} {title}"
+            interrupted = None
+            left = deadline - time.perf_counter()  # Ray's start (below, once) is not the experiment's time
+            if left <= 0:
+                res = {"skipped": f"the budget of {budget_s:.0f} s was spent (raise --budget-s)"}
+            else:
+                t0 = time.perf_counter()
+                try:
+                    # inside the try: a signal that lands as the line is written is this experiment's (seen: the
+                    # report was lost when SIGTERM came right after the line, before the try)
+                    say(f"{tag} ...")
+                    if key in TRAINING:
+                        cluster = cluster or ray_address(ctx.cfg)
+                    res = _experiment(key, fn, ctx, left, cluster if key in TRAINING else None)
+                except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through _on_signal
+                    interrupted = _as_interrupt(e)
+                    res = {"error": f"interrupted by {interrupted}: stopped with what was measured so far"}
+                except Exception as e:  # noqa: BLE001 - Ray would not start: this experiment fails, the others run
+                    res = {"error": f"{type(e).__name__}: {e}"}
+                res["seconds"] = time.perf_counter() - t0
+            findings[key] = res
+            say(f"{tag}: {describe(key, res)}")
+            if interrupted is not None:
+                return interrupted
+    except KeyboardInterrupt as e:  # a signal between two experiments: stop there, the report is still written
+        return _as_interrupt(e)
+    return None
+
+
+def _verify(ctx: Context, remedy: dict, deadline: float, say) -> dict:
+    """``remedy`` with what its settings measured in a short run (or why that failed)."""
+    try:
+        got = run_bounded(f"{WORKER}:verify", {**job_for(ctx), "kwargs": {"remedy": remedy}},
+                          max(60.0, deadline - time.perf_counter()), ray=ray_address(ctx.cfg))
+    except Exception as e:  # noqa: BLE001 - the diagnosis stands; the check is reported as failed
+        name = "TimeoutError" if isinstance(e, Overran) else type(e).__name__
+        return {**remedy, "verify_error": f"{name}: {e}"}
+    say(f"[diagnose] verified: {measured_text(got)} measured against {predicted_text(got)} predicted")
+    return got
 
 
 def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float | None = None,
@@ -178,15 +228,11 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
     to lose work on a cluster of that size; the other shares are measured at the configured count). ``verify``:
     run the top remedy's settings as a short run and record its measured rate beside the predicted one. Raises
     ``Interrupted`` on SIGINT or SIGTERM, after writing the report."""
-    from dutycycle.engine.errors import ConfigError
-
     names = [k for k, _, _ in EXPERIMENTS]
     unknown = sorted(set(only or []) - set(names))
     if unknown:
         raise ConfigError(f"--only {','.join(unknown)}: unknown experiment; choose from {', '.join(names)}")
     if io.protocol(out) == "file":
-        import os
-
         out = os.path.abspath(out)
     ctx = Context(cfg=cfg, workdir=io.join(out, "runs"), seconds=max(1.0, min(5.0, budget_s / 40)),
                   steps=12 if budget_s >= 180 else 8,
@@ -196,63 +242,26 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
     findings = ctx.results  # later experiments read earlier ones' results (scaling reads end_to_end)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_signal) if main else None
-    interrupted: Interrupted | None = None
     try:
-        for i, (key, title, fn) in enumerate(chosen, 1):
-            tag = f"[diagnose] {i}/{len(chosen)} {title}"
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                res = {"skipped": f"the budget of {budget_s:.0f} s was spent (raise --budget-s)"}
-            else:
-                t0 = time.perf_counter()
-                try:
-                    # inside the try: a signal that lands as the line is written is this experiment's (seen: the
-                    # report was lost when SIGTERM came right after the line, before the try)
-                    say(f"{tag} ...")
-                    if main:
-                        _ray_from_main_thread(cfg)
-                    res = _run_bounded(fn, ctx, left)
-                except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through _on_signal
-                    interrupted = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
-                    res = {"error": f"interrupted by {interrupted}: stopped with what was measured so far"}
-                except _Overran as e:
-                    res = {"error": f"TimeoutError: {e}"}
-                except Exception as e:  # noqa: BLE001 - one experiment's failure is reported; the others still run
-                    res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
-                res["seconds"] = time.perf_counter() - t0
-            findings[key] = res
-            say(f"{tag}: {describe(key, res)}")
-            if interrupted is not None:
-                break
-    except KeyboardInterrupt as e:  # a signal between two experiments: stop there, the report is still written
-        interrupted = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+        interrupted = _measure(chosen, ctx, deadline, budget_s, say)
+        verdict = decide(findings, {"quant_grads": cfg.parallel.quant_grads,
+                                    "inject_comm_ms": cfg.parallel.inject_comm_ms, "scale": scale,
+                                    "workers": cfg.parallel.num_workers, "zero_stage": cfg.parallel.zero_stage})
+        found = remedies(findings, verdict.kind)
+        for r in found:
+            say(f"[diagnose] remedy for {r['for']}: --set {' --set '.join(r['set'])}: predicted "
+                f"{predicted_text(r)} ({r['from']})")
+        if verify and found and interrupted is None:
+            try:
+                found[0] = _verify(ctx, found[0], deadline, say)
+            except KeyboardInterrupt as e:
+                interrupted = _as_interrupt(e)
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-    verdict = decide(findings, {"quant_grads": cfg.parallel.quant_grads, "inject_comm_ms": cfg.parallel.inject_comm_ms,
-                                "scale": scale, "workers": cfg.parallel.num_workers,
-                                "zero_stage": cfg.parallel.zero_stage})
-    found = remedies(findings, verdict.kind)
-    for r in found:
-        say(f"[diagnose] remedy for {r['for']}: --set {' --set '.join(r['set'])}: predicted "
-            f"{predicted_text(r)} ({r['from']})")
-    if verify and found and interrupted is None:
-        try:
-            if main:
-                _ray_from_main_thread(cfg)
-            found[0] = _run_bounded(lambda c: check_remedy(c, found[0], short_run), ctx,
-                                    max(60.0, deadline - time.perf_counter()))
-            say(f"[diagnose] verified: {measured_text(found[0])} measured against {predicted_text(found[0])} "
-                "predicted")
-        except KeyboardInterrupt as e:
-            interrupted = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
-        except Exception as e:  # noqa: BLE001 - the diagnosis stands; the check is reported as failed
-            found[0] = {**found[0], "verify_error": f"{type(e).__name__}: {e}"}
     result = {"config_name": config_name, "budget_s": budget_s, "findings": findings,
               "verdict": verdict.to_dict(), "remedies": found}
     if scale:
-        from .projection import comm_measured_at, models
-
         # the verdict's shares are these workers'; each wait's model says how it was carried there
         result["projection"] = {"workers": scale, "measured_at": cfg.parallel.num_workers, "shares": verdict.shares,
                                 "models": models(comm_measured_at(findings, cfg.parallel.num_workers))}

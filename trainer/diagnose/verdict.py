@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from . import noise
+from .projection import comm_measured_at, project
 
 THRESHOLD = 0.2  # a wait taking a fifth of the step is worth removing before anything else
 
@@ -154,7 +155,6 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
     settings = settings or {}
     scale, workers = settings.get("scale"), settings.get("workers", 1)
     if scale and scale != workers and shares:  # --scale: every wait at N workers, each by its model
-        from .projection import comm_measured_at, project
 
         shares, iv = project(shares, iv, measured_at=workers, comm_measured_at=comm_measured_at(findings, workers),
                              workers=scale, zero_stage=settings.get("zero_stage", 0))

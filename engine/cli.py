@@ -1,14 +1,10 @@
-"""CLI subcommands of the engine: ``synth``, ``ingest``, ``inspect``, ``vacuum``. The modules that load fsspec,
-pyarrow, PIL or numpy are imported inside the commands, so that the ``dutycycle`` command starts without them."""
+"""CLI subcommands of the engine: ``synth``, ``ingest``, ``inspect``, ``vacuum``: their arguments. What they do is
+in commands.py, which loads fsspec, pyarrow, PIL and numpy: it is imported when a command runs, so that the
+``dutycycle`` command starts without them."""
 
 from __future__ import annotations
 
-import json
-import sys
-
 from . import runner
-from .errors import ConfigError
-from .limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
 
 
 def register(subparsers) -> None:
@@ -20,7 +16,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--broken-fraction", type=float, default=0.0, help="fraction of deliberately broken files")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.set_defaults(func=cmd_synth)
+    p.set_defaults(func=command("cmd_synth"))
 
     p = subparsers.add_parser("ingest", help="scan images into a Parquet metadata table (no pixels)")
     p.add_argument("source", help="folder or URI of images; class = first sub-folder unless --labels")
@@ -39,7 +35,7 @@ def register(subparsers) -> None:
     p.add_argument("--progress-every", type=int, default=1000, help="progress line every N files (0: quiet)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     runner.add_arguments(p)
-    p.set_defaults(func=cmd_ingest)
+    p.set_defaults(func=command("cmd_ingest"))
 
     p = subparsers.add_parser("inspect", help="summarize a table and write an HTML contact sheet")
     p.add_argument("table", help="table folder or URI")
@@ -56,7 +52,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the stats as JSON")
     runner.add_arguments(p)
-    p.set_defaults(func=cmd_inspect)
+    p.set_defaults(func=command("cmd_inspect"))
 
     p = subparsers.add_parser(
         "vacuum", help="delete table data files that no committed version names (after a grace period)"
@@ -71,103 +67,15 @@ def register(subparsers) -> None:
     p.add_argument("--keep-versions", type=int, default=None, help="expire all but the newest K versions first")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=cmd_vacuum)
+    p.set_defaults(func=command("cmd_vacuum"))
 
 
-def cmd_synth(args) -> int:
-    from .synth import synthesize  # numpy and fsspec: not at CLI start-up
+def command(name: str):
+    """The handler ``name`` of commands.py, imported when the command runs."""
 
-    s = synthesize(args.out, args.n, seed=args.seed, broken_fraction=args.broken_fraction)
-    if args.json:
-        print(json.dumps(s, indent=2))
-    else:
-        classes = ", ".join(f"{k}: {v}" for k, v in s["classes"].items())
-        formats = ", ".join(f"{k}: {v}" for k, v in sorted(s["formats"].items()))
-        print(f"wrote {s['n']} images to {s['out']} in {s['seconds']:.1f}s")
-        print(f"classes: {classes}\nformats: {formats}\nbroken: {s['broken']}")
-    return 0
+    def run(args) -> int:
+        from . import commands  # heavy: pyarrow, PIL and fsspec, not at CLI start-up
 
+        return getattr(commands, name)(args)
 
-def cmd_ingest(args) -> int:
-    from .table.catalog import ingest  # pyarrow, PIL and fsspec: not at CLI start-up
-
-    if args.progress_every < 0:
-        raise ConfigError(f"--progress-every {args.progress_every} must be >= 0 (0 turns progress off)")
-    s = ingest(
-        args.source,
-        args.table,
-        labels=args.labels,
-        split=args.split,
-        phash=not args.no_phash,
-        max_pixels=DEFAULT_MAX_PIXELS if args.max_pixels is None else args.max_pixels,
-        max_file_bytes=DEFAULT_MAX_FILE_BYTES if args.max_file_bytes is None else args.max_file_bytes,
-        progress_every=args.progress_every,
-        runner=args.runner,
-        ray_address=args.ray_address,
-    )
-    if args.json:
-        print(json.dumps(s, indent=2))
-        return 0
-    print(
-        f"table {s['table']} version {s['version']}{'' if s['committed'] else ' (unchanged)'}: {s['rows']} rows "
-        f"({s['new_rows']} new or modified, {s['unchanged']} unchanged, {s['deleted']} deleted) "
-        f"in {s['seconds']:.1f}s on {s['runner']}"
-    )
-    print("classes: " + (", ".join(f"{k}: {v}" for k, v in s["classes"].items()) or "none"))
-    print("splits: " + (", ".join(f"{k}: {v}" for k, v in sorted(s["splits"].items())) or "none"))
-    print("errors: " + (", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none"))
-    return 0
-
-
-def cmd_vacuum(args) -> int:
-    from .table.vacuum import vacuum  # pyarrow and fsspec: not at CLI start-up
-
-    r = vacuum(args.table, grace_seconds=args.grace_seconds, keep_versions=args.keep_versions, dry_run=args.dry_run)
-    if args.json:
-        print(json.dumps(r, indent=2))
-        return 0
-    verb = "would remove" if r["dry_run"] else "removed"
-    print(
-        f"table {r['table']}: {verb} {len(r['removed_files'])} unreferenced files ({r['removed_bytes']} bytes); "
-        f"{r['kept_recent']} younger than the grace period kept; {r['versions']} versions"
-        + (f", expired {len(r['expired_versions'])}" if r["expired_versions"] else "")
-    )
-    return 0
-
-
-def cmd_inspect(args) -> int:
-    # pyarrow, PIL and fsspec: not at CLI start-up
-    from . import io
-    from .inspect import contact_sheet
-    from .table.curate import format_stats
-    from .table.table import open_table
-
-    if args.limit < 0:
-        raise ConfigError(f"--limit {args.limit} must be >= 0")
-    if args.size < 8:
-        raise ConfigError(f"--size {args.size} is too small; use at least 8 pixels, e.g. 128")
-    table = open_table(args.table, runner=args.runner, ray_address=args.ray_address)
-    if args.where:
-        try:
-            table = table.where(args.where)
-            table.df.limit(1).collect()  # surface a bad expression here, as one line
-        except Exception as e:
-            if isinstance(e, (ConfigError, OSError)):  # storage errors are not a bad filter
-                raise
-            raise ConfigError(
-                f"--where {args.where!r} is not a valid filter ({str(e).splitlines()[0]}); "
-                "write SQL over the table's columns, e.g. \"label = 'star'\""
-            ) from e
-    s = table.stats()
-    text = format_stats(s)
-    out = args.html or io.join(args.table, "contact_sheet.html")
-    grid = contact_sheet(table, out, limit=args.limit, size=args.size, summary=text.splitlines(),
-                         allowed_roots=args.allow_root)
-    if args.json:
-        print(json.dumps({**s, "html": out, "thumbnails": len(grid), "outside_roots": grid.refused}, indent=2))
-    else:
-        print(text)
-        print(f"contact sheet: {out} ({len(grid)} thumbnails)", file=sys.stdout)
-        if grid.refused:
-            print(grid.summary[-1], file=sys.stdout)
-    return 0
+    return run

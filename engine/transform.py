@@ -199,7 +199,7 @@ def _flatten(img, background: str = "black"):
 
 def _upright(img):
     """``ImageOps.exif_transpose`` without its copy of an image that is already upright."""
-    # imageinfo loads PIL and numpy at import; this module stays light for the CLI's argument parsing
+    # heavy: imageinfo loads PIL and numpy at import; this module stays light for the CLI's argument parsing
     from .imageinfo import orientation_of, upright
 
     img.load()
@@ -240,7 +240,7 @@ def transform_image(img, spec: TransformSpec) -> np.ndarray:
 def decode_and_transform(data: bytes, spec: TransformSpec, max_pixels: int = MAX_PIXELS) -> np.ndarray:
     """File bytes -> uint8 sample in ``spec``'s layout. Raises ``DecodeError`` (with ``.reason``, one of
     ``imageinfo``'s reasons) on bad input."""
-    # imageinfo loads PIL and numpy at import; this module stays light for the CLI's argument parsing
+    # heavy: imageinfo loads PIL and numpy at import; this module stays light for the CLI's argument parsing
     from .imageinfo import BOMB, decode_failure, open_checked
 
     img = open_checked(data, max_pixels)

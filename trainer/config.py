@@ -108,6 +108,10 @@ class DataSection:
 _LOADER_KEYS = frozenset(f.name for f in dataclasses.fields(LoaderConfig)) - set(LOADER_HIDDEN)
 
 
+# The models step/models.py builds by name (it imports torch; a config is checked without it).
+BUILT_IN_MODELS = ("cnn", "vit")
+
+
 @dataclass
 class ModelSection:
     # A registered name ("cnn", "vit") or a plug-in "package.module:factory" returning an nn.Module.
@@ -124,12 +128,9 @@ class ModelSection:
             module, _, attr = self.name.partition(":")
             if not module or not attr:
                 raise ConfigError(f"{where}.name = {self.name!r} must be a registered name or 'package.module:factory'")
-        else:
-            from dutycycle.trainer.step.models import MODELS  # imports torch: loading a config stays light
-
-            if self.name not in MODELS:
-                raise ConfigError(f"{where}.name = {self.name!r} is not registered ({', '.join(sorted(MODELS))}); "
-                                  "or give a plug-in 'package.module:factory'")
+        elif self.name not in BUILT_IN_MODELS:
+            raise ConfigError(f"{where}.name = {self.name!r} is not registered ({', '.join(sorted(BUILT_IN_MODELS))}); "
+                              "or give a plug-in 'package.module:factory'")
         if self.name == "vit" and self.width % self.heads:
             raise ConfigError(f"{where}.width = {self.width} must be divisible by {where}.heads = {self.heads}")
         if self.name == "cnn" and self.width % self.groups:

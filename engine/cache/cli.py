@@ -50,7 +50,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .materialize import materialize, stderr_log  # pyarrow, PIL and fsspec: not at CLI start-up
+    from .materialize import materialize, stderr_log  # heavy: pyarrow, PIL and fsspec, not at CLI start-up
 
     spec = TransformSpec(
         size=args.size,

@@ -124,7 +124,7 @@ class Table:
 
     def show_thumbnails(self, n: int = 16, size: int = 96):
         """An inline grid of the first ``n`` rows' thumbnails for Jupyter (decoded at reduced scale)."""
-        from ..inspect import thumbnail_grid  # PIL and numpy: only when a notebook asks for pictures
+        from ..inspect import thumbnail_grid  # heavy: PIL and numpy, only when a notebook asks for pictures
 
         return thumbnail_grid(self, limit=n, size=size)
 

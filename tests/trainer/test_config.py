@@ -151,3 +151,11 @@ def test_the_data_section_holds_the_loaders_config_under_the_keys_users_write():
         with pytest.raises(ConfigError, match=f"unknown config key {key.rsplit('.', 1)[0]!r}|unknown config key "
                                               f"{key!r}"):
             load_config(None, ["data.source=synthetic", f"{key}=1"])
+
+
+def test_the_built_in_model_names_a_config_accepts_are_the_models_built():
+    """config.py checks a model name without importing torch, from its own list: it must be the registry's."""
+    from dutycycle.trainer.config import BUILT_IN_MODELS
+    from dutycycle.trainer.step.models import MODELS
+
+    assert tuple(MODELS) == BUILT_IN_MODELS

@@ -1,4 +1,5 @@
-"""CLI subcommands of the trainer: ``dutycycle train``, ``dutycycle diagnose`` and ``dutycycle demo``."""
+"""CLI subcommands of the trainer: ``dutycycle train``, ``dutycycle diagnose`` and ``dutycycle demo``: their
+arguments. What they do is in run.py, imported when a command runs (it loads torch)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def register(subparsers) -> None:
     add_overrides(p)
     p.add_argument("--local", action="store_true",
                    help="run one worker in this process, without Ray (sets parallel.num_workers=1)")
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=command("cmd_train"))
 
     g = subparsers.add_parser(
         "diagnose",
@@ -39,7 +40,7 @@ def register(subparsers) -> None:
                    help="run the top remedy's settings as a short run and report measured against predicted")
     g.add_argument("--scale", type=int, default=None,
                    help="project the failures wait to this many workers (default: parallel.num_workers)")
-    g.set_defaults(func=cmd_diagnose)
+    g.set_defaults(func=command("cmd_diagnose"))
 
     d = subparsers.add_parser(
         "demo",
@@ -51,53 +52,15 @@ def register(subparsers) -> None:
     d.add_argument("--workers", type=int, default=2, help="training workers on the local Ray cluster (default 2)")
     d.add_argument("--small", action="store_true", help="a quick run: a few hundred images, a few steps")
     add_overrides(d, "a training config key")
-    d.set_defaults(func=cmd_demo)
+    d.set_defaults(func=command("cmd_demo"))
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from dutycycle.trainer.config import load_config
-    from dutycycle.trainer.launch.train import train
-    from dutycycle.trainer.step.metrics import format_breakdown
+def command(name: str):
+    """The handler ``name`` of run.py, imported when the command runs."""
 
-    overrides = list(args.overrides)
-    if args.local:  # one worker in this process; the global batch (and so the training) stays the same
-        overrides.append("parallel.num_workers=1")
-    cfg = load_config(args.config, overrides)
-    summary = train(cfg, local=args.local)
-    acc = summary.get("val_accuracy")
-    print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-          f"val accuracy {acc:.3f}, {summary['samples_per_s']:.0f} samples/s, world size {summary['world_size']}")
-    print(format_breakdown(summary))
-    if summary.get("launch"):
-        from dutycycle.trainer.launch.account import format_job
+    def handler(args: argparse.Namespace) -> int:
+        from . import run  # heavy: torch, which `dutycycle --help` and the engine's commands do without
 
-        print(format_job(summary["launch"]))
-    print(f"run directory: {cfg.run.dir}" + (f"\nreport: {summary['report']}" if summary.get("report") else ""))
-    return 0
+        return getattr(run, name)(args)
 
-
-def cmd_diagnose(args: argparse.Namespace) -> int:
-    from dutycycle.engine import io
-    from dutycycle.engine.errors import ConfigError
-    from dutycycle.trainer.config import load_config
-    from dutycycle.trainer.diagnose import diagnose
-
-    if args.budget_s <= 0:
-        raise ConfigError(f"--budget-s {args.budget_s} must be positive, e.g. --budget-s 300")
-    if args.scale is not None and args.scale < 1:
-        raise ConfigError(f"--scale {args.scale} must be a worker count, e.g. --scale 16384")
-    cfg = load_config(args.config, args.overrides)
-    out = args.out or io.join(cfg.run.dir, "diagnose")
-    # SIGINT / SIGTERM: the report is written, then diagnose raises an Interrupted carrying the signal, which the
-    # CLI turns into exit 130 / 143
-    diagnose(cfg, out=out, budget_s=args.budget_s, memory_budget_mb=args.memory_budget_mb,
-             only=[x for x in args.only.split(",") if x] or None, config_name=args.config, scale=args.scale,
-             verify=args.verify)
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    run_demo(args.out, workers=args.workers, small=args.small, overrides=args.overrides)
-    return 0
+    return handler

@@ -21,7 +21,7 @@ __all__ = ["checkpoint_root", "checkpoint_uri", "find_latest", "make_checkpointe
 
 def checkpoint_root(cfg, run_dir: str) -> str:
     """Where a run's checkpoints go: ``checkpoint.dir``, else ``RUN_DIR/checkpoints`` ("" without either)."""
-    from .manifest import checkpoint_root as root  # imports fsspec: not at package import
+    from .manifest import checkpoint_root as root  # heavy: fsspec, not at package import
 
     return root(cfg, run_dir)
 
@@ -42,6 +42,6 @@ def find_latest(root: str):
 
 def checkpoint_uri(ray_checkpoint):
     """The dutycycle checkpoint a Ray Train ``Checkpoint`` (e.g. ``Result.checkpoint``) points to."""
-    from .raytrain import checkpoint_uri as resolve  # imports fsspec: not at package import
+    from .raytrain import checkpoint_uri as resolve  # heavy: fsspec, not at package import
 
     return resolve(ray_checkpoint)

@@ -222,9 +222,8 @@ def synthesize_cache(cache_uri: str, n_train: int, n_val: int, size: int = 32, s
                      rows_per_shard: int = 256) -> str:
     """Write a committed cache (HWC uint8) of ``n_train + n_val`` shape images drawn in memory, no image files or
     Daft involved: for tests and benchmarks that need a cache quickly. Returns the cache URI."""
-    from .cache.write import (
-        write_cache,  # heavy: pyarrow, only when a cache is written, not in every synth worker
-    )
+    # heavy: pyarrow, only when a cache is written, not in every synth worker
+    from .cache.write import write_cache
 
     images, labels = draw_shapes(n_train + n_val, size, seed)
     ids = [hashlib.sha256(f"{seed}-{i}".encode()).hexdigest()[:16] for i in range(len(labels))]

@@ -26,6 +26,7 @@ from typing import Any
 from dutycycle.engine import io, open_cache
 from dutycycle.trainer.cluster.world import World
 from dutycycle.trainer.launch.train import train
+from dutycycle.trainer.parallel.dims import flat_overrides
 from dutycycle.trainer.step.data import make_sources
 from dutycycle.trainer.step.loop import flops_per_sample, resolve_precision
 from dutycycle.trainer.step.metrics import peak_flops, read_metrics
@@ -309,10 +310,7 @@ def scaling(ctx: Context) -> ScalingFinding | NotApplicable:
            "speedup": many["samples_per_s"] / one["samples_per_s"]}
     out["efficiency"] = out["speedup"] / n
     quant = ["parallel.quant_grads=int8"] + (["parallel.quant_weights=int8"] if cfg.parallel.zero_stage == 3 else [])
-    if cfg.parallel.replicate != 1:  # hybrid sharding does not combine with quantization: flat, quantized
-        quant.append("parallel.replicate=1")
-    if cfg.parallel.tensor != 1:  # nor does tensor parallelism: data parallel, quantized
-        quant.append("parallel.tensor=1")
+    quant += flat_overrides(cfg.parallel)  # hybrid sharding and tensor parallelism do not combine with it
     stage = max(1, cfg.parallel.zero_stage)
     already = cfg.parallel.quant_grads != "none"
     if not already:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 
 from dutycycle.loader.budget import node_memory_limit
+from dutycycle.trainer.parallel.dims import ParallelDims
 from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, inter_node_bytes, make_plan
 from dutycycle.trainer.parallel.tensor import expected_for, tensor_share
 from dutycycle.trainer.step.models import build_model
-from dutycycle.trainer.step.summary import optimizer_state_tensors
+from dutycycle.trainer.step.optim import optimizer_state_tensors
 
 from .context import Context, data_info
 from .findings import MemoryFinding
@@ -40,8 +41,9 @@ def memory(ctx: Context) -> MemoryFinding:
         budget, source = device_budget(gpu, w)
     node_size = cfg.parallel.node_size or w
     nodes = w // node_size
+    dims = ParallelDims.from_config(cfg.parallel, world_size=w, node_size=node_size, validate=False)
     # hybrid sharding: one replica group per node when there are nodes, and the configured count
-    mine_replicate = (cfg.parallel.replicate or nodes) if cfg.parallel.zero_stage else 1
+    mine_replicate = dims.replicate
     replicates = sorted({1, nodes if nodes > 1 and node_size > 1 else 1, mine_replicate})
     # tensor parallelism: every group size inside a node that the model's plan accepts (with ZeRO, no offload).
     # Not offered beside ZeRO++ options, which it does not combine with: the fix would have to turn quantization
@@ -49,8 +51,8 @@ def memory(ctx: Context) -> MemoryFinding:
     p = cfg.parallel
     zeropp = p.quant_grads != "none" or p.quant_weights != "none" or p.hpz or p.reduce_scatter == "all_to_all"
     sizes = [] if zeropp else [t for t in range(2, node_size + 1) if node_size % t == 0]
-    if p.tensor > 1 and p.tensor not in sizes:  # the configured one, even beside ZeRO++ (then refused at config)
-        sizes.append(p.tensor)
+    if dims.tp_enabled and dims.tensor not in sizes:  # the configured one, even beside ZeRO++ (then refused at config)
+        sizes.append(dims.tensor)
     shares = {t: tensor_share(model, t) for t in sizes}
     shares = {1: numel, **{t: n for t, n in shares.items() if n is not None}}
     rows = []
@@ -65,10 +67,10 @@ def memory(ctx: Context) -> MemoryFinding:
     # NVMe last: it makes a run fit at the price of reading and writing the whole optimizer state every step;
     # then by bytes across nodes, then in all (stable: ties keep the stage order)
     rows.sort(key=lambda r: (r["offload"] == "nvme", r["inter_node_bytes"], r["traffic_bytes"]))
-    offload = {"none": False, "optimizer": True, "nvme": "nvme"}[cfg.parallel.offload]
+    offload = "nvme" if dims.nvme else dims.offload_enabled  # the rows' values: False, True (host memory), "nvme"
     # the configured layout is always a row: config.validate refuses a tensor size this model or node cannot take
     mine = next(r for r in rows if r["zero_stage"] == cfg.parallel.zero_stage and r["offload"] == offload
-                and r["replicate"] == mine_replicate and r["tensor"] == cfg.parallel.tensor)
+                and r["replicate"] == mine_replicate and r["tensor"] == dims.tensor)
     return MemoryFinding(num_params=numel, workers=w, node_size=node_size, budget_bytes=budget, budget_from=source,
                          rows=rows, configured=mine, activations_counted=False)
 

@@ -24,6 +24,8 @@ Questions:
 - ``data_ranks(rank)``: ``(data-parallel rank, dp_size)`` of a rank (a tensor-parallel group's ranks share one);
 - ``shard_groups()``: hybrid sharding's groups on the placement (None when flat); ``tensor_groups()``: tensor
   parallelism's (None when off);
+- ``flat_overrides(section)`` (a function): the overrides that turn replica and tensor groups off, for a variant
+  that quantizes or runs one worker;
 - ``build_mesh(device)``: the DeviceMesh these degrees need (a collective: every rank builds it): 2-D
   ``(data, tensor)`` with tensor parallelism, 2-D ``(replicate, shard)`` under hybrid sharding, 1-D otherwise.
 
@@ -154,6 +156,18 @@ class ParallelDims:
 
 
 # ------------------------------------------------------------------------------------------- validation
+
+
+def flat_overrides(parallel) -> list[str]:
+    """The ``--set`` overrides that make a ``[parallel]`` section flat data parallelism (no replica groups, no
+    tensor groups): what a variant adds that quantizes its collectives or runs one worker, since neither
+    combines with them (``check_degrees``). Empty when the section is flat already."""
+    out = []
+    if parallel.replicate != 1:
+        out.append("parallel.replicate=1")
+    if parallel.tensor != 1:
+        out.append("parallel.tensor=1")
+    return out
 
 
 def check_degrees(p, where: str, world_size: int) -> None:

@@ -69,3 +69,12 @@ def make_optimizer(params, optim):
     if spec.momentum:
         kwargs["momentum"] = optim.momentum
     return cls(groups, **kwargs)
+
+
+def optimizer_state_tensors(optim) -> int | None:
+    """Full-size state tensors per parameter (the ``step`` scalars aside), for the formula; None for factored
+    state (adafactor), not a multiple of the parameter count."""
+    spec = OPTIMIZERS[optim.name]
+    if spec.state is None:
+        return None
+    return spec.state + int(spec.momentum and optim.momentum > 0)

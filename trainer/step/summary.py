@@ -10,7 +10,7 @@ from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, zer
 from dutycycle.trainer.parallel.state import full_state_dict, to_safetensors
 from dutycycle.trainer.parallel.tensor import expected_for
 
-from .optim import OPTIMIZERS
+from .optim import optimizer_state_tensors
 from .timing import ALL_PHASES, gather_stats
 
 
@@ -92,15 +92,6 @@ def _parallel(cfg, strategy, precision: str, *, numel: int, compute: int, master
         "expected_traffic_per_step": expected_traffic(plan, gathered_bytes, reduced_bytes),
         "eval_traffic": strategy.meter.traffic["eval"].to_dict(),
     }
-
-
-def optimizer_state_tensors(optim) -> int | None:
-    """Full-size state tensors per parameter (the ``step`` scalars aside), for the formula; None for factored
-    state (adafactor), not a multiple of the parameter count."""
-    spec = OPTIMIZERS[optim.name]
-    if spec.state is None:
-        return None
-    return spec.state + int(spec.momentum and optim.momentum > 0)
 
 
 def weights_digest(state: dict) -> str:

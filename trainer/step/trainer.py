@@ -47,9 +47,9 @@ from .loop import (
     validation_pass,
 )
 from .models import build_model, count_parameters
-from .optim import make_optimizer
+from .optim import make_optimizer, optimizer_state_tensors
 from .steplog import StepLog
-from .summary import optimizer_state_tensors, summarize_run
+from .summary import summarize_run
 from .timing import TimeAccount
 
 __all__ = ["Trainer", "WorkerContext"]

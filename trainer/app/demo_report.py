@@ -8,6 +8,7 @@ import html
 import os
 
 from dutycycle.engine import io
+from dutycycle.engine.numbers import figure, seconds_plain
 from dutycycle.trainer.diagnose.remedies import predicted_text
 from dutycycle.trainer.launch.account import NAMES
 from dutycycle.trainer.step.timing import JOB_ONE_TIME, PHASES
@@ -54,9 +55,7 @@ def readable(key: str, value) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
-        if key.endswith("_s"):
-            return f"{value:.1f} s" if value >= 10 else f"{value:.3g} s"
-        return f"{value:,.3g}"
+        return seconds_plain(value) if key.endswith("_s") else figure(value)
     if isinstance(value, dict):
         return ", ".join(f"{label(k)} {readable(k, v)}" for k, v in value.items())
     if isinstance(value, (list, tuple)):

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from dutycycle.engine.numbers import megabytes
+
 from .context import share_steps
-from .verdict import _mb, layout_settings
+from .verdict import layout_settings
 
 
 def _run(findings: dict) -> dict:
@@ -112,7 +114,7 @@ def memory_remedy(findings: dict) -> dict | None:
     sets = [f"{k}={v}" for k, v in layout_settings(best, mine)]
     return {"for": "memory", "set": sets, "predicted_bytes_per_rank": best["device_bytes"],
             "from": f"stage {best['zero_stage']}'s parameters, gradients and optimizer state per rank at "
-                    f"{mem['workers']} workers, against the budget of {mem['budget_bytes'] / 2**20:,.0f} MB"}
+                    f"{mem['workers']} workers, against the budget of {megabytes(mem['budget_bytes'])}"}
 
 
 def remedies(findings: dict, kind: str) -> list[dict[str, Any]]:
@@ -126,14 +128,14 @@ def remedies(findings: dict, kind: str) -> list[dict[str, Any]]:
 def predicted_text(r: dict) -> str:
     """A remedy's prediction as a person reads it."""
     if "predicted_bytes_per_rank" in r:
-        return f"{_mb(r['predicted_bytes_per_rank'])} of model state per rank"
+        return f"{megabytes(r['predicted_bytes_per_rank'])} of model state per rank"
     return f"{r['predicted_samples_per_s']:,.0f} samples/s"
 
 
 def measured_text(r: dict) -> str | None:
     """What --verify measured, against the prediction; None before it ran."""
     if "measured_bytes_per_rank" in r:
-        return f"{_mb(r['measured_bytes_per_rank'])} per rank ({r['measured_over_predicted']:.2f}x)"
+        return f"{megabytes(r['measured_bytes_per_rank'])} per rank ({r['measured_over_predicted']:.2f}x)"
     if "measured_samples_per_s" in r:
         return f"{r['measured_samples_per_s']:,.0f} samples/s ({r['measured_over_predicted']:.2f}x)"
     return None

@@ -11,13 +11,13 @@ import json
 import textwrap
 
 from dutycycle.engine import formats, io
+from dutycycle.engine.numbers import megabytes
 from dutycycle.trainer.step.report import (
     COLORS,  # the run report's colours: a wait looks the same in both pictures
 )
 
 from .experiments import EXPERIMENTS
 from .remedies import measured_text, predicted_text
-from .verdict import _mb
 
 
 def describe(key: str, res: dict) -> str:
@@ -67,7 +67,8 @@ def describe(key: str, res: dict) -> str:
 
         offload = {True: " + offload", "nvme": " + NVMe offload"}.get(mine["offload"], "")
         return (f"stage {mine['zero_stage']}{offload}: "
-                f"{_mb(mine['device_bytes'])} of model state per rank, budget {_mb(res['budget_bytes'])} "
+                f"{megabytes(mine['device_bytes'])} of model state per rank, "
+                f"budget {megabytes(res['budget_bytes'])} "
                 f"({'fits' if mine['fits'] else 'does not fit'})")
     return json.dumps(res)[:200]
 
@@ -146,7 +147,7 @@ def figure(findings: dict, found: list[dict] | None = None):
 
         held = [r["device_bytes"] / 2**20 for r in mem["rows"]]
         bars = c.bar(labels, held, color=["#2ca02c" if r["fits"] else "#d62728" for r in mem["rows"]])
-        c.bar_label(bars, [_mb(r["device_bytes"]) for r in mem["rows"]], fontsize=7)
+        c.bar_label(bars, [megabytes(r["device_bytes"]) for r in mem["rows"]], fontsize=7)
         budget = mem["budget_bytes"] / 2**20
         title = ("model state per rank by layout\n(+off: host offload, +nvme: state on disk, /hR: R replica groups, "
                  "/tT: tensor parallel over T)")
@@ -154,7 +155,7 @@ def figure(findings: dict, found: list[dict] | None = None):
             c.axhline(budget, color="k", ls="--", label="budget per rank")
             c.legend(fontsize=8)
         else:  # a line that far above would flatten every bar to nothing
-            title += f"\n(budget per rank {_mb(mem['budget_bytes'])}, off the scale)"
+            title += f"\n(budget per rank {megabytes(mem['budget_bytes'])}, off the scale)"
         c.set(title=title, ylabel="MB")
     else:
         _missing(c, "model state per rank by ZeRO stage", findings, ("memory",))

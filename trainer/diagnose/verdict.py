@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from dutycycle.engine.numbers import megabytes, share_interval, thousands
+
 from . import noise
 from .projection import comm_measured_at, project
 
@@ -36,16 +38,6 @@ class Verdict:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _k(rate: float | None) -> str:
-    if rate is None:
-        return "?"
-    return f"{rate / 1000:.1f}k" if rate >= 1000 else f"{rate:.0f}"
-
-
-def _mb(n: float) -> str:
-    return f"{n / 2**20:,.0f} MB" if n >= 2**20 else f"{n / 2**10:,.0f} KB"
 
 
 def layout_settings(row: dict, configured: dict) -> list[tuple[str, object]]:
@@ -70,13 +62,13 @@ def memory_verdict(mem: dict) -> Verdict | None:
         ({True: " with offload", "nvme": " with NVMe offload"}.get(mine["offload"], "")) + \
         (f" in {mine['replicate']} replica groups" if mine.get("replicate", 1) > 1 else "") + \
         (f" with tensor parallelism over {mine['tensor']} ranks" if mine.get("tensor", 1) > 1 else "")
-    head = (f"memory-bound: {stage_name} holds {_mb(mine['device_bytes'])} of model state per rank, over the "
-            f"budget of {_mb(mem['budget_bytes'])} ({mem['budget_from']})")
+    head = (f"memory-bound: {stage_name} holds {megabytes(mine['device_bytes'])} of model state per rank, "
+            f"over the budget of {megabytes(mem['budget_bytes'])} ({mem['budget_from']})")
     if fitting:
         best = fitting[0]  # rows go from the least communication (across nodes, then in all) to the most
         setting = " and ".join(f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v}"
                                for k, v in layout_settings(best, mine))
-        fix = f"set {setting}: it holds {_mb(best['device_bytes'])} per rank"
+        fix = f"set {setting}: it holds {megabytes(best['device_bytes'])} per rank"
     else:
         fix = "no ZeRO stage fits: add workers (each stage >= 1 divides the state by their number) or memory"
     return Verdict("memory-bound", None, f"{head}; {fix}", fix, {})
@@ -169,11 +161,12 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
     lo, hi = iv[kind]
     if hi < THRESHOLD:
         got = run.get("samples_per_s") if run else None
-        frac = f" ({got / ceiling:.0%} of the compute ceiling of {_k(ceiling)} samples/s)" if got and ceiling else ""
+        frac = (f" ({got / ceiling:.0%} of the compute ceiling of {thousands(ceiling)} samples/s)"
+                if got and ceiling else "")
         waits = ", ".join(f"{k} {shares[k]:.0%}" for k in ("data", "communication", "checkpoint", "failures")
                           if k in shares)
         head = (f"compute-bound: no wait takes more than {share:.0%} of a step ({waits}); it trains at "
-                f"{_k(got)} samples/s{frac}")
+                f"{thousands(got)} samples/s{frac}")
         fix = "a faster model step (larger batch per worker, bf16 on GPU, more devices) is what shortens this run"
         if many and scaling.get("efficiency", 1.0) < 0.7:
             # the workers wait on nothing, yet N of them barely beat one: they share the compute itself (on CPU,
@@ -203,13 +196,9 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
     return _balanced(kind, rivals, shares, iv, named)
 
 
-def _pct(share: float, interval: list[float]) -> str:
-    return f"{share:.0%} ({interval[0]:.0%}-{interval[1]:.0%})"
-
-
 def _balanced(kind: str, rivals: list[str], shares: dict, iv: dict, named) -> Verdict:
     """No wait stands out beyond noise: say which ones are level, with their intervals, and each one's remedy."""
-    level = [f"{k} {_pct(shares[k], iv[k])}" for k in (kind, *rivals)]
+    level = [f"{k} {share_interval(shares[k], iv[k])}" for k in (kind, *rivals)]
     if not rivals:  # the largest wait straddles the line: it may be a wait worth removing, or compute
         level.append(f"compute (the line is {THRESHOLD:.0%})")
     head = (f"balanced: {' and '.join(level)} within noise; a longer diagnosis (--budget-s) narrows the intervals")
@@ -221,13 +210,13 @@ def _data(share, shares, e2e, run, loaders, ceiling) -> Verdict:
     configured = e2e.get("configured")
     rate = loaders.get(configured)
     head = (f"data-bound: {run['data_wait_share']:.0%} of each step waits on the loader and training reaches "
-            f"{_k(run['samples_per_s'])} samples/s")
+            f"{thousands(run['samples_per_s'])} samples/s")
     what = "the raw path decodes" if configured == "raw" else f"the {configured} loader delivers"
-    head += f"; {what} at {_k(rate)} samples/s alone against a compute ceiling of {_k(ceiling)}"
+    head += f"; {what} at {thousands(rate)} samples/s alone against a compute ceiling of {thousands(ceiling)}"
     if configured == "raw":
         fix = "materialize a cache (dutycycle materialize TABLE CACHE) and train with data.source = 'cache'"
         if loaders.get("cache"):
-            fix += f" (the cache reads at {_k(loaders['cache'])} samples/s here)"
+            fix += f" (the cache reads at {thousands(loaders['cache'])} samples/s here)"
     elif loaders.get("slow_ms"):
         fix = "remove data.slow_ms (the loader is slowed on purpose)"
     else:
@@ -241,7 +230,7 @@ def _comm(share, shares, scaling) -> Verdict:
     n = scaling.get("workers")
     head = f"communication-bound: {share:.0%} of each step waits on collectives"
     if n:
-        sent = _mb(many.get("bytes_per_step", 0))
+        sent = megabytes(many.get("bytes_per_step", 0))
         head += (f" at {n} workers (speedup {scaling['speedup']:.2f}x over 1 worker; {sent} sent per step "
                  f"per rank at ZeRO stage {scaling['zero_stage']})")
     q = scaling.get("quantized")

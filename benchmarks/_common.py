@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -240,6 +241,19 @@ def run_row(argv: list[str], timeout: float, python: str | None = None) -> tuple
             return json.loads(line[len(RESULT_PREFIX) :]), wall
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
     return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}, wall
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun starts each rank in a session of its own, so a process
+    group kill would leave the ranks running)."""
+    import psutil
+
+    me = psutil.Process(pid)
+    for p in [*me.children(recursive=True), me]:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def machine() -> dict[str, Any]:

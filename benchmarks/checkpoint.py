@@ -58,7 +58,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -72,7 +71,7 @@ if __name__ == "__main__":  # run as `python benchmarks/checkpoint.py`: the sibl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import docs_format as fmt  # noqa: E402
-from benchmarks._common import default_out, machine, write_result  # noqa: E402
+from benchmarks._common import default_out, kill_tree, machine, write_result  # noqa: E402
 from benchmarks.throttle import RATE_ENV, STATE_ENV  # noqa: E402
 
 ROWS = ("none", "sync", "async", "sync-throttled", "async-throttled")
@@ -248,19 +247,6 @@ def compute_ratios(rows: list[dict]) -> dict:
         if a and a["step_s_median"] and a["step_s_median_after_save"]:
             out[f"async_step_after_save_vs_median_step{key}"] = a["step_s_median_after_save"] / a["step_s_median"]
     return out
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants (torchrun starts each rank in a session of its own, so a process
-    group kill would leave the ranks running)."""
-    import psutil
-
-    me = psutil.Process(pid)
-    for p in [*me.children(recursive=True), me]:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def recovery_row(args, workdir: Path) -> dict:

@@ -448,14 +448,14 @@ def _read_local_capped(path: str, max_bytes: int, uri: str) -> bytes:
 MAX_MANIFEST_BYTES = 64 << 20
 
 
-def read_small(uri: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
-    """The bytes of a manifest, pointer, index or record file, refusing one over ``limit`` bytes (never more than
-    ``limit + 1`` are fetched) with a ``CorruptArtifactError`` naming it."""
+def read_small(uri: str) -> bytes:
+    """The bytes of a manifest, pointer, index or record file, refusing one over ``MAX_MANIFEST_BYTES`` (never
+    more than that plus one byte are fetched) with a ``CorruptArtifactError`` naming it."""
     try:
-        return read_capped(uri, limit)
+        return read_capped(uri, MAX_MANIFEST_BYTES)
     except FileTooLargeError:
         raise CorruptArtifactError(
-            f"{uri!r} is larger than {limit} bytes, far more than a manifest, pointer or index holds; it is damaged "
+            f"{uri!r} is larger than {MAX_MANIFEST_BYTES} bytes, far more than a manifest, pointer or index holds; it is damaged "
             "or hostile and is refused: recreate it"
         ) from None
 

@@ -33,7 +33,7 @@ class ArraySource:
     def read(self, indices: np.ndarray) -> RawBatch:
         return self.arrays.read(indices)
 
-    def submit(self, indices: np.ndarray, step: int, max_retries: int):
+    def submit(self, indices: np.ndarray, max_retries: int):
         raise ConfigError("LoaderConfig.mode='ray' does not apply to arrays in this process; use sync or thread")
 
     def block_starts(self) -> np.ndarray:

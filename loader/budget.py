@@ -35,7 +35,7 @@ def _read_int(path: str) -> int | None:
     return v if 0 < v < _NO_LIMIT else None
 
 
-def mem_total_bytes(proc: str = "/proc") -> int | None:
+def mem_total_bytes(proc: str) -> int | None:
     try:
         with open(os.path.join(proc, "meminfo")) as f:
             for line in f:
@@ -46,7 +46,7 @@ def mem_total_bytes(proc: str = "/proc") -> int | None:
     return None
 
 
-def cgroup_limit_bytes(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+def cgroup_limit_bytes(proc: str, cgroup_root: str) -> int | None:
     """The tightest memory limit on this process's cgroup and its parents (v1 or v2), or None if unlimited."""
     try:
         with open(os.path.join(proc, "self", "cgroup")) as f:
@@ -81,9 +81,9 @@ def cgroup_limit_bytes(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup")
     return min(limits) if limits else None
 
 
-def node_memory_limit(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int:
+def node_memory_limit() -> int:
     """What the node's processes may use together: min(MemTotal, cgroup limit); 0 when unknown."""
-    found = [v for v in (mem_total_bytes(proc), cgroup_limit_bytes(proc, cgroup_root)) if v]
+    found = [v for v in (mem_total_bytes("/proc"), cgroup_limit_bytes("/proc", "/sys/fs/cgroup")) if v]
     return min(found) if found else 0
 
 

@@ -87,10 +87,10 @@ class CacheSource:
             return self._memory.read(indices)
         return self._gatherer.read(self.rows[indices])
 
-    def submit(self, indices: np.ndarray, step: int, max_retries: int) -> RemoteBatch:
+    def submit(self, indices: np.ndarray, max_retries: int) -> RemoteBatch:
         from .ray_exec import submit_read  # imports ray, which only the Ray modes need
 
-        return submit_read(self.cache_uri, self.rows[indices], step, max_retries, self.reader.read_config)
+        return submit_read(self.cache_uri, self.rows[indices], max_retries, self.reader.read_config)
 
     def block_starts(self) -> np.ndarray:
         if self._chunk_starts is None:

@@ -45,7 +45,7 @@ class RayTasks:
         self.prefetch, self.max_retries = prefetch, max_retries
 
     def raws(self, source: Source, indices: Callable[[int], np.ndarray], steps: range) -> Iterator[RawBatch]:
-        return in_order(lambda step: source.submit(indices(step), step, self.max_retries), steps, self.prefetch)
+        return in_order(lambda step: source.submit(indices(step), self.max_retries), steps, self.prefetch)
 
 
 def executor_for(config: LoaderConfig, source: Source) -> InProcess | RayTasks:

@@ -74,7 +74,7 @@ class RawSource:
         images = decode_batch([self.uris[i] for i in indices], self.spec, self.roots, self._pool)
         return RawBatch(images, self.labels[indices], self.sample_ids[indices].tolist())
 
-    def submit(self, indices: np.ndarray, step: int, max_retries: int) -> RemoteBatch:
+    def submit(self, indices: np.ndarray, max_retries: int) -> RemoteBatch:
         from .ray_exec import submit_decode  # imports ray, which only the Ray modes need
 
         uris = [self.uris[i] for i in indices]

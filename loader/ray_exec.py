@@ -10,7 +10,6 @@ function of its arguments, so a retry neither loses nor duplicates a sample.
 from __future__ import annotations
 
 import hashlib
-import os
 
 import numpy as np
 import ray
@@ -25,11 +24,6 @@ from .decode import decode_batch
 from .inflight import RemoteBatch, get
 from .source import MemorySplit, ShardGatherer
 
-# Fault injection for tests: when this names a path that does not exist yet, the read task for step
-# DUTYCYCLE_TEST_KILL_STEP creates it and kills its own worker process, once. Read in the driver only.
-KILL_MARKER_ENV = "DUTYCYCLE_TEST_KILL_READ_ONCE"
-KILL_STEP_ENV = "DUTYCYCLE_TEST_KILL_STEP"
-
 _GATHERERS: dict[tuple, ShardGatherer] = {}  # per worker process: shards opened once
 
 
@@ -43,40 +37,20 @@ def shard_gatherer(cache_uri: str, read: ReadConfig | None) -> ShardGatherer:
     return g
 
 
-def _maybe_die(kill_marker: str | None) -> None:
-    if kill_marker:
-        try:
-            fd = os.open(kill_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
-        os._exit(1)  # a worker crash, not an exception: Ray retries the task on a new worker
-
-
 @ray.remote(num_cpus=1)
-def read_rows_task(cache_uri: str, rows: np.ndarray, kill_marker: str | None = None, read: ReadConfig | None = None):
-    _maybe_die(kill_marker)
+def read_rows_task(cache_uri: str, rows: np.ndarray, read: ReadConfig | None = None):
     raw = shard_gatherer(cache_uri, read).read(rows)
     return raw.images, raw.labels, raw.sample_ids
 
 
-def kill_marker_for(step: int) -> str | None:
-    marker = os.environ.get(KILL_MARKER_ENV)
-    if marker and int(os.environ.get(KILL_STEP_ENV, "0")) == step:
-        return marker
-    return None
-
-
-def submit_read(cache_uri: str, rows: np.ndarray, step: int, max_retries: int, read: ReadConfig | None = None
-                ) -> RemoteBatch:
+def submit_read(cache_uri: str, rows: np.ndarray, max_retries: int, read: ReadConfig | None = None) -> RemoteBatch:
     """A read task for one rank batch, placed on this process's node: its shards' node-local copies and page
     cache are there, and the batch lands in this node's object store, where the loader maps it without a
     transfer. Soft: when the node cannot take the task (its CPUs are all reserved by training, or it is gone),
     Ray places it elsewhere rather than waiting."""
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
     task = read_rows_task.options(max_retries=max_retries, scheduling_strategy=here)
-    return RemoteBatch(task.remote(cache_uri, rows, kill_marker_for(step), read))
+    return RemoteBatch(task.remote(cache_uri, rows, read))
 
 
 @ray.remote(num_cpus=1)

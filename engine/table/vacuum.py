@@ -96,12 +96,10 @@ def vacuum(
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     keep_versions: int | None = None,
     dry_run: bool = False,
-    now: float | None = None,
 ) -> dict[str, Any]:
     """Remove unreferenced data files whose grace has passed; returns what was (or would be) removed.
 
-    A file's grace counts from when it left the table, or, for a file no version named, from its last write.
-    ``now`` is the clock the grace is measured on (default: the current time)."""
+    A file's grace counts from when it left the table, or, for a file no version named, from its last write."""
     if grace_seconds < 0:
         raise ConfigError(f"--grace-seconds {grace_seconds} must be >= 0 (seconds a file is left alone)")
     if keep_versions is not None and keep_versions < 1:
@@ -129,7 +127,7 @@ def vacuum(
         if v in manifests:
             referenced.update(manifests[v].files)
     left_at = _left_at(manifests)
-    clock = time.time() if now is None else now
+    clock = time.time()
     removed, recent, freed = [], 0, 0
     for rel, info in sorted(candidates.items()):
         if rel in referenced:

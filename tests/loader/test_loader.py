@@ -319,9 +319,9 @@ class CountingSource(CacheSource):
         self.reads += 1
         return super().read(indices)
 
-    def submit(self, indices, step, max_retries):
+    def submit(self, indices, max_retries):
         self.reads += 1
-        return super().submit(indices, step, max_retries)
+        return super().submit(indices, max_retries)
 
 
 def counting_loader(uri: str, config: LoaderConfig) -> Loader:

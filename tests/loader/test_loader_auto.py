@@ -137,12 +137,12 @@ def test_cgroup_limits_v1_and_v2(tmp_path):
     (cg / "job" / "rank0" / "memory.max").write_text(f"{3 << 30}\n")
     (cg / "job" / "memory.max").write_text("max\n")
     assert budget.cgroup_limit_bytes(str(proc), str(cg)) == 3 << 30
-    assert budget.node_memory_limit(str(proc), str(cg)) == 3 << 30
     (cg / "job" / "rank0" / "memory.max").write_text("max\n")
     (cg / "memory" / "job" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
-    assert budget.node_memory_limit(str(proc), str(cg)) == 16000000 * 1024  # no limit: the machine's memory
+    assert budget.cgroup_limit_bytes(str(proc), str(cg)) is None  # no limit: the machine's memory applies
+    assert budget.mem_total_bytes(str(proc)) == 16000000 * 1024
     real = budget.node_memory_limit()
-    assert 0 < real <= budget.mem_total_bytes()
+    assert 0 < real <= budget.mem_total_bytes("/proc")
 
 
 @pytest.mark.parametrize("fraction", [-0.1, 1.5, "half", True])

@@ -9,10 +9,11 @@ import os
 import numpy as np
 import pytest
 from dutycycle.engine.errors import CorruptArtifactError
-from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig, to_ray_dataset
-from dutycycle.loader.ray_exec import KILL_MARKER_ENV, KILL_STEP_ENV
+from dutycycle.loader import AugmentConfig, CacheLoader, Loader, LoaderConfig, to_ray_dataset
+from dutycycle.loader.executor import RayTasks
 
 from ..support.cachemaker import make_cache
+from ..support.dying_source import DyingSource
 from .test_loader import _corrupt, as_arrays, assert_bounded_prefetch, assert_same, counting_loader
 
 pytestmark = pytest.mark.ray
@@ -51,21 +52,20 @@ def test_memory_mode_shares_one_object_store_copy(ray_cluster, cache):
     assert not a.source._memory.images.flags.writeable  # a view of shared memory, not a private copy
 
 
-def test_killed_read_task_is_retried_without_loss_or_duplicates(ray_cluster, cache, tmp_path, monkeypatch):
+def test_killed_read_task_is_retried_without_loss_or_duplicates(ray_cluster, cache, tmp_path):
     marker = tmp_path / "killed"
-    monkeypatch.setenv(KILL_MARKER_ENV, str(marker))
-    monkeypatch.setenv(KILL_STEP_ENV, "2")  # the worker reading step 2 dies mid-epoch, once
     config = cfg(mode="ray", drop_last=False, prefetch=3)
-    got = as_arrays(CacheLoader(cache, "train", config=config))
+    source = DyingSource(cache, "train", kill_at=2, marker=str(marker))  # the task reading step 2 dies, once
+    loader = Loader(config, source, RayTasks(config.prefetch, config.ray_max_retries))
+    got = as_arrays(loader)
     assert marker.exists()  # the crash really happened
     pid = int(marker.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # and that worker process is gone
-    monkeypatch.delenv(KILL_MARKER_ENV)
     expected = as_arrays(CacheLoader(cache, "train", config=cfg(mode="sync", drop_last=False)))
     assert_same(expected, got)
     ids = [s for _, _, batch_ids in got for s in batch_ids]
-    assert len(ids) == len(set(ids)) == CacheLoader(cache, "train", config=config).num_samples
+    assert len(ids) == len(set(ids)) == loader.num_samples
 
 
 @pytest.mark.parametrize("mode", ["ray", "memory"])

@@ -94,7 +94,7 @@ def test_a_restart_empties_the_last_attempts_files_and_the_old_attempts_exit_lea
 
 def test_a_remote_or_network_offload_dir_is_refused():
     from dutycycle.trainer.config import load_config
-    from dutycycle.trainer.parallel.nvme import check_offload_dir, filesystem_type
+    from dutycycle.trainer.parallel.nvme import check_offload_dir, check_offload_filesystem, filesystem_type
 
     with pytest.raises(ConfigError, match=r"parallel\.offload_dir = 's3://b/x' is remote"):
         load_config(None, ["data.source=synthetic", "parallel.zero_stage=3", "parallel.offload=nvme",
@@ -106,10 +106,12 @@ def test_a_remote_or_network_offload_dir_is_refused():
     assert filesystem_type("/mnt/shared/local/x", mounts) == "xfs"  # the innermost mount decides
     assert filesystem_type("/mnt/sharedx", mounts) == "ext4"
     with pytest.raises(ConfigError, match=r"'/mnt/shared/run' is on a nfs4 file system"):
-        check_offload_dir("/mnt/shared/run", mounts)
-    check_offload_dir("/mnt/shared/local/run", mounts)
+        check_offload_filesystem("/mnt/shared/run", filesystem_type("/mnt/shared/run", mounts))
+    check_offload_filesystem("/mnt/shared/local/run", filesystem_type("/mnt/shared/local/run", mounts))
+    with_shm = mounts + "tmpfs /dev/shm tmpfs rw 0 0\n"
     with pytest.raises(ConfigError, match=r"'/dev/shm/x' is on tmpfs, which keeps its files in host memory"):
-        check_offload_dir("/dev/shm/x", mounts + "tmpfs /dev/shm tmpfs rw 0 0\n")
+        check_offload_filesystem("/dev/shm/x", filesystem_type("/dev/shm/x", with_shm))
+    assert filesystem_type("/x", "") == "unknown"  # no mount table (not Linux): nothing refused
     check_offload_dir("/tmp")  # this machine's real mount table: a local disk
 
 

@@ -14,7 +14,6 @@ from dutycycle.trainer.parallel.quant import (
     decode_sum,
     dequantize,
     encode,
-    error_bound,
     num_blocks,
     pack,
     packed_nbytes,
@@ -32,6 +31,12 @@ def slack(bits: int) -> float:
     adds |q s| U, with |x/s|, |q| <= qmax(1+U); s itself exceeds A/qmax by at most U. Together the bound grows by
     a factor of at most (1 + U)(1 + 4 qmax U): 3e-5 for int8, 2e-6 for int4."""
     return (1 + U) * (1 + 4 * QMAX[bits] * U)
+
+
+def error_bound(absmax, bits: int):
+    """The documented per-element error bound of a block with largest magnitude ``absmax``: absmax / (2 qmax),
+    with qmax = 2^(bits-1) - 1 (absmax/254 for int8, absmax/14 for int4)."""
+    return absmax / (2 * (2 ** (bits - 1) - 1))
 
 
 def block_view(t: torch.Tensor, block: int) -> torch.Tensor:
@@ -82,7 +87,8 @@ def test_error_within_bound_per_block(bits, block):
 
 
 def test_documented_bounds():
-    assert error_bound(254.0, 8) == 1.0 and error_bound(14.0, 4) == 1.0  # absmax/254 and absmax/14
+    assert QMAX == {8: 127, 4: 7}  # the bounds above: absmax/254 and absmax/14
+    assert error_bound(254.0, 8) == 1.0 and error_bound(14.0, 4) == 1.0
 
 
 def test_rows_are_quantized_independently():

@@ -48,15 +48,18 @@ NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "9p", "ceph", "gl
 FILE_BACKED: dict[int, int] = {}
 
 
-def filesystem_type(path: str, mounts: str | None = None) -> str:
-    """The file system type of ``path`` from the mount table (``/proc/mounts``, or ``mounts`` given): the entry
-    with the longest mount point that contains it."""
-    if mounts is None:
-        try:
-            with open("/proc/mounts") as f:
-                mounts = f.read()
-        except OSError:
-            return "unknown"
+def mount_table() -> str:
+    """This machine's mount table (the text of ``/proc/mounts``), empty where there is none."""
+    try:
+        with open("/proc/mounts") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def filesystem_type(path: str, mounts: str) -> str:
+    """The file system type of ``path`` in the mount table ``mounts`` (``mount_table()``'s text): the entry with
+    the longest mount point that contains it; ``"unknown"`` when none does."""
     real = os.path.realpath(path)
     best, kind = "", "unknown"
     for line in mounts.splitlines():
@@ -70,12 +73,16 @@ def filesystem_type(path: str, mounts: str | None = None) -> str:
     return kind
 
 
-def check_offload_dir(path: str, mounts: str | None = None) -> None:
+def check_offload_dir(path: str) -> None:
     """Refuse a remote or shared ``parallel.offload_dir``, naming it and what to set instead."""
     if "://" in path:
         raise ConfigError(f"parallel.offload_dir = {path!r} is remote: offloaded optimizer state is rewritten every "
                           "step and must be on this node's local disk (an NVMe mount); set a local path")
-    kind = filesystem_type(path, mounts)
+    check_offload_filesystem(path, filesystem_type(path, mount_table()))
+
+
+def check_offload_filesystem(path: str, kind: str) -> None:
+    """Refuse an ``offload_dir`` on file system type ``kind`` that keeps files in memory or shares them."""
     if kind in IN_MEMORY_FS:
         raise ConfigError(f"parallel.offload_dir = {path!r} is on {kind}, which keeps its files in host memory, "
                           "the memory the offload is meant to free; set a path on local disk (an NVMe mount)"

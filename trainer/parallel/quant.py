@@ -107,11 +107,6 @@ def packed_nbytes(numel: int, bits: int, block: int = DEFAULT_BLOCK) -> int:
     return _data_nbytes(numel, bits) + 4 * num_blocks(numel, block)
 
 
-def error_bound(absmax: torch.Tensor | float, bits: int) -> torch.Tensor | float:
-    """The per-element error bound of a block with largest magnitude ``absmax``: absmax / (2 * qmax)."""
-    return absmax / (2 * QMAX[bits])
-
-
 # ------------------------------------------------------------------------------------------------ quantize
 
 

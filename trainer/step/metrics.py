@@ -190,10 +190,10 @@ def summarize(*, steps: int, samples: int, first_loss: float | None, final_loss:
     return summary
 
 
-def job_account(rows: list[dict], wall_s: float, useful_s: float, now: float | None = None) -> dict:
+def job_account(rows: list[dict], wall_s: float, useful_s: float) -> dict:
     """Every attempt of a run, from the rows its metrics keep: the failures' cost (steps trained again, and the
     downtime from a failed attempt's last row to the next attempt's start; the restore is inside the attempt's
-    own time), the job's wall time (from the first kept step's start to ``now``) and its goodput (useful time of
+    own time), the job's wall time (from the first kept step's start to now) and its goodput (useful time of
     the kept steps of every attempt over that wall time). One attempt: its own figures."""
     resumes = [r for r in rows if r.get("event") == "resume" and r.get("down_s") is not None]
     if not resumes:
@@ -202,8 +202,7 @@ def job_account(rows: list[dict], wall_s: float, useful_s: float, now: float | N
     redone = sum(r["redone_s"] for r in resumes)
     down = sum(r["down_s"] for r in resumes)
     starts = [r["time"] - r.get("step_s", 0.0) for r in rows if "loss" in r and "time" in r]
-    now = time.time() if now is None else now
-    wall = max(wall_s, now - min(starts)) if starts else wall_s
+    wall = max(wall_s, time.time() - min(starts)) if starts else wall_s
     useful = useful_s + resumes[-1].get("kept_useful_s", 0.0)  # the latest resume kept every earlier step
     return {"attempts": 1 + len(resumes), "wall_s": wall, "failures_s": redone + down, "redone_s": redone,
             "down_s": down, "steps_redone": sum(r["steps_redone"] for r in resumes),

@@ -216,10 +216,15 @@ class SplitIndex:
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._positions: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
-        self.shards_resolved = 0  # shards whose split column this index has read (for tests and benchmarks)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    @property
+    def shards_resolved(self) -> int:
+        """How many shards' split columns this index has read so far."""
+        with self._lock:
+            return len(self._positions)
 
     def _rows_of(self, shard: int) -> np.ndarray:
         with self._lock:
@@ -233,7 +238,6 @@ class SplitIndex:
                 f"cache shard {self.reader.shard_uri(shard)!r} has {len(rows)} {self.split!r} rows but its manifest "
                 f"entry says {want}; materialize the cache again")
         with self._lock:
-            self.shards_resolved += shard not in self._positions
             self._positions[shard] = rows
         return rows
 

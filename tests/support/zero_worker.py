@@ -108,7 +108,8 @@ def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload:
         from dutycycle.trainer.parallel import nvme
 
         store = nvme.FileStore(nvme.offload_root(parallel), f"zero-worker-{os.getppid()}", rank)
-        nvme.attach(optimizer, store, chunk_bytes=nvme_chunk_bytes)
+        nvme.CHUNK_BYTES = nvme_chunk_bytes  # this worker process's steps cut small chunks
+        nvme.attach(optimizer, store)
     sampler = MemorySampler()
     # the data-parallel ranks split each global batch (a tensor-parallel group's ranks take the same slice)
     rank_d, world_d = ParallelDims.build(parallel, placed, validate=False).data_ranks()

@@ -259,7 +259,7 @@ def _chunks(groups: list[list[torch.Tensor]], per_param_bytes, limit: int) -> li
     return chunks
 
 
-def attach(optimizer, store: FileStore, chunk_bytes: int = CHUNK_BYTES, state_per_param: int = 2):
+def attach(optimizer, store: FileStore, state_per_param: int = 2):
     """Make ``optimizer.step`` step in chunks with the state in ``store``'s files (module docstring). Returns the
     optimizer (its ``step`` replaced on the instance; everything else, ``state_dict`` included, as it was).
     ``state_per_param``: full-size state tensors per parameter, for cutting chunks before the state exists."""
@@ -272,7 +272,7 @@ def attach(optimizer, store: FileStore, chunk_bytes: int = CHUNK_BYTES, state_pe
         assert closure is None, "a closure would run forward once per chunk"
         groups = optimizer.param_groups
         kept = [g["params"] for g in groups]
-        chunks = _chunks(kept, per_param_bytes, chunk_bytes)
+        chunks = _chunks(kept, per_param_bytes, CHUNK_BYTES)
         try:
             for i, chunk in enumerate(chunks):
                 params = [p for ps in chunk for p in ps]

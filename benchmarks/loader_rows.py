@@ -108,11 +108,10 @@ def row_dutycycle(data: Path, mode: str, min_seconds: float) -> dict[str, Any]:
             result = measure(open_loader, epoch, min_seconds=min_seconds, check=check_batch)
         result["ray_start_s"] = round(startup, 2)
     loader = built[0]
-    gatherer = getattr(loader, "_gatherer", None)
     shards = loader.reader.num_shards
-    if gatherer is not None and mode != "ray":  # Ray mode gathers in its tasks' processes
+    if mode != "ray":  # Ray mode gathers in its tasks' processes
         # warm-up batch included: opens over every batch this loader read
-        result["shard_opens_per_batch"] = round(gatherer.opens / (result["batches_timed"] + 1), 3)
+        result["shard_opens_per_batch"] = round(loader.source.shard_opens / (result["batches_timed"] + 1), 3)
     return {**result, "execution": loader.execution, "shards": shards}
 
 

@@ -47,6 +47,11 @@ class CacheSource:
         self._gatherer = ShardGatherer(self.reader)
 
     @property
+    def shard_opens(self) -> int:
+        """Shard views this source's reads opened, reopens included (past the open limit: the churn)."""
+        return self._gatherer.opens
+
+    @property
     def description(self) -> str:
         if self.in_memory:
             return "memory (Ray object store, one copy per node)" if _ray_running() else "memory (this process)"

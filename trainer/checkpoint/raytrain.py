@@ -60,10 +60,15 @@ def report_commit(step: int, uri: str, metrics: dict | None = None) -> None:
         return
     # the upload thread reads the folder later, and removes it once uploaded
     d = tempfile.mkdtemp(prefix="dutycycle-pointer-")
-    with open(os.path.join(d, POINTER), "w") as f:
-        json.dump(formats.stamp({"uri": uri, "step": step}), f)
+    write_pointer(d, uri, step)
     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d),
                      checkpoint_upload_mode=CheckpointUploadMode.ASYNC, delete_local_checkpoint_after_upload=True)
+
+
+def write_pointer(folder: str, uri: str, step: int) -> None:
+    """The pointer file in ``folder``: the commit at ``uri`` (step ``step``), of format 1."""
+    with open(os.path.join(folder, POINTER), "w") as f:
+        json.dump(formats.stamp({"uri": uri, "step": step}), f)
 
 
 def checkpoint_uri(checkpoint) -> dict | None:

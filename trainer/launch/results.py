@@ -25,14 +25,13 @@ result N" at every report, each checkpoint persisted) are filtered by ``ray.log_
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
 
 from dutycycle.engine import io
 from dutycycle.engine.errors import DutycycleError
-from dutycycle.trainer.checkpoint.raytrain import POINTER, checkpoint_uri
+from dutycycle.trainer.checkpoint.raytrain import checkpoint_uri, write_pointer
 from dutycycle.trainer.step.metrics import read_summary
 
 RESULT_FILES = ("summary.json", "config.json", "metrics.jsonl", "health.json")
@@ -76,8 +75,7 @@ def report_results(cfg, run_dir: str, summary: dict, rank: int, last_commit: dic
                 with fs.open(path, "rb") as src, open(os.path.join(d, name), "wb") as dst:
                     dst.write(src.read())
         if last_commit:
-            with open(os.path.join(d, POINTER), "w") as f:
-                json.dump(last_commit, f)
+            write_pointer(d, last_commit["uri"], last_commit["step"])
         metrics = {SUMMARY_KEY: True, "steps": summary["steps"], "final_loss": summary["final_loss"],
                    "val_accuracy": summary["val_accuracy"]}
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))

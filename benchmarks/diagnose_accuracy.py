@@ -67,6 +67,9 @@ def baseline(config: str, common: list[str], tmp: Path, budget_s: float) -> dict
     d = diagnose_once(config, common, tmp / "baseline", ["compute", "loader", "end_to_end", "checkpoint", "memory",
                                                          "failures"], budget_s * 2)
     f = d["findings"]
+    failed = {k: v["error"] for k, v in f.items() if isinstance(v, dict) and "error" in v}
+    if failed:  # every figure below is read from these experiments: name what stopped them
+        raise RuntimeError(f"the baseline diagnosis's experiments failed: {failed} (raise --budget-s on a busy machine)")
     run = f["end_to_end"][f["end_to_end"]["configured"]]
     sync = f["checkpoint"]["sync"]
     from dutycycle.trainer.config import load_config

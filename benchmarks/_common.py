@@ -288,6 +288,15 @@ def write_result(out: str, result: dict[str, Any], show: tuple[str, ...] = ()) -
     print(f"wrote {out}", file=sys.stderr)
 
 
+def main_for(parse_args, run, argv: list[str] | None = None) -> int:
+    """A benchmark's whole command: its arguments, its run, the JSON written and printed whole."""
+    args = parse_args(argv)
+    result = run(args)
+    write_result(args.out, result)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     def cell(v: Any) -> str:
         if v is None:

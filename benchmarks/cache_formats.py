@@ -19,7 +19,6 @@ materialized cache).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ if __name__ == "__main__":  # run as `python benchmarks/cache_formats.py`: the s
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import docs_format  # noqa: E402
-from benchmarks._common import default_out, write_result  # noqa: E402
+from benchmarks._common import default_out, main_for  # noqa: E402
 
 BATCH = 256
 FORMATS = ("arrow", "arrow-lz4", "parquet", "parquet-zstd")
@@ -165,11 +164,7 @@ def render(d: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    result = run(args)
-    write_result(args.out, result)
-    print(json.dumps(result, indent=2))
-    return 0
+    return main_for(parse_args, run, argv)
 
 
 if __name__ == "__main__":

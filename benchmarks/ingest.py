@@ -10,7 +10,6 @@ ingest gets through the folder faster than decoding it would.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -23,7 +22,7 @@ if __name__ == "__main__":  # run as `python benchmarks/ingest.py`: the siblings
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import docs_format as fmt  # noqa: E402
-from benchmarks._common import default_out, write_result  # noqa: E402
+from benchmarks._common import default_out, main_for  # noqa: E402
 
 
 def _decode(path: str) -> int:
@@ -147,11 +146,7 @@ def render(d: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    result = run(args)
-    write_result(args.out, result)
-    print(json.dumps(result, indent=2))
-    return 0
+    return main_for(parse_args, run, argv)
 
 
 if __name__ == "__main__":

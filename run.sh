@@ -19,7 +19,7 @@ setup() {
     "$VENV/bin/python" -m pip install -q "$TORCH"
     # and named again: pip 26, backtracking over fsspec/s3fs, otherwise drops the installed torch and takes the
     # newest one the range admits (2.14.1, a CUDA build of several GB)
-    "$VENV/bin/python" -m pip install -q -e ".[dev,bench]" "$TORCH"
+    "$VENV/bin/python" -m pip install -q -e ".[dev,bench,tracking]" "$TORCH"
     touch "$VENV/.dutycycle-installed"
   fi
 }

@@ -15,7 +15,7 @@ import re
 
 from ..support import REPO
 
-FOLDERS = ("engine", "loader", "trainer")
+FOLDERS = ("api", "engine", "loader", "trainer")
 LIMIT = 20
 # A reason that lets an import stay inside a function: a cycle, or a heavy third-party library it would load.
 REASON = re.compile(r"#.*\b(cycle|circular|heavy|ray|torch|daft)\b", re.I)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("engine", "loader", "trainer", "benchmarks", "tests")
+FOLDERS = ("api", "engine", "loader", "trainer", "benchmarks", "tests")
 PRIVATE = "ray" + "." + "_private"  # built from parts, so this file does not name it
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from ..support import REPO
 
-PACKAGES = ("dutycycle.engine", "dutycycle.loader", "dutycycle.trainer")
+PACKAGES = ("dutycycle", "dutycycle.engine", "dutycycle.loader", "dutycycle.trainer")
+FOLDERS = {"dutycycle": "api", "dutycycle.engine": "engine", "dutycycle.loader": "loader", "dutycycle.trainer": "trainer"}
 PROBE = f"import importlib, json; print(json.dumps({{n: importlib.import_module(n).__file__ for n in {PACKAGES!r}}}))"
 
 
@@ -27,13 +28,12 @@ def _probe(env=None, cwd=None) -> dict[str, str]:
 def test_editable_install_imports_from_the_repo(tmp_path):
     files = _probe(cwd=tmp_path)  # not from the repo root, so only the install can resolve the names
     for name, path in files.items():
-        folder = name.split(".")[1]
-        assert os.path.realpath(path) == os.path.join(REPO, folder, "__init__.py")
+        assert os.path.realpath(path) == os.path.join(REPO, FOLDERS[name], "__init__.py")
 
 
 def _tree_packages() -> set[str]:
     """Every package in the source folders (a folder with an ``__init__.py``), as the wheel must name it."""
-    roots = {"engine": "dutycycle/engine", "loader": "dutycycle/loader", "trainer": "dutycycle/trainer",
+    roots = {"api": "dutycycle", "engine": "dutycycle/engine", "loader": "dutycycle/loader", "trainer": "dutycycle/trainer",
              "configs": "dutycycle/configs"}
     found = set()
     for folder, prefix in roots.items():

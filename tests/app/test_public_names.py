@@ -8,7 +8,7 @@ import importlib
 import importlib.util
 import pkgutil
 
-PACKAGES = ("dutycycle.engine", "dutycycle.loader", "dutycycle.trainer")
+PACKAGES = ("dutycycle", "dutycycle.engine", "dutycycle.loader", "dutycycle.trainer")
 
 
 def _declares_all(path: str) -> bool:
@@ -30,7 +30,7 @@ def _exporting_modules() -> list[str]:
 
 def test_every_exported_name_imports():
     modules = _exporting_modules()
-    assert {"dutycycle.engine", "dutycycle.loader", "dutycycle.trainer"} <= set(modules)
+    assert {"dutycycle", "dutycycle.engine", "dutycycle.loader", "dutycycle.trainer"} <= set(modules)
     broken = []
     for name in modules:
         module = importlib.import_module(name)

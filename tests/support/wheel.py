@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import REPO
 
-SOURCES = ("engine", "loader", "trainer", "configs", "pyproject.toml", "README.md")
+SOURCES = ("api", "engine", "loader", "trainer", "configs", "pyproject.toml", "README.md")
 
 
 def build_wheel(workdir: Path) -> Path:

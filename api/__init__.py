@@ -1,0 +1,29 @@
+"""dutycycle: the names a notebook or a script reaches for first, from the three packages underneath.
+
+    import dutycycle
+    cfg = dutycycle.load_config("configs/demo.toml")      # or a run directory's config.json
+
+The work lives in ``dutycycle.engine`` (tables and the cache), ``dutycycle.loader`` (batches) and
+``dutycycle.trainer`` (training, diagnosis, the CLI); this package only re-exports. Importing it is cheap: every
+name resolves when it is first used.
+"""
+
+from __future__ import annotations
+
+from dutycycle.engine._lazy import lazy_exports
+
+# public name -> module that defines it
+_LAZY = {
+    "load_config": "dutycycle.trainer.config",
+    "train": "dutycycle.trainer.launch.train",
+    "ingest": "dutycycle.engine.table.catalog",
+    "open_table": "dutycycle.engine.table.table",
+    "materialize": "dutycycle.engine.cache.materialize",
+    "TransformSpec": "dutycycle.engine.transform",
+    "CacheLoader": "dutycycle.loader.cache_loader",
+    "LoaderConfig": "dutycycle.loader.config",
+}
+
+__all__ = list(_LAZY)
+
+__getattr__ = lazy_exports(__name__, _LAZY)

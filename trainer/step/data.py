@@ -14,6 +14,7 @@ Sources:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,9 @@ from dutycycle.trainer.parallel.dims import ParallelDims
 
 @dataclass
 class DataInfo:
+    """What the model is trained on, as a model file, evaluation and prediction need it again: the class names,
+    the sample shape, how pixels were normalized, and where the data came from."""
+
     num_classes: int
     channels: int
     size: int
@@ -33,6 +37,20 @@ class DataInfo:
     val_samples: int
     fingerprint: str = ""
     lineage: dict = field(default_factory=dict)  # where the data came from (cache, table), for checkpoints
+    classes: list[str] = field(default_factory=list)  # label index -> class name
+    # the training batches' normalization, (x / 255 - mean) / std per channel: {"mean": [...], "std": [...]};
+    # None when batches arrive as x / 255 (normalization off)
+    normalize: dict | None = None
+    spec: dict = field(default_factory=dict)  # the transform that made a sample from its file (TransformSpec)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def normalization(loader) -> dict | None:
+    """The normalization ``loader`` applies to its batches, from its own config: the values it actually uses."""
+    a = loader.config.augment
+    return {"mean": [float(v) for v in a.mean], "std": [float(v) for v in a.std]} if a.normalize else None
 
 
 class LoaderSource:
@@ -118,7 +136,8 @@ def make_sources(cfg, world, dims: ParallelDims | None = None):
         val = ArraySource(images[n_train:], labels[n_train:], d.eval_batch_size * world_size, rank, world_size,
                           shuffle=False, drop_last=False, fingerprint=fingerprint)
         info = DataInfo(len(CLASSES), 3, d.size, n_train, n_val, fingerprint=fingerprint,
-                        lineage={"synthetic": {"samples": n_train, "size": d.size, "seed": cfg.run.seed + 1000}})
+                        lineage={"synthetic": {"samples": n_train, "size": d.size, "seed": cfg.run.seed + 1000}},
+                        classes=list(CLASSES), normalize=None)
     elif d.source in ("cache", "raw"):
         train, val, info = _loader_sources(cfg, rank, world_size)
     else:  # validated in config
@@ -142,8 +161,11 @@ def _loader_sources(cfg, rank: int, world_size: int):
     if d.source == "cache":
         m = train.reader.manifest
         lineage = {"cache": train.cache_uri, "table": m.source, "options": m.options}
+        spec = dict(m.spec)
     else:
         lineage = {"table": d.table}
+        spec = train.spec.to_dict()
     info = DataInfo(len(train.classes), channels, size, train.num_samples, val.num_samples,
-                    fingerprint=train.fingerprint, lineage=lineage)
+                    fingerprint=train.fingerprint, lineage=lineage, classes=list(train.classes),
+                    normalize=normalization(train), spec=spec)
     return LoaderSource(train), LoaderSource(val), info

@@ -59,7 +59,7 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
         extra={
             "epochs": epochs, "steps_per_epoch": steps_per_epoch, "global_batch_size": cfg.data.global_batch_size,
             "micro_batches": cfg.data.micro_batches, "data_source": cfg.data.source,
-            "data_fingerprint": info.fingerprint, "parallel": parallel, "memory": memory,
+            "data_fingerprint": info.fingerprint, "data": info.to_dict(), "parallel": parallel, "memory": memory,
             "threads_per_worker": torch.get_num_threads(),
             "weights_sha256": weights_digest(full) if ctx.rank == 0 else None,
             **ctx.info,

@@ -92,8 +92,10 @@ class Loader:
 
         # The normalization applied, resolved once: the config's mean/std, else the source's statistics, else 0.5.
         # The effective values go into this loader's own config, so ``config.augment`` is what batches get.
-        augment, self.normalize_from = resolve_normalization(config.augment, source_channels(source),
-                                                             source.channel_stats, source.no_stats)
+        # (read with defaults: a source written before these attributes existed has no statistics)
+        augment, self.normalize_from = resolve_normalization(
+            config.augment, source_channels(source), getattr(source, "channel_stats", None),
+            getattr(source, "no_stats", f"a {type(source).__name__} records none"))
         if augment != config.augment:
             config = dataclasses.replace(config, augment=augment)
         self.config, self.source = config, source

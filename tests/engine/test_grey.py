@@ -4,6 +4,7 @@ mean and standard deviation of the training split against numpy over the decoded
 
 from __future__ import annotations
 
+import base64
 import io as _io
 import json
 from dataclasses import replace
@@ -17,8 +18,9 @@ from dutycycle.engine.cache import format as cf
 from dutycycle.engine.cache.materialize import materialize, open_cache
 from dutycycle.engine.cache.view import view
 from dutycycle.engine.errors import CorruptArtifactError
+from dutycycle.engine.inspect import contact_sheet
 from dutycycle.engine.table.catalog import ingest
-from dutycycle.engine.table.table import read_arrow
+from dutycycle.engine.table.table import open_table, read_arrow
 from dutycycle.engine.transform import TransformSpec, decode_and_transform
 from dutycycle.loader import CacheLoader, LoaderConfig
 from PIL import Image
@@ -125,11 +127,18 @@ def check_stats(reader, split: str) -> None:
     assert cs["mean"] == [float(Fraction(int(v), 255 * len(px))) for v in s]
 
 
-def test_grey_cache_end_to_end_with_exact_statistics(tmp_path, capsys):
-    src, table = tmp_path / "src", str(tmp_path / "table")
-    write_source(src)
-    summary = ingest(str(src), table, progress_every=0)
+@pytest.fixture(scope="module")
+def grey_table(tmp_path_factory):
+    """The collection above, ingested: a table of 28 grey and colour PNGs (21 train, 7 val)."""
+    root = tmp_path_factory.mktemp("grey")
+    write_source(root / "src")
+    summary = ingest(str(root / "src"), str(root / "table"), progress_every=0)
     assert summary["splits"] == {"train": 21, "val": 7} and summary["split_assignment"]["by"] == "folders"
+    return str(root / "table")
+
+
+def test_grey_cache_end_to_end_with_exact_statistics(grey_table, tmp_path, capsys):
+    table = grey_table
 
     spec = TransformSpec(size=10, mode="L")
     grey = materialize(table, str(tmp_path / "cache"), spec, rows_per_shard=5)  # 6 shards, split across them
@@ -172,11 +181,17 @@ def test_grey_cache_end_to_end_with_exact_statistics(tmp_path, capsys):
     assert stats["channel_stats_from"].startswith("manifest: exact, train split")
     assert json.loads(json.dumps(stats))  # plain JSON for notebooks
 
+    # the table's contact sheet previews every kind of grey file (16-bit, bilevel, with alpha) as grey
+    sheet = contact_sheet(open_table(table), str(tmp_path / "sheet.html"), limit=50, size=32)
+    assert len(sheet) == 28 and all(t.jpeg_b64 for t in sheet.thumbs)
+    for t in sheet.thumbs:
+        if t.meta["mode"] in ("L", "I;16", "1", "LA"):
+            px = np.asarray(Image.open(_io.BytesIO(base64.b64decode(t.jpeg_b64))).convert("RGB"), np.int16)
+            assert np.abs(px[..., 0] - px[..., 1]).max() <= 2 and px.std() > 5, t.meta["uri"]  # grey, not blank
 
-def test_a_cache_without_statistics_still_reads_and_materialize_adds_them(tmp_path):
-    src, table = tmp_path / "src", str(tmp_path / "table")
-    write_source(src)
-    ingest(str(src), table, progress_every=0)
+
+def test_a_cache_without_statistics_still_reads_and_materialize_adds_them(grey_table, tmp_path):
+    table = grey_table
     first = materialize(table, str(tmp_path / "cache"), TransformSpec(size=8, mode="L"), rows_per_shard=8)
     expected = first.manifest.channel_stats
 

@@ -19,10 +19,23 @@ def register(subparsers) -> None:
     p.set_defaults(func=command("cmd_synth"))
 
     p = subparsers.add_parser("ingest", help="scan images into a Parquet metadata table (no pixels)")
-    p.add_argument("source", help="folder or URI of images; class = first sub-folder unless --labels")
+    p.add_argument(
+        "source",
+        help="folder or URI of images; class = first sub-folder unless --labels, or the sub-folder below "
+        "train/, val/ (validation/) and test/ when the source is laid out in split folders",
+    )
     p.add_argument("table", help="table folder or URI; re-running adds only new files")
     p.add_argument("--labels", default=None, help="CSV (name,label) or JSON {name: label} mapping file")
-    p.add_argument("--split", default="0.8,0.1,0.1", help="train,val,test fractions (default 0.8,0.1,0.1)")
+    p.add_argument(
+        "--split", default=None,
+        help="train,val,test fractions of the split by content hash (default 0.8,0.1,0.1, or the table's own "
+        "on a re-ingest); refused for a source in split folders",
+    )
+    p.add_argument(
+        "--no-split-folders", action="store_true",
+        help="do not take splits from top-level train/, val/ (validation/), test/ folders: split by content hash "
+        "and take the class from the first folder level",
+    )
     p.add_argument(
         "--no-phash", action="store_true", help="skip the perceptual hash (no pixel decode at all)"
     )

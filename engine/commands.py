@@ -13,6 +13,7 @@ from .limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
 from .synth import synthesize
 from .table.catalog import ingest
 from .table.curate import format_stats
+from .table.split import describe_assignment
 from .table.table import open_table
 from .table.vacuum import vacuum
 
@@ -37,6 +38,7 @@ def cmd_ingest(args) -> int:
         args.table,
         labels=args.labels,
         split=args.split,
+        split_folders=not args.no_split_folders,
         phash=not args.no_phash,
         max_pixels=DEFAULT_MAX_PIXELS if args.max_pixels is None else args.max_pixels,
         max_file_bytes=DEFAULT_MAX_FILE_BYTES if args.max_file_bytes is None else args.max_file_bytes,
@@ -53,7 +55,8 @@ def cmd_ingest(args) -> int:
         f"in {s['seconds']:.1f}s on {s['runner']}"
     )
     print("classes: " + (", ".join(f"{k}: {v}" for k, v in s["classes"].items()) or "none"))
-    print("splits: " + (", ".join(f"{k}: {v}" for k, v in sorted(s["splits"].items())) or "none"))
+    by = describe_assignment(s["split_assignment"])
+    print("splits: " + (", ".join(f"{k}: {v}" for k, v in sorted(s["splits"].items())) or "none") + f" ({by})")
     print("errors: " + (", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none"))
     return 0
 

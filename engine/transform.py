@@ -4,7 +4,8 @@ The same ``decode_and_transform`` runs inside the cache's Daft UDF (decode once)
 (decode every step), so a cached sample and a freshly decoded one are the same array. Random augmentations are
 not part of a spec: they are not cacheable and belong to the loader, on batches.
 
-Colour handling, so that every source becomes a correct RGB sample:
+Colour handling, so that every source becomes a correct sample of the spec's ``mode``: ``RGB`` (three channels)
+or ``L`` (one channel, grey):
 
 - ``1``, ``L``, ``CMYK``, ``YCbCr``, ``LAB``, ``HSV``, ``P`` without transparency: PIL's own conversion.
 - 16-bit and 32-bit grey (``I;16*``, ``I``): scaled from the 16-bit range to 8 bits (PIL's ``convert("L")``
@@ -12,11 +13,16 @@ Colour handling, so that every source becomes a correct RGB sample:
 - Anything with alpha (``RGBA``, ``LA``, ``PA``, ``P`` with a transparency entry): composited over the spec's
   ``background`` colour, **black** by default (so transparent pixels become 0, like premultiplied alpha);
   ``background="white"`` is the choice for documents and logos.
+- ``mode="L"``: a grey source stays its one channel from decode to output (the rules above bring ``1``, 16-bit
+  and float grey to 8 bits); a colour source is flattened to RGB as above (alpha composited over the background
+  first) and converted with PIL's luma, ``convert("L")`` (ITU-R 601-2: L = R 299/1000 + G 587/1000 + B 114/1000),
+  at the output size, after the resize (a grey pixel, R = G = B, keeps its value exactly). ``pad`` letterboxes
+  on an ``L`` canvas of the background's grey (0 or 255).
 
 Memory: a full-resolution decode is the largest thing a decode thread holds, so nothing beside it is allowed to
 grow faster than one 8-bit RGB copy. Grey sources (``1``, ``L``, 16-bit, ``I``, ``F``) stay one 8-bit channel
-through the resize and become RGB only at the output size (PIL resamples each channel alike, so the pixels are
-the ones an RGB resize gives); wide modes and alpha are brought to 8 bits in strips of rows, so their
+through the resize and, for ``mode="RGB"``, become RGB only at the output size (PIL resamples each channel alike,
+so the pixels are the ones an RGB resize gives); colour sources become ``L`` only at the output size too; wide modes and alpha are brought to 8 bits in strips of rows, so their
 temporaries are a few MB whatever the image's size; the EXIF orientation is applied without a copy of an
 upright image. ``limits.decode_bytes_per_pixel`` states what each mode then costs, and ``open_checked`` refuses
 an image whose cost is over the byte budget of an RGB image at the pixel limit.
@@ -39,7 +45,8 @@ RESIZE_POLICIES = ("shorter_crop", "pad", "stretch")
 RESAMPLE_FILTERS = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
 LAYOUTS = ("HWC", "CHW")
 DTYPES = ("uint8",)
-MODES = ("RGB",)
+MODES = ("RGB", "L")  # output colour mode: three channels, or one (grey)
+CHANNELS = {"RGB": 3, "L": 1}
 BACKGROUNDS = {"black": (0, 0, 0), "white": (255, 255, 255)}
 
 # Decompression-bomb bound: refuse an image whose header announces more pixels than this, before decoding.
@@ -56,7 +63,7 @@ class TransformSpec:
     layout: str = "HWC"
     dtype: str = "uint8"
     exif: bool = True  # apply EXIF orientation before anything else
-    mode: str = "RGB"
+    mode: str = "RGB"  # RGB (3 channels) or L (1 channel, grey; colour sources converted with PIL's luma)
     background: str = "black"  # alpha compositing and pad colour
 
     def __post_init__(self):
@@ -79,12 +86,17 @@ class TransformSpec:
             raise ConfigError(f"TransformSpec.exif={self.exif!r} is invalid; use true or false")
 
     @property
+    def channels(self) -> int:
+        return CHANNELS[self.mode]
+
+    @property
     def shape(self) -> tuple[int, int, int]:
-        return (self.size, self.size, 3) if self.layout == "HWC" else (3, self.size, self.size)
+        c = self.channels
+        return (self.size, self.size, c) if self.layout == "HWC" else (c, self.size, self.size)
 
     @property
     def sample_bytes(self) -> int:
-        return 3 * self.size * self.size
+        return self.channels * self.size * self.size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -206,32 +218,40 @@ def _upright(img):
     return upright(img, orientation_of(img))  # malformed EXIF reads as upright, as ingest reads it
 
 
+def _to_mode(img, mode: str):
+    """An ``L`` or ``RGB`` image (``_flatten``'s output, resized) in the spec's ``mode``."""
+    return img if img.mode == mode else img.convert(mode)  # RGB -> L: PIL's luma; L -> RGB: grey in every channel
+
+
 def transform_image(img, spec: TransformSpec) -> np.ndarray:
-    """Apply ``spec`` to a decoded PIL image; returns uint8 in the spec's layout."""
+    """Apply ``spec`` to a decoded PIL image; returns uint8 in the spec's layout and mode."""
     import numpy as np
     from PIL import Image
 
     if spec.exif:
         img = _upright(img)
-    img = _flatten(img, spec.background)  # L or RGB: RGB at the output size only
+    img = _flatten(img, spec.background)  # L or RGB: converted to the spec's mode at the output size only
     size, resample = spec.size, _resample(spec.resample)
     w, h = img.size
     if spec.resize == "stretch":
-        img = img.resize((size, size), resample)
+        img = _to_mode(img.resize((size, size), resample), spec.mode)
     elif spec.resize == "shorter_crop":
         scale = size / min(w, h)
         nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
         img = img.resize((nw, nh), resample)
         left, top = (nw - size) // 2, (nh - size) // 2
-        img = img.crop((left, top, left + size, top + size))
+        img = _to_mode(img.crop((left, top, left + size, top + size)), spec.mode)
     else:  # pad: longer side to `size`, centred on the background colour
         scale = size / max(w, h)
         nw, nh = min(size, max(1, round(w * scale))), min(size, max(1, round(h * scale)))
-        canvas = Image.new("RGB", (size, size), BACKGROUNDS[spec.background])
-        canvas.paste(img.resize((nw, nh), resample).convert("RGB"), ((size - nw) // 2, (size - nh) // 2))
+        fill = BACKGROUNDS[spec.background]
+        canvas = Image.new(spec.mode, (size, size), fill if spec.mode == "RGB" else fill[0])
+        canvas.paste(_to_mode(img.resize((nw, nh), resample), spec.mode), ((size - nw) // 2, (size - nh) // 2))
         img = canvas
-    arr = np.asarray(img.convert("RGB") if img.mode != "RGB" else img, dtype=np.uint8)
-    assert arr.shape == (size, size, 3), arr.shape
+    arr = np.asarray(img, dtype=np.uint8)
+    if arr.ndim == 2:  # L: one channel, kept as an axis so every sample has the spec's shape
+        arr = arr[:, :, None]
+    assert arr.shape == (size, size, spec.channels), arr.shape
     if spec.layout == "CHW":
         arr = arr.transpose(2, 0, 1)
     return np.ascontiguousarray(arr)

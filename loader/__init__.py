@@ -15,6 +15,7 @@ Importing this package is cheap: torch and ray load only when a loader is built 
     saved = loader.state_dict()          # counts batches handed out, never those prefetched
     loader.stats.total_wait_s, loader.stats.count, loader.stats.last_wait_s   # the consumer's data wait
     loader.stats.bytes_fetched, loader.stats.requests   # what the reader fetched from remote storage
+    loader.config.augment.mean, loader.normalize_from   # the normalization applied: by default the cache's statistics
 
 Evaluation: ``CacheLoader(cache_uri, "val", rank, world_size, LoaderConfig.for_eval(global_batch_size))``
 (cache order, no random augmentation, ``drop_last=False``): every sample exactly once across ranks; the last

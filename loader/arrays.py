@@ -23,6 +23,7 @@ class ArraySource:
     reads_block = False  # a gather from RAM: nothing for a prefetch thread to overlap
     description = "arrays in memory"
     in_memory, memory_refused = False, None
+    channel_stats, no_stats = None, "arrays in memory carry none"
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, sample_ids: np.ndarray, fingerprint: str,
                  layout: str):

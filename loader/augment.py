@@ -1,4 +1,6 @@
-"""Batch augmentations on tensors: random crop with padding, horizontal flip, normalization to float.
+"""Batch augmentations on tensors: random crop with padding, horizontal flip, normalization to float, and the
+normalization a loader resolves when it is built (``resolve_normalization``: the config's values, else the
+dataset's statistics, else 0.5).
 
 Each sample's random choices come from a counter-based hash of (seed, epoch, sample id), not from a generator
 shared by the batch, so a sample is augmented the same way whatever its rank, its position in the batch, the
@@ -9,6 +11,7 @@ the flip bit.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
 from collections.abc import Sequence
@@ -130,8 +133,41 @@ def apply_augment(images: np.ndarray, config: AugmentConfig, seed: int, epoch: i
 
 def _per_channel(values: Sequence[float], channels: int, name: str) -> list[float]:
     values = [float(v) for v in values]
+    if not values:
+        raise ConfigError(f"AugmentConfig.{name} is empty (the dataset's statistics), which a Loader resolves when it "
+                          "is built; pass values to augment a batch outside a Loader")
     if len(values) == 1:
         return values * channels
     if len(values) != channels:
         raise ConfigError(f"AugmentConfig.{name} has {len(values)} values for {channels} channels; give 1 or {channels}")
     return values
+
+
+DEFAULT_MEAN = DEFAULT_STD = 0.5  # what a source without statistics normalizes with: x / 255 to [-1, 1]
+
+
+def resolve_normalization(config: AugmentConfig, channels: int, stats: dict | None,
+                          missing: str) -> tuple[AugmentConfig, str]:
+    """The augmentation a loader applies, with its effective per-channel ``mean`` and ``std``, and where they
+    came from (``Loader.normalize_from``).
+
+    Values in ``config`` win (one for all channels is expanded to ``channels``); empty ones take ``stats`` (a
+    cache manifest's ``channel_stats``); without statistics, 0.5 for every channel, and ``missing`` says why
+    there are none. A ``std`` of 0 in the statistics (a channel that never varies) becomes 1, so that channel
+    is only centred instead of divided by zero. Normalization off: ``config`` unchanged."""
+    if not config.normalize:
+        return config, "off: batches are uint8"
+    if not config.from_dataset:
+        mean, std = _per_channel(config.mean, channels, "mean"), _per_channel(config.std, channels, "std")
+        how = "config"
+    elif stats is not None:
+        if len(stats["mean"]) != channels:
+            raise ConfigError(f"the source's channel statistics have {len(stats['mean'])} values for {channels} "
+                              "channels; materialize the cache again")
+        mean = [float(v) for v in stats["mean"]]
+        std = [float(v) if v > 0 else 1.0 for v in stats["std"]]
+        how = f"the dataset's statistics ({stats['split']} split, {stats['samples']} samples)"
+    else:
+        mean, std = [DEFAULT_MEAN] * channels, [DEFAULT_STD] * channels
+        how = f"0.5 (no dataset statistics: {missing}; set mean and std to override)"
+    return dataclasses.replace(config, mean=tuple(mean), std=tuple(std)), how

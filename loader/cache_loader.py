@@ -37,6 +37,9 @@ class CacheSource:
         self.layout = manifest.layout
         self.shape = tuple(manifest.shape)
         self.classes = list(manifest.classes)
+        self.channel_stats = manifest.channel_stats
+        self.no_stats = (f"cache {self.cache_uri!r} was written before dutycycle recorded them; `dutycycle "
+                         "materialize` of the same table and transform adds them")
         self.rows = split_rows(self.reader, split)  # split index -> global cache row (node-shared, mapped)
         self.num_samples = len(self.rows)
         self.reads_block = not self.reader.is_local  # remote reads wait on the network: overlap them

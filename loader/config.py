@@ -18,32 +18,48 @@ DEFAULT_WINDOW = 2048  # the plan's shuffle window (see plan.py)
 @dataclass(frozen=True)
 class AugmentConfig:
     """What happens to a uint8 batch before the trainer sees it (applied by ``augment``).
-    ``AugmentConfig.eval()`` for validation."""
+    ``AugmentConfig.eval()`` for validation.
+
+    ``mean`` and ``std`` empty (the default) mean *the dataset's*: a ``Loader`` takes them from its source when it
+    is built (a cache's ``channel_stats``, the training split's exact per-channel statistics) and puts the values
+    it applies, one per channel, into its own ``loader.config.augment``; a source without statistics (the raw
+    path, arrays, a cache written before they were recorded) uses 0.5 and says so in ``loader.normalize_from``.
+    Values given here override the dataset's: one per channel, or one for all."""
 
     crop_padding: int = 0  # pad each side by this many zero pixels, then crop back at a random offset
     flip: bool = False  # horizontal flip with probability 1/2
     normalize: bool = True  # uint8 -> float32 (x / 255 - mean) / std; off keeps uint8
-    mean: Sequence[float] = (0.5,)  # per channel, or one value for all
-    std: Sequence[float] = (0.5,)
+    mean: Sequence[float] = ()  # per channel, or one value for all; empty: the dataset's statistics
+    std: Sequence[float] = ()  # per channel, or one value for all; empty: the dataset's statistics
 
     def __post_init__(self):
         if isinstance(self.crop_padding, bool) or not isinstance(self.crop_padding, int) or self.crop_padding < 0:
             raise ConfigError(f"AugmentConfig.crop_padding={self.crop_padding!r} is invalid; use an integer >= 0")
-        if not self.mean or not self.std or len(self.mean) != len(self.std):
+        if len(self.mean) != len(self.std):
             raise ConfigError(
-                f"AugmentConfig mean={tuple(self.mean)} and std={tuple(self.std)} must be non-empty and of equal length"
+                f"AugmentConfig mean={tuple(self.mean)} and std={tuple(self.std)} must be of equal length (one value "
+                "per channel, or one for all), or both empty for the dataset's statistics"
             )
+        for name in ("mean", "std"):
+            if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in getattr(self, name)):
+                raise ConfigError(f"AugmentConfig.{name}={tuple(getattr(self, name))} is invalid; use numbers")
         if any(s <= 0 for s in self.std):
             raise ConfigError(f"AugmentConfig std={tuple(self.std)} has a value <= 0; use positive values")
 
     @classmethod
-    def eval(cls, normalize: bool = True, mean: Sequence[float] = (0.5,), std: Sequence[float] = (0.5,)):
-        """No random transforms: what validation uses."""
+    def eval(cls, normalize: bool = True, mean: Sequence[float] = (), std: Sequence[float] = ()):
+        """No random transforms: what validation uses (pass the training loader's effective mean and std to
+        normalize exactly as training does)."""
         return cls(crop_padding=0, flip=False, normalize=normalize, mean=tuple(mean), std=tuple(std))
 
     @property
     def random(self) -> bool:
         return self.crop_padding > 0 or self.flip
+
+    @property
+    def from_dataset(self) -> bool:
+        """Whether mean and std are left to the dataset's statistics (resolved by a ``Loader``)."""
+        return not self.mean
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ same plan. ``CacheLoader``, ``RawLoader`` and ``ArrayLoader`` build a ``Loader``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 import warnings
@@ -24,7 +25,7 @@ from dutycycle.engine.cache.shards import ReadStats
 from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 
 from . import plan
-from .augment import apply_augment
+from .augment import apply_augment, resolve_normalization
 from .config import LoaderConfig
 from .device import DeviceMover
 from .executor import executor_for, prefetched
@@ -55,9 +56,21 @@ class LoaderStats(ReadStats):
             setattr(self, f.name, f.default)
 
 
+def source_channels(source: Source) -> int:
+    """Channels of a source's samples: the last axis of an HWC shape, the first of a CHW one (3 RGB, 1 grey)."""
+    shape = tuple(source.shape)
+    if len(shape) != 3:
+        return 1
+    return int(shape[-1] if source.layout == "HWC" else shape[0])
+
+
 class Loader:
     """This rank's batches of the deterministic plan over ``source``, read where ``executor`` says (by default
-    the one ``config.mode`` names, ``executor.executor_for``)."""
+    the one ``config.mode`` names, ``executor.executor_for``).
+
+    ``config.augment``'s ``mean`` and ``std`` are the values applied, one per channel: an empty mean/std (the
+    default) is resolved here from the source's statistics (a cache's ``channel_stats``), or 0.5 when it has
+    none; ``normalize_from`` says which."""
 
     def __init__(self, config: LoaderConfig, source: Source, executor: Executor | None = None, rank: int = 0,
                  world_size: int = 1, stats: LoaderStats | None = None):
@@ -77,6 +90,14 @@ class Loader:
             )
         import torch  # noqa: F401  (loaded here so its import time never counts as the consumer's data wait)
 
+        # The normalization applied, resolved once: the config's mean/std, else the source's statistics, else 0.5.
+        # The effective values go into this loader's own config, so ``config.augment`` is what batches get.
+        # (read with defaults: a source written before these attributes existed has no statistics)
+        augment, self.normalize_from = resolve_normalization(
+            config.augment, source_channels(source), getattr(source, "channel_stats", None),
+            getattr(source, "no_stats", f"a {type(source).__name__} records none"))
+        if augment != config.augment:
+            config = dataclasses.replace(config, augment=augment)
         self.config, self.source = config, source
         self.executor = executor if executor is not None else executor_for(config, source)
         self.rank, self.world_size = rank, world_size

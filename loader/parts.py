@@ -30,6 +30,10 @@ class Source(Protocol):
     description: str  # how rows are read here, for ``Loader.execution``
     in_memory: bool  # the rows were copied into RAM (``mode="memory"``)
     memory_refused: str | None  # why an opted-in copy into RAM was not made
+    # the dataset's per-channel statistics ({"mean", "std", "samples", "split"}, a cache manifest's
+    # ``channel_stats``) that normalization defaults to, or None; ``no_stats`` says why there are none
+    channel_stats: dict | None
+    no_stats: str
 
     def read(self, indices: np.ndarray) -> RawBatch: ...
 

@@ -40,6 +40,7 @@ class RawSource:
     reads_block = True  # every read downloads and decodes: overlap it
     description = "per-batch reads"
     in_memory, memory_refused = False, None
+    channel_stats, no_stats = None, "the raw path decodes per step and computes none (a cache records them)"
 
     def __init__(self, table_uri: str, spec: TransformSpec, split: str, raw_threads: int, where: str | None = None,
                  allowed_roots=None):

@@ -7,7 +7,7 @@ import json
 
 from ..limits import DEFAULT_MAX_FILE_BYTES
 from ..runner import resolve
-from ..transform import LAYOUTS, RESAMPLE_FILTERS, RESIZE_POLICIES, TransformSpec
+from ..transform import LAYOUTS, MODES, RESAMPLE_FILTERS, RESIZE_POLICIES, TransformSpec
 
 
 def register(subparsers) -> None:
@@ -25,6 +25,11 @@ def register(subparsers) -> None:
     p.add_argument("--resize", choices=RESIZE_POLICIES, default="shorter_crop", help="resize policy")
     p.add_argument("--resample", choices=RESAMPLE_FILTERS, default="bilinear", help="PIL resampling filter")
     p.add_argument("--layout", choices=LAYOUTS, default="HWC", help="pixel layout of each sample")
+    p.add_argument(
+        "--mode", choices=MODES, default="RGB",
+        help="colour mode of each sample: RGB (3 channels, default) or L (1 channel, grey; colour images are "
+        "converted with PIL's luma)",
+    )
     p.add_argument(
         "--background",
         choices=("black", "white"),
@@ -57,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         resize=args.resize,
         resample=args.resample,
         layout=args.layout,
+        mode=args.mode,
         exif=not args.no_exif,
         background=args.background,
     )
@@ -80,9 +86,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"cache:   {s['cache']}")
     print(f"samples: {s['samples']} in {s['shards']} shards")
     print(f"skipped: {skipped}")
+    cs = s.get("channel_stats")
+    if cs:
+        print(f"pixels:  mean {_floats(cs['mean'])}, std {_floats(cs['std'])} (0..1, {cs['split']} split, "
+              f"{cs['samples']} samples)")
     print(
         f"reused:  {'yes' if s['reused'] else 'no'}"
         + ("" if s["reused"] else f" (wrote {s['shards_written']} shards, resumed {s['shards_resumed']})")
         + f", {s['seconds']:.2f}s"
     )
     return 0
+
+
+def _floats(values) -> str:
+    return "[" + ", ".join(f"{v:.4f}" for v in values) + "]"

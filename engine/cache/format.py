@@ -24,7 +24,9 @@ Each shard has plain Arrow columns that any Arrow reader understands without dut
 
 ``image`` holds uint8 pixels in the manifest's ``layout`` (HWC or CHW) and ``shape``. A cache without
 ``manifest.json`` is uncommitted and never read; a shard whose sha256 differs from the manifest is refused
-with an error naming it. ``manifest.json`` carries ``manifest_sha256``, the sha256 of its other fields' canonical
+with an error naming it. ``channel_stats`` holds the per-channel mean and standard deviation of the training
+split's pixels (``stats``); a manifest written before the field existed has no such key and reads as None.
+``manifest.json`` carries ``manifest_sha256``, the sha256 of its other fields' canonical
 JSON, so a manifest changed after its commit (a digit of the fingerprint, a count) is refused rather than read as
 another cache, and ``"format": 1`` (``engine.formats``): a manifest of another format, or missing a field, is
 refused. How shards are read (memory-mapped, by range, node-local copies, checked once per
@@ -42,6 +44,7 @@ import pyarrow as pa
 
 from .. import formats, io, sealed
 from ..errors import CorruptArtifactError, SourceError
+from .stats import stats_problem
 
 MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
@@ -103,11 +106,18 @@ class CacheManifest:
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count of rows not cached
     format: int = formats.FORMAT
     options: dict[str, Any] = field(default_factory=dict)  # how it was made: filter, table version, timings
+    # The dataset's per-channel statistics on a 0..1 scale, exact over the training split (``stats``):
+    # {"mean": [...], "std": [...], "samples": n, "split": "train" (or "all" without a train split)}. None in a
+    # cache written before dutycycle recorded them (its manifest has no such key, and still reads).
+    channel_stats: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Plain JSON, sealed with ``manifest_sha256`` (``engine.sealed``)."""
+        """Plain JSON, sealed with ``manifest_sha256`` (``engine.sealed``). A manifest without statistics has no
+        ``channel_stats`` key, as before the field existed, so such a manifest reads and writes as it was sealed."""
         d = asdict(self)
         d["shards"] = [asdict(s) for s in self.shards]
+        if d["channel_stats"] is None:
+            del d["channel_stats"]
         return sealed.seal(d)
 
     @classmethod
@@ -128,11 +138,23 @@ class CacheManifest:
     def sample_bytes(self) -> int:
         return int(np.prod(self.shape))
 
+    @property
+    def channels(self) -> int:
+        """Channels per sample: 3 (RGB) or 1 (L), the last axis of an HWC shape, the first of a CHW one."""
+        return channels_of(self.shape, self.layout)
+
+
+def channels_of(shape, layout: str) -> int:
+    return int(shape[-1] if layout == "HWC" else shape[0])
+
+
+OPTIONAL_FIELDS = frozenset({"channel_stats"})  # fields a manifest may lack (written before they existed)
+
 
 def _manifest_problem(d: dict[str, Any]) -> str | None:
     """What is wrong with a manifest's fields (every field present, the types readers rely on, and
     ``num_samples`` against the shards' rows), or None."""
-    missing = [f.name for f in fields(CacheManifest) if f.name not in d]
+    missing = [f.name for f in fields(CacheManifest) if f.name not in d and f.name not in OPTIONAL_FIELDS]
     if missing:
         return f"{', '.join(f'`{m}`' for m in missing)} missing"
     shards = d.get("shards")
@@ -162,6 +184,8 @@ def _manifest_problem(d: dict[str, Any]) -> str | None:
             return f"`{name}` is {type(d[name]).__name__}, not {types.__name__}"
     if not all(isinstance(c, str) for c in d["classes"]):
         return "`classes` must be a list of names"
+    if d.get("channel_stats") is not None:
+        return stats_problem(d["channel_stats"], channels_of(shape, d["layout"]) if len(shape) == 3 else None)
     return None
 
 

@@ -13,7 +13,9 @@ The work, top to bottom:
    threads decode batches of files and this process writes each shard as its rows stream in. Either way a
    shard is written atomically, then its completion record ``shards/shard-0000i.json``; a shard whose record
    exists and verifies is not built again, so a rerun after a crash resumes without rewriting committed shards.
-4. Commit: the manifest is written last, then ``ROOT/latest``.
+4. Commit: the manifest is written last, then ``ROOT/latest``. It records the dataset's per-channel mean and
+   standard deviation over the training split (``stats``), added up exactly from the integer pixel sums each
+   shard's completion record carries.
 
 The driver holds O(number of shards) Python objects (records, block digests) plus, on the native runner, the
 rows of about one shard being assembled: never a list over all rows.
@@ -33,7 +35,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -45,7 +47,7 @@ from ..roots import OUTSIDE_ROOTS, SKIP_KEY, refusal, table_roots
 from ..runner import RUNNERS, configure
 from ..table import format as tf
 from ..transform import TransformSpec
-from . import build, selection
+from . import build, selection, stats
 from . import format as cf
 from . import plan as mp
 from .reader import CacheReader
@@ -110,6 +112,7 @@ class MaterializeResult:
             "fingerprint": self.manifest.fingerprint,
             "samples": self.manifest.num_samples,
             "skipped": self.manifest.skipped,
+            "channel_stats": self.manifest.channel_stats,
             "reused": self.reused,
             "shards": len(self.manifest.shards),
             "shards_written": self.shards_written,
@@ -185,14 +188,37 @@ def _index_key(
 # --------------------------------------------------------------------------------------------- public API
 
 
-def _reuse(root: str, fp: str, t0: float) -> MaterializeResult | None:
+def _reuse(root: str, fp: str, t0: float, log: Callable[[str], None]) -> MaterializeResult | None:
     uri = io.resolve_inside(root, fp, "cache root")  # a fingerprint read from the index is data, not a path
     try:
         manifest = cf.read_manifest(uri)  # checks that the cache is committed: no separate existence check
     except SourceError:  # not committed (or not any more)
         return None
+    if manifest.channel_stats is None:
+        manifest = _add_stats(uri, manifest, log)
     _point_latest(root, fp)
     return MaterializeResult(uri=uri, manifest=manifest, reused=True, seconds=time.perf_counter() - t0)
+
+
+def cache_sums(reader: CacheReader) -> dict[str, dict[str, Any]]:
+    """Exact per-split pixel sums of a committed cache (``stats.split_sums`` over every shard, each verified as
+    it is read), as materialize adds them up from its shards' records."""
+    layout = reader.manifest.layout
+    return stats.combine(stats.split_sums(reader.images(i), reader.column(i, "split").tolist(), layout)
+                         for i in range(reader.num_shards))
+
+
+def _add_stats(uri: str, manifest: cf.CacheManifest, log: Callable[[str], None]) -> cf.CacheManifest:
+    """A cache committed before manifests recorded ``channel_stats``: compute them from its shards once and
+    commit the manifest again with them (an atomic replace; the pixels, and so the fingerprint, are unchanged)."""
+    log(f"materialize: {uri} records no channel statistics (written by an older dutycycle); computing them from "
+        f"its {manifest.num_samples} samples once")
+    reader = CacheReader(uri)
+    if reader.manifest != manifest:  # replaced since it was read: take the newer one as it is
+        return reader.manifest
+    manifest = replace(manifest, channel_stats=stats.channel_stats(cache_sums(reader)))
+    cf.commit(uri, manifest)
+    return manifest
 
 
 def _point_latest(root: str, fp: str) -> None:
@@ -246,7 +272,7 @@ def materialize(
     except (SourceError, CorruptArtifactError):  # no entry, or a damaged one: the index is only a hint
         entry = None
     if isinstance(entry, dict) and isinstance(entry.get("fingerprint"), str):
-        hit = _reuse(cache, entry["fingerprint"], t0)
+        hit = _reuse(cache, entry["fingerprint"], t0, log)
         if hit is not None:
             return hit
 
@@ -274,7 +300,7 @@ def _build(sel: selection.Selection, table: str, tm: tf.TableManifest, cache: st
         raise ConfigError("the table names memory:// images, which live in one process; use --runner native")
     selected = sel.selected
     fp = mp.fingerprint([b[2] for b in sel.blocks], list(tm.classes), spec, settings)
-    hit = _reuse(cache, fp, t0)
+    hit = _reuse(cache, fp, t0, log)
     if hit is not None:
         io.write_json_atomic(index_uri, {"fingerprint": fp})
         return hit
@@ -309,6 +335,8 @@ def _build(sel: selection.Selection, table: str, tm: tf.TableManifest, cache: st
     for rec in records.values():
         skipped.update(rec["skipped"])
         split_counts.update(rec["split_counts"])
+    # exact integer sums per shard, added in shard order: the same statistics on either runner
+    totals = stats.combine(records[i]["pixel_sums"] for i in range(num_shards))
     shards = [cf.ShardInfo(**records[i]["shard"]) for i in range(num_shards) if records[i]["shard"]]
     seconds = time.perf_counter() - t0
     manifest = cf.CacheManifest(
@@ -332,6 +360,7 @@ def _build(sel: selection.Selection, table: str, tm: tf.TableManifest, cache: st
             "seconds": round(seconds, 3),
             "created_at": time.time(),
         },
+        channel_stats=stats.channel_stats(totals),
     )
     if manifest.num_samples == 0:
         raise SourceError(

@@ -31,7 +31,7 @@ from ..imageinfo import TOO_LARGE, UNREADABLE
 from ..imageinfo import sample_id as sample_id_of
 from ..transform import TransformSpec, decode_and_transform
 from . import format as cf
-from . import node
+from . import node, stats
 from .plan import label_index
 
 FETCH_THREADS = 16  # concurrent reads per shard from object stores (latency-bound, not CPU-bound)
@@ -45,8 +45,8 @@ _log = logging.getLogger(__name__)
 
 RECORD_DIGEST = "record_sha256"  # a completion record's checksum of its own content (every other field)
 # every field a record may have: one more (such as a damaged checksum key) is a damaged record
-_RECORD_FIELDS = frozenset({"index", "ids_digest", "shard", "skipped", "split_counts", "worker", "seconds",
-                            RECORD_DIGEST})
+_RECORD_FIELDS = frozenset({"index", "ids_digest", "shard", "skipped", "split_counts", "pixel_sums", "worker",
+                            "seconds", RECORD_DIGEST})
 
 
 def record_name(index: int) -> str:
@@ -85,8 +85,10 @@ def _record_ok(rec: Any, index: int) -> bool:
         and cf.shard_checks_problem(shard) is None
     ):
         return False
+    # a record without pixel sums (an older writer's) reads as not complete: the shard is built again
     return (rec.get("index") == index and isinstance(rec.get("ids_digest"), str)
-            and _is_counts(rec.get("skipped")) and _is_counts(rec.get("split_counts")))
+            and _is_counts(rec.get("skipped")) and _is_counts(rec.get("split_counts"))
+            and stats.sums_ok(rec.get("pixel_sums")))
 
 
 def completed(cache_uri: str, index: int, digest: str) -> dict[str, Any] | None:
@@ -177,21 +179,24 @@ def finish_shard(
     seconds: float = 0.0,
 ) -> dict[str, Any]:
     """Write shard ``index`` from its rows (sample-id order) and their samples (bytes, or a skip reason), then
-    its completion record; returns the record plus ``status: "written"``."""
+    its completion record; returns the record plus ``status: "written"``. The record carries the shard's exact
+    pixel sums per split and channel (``stats.split_sums``), which materialize adds up into the manifest's
+    ``channel_stats``."""
     keep = [k for k, s in enumerate(samples) if not isinstance(s, str)]
     skipped = Counter(s for s in samples if isinstance(s, str))
-    info = None
+    info, sums = None, {}
     if keep:
         pixels = np.frombuffer(b"".join(samples[k] for k in keep), np.uint8).reshape(len(keep), *spec.shape)
-        info = cf.write_shard(
-            cache_uri, index, [ids[k] for k in keep], [labels[k] for k in keep], [splits[k] for k in keep], pixels
-        )
+        kept_splits = [splits[k] for k in keep]
+        info = cf.write_shard(cache_uri, index, [ids[k] for k in keep], [labels[k] for k in keep], kept_splits, pixels)
+        sums = stats.split_sums(pixels, kept_splits, spec.layout)
     rec = {
         "index": index,
         "ids_digest": ids_digest(ids),
         "shard": None if info is None else dataclasses.asdict(info),
         "skipped": dict(skipped),
         "split_counts": dict(Counter(splits[k] for k in keep)),
+        "pixel_sums": sums,
         "worker": worker_name(),
         "seconds": round(seconds, 3),
     }

@@ -3,7 +3,9 @@
     from dutycycle.engine.cache.view import view
     v = view("cache/")          # a committed cache folder or a cache root
     v                           # summary + a thumbnail grid (rendered by Jupyter through _repr_html_)
-    v.stats()                   # dict: samples, shards, bytes, per-class and per-split counts, channel means
+    v.stats()                   # dict: samples, shards, bytes, per-class and per-split counts, channel mean/std
+
+Grey caches (``mode="L"``, one channel) show as grey thumbnails; RGB caches in colour.
     v.thumbnails(48, label="circle")
 """
 
@@ -25,14 +27,14 @@ from .reader import CacheReader
 class Thumbnails:
     """A grid of samples that Jupyter renders inline (PNG data URIs, captioned with label and split)."""
 
-    images: np.ndarray  # [n, H, W, 3] uint8
+    images: np.ndarray  # [n, H, W, C] uint8, C = 3 (RGB) or 1 (grey)
     captions: list[str]
     scale: int = 2
 
     def _png(self, img: np.ndarray) -> str:
         from PIL import Image
 
-        im = Image.fromarray(img)
+        im = Image.fromarray(img[:, :, 0], "L") if img.ndim == 3 and img.shape[2] == 1 else Image.fromarray(img)
         im = im.resize((im.width * self.scale, im.height * self.scale), Image.NEAREST)
         buf = _io.BytesIO()
         im.save(buf, "PNG")
@@ -95,15 +97,24 @@ class CacheView:
         return Thumbnails(self._hwc(images), captions, scale)
 
     def stats(self, max_pixels_samples: int = 2048) -> dict[str, Any]:
-        """Counts from the manifest and the label column; channel mean/std from up to ``max_pixels_samples``."""
+        """Counts from the manifest and the label column; the per-channel mean and standard deviation of the
+        pixels on a 0..1 scale: the manifest's exact statistics of the training split when it records them
+        (``channel_stats_from`` says so), else an estimate from up to ``max_pixels_samples`` samples."""
         m = self.manifest
         labels = self.labels()
         counts = Counter(labels.tolist())
-        n = min(m.num_samples, max_pixels_samples)
-        pick = np.sort(np.random.default_rng(0).permutation(m.num_samples)[:n])
-        shard, row = self.reader.locate(pick)
-        px = self._hwc(np.stack([self.reader.images(int(s))[int(r)] for s, r in zip(shard, row, strict=True)]))
-        px = px.reshape(-1, 3).astype(np.float64)
+        if m.channel_stats is not None:
+            cs = m.channel_stats
+            mean, std = list(cs["mean"]), list(cs["std"])
+            origin = f"manifest: exact, {cs['split']} split, {cs['samples']} samples"
+        else:
+            n = min(m.num_samples, max_pixels_samples)
+            pick = np.sort(np.random.default_rng(0).permutation(m.num_samples)[:n])
+            shard, row = self.reader.locate(pick)
+            px = self._hwc(np.stack([self.reader.images(int(s))[int(r)] for s, r in zip(shard, row, strict=True)]))
+            px = px.reshape(-1, m.channels).astype(np.float64) / 255.0
+            mean, std = px.mean(0).tolist(), px.std(0).tolist()
+            origin = f"estimate from {n} samples (the manifest records none)"
         return {
             "cache": self.reader.uri,
             "fingerprint": m.fingerprint,
@@ -116,8 +127,9 @@ class CacheView:
             "splits": dict(m.split_counts),
             "skipped": dict(m.skipped),
             "spec": dict(m.spec),
-            "channel_mean": [round(float(v), 2) for v in px.mean(0)],
-            "channel_std": [round(float(v), 2) for v in px.std(0)],
+            "channel_mean": [round(float(v), 4) for v in mean],
+            "channel_std": [round(float(v), 4) for v in std],
+            "channel_stats_from": origin,
             "source": m.source,
         }
 

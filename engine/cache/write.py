@@ -1,7 +1,8 @@
 """Write a committed cache from samples already in memory: the same shards and manifest ``materialize`` writes,
 for callers whose pixels are already decoded (synthetic data, tests, benchmark baselines).
 
-Rows are sorted by sample id, as every cache is; shards are written atomically, then the manifest, last.
+Rows are sorted by sample id, as every cache is; shards are written atomically, then the manifest, last, with
+the per-channel statistics of the training split (``stats``) as materialize records them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..transform import LAYOUTS
 from . import format as cf
+from . import stats
 
 
 def write_cache(
@@ -45,6 +47,10 @@ def write_cache(
         raise ConfigError(f"layout={layout!r} is invalid; use one of {', '.join(LAYOUTS)}")
     if not isinstance(rows_per_shard, int) or rows_per_shard < 1:
         raise ConfigError(f"rows_per_shard={rows_per_shard!r} is invalid; use a positive integer")
+    # the statistics materialize records (``stats``), from the pixels at hand (sums need no order); samples of
+    # another rank than [H, W, C] / [C, H, W] (some tests' caches) have no channels to describe
+    sums = stats.split_sums(np.asarray(images, np.uint8), [str(s) for s in splits], layout) \
+        if images.ndim == 4 and n else {}
     order = sorted(range(n), key=ids.__getitem__)  # a cache's rows are in sample-id order
     labels = np.asarray(labels, np.int64)[order]
     splits = [str(splits[i]) for i in order]
@@ -69,6 +75,7 @@ def write_cache(
         spec=dict(spec or {}),
         source=source,
         options=dict(options or {}),
+        channel_stats=stats.channel_stats(sums),
     )
     cf.commit(cache_uri, manifest)
     return manifest

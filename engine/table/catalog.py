@@ -6,7 +6,9 @@ The plan, top to bottom:
    (``scan.py``): new and modified files are probed, rows of modified and deleted files are dropped;
 3. per file, in a Daft UDF (``probe.py``): read the bytes (refusing files over the byte cap unread), hash them, parse the
    header with the allowed decoders only (no pixel decode), check integrity, optionally compute a perceptual
-   hash from a reduced decode; assign the split from the content hash;
+   hash from a reduced decode; assign the split from the content hash, or, for a source laid out in split
+   folders (``train/<class>/...``, ``val/``, ``test/``: ``split.folder_layout``), from the top folder, the label
+   then coming from the folder below it; the manifest's ``options.split_assignment`` records which;
 4. write the new rows, and copies of the old data files that lost rows (copy-on-write), as Parquet into a
    folder of this writer's own, fsync them, then create the manifest of version N+1 if absent (the commit
    point, see ``format.py``). If another writer committed N+1 first, start again from step 2 against its
@@ -34,7 +36,16 @@ from ..roots import canonical as canonical_root
 from . import format as tf
 from . import probe, scan
 from .commit import MAX_COMMIT_ATTEMPTS, check_destination, try_commit, write_rows
-from .split import DEFAULT_SPLIT, SPLIT_NAMES, assign_split, parse_split  # noqa: F401 - the split is ingest's too
+from .split import (  # noqa: F401 - the split is ingest's too
+    DEFAULT_SPLIT,
+    SPLIT_NAMES,
+    FolderLayout,
+    assign_split,
+    describe_assignment,
+    describe_folders,
+    folder_layout,
+    parse_split,
+)
 from .table import read_arrow
 
 
@@ -43,7 +54,10 @@ class IngestConfig:
     source: str
     table: str
     labels: str | None = None  # CSV/JSON mapping file: file name or relative path -> label
-    split: tuple[float, ...] = DEFAULT_SPLIT
+    split: tuple[float, ...] = DEFAULT_SPLIT  # train,val,test fractions of the hash split (unused with split folders)
+    # recognise a source laid out in split folders (train/<class>/..., val/ or validation/, test/): the split
+    # from the top folder, the label from the one below it. False: hash split, label from the first folder level
+    split_folders: bool = True
     phash: bool = True
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # larger files get an error row and are never read
@@ -101,10 +115,13 @@ def load_labels(uri: str) -> dict[str, str]:
     return mapping
 
 
-def label_for(rel: str, mapping: dict[str, str] | None) -> str | None:
-    """Label of a file from its path relative to the source: the mapping (by rel path, then name), else its folder."""
+def label_for(rel: str, mapping: dict[str, str] | None, split_folders: bool = False) -> str | None:
+    """Label of a file from its path relative to the source: the mapping (by rel path, then name), else its first
+    folder level, or with ``split_folders`` the level below its split folder (``train/cat/a.png`` -> ``cat``)."""
     if mapping is not None:
         return mapping.get(rel, mapping.get(posixpath.basename(rel)))
+    if split_folders:
+        rel = rel.partition("/")[2]
     folder = posixpath.dirname(rel)
     return folder.split("/")[0] if folder else None
 
@@ -168,7 +185,8 @@ def ingest(
     table: str,
     *,
     labels: str | None = None,
-    split: str | tuple = DEFAULT_SPLIT,
+    split: str | tuple | None = None,
+    split_folders: bool = True,
     phash: bool = True,
     max_pixels: int = DEFAULT_MAX_PIXELS,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
@@ -182,6 +200,12 @@ def ingest(
 
     New and modified files are probed, rows of deleted files dropped; nothing changed -> no new version.
     Safe to run concurrently with other ingests into the same table (each commits its own version).
+
+    Splits: a source laid out in split folders (``train/<class>/...``, ``val/`` or ``validation/``, ``test/``;
+    see ``split.folder_layout``) takes each row's split from its top folder and its label from the folder below,
+    unless ``split_folders=False``; otherwise ``split`` (train,val,test fractions; default 0.8,0.1,0.1, or the
+    table's own on a re-ingest) splits by content hash. ``split`` together with split folders is refused. A
+    re-ingest assigns splits the way the table's first version did, or is refused naming the difference.
     """
     import pyarrow.compute as pc
 
@@ -190,7 +214,8 @@ def ingest(
         source=source,
         table=table,
         labels=labels,
-        split=parse_split(split),
+        split=parse_split(split) if split is not None else DEFAULT_SPLIT,
+        split_folders=split_folders,
         phash=phash,
         max_pixels=max_pixels,
         max_file_bytes=max_file_bytes,
@@ -209,28 +234,37 @@ def ingest(
     runner_mod.configure(runner_name, ray_address)
 
     probed = tf.SCHEMA.empty_table()  # every row probed so far, kept across commit attempts
+    given_split = split is not None
     for attempt in range(MAX_COMMIT_ATTEMPTS):
         versions = tf.committed_versions(cfg.table)  # listed once: read_manifest() alone would list them again
         previous = tf.read_manifest(cfg.table, versions[-1]) if versions else None
-        _check_compatible(cfg, previous)
         listing = scan.list_source(cfg.source)
         # A table kept inside its own source folder must not ingest its own files.
         inside = pc.starts_with(listing.column("uri"), _table_prefix(cfg.table) + "/")
         listing = listing.filter(pc.invert(inside))
         if not listing.num_rows and previous is None:
             raise SourceError(f"source {cfg.source!r} contains no files; add images or point at another folder")
+        layout = folder_layout(listing.column("rel").to_pylist()) if cfg.split_folders else FolderLayout()
+        cfg = _splits_for(cfg, layout, previous, given_split)
         changes = scan.diff(listing, scan.read_state(cfg.table, previous))
         if cfg.progress_every:
             _progress(
                 f"ingest: {listing.num_rows} files under {cfg.source}: {changes.todo.num_rows} new or modified, "
                 f"{changes.deleted} deleted" + (f" (attempt {attempt + 1})" if attempt else "")
             )
+            if layout.recognised and attempt == 0:
+                _progress(f"ingest: split folders {describe_folders(layout.splits)}: the split from the top folder, "
+                          "the label from the folder below (--no-split-folders: labels from the first level)")
+            elif layout.found and attempt == 0:  # some split folders, beside others: say why they are not used
+                _progress(f"ingest: not split folders: top-level folder(s) {', '.join(layout.others)} beside "
+                          f"{describe_folders(layout.found)} are no split names; labels from the first folder "
+                          "level, splits by content hash")
         counts = {"unchanged": changes.unchanged, "modified": changes.modified, "deleted": changes.deleted,
                   "conflicts": attempt}
         if not changes.any:
             return _finish(cfg, previous, {"version": previous.version, "committed": False, "new_rows": 0,
                                            **counts}, t0, runner_name)
-        probed = _probe_missing(cfg, changes.todo, probed, mapping, runner_name)
+        probed = _probe_missing(cfg, changes.todo, probed, mapping, runner_name, layout)
         new_rows = _select(probed, changes.todo)
         version = (previous.version if previous else 0) + 1
         folder = tf.data_dir(version)
@@ -240,7 +274,7 @@ def ingest(
         affected = set(changes.affected_files)
         kept = [f for k, f in enumerate(previous.files if previous else []) if k not in affected]
         num_rows = (previous.num_rows if previous else 0) - len(changes.drop) + new_rows.num_rows
-        manifest = _manifest(cfg, previous, version, kept + files, num_rows, new_rows)
+        manifest = _manifest(cfg, previous, version, kept + files, num_rows, new_rows, layout)
         if not try_commit(cfg.table, folder, manifest):
             continue
         summary = {"version": version, "committed": True, "new_rows": new_rows.num_rows, **counts}
@@ -251,24 +285,71 @@ def ingest(
     )
 
 
-def _check_compatible(cfg: IngestConfig, previous: tf.TableManifest | None) -> None:
-    if previous is not None and previous.options.get("split") and tuple(previous.options["split"]) != cfg.split:
+def _assignment(options: dict) -> dict:
+    """How a table's splits were assigned (``options.split_assignment``); a table ingested before it was
+    recorded was split by hash with its ``split`` fractions."""
+    got = options.get("split_assignment")
+    if isinstance(got, dict) and got.get("by"):
+        return got
+    return {"by": "hash", "fractions": options.get("split")}
+
+
+def _splits_for(cfg: IngestConfig, layout: FolderLayout, previous: tf.TableManifest | None,
+                given_split: bool) -> IngestConfig:
+    """``cfg`` with the fractions this ingest splits by, after checking that the way splits are assigned (split
+    folders or hash, and the fractions) agrees with what the user asked for and with the table's versions."""
+    from dataclasses import replace
+
+    before = _assignment(previous.options) if previous is not None else None
+    if layout.recognised:
+        if given_split:
+            raise ConfigError(
+                f"--split {','.join(map(str, cfg.split))} was given, but source {cfg.source!r} is laid out in split "
+                f"folders ({describe_folders(layout.splits)}), which assign the splits; drop --split, or pass "
+                "--no-split-folders (split_folders=False) to split by content hash with labels from the first "
+                "folder level"
+            )
+        if before is not None and before["by"] != "folders":
+            raise ConfigError(
+                f"table {cfg.table!r} was split {describe_assignment(before)} with labels from the first folder "
+                f"level, but source "
+                f"{cfg.source!r} is now laid out in split folders ({describe_folders(layout.splits)}); pass "
+                "--no-split-folders (split_folders=False) to keep ingesting it as before, or ingest into a new table"
+            )
+        return cfg
+    if before is not None and before["by"] == "folders":
+        why = ("split folders are turned off (--no-split-folders)" if not cfg.split_folders else
+               f"top-level folder(s) {', '.join(layout.others)} are no split names" if layout.others else
+               "the source has no split folders any more")
         raise ConfigError(
-            f"--split {','.join(map(str, cfg.split))} differs from the table's "
-            f"{','.join(map(str, previous.options['split']))}; pass the same fractions or ingest into a new table"
+            f"table {cfg.table!r} takes its splits from split folders ({describe_folders(before['folders'])}), but "
+            f"now {why}; restore the layout (move other folders out of {cfg.source!r}), or ingest into a new table"
         )
+    if before is not None and before.get("fractions"):
+        if not given_split:  # a re-ingest keeps the table's fractions unless told otherwise
+            return replace(cfg, split=tuple(before["fractions"]))
+        if tuple(before["fractions"]) != cfg.split:
+            raise ConfigError(
+                f"--split {','.join(map(str, cfg.split))} differs from the table's "
+                f"{','.join(map(str, before['fractions']))}; pass the same fractions or ingest into a new table"
+            )
+    return cfg
 
 
-def _probe_missing(cfg: IngestConfig, todo, probed, mapping, runner_name: str):
-    """``probed`` plus the rows of ``todo`` files not probed yet (a retry after a lost commit re-probes none)."""
+def _probe_missing(cfg: IngestConfig, todo, probed, mapping, runner_name: str, layout: FolderLayout):
+    """``probed`` plus the rows of ``todo`` files not probed yet (a retry after a lost commit re-probes none).
+    With split folders, each file's split and label come from its path (``layout``)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     fresh = todo.filter(pc.invert(pc.is_in(scan._key(todo), value_set=scan._key(probed))))
     if not fresh.num_rows:
         return probed
-    labels = [label_for(rel, mapping) for rel in fresh.column("rel").to_pylist()]
-    return pa.concat_tables([probed, probe.run_probe(cfg, fresh, labels, runner_name, _progress)])
+    rels = fresh.column("rel").to_pylist()
+    folders = layout.recognised
+    labels = [label_for(rel, mapping, folders) for rel in rels]
+    splits = [layout.split_of(rel) for rel in rels] if folders else None
+    return pa.concat_tables([probed, probe.run_probe(cfg, fresh, labels, runner_name, _progress, splits)])
 
 
 def _select(probed, todo):
@@ -279,13 +360,20 @@ def _select(probed, todo):
 
 
 def _manifest(
-    cfg: IngestConfig, previous: tf.TableManifest | None, version: int, files: list[str], num_rows: int, new_rows
+    cfg: IngestConfig, previous: tf.TableManifest | None, version: int, files: list[str], num_rows: int, new_rows,
+    layout: FolderLayout,
 ):
-    """Version ``version``'s manifest. Classes only grow, so a label keeps its index across versions."""
+    """Version ``version``'s manifest. Classes only grow, so a label keeps its index across versions; so do the
+    split folders named in ``split_assignment``."""
     import pyarrow.compute as pc
 
     good = new_rows.filter(pc.and_(pc.is_null(new_rows.column("error")), pc.is_valid(new_rows.column("label"))))
     classes = set(previous.classes if previous else []) | set(good.column("label").to_pylist())
+    if layout.recognised:
+        before = _assignment(previous.options).get("folders", {}) if previous else {}
+        assignment = {"by": "folders", "folders": dict(sorted({**before, **layout.splits}.items()))}
+    else:
+        assignment = {"by": "hash", "fractions": list(cfg.split)}
     return tf.TableManifest(
         version=version,
         files=files,
@@ -294,7 +382,11 @@ def _manifest(
         source=cfg.source,
         lineage=previous.lineage if previous else {},
         options={
-            "split": list(cfg.split),
+            # the hash split's fractions; null when split folders assign the splits
+            "split": None if layout.recognised else list(cfg.split),
+            # how each row's split was assigned: {"by": "hash", "fractions": [...]} or {"by": "folders",
+            # "folders": {folder: split}} (a curated table's save may record {"by": "resplit", ...})
+            "split_assignment": assignment,
             "phash": cfg.phash,
             "labels": cfg.labels,
             "max_pixels": cfg.max_pixels,
@@ -312,6 +404,7 @@ def _finish(
         "table": cfg.table,
         "source": cfg.source,
         "runner": runner_name,
+        "split_assignment": _assignment(manifest.options),
         **summary,
         **counts,
         "seconds": round(time.time() - t0, 3),

@@ -136,6 +136,11 @@ def save(view, uri: str, overwrite: bool = False) -> tf.TableManifest:
     check_destination(uri)
     rows = view.to_arrow().sort_by("uri")
     filters = [op[len("where ") :] for op in view.operations if op.startswith("where ")]
+    options = dict(view.manifest.options)
+    resplits = [op for op in view.operations if op.startswith("resplit(")]
+    if resplits:  # the splits are no longer the parent's (hash or split folders): say how they were made
+        before = options.get("split_assignment") or {"by": "hash", "fractions": options.get("split")}
+        options["split_assignment"] = {"by": "resplit", "operation": resplits[-1], "before": before}
     return write_version(
         uri,
         rows,
@@ -148,5 +153,5 @@ def save(view, uri: str, overwrite: bool = False) -> tf.TableManifest:
             "filter": " AND ".join(f"({f})" for f in filters),
             "operations": list(view.operations),
         },
-        options=dict(view.manifest.options),
+        options=options,
     )

@@ -123,9 +123,11 @@ def probe_udf(
     return probe_file
 
 
-def run_probe(cfg, todo, labels: list[str | None], runner: str, progress) -> pa.Table:
+def run_probe(cfg, todo, labels: list[str | None], runner: str, progress,
+              splits: list[str | None] | None = None) -> pa.Table:
     """Probe the listing rows ``todo`` (an Arrow table: uri, rel, size_bytes, modified) labelled ``labels``, with
-    the options of ``cfg`` (an ``IngestConfig``); returns their table rows sorted by URI."""
+    the options of ``cfg`` (an ``IngestConfig``); returns their table rows sorted by URI. ``splits``: each row's
+    split from its split folder (None for a file outside them), in place of the hash split."""
     import daft
     from daft import col
 
@@ -169,4 +171,11 @@ def run_probe(cfg, todo, labels: list[str | None], runner: str, progress) -> pa.
             progress(f"ingest: {done}/{n} files")
             next_report = (done // cfg.progress_every + 1) * cfg.progress_every
     table = pa.Table.from_batches(batches) if batches else tf.SCHEMA.empty_table()
-    return table.select(tf.SCHEMA.names).cast(tf.SCHEMA).sort_by("uri")
+    table = table.select(tf.SCHEMA.names).cast(tf.SCHEMA)
+    if splits is not None:  # the folders' splits, matched to the rows by URI (Daft may return them in any order)
+        import pyarrow.compute as pc
+
+        at = pc.index_in(table.column("uri").combine_chunks(), value_set=todo.column("uri").combine_chunks())
+        table = table.set_column(table.schema.get_field_index("split"), tf.SCHEMA.field("split"),
+                                 pa.array(splits, pa.string()).take(at))
+    return table.sort_by("uri")

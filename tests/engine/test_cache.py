@@ -334,6 +334,8 @@ def test_cli_ray_runner_matches_native(tmp_path):
     ray_m = cf.read_manifest(summary["cache"])
     assert [s.sha256 for s in ray_m.shards] == [s.sha256 for s in native.manifest.shards]
     assert ray_m.options["runner"] == "ray"
+    # the statistics, added up from the records of shards built in Ray tasks, are the native run's exactly
+    assert ray_m.channel_stats == native.manifest.channel_stats and ray_m.channel_stats["split"] == "train"
 
 
 def test_public_names_resolve():

@@ -66,6 +66,7 @@ def test_two_node_ray_cluster_builds_the_same_bytes_as_native(tmp_path):
     assert ray_m.fingerprint == native.manifest.fingerprint and ray_m.options["runner"] == "ray"
     assert ray_m.skipped == native.manifest.skipped == {"table_error": 2, "truncated": 1, "duplicate": 1}
     assert ray_m.split_counts == native.manifest.split_counts and len(ray_m.shards) == 10
+    assert ray_m.channel_stats == native.manifest.channel_stats is not None  # exact sums from both nodes' shards
     for a, b in zip(ray_m.shards, native.manifest.shards, strict=True):
         assert a == b  # path, rows, bytes, sha256
         assert (Path(out["uri"]) / a.path).read_bytes() == (Path(native.uri) / b.path).read_bytes()

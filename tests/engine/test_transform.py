@@ -56,7 +56,7 @@ def test_spec_is_frozen_hashable_and_round_trips():
         ({"resample": "cubic"}, "resample"),
         ({"layout": "NHWC"}, "layout"),
         ({"dtype": "float32"}, "dtype"),
-        ({"mode": "L"}, "mode"),
+        ({"mode": "CMYK"}, "mode"),
         ({"exif": "yes"}, "exif"),
         ({"background": "grey"}, "background"),
     ],

@@ -33,8 +33,14 @@ def cfg(**kw):
 
 def test_raw_equals_cache_batch_for_batch(data):
     table, cache, _ = data
-    raw = RawLoader(table, SPEC, "train", config=cfg(mode="sync"))
     cached = CacheLoader(cache, "train", config=cfg(mode="sync"))
+    # the raw path has no statistics of its own: given the cache's (what the cache loader resolved), it
+    # normalizes alike
+    a = cached.config.augment
+    assert cached.normalize_from.startswith("the dataset's statistics") and len(a.mean) == 3
+    raw = RawLoader(table, SPEC, "train", config=cfg(mode="sync", augment=AugmentConfig(
+        crop_padding=2, flip=True, mean=a.mean, std=a.std)))
+    assert raw.normalize_from == "config" and raw.config.augment == a
     assert raw.fingerprint == cached.fingerprint and len(raw) == len(cached) > 1
     assert (raw.shape, raw.layout, raw.classes) == (cached.shape, cached.layout, cached.classes)
     raw.set_epoch(1)

@@ -53,6 +53,13 @@ def normalization(loader) -> dict | None:
     return {"mean": [float(v) for v in a.mean], "std": [float(v) for v in a.std]} if a.normalize else None
 
 
+def same_normalization(config: LoaderConfig, loader) -> LoaderConfig:
+    """``config`` normalizing with exactly the mean and std ``loader`` applies (its resolved ones: the dataset's
+    statistics by default), so validation sees pixels scaled as training saw them."""
+    a = loader.config.augment
+    return dataclasses.replace(config, augment=dataclasses.replace(config.augment, mean=a.mean, std=a.std))
+
+
 class LoaderSource:
     """Adapts a ``dutycycle.loader`` loader: images to float [B, C, H, W] whatever the cache layout. ``delay_s``
     sleeps that long before every batch: a deliberately slow loader (``data.slow_ms``)."""
@@ -151,11 +158,11 @@ def _loader_sources(cfg, rank: int, world_size: int):
     train_cfg, val_cfg = d.loader_configs(cfg.run.seed, world_size)
     if d.source == "cache":
         train = CacheLoader(d.cache, "train", rank, world_size, config=train_cfg)
-        val = CacheLoader(d.cache, "val", rank, world_size, config=val_cfg)
+        val = CacheLoader(d.cache, "val", rank, world_size, config=same_normalization(val_cfg, train))
     else:
         spec = TransformSpec(size=d.size)
         train = RawLoader(d.table, spec, "train", rank, world_size, config=train_cfg)
-        val = RawLoader(d.table, spec, "val", rank, world_size, config=val_cfg)
+        val = RawLoader(d.table, spec, "val", rank, world_size, config=same_normalization(val_cfg, train))
     shape, layout = tuple(train.shape), train.layout
     channels, size = (shape[0], shape[1]) if layout == "CHW" else (shape[2], shape[0])
     if d.source == "cache":

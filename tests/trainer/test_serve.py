@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -323,6 +324,16 @@ def test_predict_files_and_a_folder_with_broken_files(run, tmp_path, capsys, mon
     assert [(r["label_1"], r["label_2"]) for r in good] == [tuple(CLASSES[j] for j in i) for i in top.indices]
     got = np.array([[float(r["probability_1"]), float(r["probability_2"])] for r in good])
     assert np.abs(got - top.values.numpy()).max() <= tolerance(model.module, [logits]) / 2 + 1e-7
+
+    # a folder on any fsspec location: its URIs as the listing gives them under the folder as typed
+    memory = fsspec.filesystem("memory")
+    for i, name in enumerate(names[:3]):
+        memory.pipe(f"/serve-test/{'sub/' if i % 2 else ''}{Path(name).name}", Path(name).read_bytes())
+    assert main(["predict", str(run["run"]), "memory://serve-test/", "--out", "m.csv"]) == 0
+    assert [r["path"] for r in csv.DictReader(open("m.csv"))] == sorted(
+        f"memory://serve-test/{'sub/' if i % 2 else ''}{Path(n).name}" for i, n in enumerate(names[:3]))
+    memory.rm("/serve-test", recursive=True)
+    capsys.readouterr()
 
     # no --out: the CSV on standard output, the summary on standard error
     assert main(["predict", str(run["run"]), "single.jpg", "--top-k", "1"]) == 0

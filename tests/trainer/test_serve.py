@@ -268,7 +268,7 @@ def test_export_names_the_step_a_model_fails_and_writes_nothing(run, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_synthetic_fp64_model_keeps_its_dtype_and_asks_for_a_transform(tmp_path):
+def test_synthetic_fp64_model_keeps_its_dtype_and_asks_for_a_transform(tmp_path, capsys):
     cfg = load_config(None, ["data.source=synthetic", "data.size=16", "data.global_batch_size=16",
                              "data.synthetic_samples=32", "model.width=8", "model.depth=1", "model.groups=4",
                              "run.max_steps=1", "run.eval_every=0", "run.log_every=0", "run.precision=fp64",
@@ -280,6 +280,8 @@ def test_synthetic_fp64_model_keeps_its_dtype_and_asks_for_a_transform(tmp_path)
     image.write_bytes(png_bytes(shape_image(0, 20, 20)[0]))
     with pytest.raises(ConfigError, match="transform=TransformSpec"):
         model.preprocess(str(image))
+    assert main(["predict", str(tmp_path / "run"), str(image)]) == 2  # one error for the run, not one per file
+    assert "records no image transform" in capsys.readouterr().err
     chosen = load_model(str(tmp_path / "run"), transform=TransformSpec(size=16, resize="stretch"))
     (p,) = chosen.predict([str(image)], top_k=4)
     assert sorted(p.labels) == sorted(chosen.classes) and sum(p.probabilities) == pytest.approx(1.0, abs=1e-12)

@@ -102,6 +102,7 @@ def _export(args: argparse.Namespace) -> int:
         print(f"  {r['files'][kind]}: max |difference| from the model {check['max_abs_diff']:.3g}{runtime} "
               f"(tolerance {check['tolerance']:.3g}, batches of {' and '.join(map(str, check['batch_sizes']))})")
     if r["files"]["onnx"] is None:
-        print("  no ONNX file: install onnx and onnxscript to write one")
+        print("  no ONNX file (--no-onnx)" if args.onnx is False else
+              "  no ONNX file: install onnx and onnxscript to write one")
     print(f"  {r['out']}/preprocessing.json: the decode and resize a consumer applies, the classes")
     return 0

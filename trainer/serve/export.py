@@ -111,6 +111,9 @@ def export_model(model: TrainedModel | str, out: str | None = None, *, onnx: boo
     if onnx_bytes is not None:
         io.write_bytes_atomic(io.join(out, ONNX_FILE), onnx_bytes)
     io.write_json_atomic(io.join(out, FACTS_FILE), facts)  # last: it names the files above
+    if onnx_bytes is None and io.exists(io.join(out, ONNX_FILE)):  # an earlier export's, which no longer matches
+        fs, path = io.filesystem(io.join(out, ONNX_FILE))
+        fs.rm(path)
     return {**facts, "out": out, "seconds": round(time.perf_counter() - t0, 3)}
 
 

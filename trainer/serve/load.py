@@ -18,6 +18,7 @@ the name comes from the file.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -114,12 +115,13 @@ def _check_k(k: int, num_classes: int) -> int:
     return min(k, num_classes)
 
 
-def model_file(run: str) -> str:
+def model_file(run: str | os.PathLike) -> str:
     """The model file of ``run``: a run directory (its ``model.safetensors``) or the file itself."""
-    return run if str(run).endswith(".safetensors") else io.join(str(run), MODEL_FILE)
+    run = os.fspath(run)
+    return run if run.endswith(".safetensors") else io.join(run, MODEL_FILE)
 
 
-def load_model(run: str, *, device: str | torch.device | None = None, trust_plugin: bool = False,
+def load_model(run: str | os.PathLike, *, device: str | torch.device | None = None, trust_plugin: bool = False,
                transform: TransformSpec | None = None) -> TrainedModel:
     """The network a run trained, from ``RUN/model.safetensors`` alone (no config, cache or table needed), in eval
     mode on ``device`` (default CPU). ``run``: a run directory or a ``.safetensors`` path (any fsspec URI).

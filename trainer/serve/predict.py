@@ -121,6 +121,7 @@ def classify(model: TrainedModel, paths: list[str], top_k: int, batch_size: int 
     """One ``Row`` per path, in order. Decoding runs on ``threads`` threads, one batch ahead of the model."""
     if batch_size < 1:
         raise ConfigError(f"--batch-size {batch_size} must be at least 1")
+    model.preprocess.require_spec()  # a model with no usable transform is one error, not one per file
     chunks = [paths[i:i + batch_size] for i in range(0, len(paths), batch_size)]
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="dutycycle-predict") as pool:
         pending = [pool.submit(_decode, model, p, roots) for p in chunks[0]] if chunks else []

@@ -55,7 +55,7 @@ class Preprocess:
         """The transform's uint8 output for ``image``, channels first ``[C, H, W]``: what the cache holds for the
         same file. Raises ``DecodeError`` (its ``reason`` one of ``imageinfo``'s) for a file that is no usable
         image."""
-        spec = self._require_spec()
+        spec = self.require_spec()
         if isinstance(image, (str, os.PathLike)):
             arr = decode_and_transform(read_file(os.fspath(image), self.max_file_bytes), spec, self.max_pixels)
         elif isinstance(image, (bytes, bytearray, memoryview)):
@@ -67,7 +67,8 @@ class Preprocess:
                             "or a PIL image")
         return self._channels_first(arr)
 
-    def _require_spec(self) -> TransformSpec:
+    def require_spec(self) -> TransformSpec:
+        """The transform, or ``ConfigError`` saying why there is none and how to give one."""
         if self.spec is None:
             raise ConfigError(f"{self.no_spec}; pass transform=TransformSpec(size=...) to load_model to choose one, "
                               "or give normalize_pixels() uint8 arrays yourself")

@@ -2,6 +2,7 @@
 
     import dutycycle
     cfg = dutycycle.load_config("configs/demo.toml")      # or a run directory's config.json
+    model = dutycycle.load_model("runs/demo")             # the trained network, its classes and preprocessing
 
 The work lives in ``dutycycle.engine`` (tables and the cache), ``dutycycle.loader`` (batches) and
 ``dutycycle.trainer`` (training, diagnosis, the CLI); this package only re-exports. Importing it is cheap: every
@@ -16,6 +17,8 @@ from dutycycle.engine._lazy import lazy_exports
 _LAZY = {
     "load_config": "dutycycle.trainer.config",
     "train": "dutycycle.trainer.launch.train",
+    "load_model": "dutycycle.trainer.serve.load",
+    "export_model": "dutycycle.trainer.serve.export",
     "ingest": "dutycycle.engine.table.catalog",
     "open_table": "dutycycle.engine.table.table",
     "materialize": "dutycycle.engine.cache.materialize",

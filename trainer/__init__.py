@@ -9,6 +9,7 @@ Layout, bottom of the import graph first (each imports only from those above it)
     step/         the step loop and its time account, batch sources, models, optimizers, metrics, the run report
     launch/       in this process, on Ray Train, or under torchrun; results back to the driver
     diagnose/     short measured experiments and a verdict on what a run waits for
+    serve/        after training: load_model, preprocessing, ``dutycycle predict`` and ``dutycycle export``
     app/          the ``dutycycle`` command for every package, the demo and its fault injection
 
 Python API (the same as ``dutycycle train`` / ``dutycycle demo``)::

@@ -11,7 +11,9 @@ whitespace swapped for other whitespace) of
   trainer state, the tensors through DCP); ``metadata.json`` also without the manifest's checksums in front, to
   exercise its own parser (``storage.read_state``);
 - the loader state inside ``trainer_state.json`` (mutations only inside its ``"loader"`` object), read as resume
-  reads it and loaded into the trainer's ``ArraySource``.
+  reads it and loaded into the trainer's ``ArraySource``;
+- a run's ``model.safetensors``, read by ``load_model``: the whole file (tensors and header), and its JSON header
+  alone (where the metadata is: mutations that keep the JSON valid).
 
 Each mutated artifact must give one of two outcomes:
 
@@ -24,10 +26,11 @@ a ``DutycycleError`` that does not say which artifact, a different result read w
 (every case has a timeout). For the shard completion record a third outcome is right: ``None``, "not complete",
 after which materialize builds the shard again (the record is a resume hint, the shard's checksum decides).
 
-Cases are numbered and seeded (40 per artifact, 360 in all). The engine's artifacts are built byte-for-byte the
+Cases are numbered and seeded (40 per artifact, 440 in all). The engine's artifacts are built byte-for-byte the
 same on every run (fixed times, writer ids and folder names), so each of their cases is the same mutation of the
-same bytes everywhere; the checkpoint's timings and RNG states differ per run, so its cases differ slightly from
-run to run. A truncation that removed more than whitespace can never read equal: the reader must notice it.
+same bytes everywhere; the checkpoint's timings and RNG states differ per run, and so do the model file's creation
+time and code revision, so their cases differ slightly from run to run. A truncation that removed more than
+whitespace can never read equal: the reader must notice it.
 """
 
 from __future__ import annotations
@@ -334,6 +337,46 @@ def read_loader_state(root: str):
     return source.position(), batch["sample_id"], batch["image"].sum().item()
 
 
+# --- a run's model file
+
+
+def build_model_file(root: str) -> str:
+    """A ``model.safetensors`` as a run writes it: a small CNN's tensors with its dutycycle metadata."""
+    import torch
+    from dutycycle.engine.transform import TransformSpec
+    from dutycycle.trainer.config import load_config
+    from dutycycle.trainer.parallel.state import to_safetensors
+    from dutycycle.trainer.step.data import DataInfo
+    from dutycycle.trainer.step.modelfile import model_metadata, weights_digest
+    from dutycycle.trainer.step.models import build_model
+
+    cfg = load_config(None, ["data.source=synthetic", "model.width=4", "model.depth=1", "model.groups=2"])
+    torch.manual_seed(0)
+    state = build_model(cfg.model, 3, 2, 8).state_dict()
+    info = DataInfo(2, 3, 8, 10, 2, fingerprint="fuzz", classes=["circle", "square"],
+                    normalize={"mean": [0.5], "std": [0.25]}, spec=TransformSpec(size=8).to_dict())
+    os.makedirs(os.path.join(root, "run"))
+    with open(os.path.join(root, "run", "model.safetensors"), "wb") as f:
+        f.write(to_safetensors(state, model_metadata(cfg, info, state, weights_digest(state))))
+    return os.path.join("run", "model.safetensors")
+
+
+def header_span(data: bytes) -> tuple[int, int]:
+    """The JSON header of a safetensors file: after its 8-byte length, that many bytes."""
+    return 8, 8 + int.from_bytes(data[:8], "little")
+
+
+def read_model_file(root: str):
+    """``load_model`` of the run: its metadata and the network's logits on a fixed input."""
+    import torch
+    from dutycycle.trainer.serve.load import load_model
+
+    model = load_model(os.path.join(root, "run"))
+    with torch.no_grad():
+        logits = model(torch.linspace(-1, 1, 2 * 3 * 8 * 8).reshape(2, 3, 8, 8))
+    return model.metadata.to_dict(), repr(model.preprocess), logits.tolist()
+
+
 ARTIFACTS = {a.name: a for a in [
     Artifact("table_manifest", build_table, read_table, ("v00001.json",)),
     Artifact("table_manifest_copy", build_table_copy_only, read_table, ("_manifest.json",)),
@@ -347,6 +390,8 @@ ARTIFACTS = {a.name: a for a in [
              ("metadata.json",)),
     Artifact("loader_state", build_loader_state, read_loader_state, ("loader state", "trainer_state.json"),
              span=loader_span),
+    Artifact("model_file", build_model_file, read_model_file, ("model.safetensors",), is_json=False),
+    Artifact("model_file_header", build_model_file, read_model_file, ("model.safetensors",), span=header_span),
 ]}
 
 # ---------------------------------------------------------------------------------------------- the round

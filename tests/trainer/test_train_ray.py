@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from dutycycle.engine.synth import synthesize_cache
 from dutycycle.trainer.config import load_config
 from dutycycle.trainer.launch.train import train
+from dutycycle.trainer.serve.load import load_model
 
 pytestmark = pytest.mark.ray
 
@@ -42,6 +44,9 @@ def test_two_workers_on_ray_train_at_stage3_match_the_local_launch(ray_cluster, 
     assert summary["val_loss"] == pytest.approx(local["val_loss"], rel=1e-10)
     a, b = load_file(tmp_path / "run" / "model.safetensors"), load_file(tmp_path / "local" / "model.safetensors")
     assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-10
+    # rank 0 wrote the gathered weights with their metadata: they load alone, as trained (float64)
+    model = load_model(str(tmp_path / "run"))
+    assert model.metadata.weights["sha256"] == summary["weights_sha256"] and model.input_dtype == torch.float64
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 24

@@ -28,8 +28,9 @@ def sharded_state_dict(strategy, optimizer) -> tuple[dict, dict]:
     return get_state_dict(strategy.module, optimizer)
 
 
-def to_safetensors(state: dict[str, torch.Tensor]) -> bytes:
-    """Serialize a consolidated state dict (tied tensors are stored once per name, contiguous copies)."""
+def to_safetensors(state: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """Serialize a consolidated state dict (tied tensors are stored once per name, contiguous copies), with
+    safetensors' string ``metadata`` in its header (``step.modelfile``: what the model needs to stand alone)."""
     from safetensors.torch import save
 
-    return save({k: v.detach().contiguous().clone() for k, v in state.items()})
+    return save({k: v.detach().contiguous().clone() for k, v in state.items()}, metadata=metadata)

@@ -10,6 +10,7 @@ from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, zer
 from dutycycle.trainer.parallel.state import full_state_dict, to_safetensors
 from dutycycle.trainer.parallel.tensor import expected_for
 
+from .modelfile import MODEL_FILE, model_metadata, weights_digest
 from .optim import optimizer_state_tensors
 from .timing import ALL_PHASES, gather_stats
 
@@ -28,8 +29,11 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
     held_keys = ("params", "grads", "optimizer", "residuals", "optimizer_file")
     held = gather_stats([sampler.peak[k] for k in held_keys])
     full = full_state_dict(strategy)  # a collective; rank 0 gets the tensors
+    digest = weights_digest(full) if ctx.rank == 0 else None
     if ctx.rank == 0 and ctx.run_dir and cfg.run.save_model:
-        io.write_bytes_atomic(io.join(ctx.run_dir, "model.safetensors"), to_safetensors(full))
+        # the weights with what they need to stand alone (class names, preprocessing, model, lineage): modelfile.py
+        metadata = model_metadata(cfg, info, full, digest)
+        io.write_bytes_atomic(io.join(ctx.run_dir, MODEL_FILE), to_safetensors(full, metadata))
 
     plan = strategy.plan
     master = torch.finfo(strategy.compute_dtype).bits // 8
@@ -61,7 +65,7 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
             "micro_batches": cfg.data.micro_batches, "data_source": cfg.data.source,
             "data_fingerprint": info.fingerprint, "data": info.to_dict(), "parallel": parallel, "memory": memory,
             "threads_per_worker": torch.get_num_threads(),
-            "weights_sha256": weights_digest(full) if ctx.rank == 0 else None,
+            "weights_sha256": digest,
             **ctx.info,
         },
     )
@@ -92,16 +96,3 @@ def _parallel(cfg, strategy, precision: str, *, numel: int, compute: int, master
         "expected_traffic_per_step": expected_traffic(plan, gathered_bytes, reduced_bytes),
         "eval_traffic": strategy.meter.traffic["eval"].to_dict(),
     }
-
-
-def weights_digest(state: dict) -> str:
-    """sha256 over a consolidated state dict's tensors: equal digests mean bit-identical weights."""
-    import hashlib
-
-    import torch
-
-    h = hashlib.sha256()
-    for name, p in sorted(state.items()):
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()

@@ -121,6 +121,11 @@ class ModelSection:
     heads: int = 4  # vit only
     patch: int = 4  # vit only
     groups: int = 8  # GroupNorm groups (world-size-invariant normalization)
+    # BatchNorm layers of the model (a plug-in's: the built-in models use GroupNorm) take their training batch
+    # statistics over the whole data-parallel group's micro-batch instead of each rank's own: converted before
+    # DDP / FSDP2 wrap the model (torch's SyncBatchNorm on CUDA, trainer/parallel/batchnorm.py's on CPU), so N
+    # ranks of B samples train as one process on N x B. Off, such a model warns once when data-parallel.
+    sync_batchnorm: bool = False
 
     def check(self, where: str) -> None:
         positive(where, self, "width", "depth")

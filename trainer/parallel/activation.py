@@ -4,7 +4,9 @@ the blocks for activation memory that no longer grows with depth.
 
 Applied before DDP / ``fully_shard`` (trainer/parallel/apply.py), as torchtitan does: FSDP2 then shards the
 wrapped block, so its all-gather hooks sit outside the recomputed region and backward's all-gather (stage 3)
-happens before recomputation, which runs once per micro-batch on unsharded parameters.
+happens before recomputation, which runs once per micro-batch on unsharded parameters. BatchNorm layers in a
+block hold their running statistics during the recomputation (``context_fn``), so they are updated once per
+forward, as without checkpointing.
 
 Names. torch's ``checkpoint_wrapper`` (torchtitan's ``ptd_checkpoint_wrapper``) puts the block under a
 ``_checkpoint_wrapped_module`` child. Everything that is saved keeps the plain model's names: the wrapper's
@@ -18,8 +20,12 @@ trainer keys on those names, and we keep torch's wrapper rather than patching ``
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 from dutycycle.engine.errors import ConfigError
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 def checkpoint_blocks(model: nn.Module) -> list[str]:
@@ -45,6 +51,32 @@ def checkpoint_blocks(model: nn.Module) -> list[str]:
         # NO_REENTRANT: works with DDP's unused-parameter search, FSDP2's hooks and keyword arguments, and
         # recomputes only what backward needs. preserve_rng_state: dropout draws the same masks on recomputation,
         # so gradients equal those without checkpointing (the RNG stream after forward is unchanged too).
-        blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True)
+        # context_fn: the recomputation runs with BatchNorm's running statistics held (below)
+        blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True,
+                                       context_fn=functools.partial(_contexts, block))
     return names
 
+
+def _contexts(block: nn.Module):
+    """torch.utils.checkpoint's ``context_fn``: nothing around the forward; around its recomputation in backward,
+    the block's BatchNorm layers hold their running statistics, so these are updated once per forward, not again
+    by the recomputation (torch updates them twice). In training mode the layers normalize with the batch's
+    statistics either way, so the recomputed activations are the forward's."""
+    return contextlib.nullcontext(), _running_stats_held(block)
+
+
+@contextlib.contextmanager
+def _running_stats_held(block: nn.Module):
+    """Momentum 0 (the update becomes ``0 * batch + 1 * running``: the same bits) and the forward count put back.
+    The layers still receive their running statistics, so the recomputation saves the tensors the forward saved
+    (torch's checkpoint checks that); nothing the backward reads is modified in place."""
+    layers = [(m, m.momentum, m.num_batches_tracked.clone()) for m in block.modules()
+              if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+    for m, _, _ in layers:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, momentum, count in layers:
+            m.momentum = momentum
+            m.num_batches_tracked.copy_(count)

@@ -27,6 +27,13 @@ from dutycycle.trainer.cluster.world import World
 from torch import nn
 
 from .activation import checkpoint_blocks
+from .batchnorm import (
+    BatchNormWarning,
+    batchnorm_layers,
+    convert_batchnorm,
+    data_parallel_group,
+    unsynced_warning,
+)
 from .comm import (
     CommMeter,
     CountingAllGather,
@@ -71,6 +78,7 @@ class Strategy:
     tensor_traffic: object = None  # tensor.TensorTraffic of the first step, once it ran
     sequence_parallel: bool = False
     dims: ParallelDims | None = None  # the degrees it was built for (dims.py)
+    synced_batchnorm: list[str] = field(default_factory=list)  # BatchNorm layers synchronized (batchnorm.py)
 
     @contextlib.contextmanager
     def micro_step(self, micro: int):
@@ -199,7 +207,7 @@ def shard_units(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str
 
 
 def parallelize(model: nn.Module, parallel, world: World, *, device: torch.device, precision: str = "fp32",
-                micro_batches: int = 1) -> Strategy:
+                micro_batches: int = 1, sync_batchnorm: bool = False) -> Strategy:
     """Wrap ``model`` (already on ``device``, identical on every rank) for data-parallel training.
 
     ``parallel`` is the config's parallel section (``trainer.config.ParallelSection``): the ZeRO stage, offload,
@@ -209,7 +217,10 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     intra/inter-node split of the byte counts, hpZ's secondary shard and two-hop qgZ. The rest is the run's:
     ``precision`` is the resolved compute precision: ``"fp32"``, ``"fp64"`` (the model is float64 already) or
     ``"bf16"`` (stage 0: the loop autocasts; stages 1-3: FSDP2 keeps fp32 sharded master weights, gathers bf16
-    parameters and reduces gradients in fp32); ``micro_batches`` per optimizer step (``data.micro_batches``)."""
+    parameters and reduces gradients in fp32); ``micro_batches`` per optimizer step (``data.micro_batches``);
+    ``sync_batchnorm`` (``model.sync_batchnorm``): BatchNorm statistics over the data-parallel group
+    (batchnorm.py), converted before any wrapping; off, a model with BatchNorm on several data-parallel ranks
+    gets one warning (rank 0)."""
     p, world_size = parallel, world.size
     topology = Topology(world.node_ids)  # as the ranks reported it (cluster/topology.py)
     meter = CommMeter(world.rank, topology, host_timing=device.type == "cpu")
@@ -222,9 +233,12 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     quant = make_quantization(p, world)
     compute_dtype = torch.float64 if precision == "fp64" else torch.float32
     tp_mesh = tensor_rank = tensor_numel = None
-    if dims.tp_enabled:  # first, as torchtitan orders it: tensor parallelism, activation checkpointing, FSDP2
+    if dims.tp_enabled:
         ensure_process_group(device)
         tp_mesh = dims.build_mesh(device)
+    # before anything wraps the model, so that a tensor-parallel plan, DDP and FSDP2 all see the synced layers
+    model, synced = _batchnorm(model, dims, world.rank, device, tp_mesh, meter, sync_batchnorm)
+    if dims.tp_enabled:  # first, as torchtitan orders it: tensor parallelism, activation checkpointing, FSDP2
         tensor_numel = apply_tensor_parallel(model, tp_mesh["tensor"], p.sequence_parallel)
         tensor_rank = tp_mesh["tensor"].get_local_rank()
     if p.activation_checkpointing:
@@ -234,14 +248,14 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     if not plan.fsdp:
         if world_size == 1:
             return Strategy(model=model, module=model, plan=plan, meter=meter, compute_dtype=compute_dtype,
-                            dims=dims)
+                            dims=dims, synced_batchnorm=synced)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=p.bucket_mb,
                   gradient_as_bucket_view=True, find_unused_parameters=p.find_unused_parameters)
         ddp.register_comm_hook(None, counting_allreduce_hook(meter))
         return DDPStrategy(model=ddp, module=model, plan=plan, meter=meter, name="ddp",
-                           compute_dtype=compute_dtype, dims=dims)
+                           compute_dtype=compute_dtype, dims=dims, synced_batchnorm=synced)
 
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -278,7 +292,25 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     return FSDPStrategy(model=model, module=model, plan=plan, meter=meter, name="fsdp2",
                         compute_dtype=compute_dtype, units=[n for n, _ in units], quant=quant,
                         tensor_rank=tensor_rank or 0, tensor_numel=tensor_numel,
-                        sequence_parallel=dims.tp_enabled and p.sequence_parallel, dims=dims)
+                        sequence_parallel=dims.tp_enabled and p.sequence_parallel, dims=dims,
+                        synced_batchnorm=synced)
+
+
+def _batchnorm(model: nn.Module, dims: ParallelDims, rank: int, device: torch.device, tp_mesh, meter: CommMeter,
+               sync: bool) -> tuple[nn.Module, list[str]]:
+    """BatchNorm under data parallelism (batchnorm.py): the model with its BatchNorm layers synchronized over the
+    data-parallel group and their names, when asked and there is more than one data-parallel rank; otherwise the
+    model as it is, with one warning on rank 0 when its BatchNorm layers would normalize per rank."""
+    layers = batchnorm_layers(model)
+    if not layers or dims.dp_size == 1:
+        return model, []
+    if not sync:
+        per_rank = batchnorm_layers(model, per_rank=True)
+        if per_rank and rank == 0:
+            warnings.warn(unsynced_warning(model, per_rank, dims.dp_size), BatchNormWarning, stacklevel=3)
+        return model, []
+    group = data_parallel_group(dims, tp_mesh)
+    return convert_batchnorm(model, device=device, group=group, meter=meter), layers
 
 
 def _prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:

@@ -230,6 +230,10 @@ def flops_per_sample(model, channels: int, size: int, device) -> float | None:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    # in eval mode: a training forward would move BatchNorm's running statistics towards this zero batch (and a
+    # BatchNorm1d refuses one sample per channel); the FLOPs are the same
+    was_training = model.training
+    model.eval()
     try:
         x = torch.zeros(1, channels, size, size, device=device)
         counter = FlopCounterMode(display=False)
@@ -238,6 +242,8 @@ def flops_per_sample(model, channels: int, size: int, device) -> float | None:
         return 3.0 * counter.get_total_flops()
     except Exception:  # a plug-in model with ops the counter does not know: MFU is simply not reported
         return None
+    finally:
+        model.train(was_training)
 
 
 def set_threads(cfg, world_size_on_node: int) -> int:

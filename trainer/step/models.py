@@ -1,5 +1,6 @@
 """Models. Normalization never uses batch statistics (GroupNorm / LayerNorm), so a model's output for a
 sample does not depend on how the global batch is split across ranks: 1 and N workers train the same weights.
+A plug-in with BatchNorm gets that with ``model.sync_batchnorm = true`` (trainer/parallel/batchnorm.py).
 
 A model exposes its repeated blocks as ``model.blocks`` (``nn.Sequential`` or ``nn.ModuleList``): the sharded
 trainer wraps each block as its own FSDP2 unit, so parameters are gathered one block at a time

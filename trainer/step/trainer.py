@@ -116,8 +116,10 @@ class Trainer:
         self._model = model
 
     def _parallelize(self, parallelize_fn) -> None:
-        self.strategy = parallelize_fn(self._model, self.config.parallel, self.world, device=self.device,
-                                       precision=self.precision, micro_batches=self.config.data.micro_batches)
+        cfg = self.config
+        self.strategy = parallelize_fn(self._model, cfg.parallel, self.world, device=self.device,
+                                       precision=self.precision, micro_batches=cfg.data.micro_batches,
+                                       sync_batchnorm=cfg.model.sync_batchnorm)
         del self._model
         self.autocast = autocast_for(self.device, self.precision, fsdp=self.strategy.plan.fsdp)
 

@@ -53,13 +53,13 @@ MAX_EXAMPLES = 5  # skipped rows named in the evaluation, one message each
 @dataclass
 class Split:
     """A split opened for evaluation: ``batches()`` yields ``(x, y, sample_ids)`` in the same order every call;
-    ``samples`` rows planned (before skips); ``source`` is ``"cache"``, ``"table"`` or ``"synthetic"``;
+    ``rows``: the split's rows (before any is left out); ``source`` is ``"cache"``, ``"table"`` or ``"synthetic"``;
     ``provenance`` names the data (cache and fingerprint, table and version); ``skipped`` counts rows left out
     by reason, filled while iterating."""
 
     name: str
     source: str
-    samples: int
+    rows: int
     provenance: dict
     batches: Callable[[], Iterator]
     skipped: Counter = field(default_factory=Counter)
@@ -83,19 +83,21 @@ def open_split(cfg, info, split: str, *, batch_size: int, table: str | None = No
     """``split`` of the run's data (``cfg``: the run's config; ``info``: its ``DataInfo``), per the module doc."""
     if not SPLIT_NAME.match(split or ""):
         raise ConfigError(f"split {split!r} is not a split name; use test, val or train")
-    if table:
-        return _from_table(table, split, info, batch_size)
-    if cfg.data.source == "synthetic":
+    if cfg.data.source == "synthetic" and not table:
         return _synthetic(cfg, info, split, batch_size)
-    if cfg.data.source == "raw":
-        return _from_table(info.lineage.get("table") or cfg.data.table, split, info, batch_size)
+    if cfg.data.source == "raw" or (cfg.data.source == "synthetic" and table):
+        return _from_table(table or info.lineage.get("table") or cfg.data.table, split, info, batch_size)
     cache = info.lineage.get("cache") or cfg.data.cache
     try:
         cache = cf.resolve(cache)
         manifest = cf.read_manifest(cache)
     except SourceError as e:
+        if table:  # the table alone will do: its rows, the run's recorded transform
+            return _from_table(table, split, info, batch_size)
         raise SourceError(f"the run's cache is not readable ({e}); pass --table with the metadata table to read "
                           f"the {split!r} split from") from None
+    if table:  # asked for: the table's rows, with the cache's extra roots and versions beside them
+        return _from_table(table, split, info, batch_size, cache=(cache, manifest))
     if manifest.split_counts.get(split):
         return _from_cache(cfg, cache, manifest, split, info, batch_size)
     source = manifest.source or info.lineage.get("table", "")

@@ -79,23 +79,23 @@ def evaluate(run_dir: str, split: str = "test", *, table: str | None = None, ste
     the page (False: only the returned ``Evaluation``)."""
     t0 = time.perf_counter()
     cfg = run_config(run_dir)
+    size = batch_size or cfg.data.eval_batch_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"batch_size = {size!r} must be a positive integer")
     info, notes = data_info(run_dir, cfg)
+    data = open_split(cfg, info, split, batch_size=size, table=table)  # a missing split fails before any load
     state, weights = load_weights(cfg, run_dir, step)
     model = model_for(cfg, info, state, weights["from"])
-    size = batch_size or cfg.data.eval_batch_size
-    if not isinstance(size, int) or size < 1:
-        raise ConfigError(f"batch_size = {size!r} must be a positive integer")
-    data = open_split(cfg, info, split, batch_size=size, table=table)
     logits, labels, ids = forward(model, data)
     if not len(labels):
-        raise SourceError(f"no sample of split {split!r} could be evaluated ({data.samples} "
+        raise SourceError(f"no sample of split {split!r} could be evaluated ({data.rows} "
                           f"rows, skipped: {dict(data.skipped)}{'; ' + data.examples[0] if data.examples else ''})")
     predicted = logits.argmax(1)
     per_sample = sample_losses(logits, labels)
     metrics = formats.stamp({
         "run": run_dir, "split": split, "step": weights["step"], "weights": weights,
         "data": {"source": data.source, **data.provenance, "normalize": info.normalize},
-        "rows": data.samples, "samples": int(len(labels)), "skipped": dict(sorted(data.skipped.items())),
+        "rows": data.rows, "samples": int(len(labels)), "skipped": dict(sorted(data.skipped.items())),
         "skipped_examples": list(data.examples), "notes": [*notes, *data.notes],
         "classes": list(info.classes), "batch_size": size, "loss": float(per_sample.mean()),
         **scores(confusion(labels, predicted, len(info.classes)), list(info.classes)),

@@ -125,7 +125,10 @@ def test_a_test_split_kept_out_of_the_cache_is_read_from_its_table(run):
     on_disk = json.loads(open(ev.files["json"]).read())
     assert on_disk["accuracy"] == m["accuracy"] and on_disk["files"] == {"png": "test.png",
                                                                           "predictions": "test.parquet"}
-    assert open(ev.files["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(ev.files["png"]) as png:  # what the picture says, in its text chunk
+        assert png.text["Title"] == f"test: accuracy {m['accuracy']:.1%}, loss {m['loss']:.4f}; {m['samples']} samples, step 12"
     import pyarrow.parquet as pq
 
     table = pq.read_table(ev.files["predictions"]).to_pydict()
@@ -202,16 +205,49 @@ def test_scores_follow_scikit_learns_conventions():
     assert s["weighted"]["recall"] == pytest.approx(s["accuracy"])  # support-weighted recall is accuracy
 
 
-def test_a_synthetic_run_without_checkpoints_is_scored_from_its_model_file(tmp_path):
+def test_a_run_without_checkpoints_or_summary_is_scored_from_what_it_left(tmp_path):
+    """A synthetic run scored from its commit; with its checkpoints gone, from its final model file (the same
+    weights: the last commit is the last step); with its summary gone too (a run that has not finished), from
+    the data facts read again. The same logits each time."""
+    import shutil
+
+    run_dir = tmp_path / "run"
     cfg = load_config(None, ["data.source=synthetic", "data.size=8", "data.global_batch_size=16",
                              "data.synthetic_samples=48", "model.width=8", "model.depth=1", "run.max_steps=3",
-                             "run.eval_every=0", "run.log_every=0", "run.report=false", "checkpoint.every=0",
-                             f"run.dir={tmp_path / 'run'}"])
+                             "run.eval_every=0", "run.log_every=0", "run.report=false", "checkpoint.every=3",
+                             f"run.dir={run_dir}"])
     s = train(cfg, local=True, quiet=True)
-    ev = evaluate(str(tmp_path / "run"), "val")
-    assert ev.metrics["weights"]["kind"] == "model file" and ev.metrics["step"] == 3
+    ev = evaluate(str(run_dir), "val")
+    assert ev.metrics["weights"]["kind"] == "checkpoint" and ev.metrics["step"] == 3
     assert ev.metrics["samples"] == s["val_samples"] == 12 and ev.accuracy == s["val_accuracy"]
-    assert ev.loss == pytest.approx(s["val_loss"], rel=1e-6)  # float32: ~1e-7 per sum over 12 values
+    assert ev.loss == pytest.approx(s["val_loss"], rel=1e-6)  # float32 sums of 12 losses: ~1e-7 apart
+    shutil.rmtree(run_dir / "checkpoints")
+    from_file = evaluate(str(run_dir), "val")
+    assert from_file.metrics["weights"]["kind"] == "model file" and from_file.metrics["step"] == 3
+    assert np.array_equal(from_file.logits, ev.logits)
+    (run_dir / "summary.json").unlink()
+    unfinished = evaluate(str(run_dir), "val")
+    assert np.array_equal(unfinished.logits, ev.logits) and unfinished.metrics["step"] is None
+    assert any("has not finished" in n for n in unfinished.metrics["notes"])
+    assert "No summary yet" in (run_dir / "report.html").read_text()
     with pytest.raises(SourceError, match="has the splits train and val, not 'test'"):
-        evaluate(str(tmp_path / "run"), "test")
-    assert os.path.exists(tmp_path / "run" / "report.html")
+        evaluate(str(run_dir), "test")
+
+
+def test_a_run_on_object_storage_is_evaluated_where_it_lies(s3):
+    """Run directory, checkpoints and the evaluation's files on S3 (the local server): the page lists them."""
+    import s3fs
+
+    run_dir = f"{s3}/runs/r1"
+    cfg = load_config(None, ["data.source=synthetic", "data.size=8", "data.global_batch_size=16",
+                             "data.synthetic_samples=32", "model.width=8", "model.depth=1", "run.max_steps=2",
+                             "run.eval_every=0", "run.log_every=0", "checkpoint.every=2", f"run.dir={run_dir}"])
+    s = train(cfg, local=True, quiet=True)
+    ev = evaluate(run_dir, "val")
+    assert ev.metrics["weights"]["from"] == f"{run_dir}/checkpoints/step-00000002"
+    assert ev.metrics["samples"] == s["val_samples"] and ev.accuracy == s["val_accuracy"]
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["AWS_ENDPOINT_URL"]})
+    base = run_dir.removeprefix("s3://")
+    assert {p.rsplit("/", 1)[-1] for p in fs.ls(f"{base}/evaluation")} == {"val.json", "val.png", "val.parquet"}
+    page = fs.cat(f"{base}/report.html").decode()
+    assert "<h2>Evaluation: val</h2>" in page and page.count("src='data:image/png;base64,") == 2

@@ -91,11 +91,10 @@ def confusion_png(m: dict) -> bytes:
                                 color="white" if share[i, j] > 0.5 else "black")
     ax.set(xlabel="predicted class", ylabel="true class")
     step = "final model" if m["step"] is None else f"step {m['step']}"
-    title = (f"{plain(m['split'])}: accuracy {m['accuracy']:.1%}, loss {m['loss']:.4f}, "
-             f"{m['samples']} samples ({step})")
+    title = f"{plain(m['split'])}: accuracy {m['accuracy']:.1%}, loss {m['loss']:.4f}\n{m['samples']:,} samples, {step}"
     ax.set_title(title)
     fig.tight_layout()
     buf = _io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, metadata={"Title": title})
+    fig.savefig(buf, format="png", dpi=100, metadata={"Title": title.replace("\n", "; ")})
     plt.close(fig)
     return buf.getvalue()

@@ -27,6 +27,7 @@ import torch
 from dutycycle.engine.cache.materialize import materialize, plan_rows
 from dutycycle.engine.errors import SourceError
 from dutycycle.engine.table.catalog import ingest
+from dutycycle.engine.table.table import open_table
 from dutycycle.engine.transform import TransformSpec, decode_and_transform
 from dutycycle.loader.augment import to_tensor
 from dutycycle.trainer.app.cli import main
@@ -105,6 +106,7 @@ def test_a_test_split_kept_out_of_the_cache_is_read_from_its_table(run):
     assert m["skipped"] == {"truncated": 1}
     assert os.path.basename(run["damaged"]) in m["skipped_examples"][0]
     assert any("holds no 'test' split" in n for n in m["notes"])
+    assert any("materialized with where = \"split != 'test'\"" in n for n in m["notes"])
     assert m["step"] == 12 and m["weights"]["kind"] == "checkpoint"
     # every sample's logits: the final weights applied to the files decoded and normalized here
     good = [u for u in run["test"].uris if u != run["damaged"]]
@@ -172,8 +174,15 @@ def test_refusals_name_the_fix(run, tmp_path, capsys):
         evaluate(str(tmp_path), "test")
     with pytest.raises(SourceError, match="holds no rows of split 'train'"):
         evaluate(run["dir"], "train", table=_empty_split_table(tmp_path), write=False)
+    subset = str(tmp_path / "subset")  # a curation that saved the training rows as a table of their own
+    open_table(run["table"]).where("split != 'test'").save(subset)
+    with pytest.raises(SourceError, match=f"curated from '{run['table']}'.*pass --table {run['table']} to read"):
+        evaluate(run["dir"], "test", table=subset, write=False)
     assert main(["evaluate", str(tmp_path / "nothing")]) == 2
     assert "not a run directory" in capsys.readouterr().err
+    import dutycycle
+
+    assert dutycycle.evaluate is evaluate  # the notebook's name for it
 
 
 def _empty_split_table(tmp_path) -> str:

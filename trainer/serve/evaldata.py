@@ -157,8 +157,11 @@ def _from_table(table: str, split: str, info, batch_size: int, cache: tuple | No
                                           ("outside_roots", plan.outside)) if n})
     rows = len(plan.uris) + sum(skipped.values())
     if not rows:
-        raise SourceError(f"table {table!r} holds no rows of split {split!r}; check the split's name "
-                          "(`dutycycle inspect` lists a table's splits)")
+        parent = (tm.lineage or {}).get("parent")
+        hint = (f"; it was curated from {parent!r} ({', '.join(tm.lineage.get('operations') or []) or 'a subset'}): "
+                f"pass --table {parent} to read the split there" if parent else
+                "; check the split's name (`dutycycle inspect` lists a table's splits)")
+        raise SourceError(f"table {table!r} holds no rows of split {split!r}{hint}")
     index = {name: i for i, name in enumerate(info.classes)}
     labels = np.full(len(plan.uris), -1, np.int64)
     unknown: Counter = Counter()
@@ -184,6 +187,9 @@ def _from_table(table: str, split: str, info, batch_size: int, cache: tuple | No
         out.provenance.update(cache=cache_uri, fingerprint=manifest.fingerprint, table_version_trained=trained)
         if trained is not None and trained != tm.version:
             out.notes.append(f"the table is at version {tm.version}; the run's cache was made from version {trained}")
+        if manifest.options.get("where"):  # the cache's filter selected training rows; this split is not among them
+            out.notes.append(f"the cache was materialized with where = {manifest.options['where']!r}; the "
+                             f"{split!r} rows were selected by their split alone")
 
     def batches():
         out.skipped = skipped.copy()  # each pass counts its own decode failures

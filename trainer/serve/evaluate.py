@@ -72,11 +72,12 @@ class Evaluation:
 
 
 def evaluate(run_dir: str, split: str = "test", *, table: str | None = None, step: int | None = None,
-             batch_size: int | None = None, write: bool = True) -> Evaluation:
+             batch_size: int | None = None, device: str = "auto", write: bool = True) -> Evaluation:
     """Score the run at ``run_dir`` on ``split`` (module doc). ``table``: read the split from this metadata
     table instead of the run's data; ``step``: the checkpoint commit to load (default: the newest that
-    verifies); ``batch_size``: samples per forward (default ``data.eval_batch_size``); ``write``: the files and
-    the page (False: only the returned ``Evaluation``)."""
+    verifies); ``batch_size``: samples per forward (default ``data.eval_batch_size``); ``device``: where the
+    forward passes run (``"auto"``: the first GPU when there is one, else the CPU; or a torch device name);
+    ``write``: the files and the page (False: only the returned ``Evaluation``)."""
     t0 = time.perf_counter()
     cfg = run_config(run_dir)
     size = batch_size or cfg.data.eval_batch_size
@@ -85,7 +86,7 @@ def evaluate(run_dir: str, split: str = "test", *, table: str | None = None, ste
     info, notes = data_info(run_dir, cfg)
     data = open_split(cfg, info, split, batch_size=size, table=table)  # a missing split fails before any load
     state, weights = load_weights(cfg, run_dir, step)
-    model = model_for(cfg, info, state, weights["from"])
+    model = model_for(cfg, info, state, weights["from"]).to(torch_device(device))
     logits, labels, ids = forward(model, data)
     if not len(labels):
         raise SourceError(f"no sample of split {split!r} could be evaluated ({data.rows} "
@@ -97,7 +98,8 @@ def evaluate(run_dir: str, split: str = "test", *, table: str | None = None, ste
         "data": {"source": data.source, **data.provenance, "normalize": info.normalize},
         "rows": data.rows, "samples": int(len(labels)), "skipped": dict(sorted(data.skipped.items())),
         "skipped_examples": list(data.examples), "notes": [*notes, *data.notes],
-        "classes": list(info.classes), "batch_size": size, "loss": float(per_sample.mean()),
+        "classes": list(info.classes), "batch_size": size, "device": str(next(model.parameters()).device),
+        "loss": float(per_sample.mean()),
         **scores(confusion(labels, predicted, len(info.classes)), list(info.classes)),
         "seconds": time.perf_counter() - t0, "created_at": time.time(),
     })
@@ -180,6 +182,18 @@ def model_for(cfg, info: DataInfo, state: dict, where: str):
     return model.eval()
 
 
+def torch_device(name: str):
+    """``"auto"``: the first GPU when torch sees one, else the CPU; any other name as torch reads it."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"device {name!r} is not a torch device ({e}); use auto, cpu or cuda:0") from None
+
+
 # ------------------------------------------------------------------------------------------------- scoring
 
 
@@ -187,7 +201,8 @@ def forward(model, data: Split) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """The model's logits over the split, in its order; rows without a label are counted and left out."""
     import torch
 
-    dtype = next(model.parameters()).dtype
+    first = next(model.parameters())
+    dtype, device = first.dtype, first.device
     logits, labels, ids = [], [], []
     with torch.no_grad():
         for x, y, sample_ids in data.batches():
@@ -197,8 +212,8 @@ def forward(model, data: Split) -> tuple[np.ndarray, np.ndarray, list[str]]:
                 x, y, sample_ids = x[keep], y[keep], [s for s, k in zip(sample_ids, keep.tolist(), strict=True) if k]
             if not len(y):
                 continue
-            out = model(x.to(dtype))
-            logits.append(out.to(torch.float64 if dtype == torch.float64 else torch.float32).numpy())
+            out = model(x.to(device, dtype))
+            logits.append(out.to("cpu", torch.float64 if dtype == torch.float64 else torch.float32).numpy())
             labels.append(y.numpy())
             ids.extend(sample_ids)
     if not logits:

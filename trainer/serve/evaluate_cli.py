@@ -26,13 +26,16 @@ def register(subparsers) -> None:
                    help="the checkpoint commit of step N (default: the newest that verifies)")
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="samples per forward pass (default: the run's data.eval_batch_size)")
+    p.add_argument("--device", default="auto",
+                   help="where the forward passes run: auto (a GPU when there is one), cpu, cuda:0, ...")
     p.set_defaults(func=cmd_evaluate)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from .evaluate import evaluate  # heavy: torch, which `dutycycle --help` does without
 
-    ev = evaluate(args.run, args.split, table=args.table, step=args.step, batch_size=args.batch_size)
+    ev = evaluate(args.run, args.split, table=args.table, step=args.step, batch_size=args.batch_size,
+                  device=args.device)
     print(report(ev.metrics))
     print(f"wrote {ev.files['json']}, {ev.files['png']}, {ev.files['predictions']}; page {ev.files['page']}",
           file=sys.stderr)

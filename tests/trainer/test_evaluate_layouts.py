@@ -41,7 +41,6 @@ def direct_logits(run_dir: str) -> np.ndarray:
         return np.concatenate([model(x.double()).numpy() for x, _, _ in split.batches()])
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_layout_evaluates_its_commit_as_the_run_evaluated_it(tmp_path):
     runs = run_distributed(ew.train_layouts, 2, str(tmp_path), list(ew.LAYOUTS), timeout=280)[0]

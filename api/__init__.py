@@ -25,6 +25,7 @@ _LAZY = {
     "TransformSpec": "dutycycle.engine.transform",
     "CacheLoader": "dutycycle.loader.cache_loader",
     "LoaderConfig": "dutycycle.loader.config",
+    "evaluate": "dutycycle.trainer.serve.evaluate",
 }
 
 __all__ = list(_LAZY)

@@ -138,6 +138,11 @@ def _full_state(strategy, optimizer) -> dict[str, torch.Tensor]:
     return {**{f"model.{k}": v for k, v in model.items()}, **{f"optim.{k}": v for k, v in optim.items()}}
 
 
+def model_only(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's tensors of ``_full_state``, by parameter name (what a commit's weights load as for inference)."""
+    return {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}
+
+
 def _digest(state: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for k in sorted(state):
@@ -271,7 +276,8 @@ def hybrid_round_trip(rank: int, world: int, root: str) -> dict:
     ck.maybe_save(4, strategy, optimizer, _Position().state_dict())
     ck.finalize()
     full = _full_state(strategy, optimizer)
-    out = {"saved": {"digest": _digest(full) if rank == 0 else None, "shard_size": strategy.plan.shard_size}}
+    out = {"saved": {"digest": _digest(full) if rank == 0 else None, "shard_size": strategy.plan.shard_size,
+                     "model_digest": _digest(model_only(full)) if rank == 0 else None}}
     after = _one_more_step(strategy, optimizer, rank, world)
     out["saved"]["after"] = {k: v.tolist() for k, v in after.items()} if rank == 0 else None
     for name, src, dst, replicate in (("hybrid to flat", "hybrid", "flat", 1), ("flat back to hybrid", "flat", None, 2)):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .ckpt_worker import _checkpointer, _digest, _full_state, _Position
+from .ckpt_worker import _checkpointer, _digest, _full_state, _Position, model_only
 from .zero_worker import CLASSES, GLOBAL_BATCH
 
 LAYOUTS = {"tensor 2 x data 2": {"tensor": 2}, "data 4": {}}
@@ -71,7 +71,9 @@ def round_trip(rank: int, world: int, root: str) -> dict:
     ck.maybe_save(3, strategy, optimizer, _Position().state_dict())
     ck.finalize()
     full = _full_state(strategy, optimizer)
-    out = {"saved": {"digest": _digest(full) if rank == 0 else None, "after": after_one_more(strategy, optimizer)}}
+    out = {"saved": {"digest": _digest(full) if rank == 0 else None,
+                     "model_digest": _digest(model_only(full)) if rank == 0 else None,
+                     "after": after_one_more(strategy, optimizer)}}
     for name, src, dst, layout in (("tensor to data", "tensor", "data", "data 4"),
                                    ("data back to tensor", "data", None, "tensor 2 x data 2")):
         parallel = LAYOUTS[layout]

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from dutycycle.engine.errors import ConfigError
+from dutycycle.trainer.checkpoint.weights import model_state_dict, select_commit
 
 from ..support import ckpt_worker as cw
 from ..support.harness import run_distributed
@@ -160,6 +161,10 @@ def test_checkpoints_load_across_hybrid_and_flat_layouts(tmp_path):
     r = run_distributed(cw.hybrid_round_trip, 4, str(tmp_path), timeout=400)[0]
     saved = r["saved"]
     assert saved["shard_size"] == 2
+    # the hybrid commit's model weights loaded unsharded into this one process, as `dutycycle evaluate` loads them
+    # (checkpoint/weights.py; the rest of an evaluation does not depend on the layout: test_evaluate_layouts.py)
+    state = model_state_dict(select_commit(str(tmp_path / "hybrid")))
+    assert cw._digest(state) == saved["model_digest"]
     for name, shard_size in (("hybrid to flat", 4), ("flat back to hybrid", 2)):
         got = r[name]
         assert got["step"] == 4 and got["shard_size"] == shard_size, name

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dutycycle.engine.errors import ConfigError
+from dutycycle.trainer.checkpoint.weights import model_state_dict, select_commit
 
 from ..support import tensor_worker as tw
 from ..support.harness import run_distributed
@@ -161,6 +162,10 @@ def test_checkpoints_load_across_tensor_and_data_layouts(tmp_path):
     bit-identical each time, and one more step matches within the float64 tolerance."""
     r = run_distributed(tw.round_trip, 4, str(tmp_path), timeout=400)[0]
     saved = r["saved"]
+    # the tensor 2 x data 2 commit's model weights gathered into this one process, as `dutycycle evaluate` loads
+    # them (checkpoint/weights.py)
+    state = model_state_dict(select_commit(str(tmp_path / "tensor")))
+    assert tw._digest(state) == saved["model_digest"]
     for name, tensor in (("tensor to data", 1), ("data back to tensor", 2)):
         got = r[name]
         assert got["step"] == 3 and got["tensor"] == tensor, name

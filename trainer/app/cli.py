@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "dutycycle.engine.cache.cli",
     "dutycycle.loader.cli",
     "dutycycle.trainer.app.commands",
+    "dutycycle.trainer.serve.evaluate_cli",
     "dutycycle.trainer.serve.cli",
 ]
 

@@ -9,7 +9,9 @@ Modules, in the order a save and a resume go through them:
 - ``manifest.py``: the commit record (sizes and BLAKE3 checksums of every file), step directories, removal;
 - ``state.py``: the trainer state saved beside the tensors (step, loader, RNG, config, lineage), JSON;
 - ``resume.py``: which checkpoint to continue from (newest that verifies, loudly falling back) and loading it;
-- ``raytrain.py``: commits reported to Ray Train as pointer checkpoints.
+- ``raytrain.py``: commits reported to Ray Train as pointer checkpoints;
+- ``weights.py``: a commit's model weights, unsharded, in one process with no process group (inference,
+  ``dutycycle evaluate``): ``model_state_dict(select_commit(root, step))``.
 
 Heavy imports (torch, DCP, Ray) stay inside the modules that need them.
 """

@@ -34,6 +34,7 @@ from dutycycle.trainer.step.trainer import Trainer
 from .account import job_time
 from .fits import alive_nodes, check_fits, describe_nodes, request_text
 from .results import report_results, results_from, runtime_env
+from .runpage import write_run_page
 
 
 def resolve_run_dir(cfg: TrainConfig) -> str:
@@ -83,6 +84,7 @@ def finish_run(cfg: TrainConfig, launched: float | None = None, fit_called: floa
         summary["report"] = write_report(cfg.run.dir)
         summary["report_draw_s"] = time.perf_counter() - t0
         io.write_json_atomic(uri, summary)
+        write_run_page(cfg.run.dir)  # report.html, from the summary just written (and any evaluations)
     return summary
 
 

@@ -109,11 +109,11 @@ class CacheSource:
 class CacheLoader(Loader):
     """Iterate ``split`` of the cache at ``cache_uri`` as this rank's batches of the shared plan.
 
-    ``len(loader)`` is the number of steps per epoch; ``for batch in loader`` runs from the saved position to
-    the end of the epoch and then advances to the next; ``state_dict()`` / ``load_state_dict()`` save and restore
-    the position (at any world size). Each batch is ``{"image": [B, C, H, W] float32 (normalized) or uint8,
-    "label": int64 [B], "sample_id": list[str]}`` with ``B = global_batch_size // world_size`` (a short last
-    batch when ``drop_last=False``). ``reader``, ``rows``, ``cache_uri`` and ``classes`` are the source's.
+    ``len(loader)`` is the number of steps per epoch; each ``for batch in loader`` is one epoch from its start
+    (from a restored position once after ``load_state_dict``) and, run to the end, moves to the next epoch;
+    ``set_epoch``, ``peek()`` and ``state_dict()`` / ``load_state_dict()`` (at any world size) as ``Loader``'s.
+    Each batch is ``{"image": [B, C, H, W] float32 (normalized) or uint8, "label": int64 [B], "sample_id":
+    list[str]}`` with ``B = global_batch_size // world_size`` (a short last batch when ``drop_last=False``). ``reader``, ``rows``, ``cache_uri`` and ``classes`` are the source's.
     """
 
     def __init__(

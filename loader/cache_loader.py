@@ -105,6 +105,15 @@ class CacheSource:
     def close(self) -> None:
         """Nothing to release between epochs: the mapped shards stay open for the next one."""
 
+    def reopen(self) -> CacheSource:
+        """This split of the same committed cache opened again, for another process (a DataLoader worker): its
+        own reader and mappings of the same files (so the same pages), read in place even in ``memory`` mode."""
+        return CacheSource(self.cache_uri, self.split, self.reader.read_config)
+
+    def __reduce__(self):
+        # pickled for a spawned process: it opens the cache again where it lands, never carrying mappings
+        return CacheSource, (self.cache_uri, self.split, self.reader.read_config)
+
 
 class CacheLoader(Loader):
     """Iterate ``split`` of the cache at ``cache_uri`` as this rank's batches of the shared plan.

@@ -44,6 +44,10 @@ class ArraySource:
     def close(self) -> None:
         """Nothing to release: the arrays are the caller's."""
 
+    def reopen(self) -> ArraySource:
+        """Itself: arrays hold no handle or thread, and a forked DataLoader worker shares their pages."""
+        return self
+
 
 class ArrayLoader(Loader):
     """Iterate ``images`` (uint8 [N, *shape] in ``layout``) and ``labels`` (int [N]) as this rank's batches.

@@ -108,15 +108,24 @@ class CacheSource:
     def close(self) -> None:
         """Nothing to release between epochs: the mapped shards stay open for the next one."""
 
+    def reopen(self) -> CacheSource:
+        """This split of the same committed cache opened again, for another process (a DataLoader worker): its
+        own reader and mappings of the same files (so the same pages), read in place even in ``memory`` mode."""
+        return CacheSource(self.cache_uri, self.split, self.reader.read_config)
+
+    def __reduce__(self):
+        # pickled for a spawned process: it opens the cache again where it lands, never carrying mappings
+        return CacheSource, (self.cache_uri, self.split, self.reader.read_config)
+
 
 class CacheLoader(Loader):
     """Iterate ``split`` of the cache at ``cache_uri`` as this rank's batches of the shared plan.
 
-    ``len(loader)`` is the number of steps per epoch; ``for batch in loader`` runs from the saved position to
-    the end of the epoch and then advances to the next; ``state_dict()`` / ``load_state_dict()`` save and restore
-    the position (at any world size). Each batch is ``{"image": [B, C, H, W] float32 (normalized) or uint8,
-    "label": int64 [B], "sample_id": list[str]}`` with ``B = global_batch_size // world_size`` (a short last
-    batch when ``drop_last=False``). ``reader``, ``rows``, ``cache_uri`` and ``classes`` are the source's.
+    ``len(loader)`` is the number of steps per epoch; each ``for batch in loader`` is one epoch from its start
+    (from a restored position once after ``load_state_dict``) and, run to the end, moves to the next epoch;
+    ``set_epoch``, ``peek()`` and ``state_dict()`` / ``load_state_dict()`` (at any world size) as ``Loader``'s.
+    Each batch is ``{"image": [B, C, H, W] float32 (normalized) or uint8, "label": int64 [B], "sample_id":
+    list[str]}`` with ``B = global_batch_size // world_size`` (a short last batch when ``drop_last=False``). ``reader``, ``rows``, ``cache_uri`` and ``classes`` are the source's.
     """
 
     def __init__(

@@ -70,7 +70,14 @@ class Loader:
 
     ``config.augment``'s ``mean`` and ``std`` are the values applied, one per channel: an empty mean/std (the
     default) is resolved here from the source's statistics (a cache's ``channel_stats``), or 0.5 when it has
-    none; ``normalize_from`` says which."""
+    none; ``normalize_from`` says which.
+
+    Torch's habits: each ``for batch in loader`` is one pass, an epoch from its start (or, once after
+    ``load_state_dict``, from the restored position); a pass run to the end moves to the next epoch, so
+    ``for e in range(E): for batch in loader`` trains E different epochs; ``set_epoch`` works as
+    ``DistributedSampler``'s; ``len(loader)`` is the steps per epoch; ``peek()`` shows the next pass's first
+    batch without consuming it. ``TorchDataset(loader)`` (``torch_data``) is the same batches as a torch
+    ``IterableDataset``."""
 
     def __init__(self, config: LoaderConfig, source: Source, executor: Executor | None = None, rank: int = 0,
                  world_size: int = 1, stats: LoaderStats | None = None):
@@ -102,7 +109,9 @@ class Loader:
         self.executor = executor if executor is not None else executor_for(config, source)
         self.rank, self.world_size = rank, world_size
         self.batch_size = config.global_batch_size // world_size
-        self.epoch, self.step = 0, 0
+        self.epoch, self.step = 0, 0  # the position: the next batch to hand out (``state_dict``)
+        self._resume: int | None = None  # a restored step (``load_state_dict``): where the next pass starts, once
+        self._pass = 0  # the latest pass's number: an older pass still yields, but no longer moves the position
         self.stats = stats if stats is not None else LoaderStats()
         self._plan_cache: tuple[int, plan.RankPlan] | None = None  # (epoch, this rank's plan for it)
         moves = config.pin_memory or config.device is not None
@@ -189,9 +198,17 @@ class Loader:
     # ---------------------------------------------------------------- position and state
 
     def set_epoch(self, epoch: int) -> None:
-        """Move to the start of ``epoch``; a no-op when already in it (so a resumed position survives)."""
+        """The next pass is ``epoch``, as ``DistributedSampler.set_epoch`` makes it: another epoch moves the
+        position to its start (a pass already under way keeps yielding its own epoch, and no longer moves the
+        position). The epoch the loader is in is a no-op: a restored position survives a training loop that calls
+        ``set_epoch`` at the start of every epoch, and a pass already begun (Lightning begins one before its
+        epoch-start hooks) keeps counting. Not needed between whole passes: each one that runs to the end moves to
+        the next epoch by itself."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
+            raise ConfigError(f"set_epoch({epoch!r}) is invalid; pass an integer >= 0")
         if epoch != self.epoch:
-            self.epoch, self.step = int(epoch), 0
+            self._pass += 1
+            self.epoch, self.step, self._resume = int(epoch), 0, None
 
     def _plan_inputs(self) -> dict[str, Any]:
         """Everything the sequence of global batches depends on (``plan.plan_epoch``'s arguments but the epoch,
@@ -220,7 +237,8 @@ class Loader:
         return make_state(self.epoch, self.step, self._plan_inputs(), self.world_size)
 
     def load_state_dict(self, state: dict[str, Any], force: bool = False) -> None:
-        """Continue from ``state``'s position (epoch and next global batch), at any world size.
+        """Continue from ``state``'s position (epoch and next global batch), at any world size: the next pass
+        (``for batch in loader``) starts there, once; the passes after it are whole epochs again.
 
         Every plan input saved in the state must equal this loader's (``state.PLAN_FIELDS``: split, cache
         fingerprint, sample count, seed, global batch size, drop_last, shuffle, block size, window, partitions,
@@ -243,27 +261,79 @@ class Loader:
         elif step > len(self):
             raise CorruptArtifactError(f"loader state has step={step} but an epoch of this plan has {len(self)} "
                                        "steps; the state is refused")
-        self.epoch = epoch
-        self.step = min(step, len(self))
+        self._pass += 1  # a pass under way no longer moves the restored position
+        step = min(step, len(self))
+        # after an epoch's last batch is the next epoch's start (what ``state_dict`` itself records there)
+        self.epoch, self.step = (epoch + 1, 0) if step >= len(self) > 0 else (epoch, step)
+        self._resume = self.step
 
     # ---------------------------------------------------------------- iteration
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """Yield this rank's batches from the current position to the end of the epoch, then move to the next."""
-        if self.step >= len(self):
-            self.epoch, self.step = self.epoch + 1, 0
-        epoch, start, stop = self.epoch, self.step, len(self)
-        produced = self._produce(epoch, range(start, stop))
+        """One pass: this rank's batches of the current epoch from its start or, once after ``load_state_dict``,
+        from the restored position, to the end of the epoch.
+
+        The position (``epoch``, ``step``, ``state_dict()``) follows the batches handed out, never those
+        prefetched: after a batch it is the next one, and after the epoch's last batch it is the next epoch's
+        start, so a pass that runs to the end has moved to the next epoch. A pass left part-way (a ``break``)
+        leaves the position after its last batch, for a checkpoint, but the next ``for`` starts the epoch over
+        (torchdata's ``StatefulDataLoader`` does the same); load a state to continue from it instead.
+        """
+        return self._pass_batches(*self._begin_pass())
+
+    def _next_pass(self) -> tuple[int, int]:
+        """``(epoch, first step)`` of the pass the next ``for`` runs."""
+        return self.epoch, self._resume if self._resume is not None else 0
+
+    def _begin_pass(self) -> tuple[int, int, int]:
+        """Begin the next pass (the restored position is used up): its ``(token, epoch, first step)``. Only the
+        latest pass moves the position (``_handed_out``)."""
+        epoch, start = self._next_pass()
+        self._pass += 1
+        self._resume, self.step = None, start
+        return self._pass, epoch, start
+
+    def _pass_batches(self, token: int, epoch: int, start: int) -> Iterator[dict[str, Any]]:
+        produced = self._produce(epoch, range(start, len(self)))
         try:
-            for step in range(start, stop):
+            for step in range(start, len(self)):
                 t0 = time.perf_counter()
                 batch = next(produced)
                 if self._mover is not None:
                     batch = self._mover.wait(batch)
                 self.stats.record(time.perf_counter() - t0)
-                self.step = step + 1  # consumed from here on: a state saved now resumes after this batch
+                self._handed_out(token, epoch, step)  # from here on a saved state resumes after this batch
                 yield batch
-            self.epoch, self.step = epoch + 1, 0
+        finally:
+            produced.close()
+
+    def _handed_out(self, token: int, epoch: int, step: int) -> None:
+        """Move the position past ``step`` of ``epoch``, if pass ``token`` is still the latest one."""
+        if token == self._pass:
+            self.epoch, self.step = (epoch, step + 1) if step + 1 < len(self) else (epoch + 1, 0)
+
+    def peek(self) -> dict[str, Any]:
+        """The batch the next ``for`` yields first (the restored position's batch after ``load_state_dict``),
+        read now and handed out by nothing: the position, ``state_dict()`` and the consumer-wait statistics stay
+        as they were, and the next pass yields an identical batch (reading it again). For a model's input shape
+        or a look at the data before training."""
+        epoch, start = self._next_pass()
+        if start >= len(self):
+            raise ConfigError(f"peek() has no batch to show: the split has {self.num_samples} samples and an epoch "
+                              "of this loader has no steps")
+        batches = self.read_steps(epoch, range(start, start + 1))
+        try:
+            return next(batches)
+        finally:
+            batches.close()
+
+    def read_steps(self, epoch: int, steps: range) -> Iterator[dict[str, Any]]:
+        """This rank's batches at ``steps`` of ``epoch``, read now and outside the position (nothing counts as
+        handed out): what ``peek`` and the workers of a ``TorchDataset`` read."""
+        produced = self._produce(epoch, steps)
+        try:
+            for batch in produced:
+                yield self._mover.wait(batch) if self._mover is not None else batch
         finally:
             produced.close()
 

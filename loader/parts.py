@@ -19,7 +19,9 @@ class Source(Protocol):
     ``num_samples`` rows named by split index ``0..num_samples-1``; ``read`` returns the given split indices in
     the given order. ``submit`` starts a Ray task that reads them (sources that cannot run in Ray refuse
     ``mode="ray"`` when built). ``block_starts`` says where the plan's shuffle blocks start for ``block_size = 0``
-    (a cache's chunks), or raises ``ConfigError`` when the source has no chunks."""
+    (a cache's chunks), or raises ``ConfigError`` when the source has no chunks. ``reopen`` gives the same rows
+    for another process (a ``TorchDataset``'s DataLoader workers): its own handles and threads, none shared; a
+    source without it serves a ``TorchDataset`` in the main process only (``num_workers=0``)."""
 
     num_samples: int
     fingerprint: str
@@ -42,6 +44,8 @@ class Source(Protocol):
     def block_starts(self) -> np.ndarray: ...
 
     def close(self) -> None: ...
+
+    def reopen(self) -> Source: ...
 
 
 class Executor(Protocol):

@@ -17,6 +17,7 @@ sources. A file that resolves outside the roots when a step reads it is refused 
 
 from __future__ import annotations
 
+import copy
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -90,6 +91,14 @@ class RawSource:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
+
+    def reopen(self) -> RawSource:
+        """The same rows for another process (a DataLoader worker): the row plan shared, no thread pool (each
+        process starts its own at its first read)."""
+        return copy.copy(self)  # without the pool: __getstate__ leaves it behind
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_pool": None}  # threads do not travel to another process
 
 
 class RawLoader(Loader):

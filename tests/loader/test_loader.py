@@ -30,9 +30,12 @@ def cfg(**kw):
 
 
 def take(loader, k):
-    """The next k batches, continuing into the next epoch when this one ends."""
+    """The next k batches from the loader's position, continuing into the next epoch when this one ends. Each
+    ``for`` starts its epoch over, so the position is loaded back first: a pass continues where the last stopped
+    only from a loaded state."""
     out = []
     while len(out) < k:
+        loader.load_state_dict(loader.state_dict())
         for batch in loader:
             out.append(batch)
             if len(out) == k:

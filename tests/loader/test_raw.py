@@ -7,7 +7,8 @@ import pytest
 from dutycycle.engine.cache.materialize import materialize
 from dutycycle.engine.roots import RootCheck
 from dutycycle.engine.transform import DecodeError, TransformSpec
-from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig, RawLoader
+from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig, RawLoader, TorchDataset
+from torch.utils.data import DataLoader
 
 from ..support.tablemaker import add_file, jpeg_bytes, make_shapes_table, shape_image, write_table
 from .test_loader import as_arrays, assert_same
@@ -56,6 +57,17 @@ def test_raw_thread_mode_at_two_ranks_matches_single_rank(data):
         assert np.array_equal(img, np.concatenate([halves[0][s][0], halves[1][s][0]]))
         assert ids == halves[0][s][2] + halves[1][s][2]
         assert np.array_equal(lab, np.concatenate([halves[0][s][1], halves[1][s][1]]))
+
+
+def test_raw_loader_in_dataloader_workers_decodes_the_same_batches(data):
+    """A TorchDataset over the raw path: each DataLoader worker takes its own copy of the row plan (no thread
+    pool from the parent) and decodes its steps; the batches are the raw loader's own."""
+    table, _, _ = data
+    expected = as_arrays(RawLoader(table, SPEC, "train", config=cfg(mode="sync")))
+    view = TorchDataset(RawLoader(table, SPEC, "train", config=cfg(mode="thread")))
+    assert_same(as_arrays([view.loader.peek()]), expected[:1])  # the parent's source now holds a thread pool
+    assert view.loader.source._pool is not None
+    assert_same(as_arrays(DataLoader(view, batch_size=None, num_workers=2)), expected)
 
 
 @pytest.mark.ray

@@ -8,6 +8,7 @@ import copy
 import itertools
 import json
 
+import pytest
 import torch
 from dutycycle.trainer.config import load_config
 from dutycycle.trainer.step.loop import WorkerContext
@@ -28,7 +29,8 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_state_dict_round_trip_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("stop, epoch", [(4, 0), (6, 1)])  # mid-epoch, and after the epoch's last batch
+def test_state_dict_round_trip_resumes_bit_identically(tmp_path, stop, epoch):
     torch.set_num_threads(1)
     with Trainer(_cfg(tmp_path / "a"), WorkerContext(run_dir=str(tmp_path / "a"))) as whole:
         reference = whole.train()
@@ -36,17 +38,17 @@ def test_state_dict_round_trip_resumes_bit_identically(tmp_path):
     assert sorted(want) == list(range(1, 11))
 
     with Trainer(_cfg(tmp_path / "b"), WorkerContext(run_dir=str(tmp_path / "b"))) as first:
-        losses = [float(first.train_step(batch, index)) for batch, index in itertools.islice(first.batches(), 4)]
-        assert first.step == 4
+        losses = [float(first.train_step(batch, index)) for batch, index in itertools.islice(first.batches(), stop)]
+        assert first.step == stop
         saved = copy.deepcopy(first.state_dict())
-    assert losses == [want[s] for s in range(1, 5)]
-    assert saved["trainer"]["step"] == 4 and set(saved) >= {"model", "optim", "trainer", "rng"}
+    assert losses == [want[s] for s in range(1, stop + 1)]
+    assert saved["trainer"]["step"] == stop and set(saved) >= {"model", "optim", "trainer", "rng"}
 
     with Trainer(_cfg(tmp_path / "c"), WorkerContext(run_dir=str(tmp_path / "c"))) as second:
         second.load_state_dict(saved)
-        assert (second.step, second.epoch) == (4, 0)
+        assert (second.step, second.epoch) == (stop, epoch)  # after the epoch's last batch: the next epoch
         resumed = second.train()
     got = _losses(tmp_path / "c")
-    assert got == {s: want[s] for s in range(5, 11)}
+    assert got == {s: want[s] for s in range(stop + 1, 11)}
     assert resumed["weights_sha256"] == reference["weights_sha256"]
     assert resumed["val_loss"] == reference["val_loss"]

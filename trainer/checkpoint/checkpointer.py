@@ -187,10 +187,7 @@ class Checkpointer:
                             device=self.device, state=saved,
                             force_loader_state=self.c.force_loader_state)
         self.skipped = {(e, b) for e, b in state.skipped}
-        epoch, index = source.position()
-        if index >= len(source):  # saved after an epoch's last batch: continue with the next epoch
-            epoch += 1
-            source.set_epoch(epoch)
+        epoch, _ = source.position()  # after an epoch's last batch, the loader is already in the next epoch
         return Restored(step=state.step, epoch=epoch)
 
     # -------------------------------------------------------------------------------- non-finite losses

@@ -1,8 +1,9 @@
 """Batch sources: what the step loop consumes.
 
 A batch source is an iterable of dicts ``{"image": float32 [B, C, H, W], "label": int64 [B], ...}`` (one
-rank's share of one global batch per item) with ``len()`` (steps per epoch), ``set_epoch(e)`` (a no-op when
-already in epoch ``e``, so a restored position survives), ``state_dict()`` / ``load_state_dict()`` (epoch and
+rank's share of one global batch per item; each ``iter()`` is one pass: an epoch from its start, or from a
+restored position once after ``load_state_dict``) with ``len()`` (steps per epoch), ``set_epoch(e)`` (a no-op for
+the epoch it is in, so a restored position survives), ``state_dict()`` / ``load_state_dict()`` (epoch and
 next global batch; loads at any world size) and ``position()`` (``(epoch, index of the next global batch)``).
 The loop times ``next()`` itself, so every source's data wait is measured the same way.
 
@@ -88,7 +89,12 @@ class LoaderSource:
         return reader.reads() if reader is not None else None
 
     def __iter__(self):
-        for batch in self.loader:
+        """One pass of the loader (an epoch from its start, or from a restored position once), begun now: the
+        position (``position()``) is the pass's first batch before the first ``next``."""
+        return self._floats(iter(self.loader))
+
+    def _floats(self, batches):
+        for batch in batches:
             if self.delay_s:
                 time.sleep(self.delay_s)
             x = batch["image"]  # already [B, C, H, W]

@@ -190,17 +190,16 @@ def optimizer_step(strategy, optimizer, x, y, *, micro_batches: int, timer, auto
     return loss, norm
 
 
-def validation_pass(strategy, source, device, autocast, max_batches: int = 0, index: int = 0) -> tuple[float, float, int]:
+def validation_pass(strategy, source, device, autocast, max_batches: int = 0) -> tuple[float, float, int]:
     """Accuracy and mean loss over the validation source, summed over all ranks: ``(acc, loss, count)``.
 
-    Each evaluation is a fresh pass (``set_epoch(index)``, a new index each time) so a pass capped at
-    ``max_batches`` starts from the first batch again rather than where the last one stopped; the
+    Each evaluation is a fresh pass from the first batch (every ``for`` over a loader is), so a pass capped at
+    ``max_batches`` sees the same first batches each time rather than going on where the last one stopped; the
     validation plan is unshuffled and unaugmented, so every pass sees the same batches. Collectives issued by
     the forward passes (FSDP2 gathers) are counted as evaluation traffic, not training traffic."""
     import torch
     import torch.nn.functional as F
 
-    source.set_epoch(index)
     model = strategy.module  # DDP's inner module: no gradient hooks needed; FSDP2's root itself
     model.eval()
     correct = loss_sum = count = 0.0

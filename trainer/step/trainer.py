@@ -153,7 +153,7 @@ class Trainer:
         self.log = StepLog(self.account.timer, self.writer, log_every=cfg.run.log_every, total_steps=self.total,
                            verbose=rank == 0 and cfg.run.log_every > 0, base_lr=cfg.optim.lr)
         self.sampler = MemorySampler()
-        self.val, self.val_samples, self.n_evals = (None, None), 0, 0
+        self.val, self.val_samples = (None, None), 0
 
     def _restore(self) -> None:
         attempt = self.account.loop_started()
@@ -261,9 +261,8 @@ class Trainer:
         self.log.flush()
         with self.account.span("eval") as span:
             acc, loss, n_val = validation_pass(self.strategy, self.val_src, self.device, self.autocast,
-                                               cfg.run.eval_max_batches, self.n_evals)
+                                               cfg.run.eval_max_batches)
         self.val, self.val_samples = (acc, loss), n_val
-        self.n_evals += 1
         self.writer.log({"step": self.step, "epoch": self.epoch, "val_accuracy": acc, "val_loss": loss,
                          "val_samples": n_val, "eval_s": span.seconds})
         self.writer.flush()
@@ -308,10 +307,8 @@ class Trainer:
                     device=self.device,
                     where="a trainer state dict", force_loader_state=self.config.checkpoint.force_loader_state)
         self.checkpointer.skipped = {(e, b) for e, b in saved.skipped}
-        self.step, (self.epoch, index) = saved.step, self.train_src.position()
-        if index >= len(self.train_src):  # saved after an epoch's last batch: continue with the next epoch
-            self.epoch += 1
-            self.train_src.set_epoch(self.epoch)
+        # the loader's epoch: after an epoch's last batch it is already the next one
+        self.step, (self.epoch, _) = saved.step, self.train_src.position()
 
     # ------------------------------------------------------------------------------------------ results
 

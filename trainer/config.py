@@ -459,13 +459,3 @@ def use_gpu(cfg: TrainConfig, gpus_available: float) -> bool:
     if cfg.parallel.use_gpu == "auto":
         return gpus_available >= 1
     return cfg.parallel.use_gpu == "true"
-
-
-def describe(cfg: TrainConfig) -> str:
-    """The resolved config as TOML-ish text, for printing before a run starts."""
-    lines = []
-    for section, values in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for k, v in values.items():
-            lines.append(f"{k} = {json.dumps(v)}")
-    return "\n".join(lines)

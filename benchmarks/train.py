@@ -51,7 +51,7 @@ def run_one(source: str, workers: int, table: str, cache: str, args, run_dir: st
         f"parallel.num_workers={workers}", f"run.dir={run_dir}", f"run.name=bench-{source}-{workers}",
     ])
     t0 = time.perf_counter()
-    s = train(cfg, quiet=True)
+    s = train(cfg, quiet=True, overwrite=True)  # the benchmark's own run directory: a rerun replaces it
     return {
         "source": source,
         "workers": workers,

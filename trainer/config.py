@@ -4,8 +4,13 @@ Everything is validated here, in the driver, before any worker starts: an unknow
 ``ConfigError`` naming the dotted key. Each section checks its own values (``check``); ``validate`` adds the few
 checks that need two sections. The data section holds the training loader's ``LoaderConfig``, whose fields are
 keys of ``[data]`` itself (``[data.augment]`` is its ``AugmentConfig``, ``[data.read]`` the cache reader's
-``ReadConfig``), and derives the training and validation configs from it in one method. The resolved tree is printed and saved as ``RUN_DIR/config.json``. The parallel section, the
+``ReadConfig``), and derives the training and validation configs from it in one method. The parallel section, the
 longest, is in config_parallel.py (imported from here as ``ParallelSection``).
+
+Types are strict where a value has one: a TOML (or JSON) value of the wrong type is refused with the key, the type
+found and the type expected (``configtree.coerce``); a ``--set`` value is text and is parsed as its key's type.
+``load_config`` reads a TOML file, a run's own ``config.json`` (each launch saves the resolved tree as
+``RUN_DIR/attempts/<k>/config.json``, the finished attempt's also as ``RUN_DIR/config.json``) or a run directory.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from dutycycle.engine import formats, io
 from dutycycle.engine.errors import ConfigError
 from dutycycle.loader.config import MODES, AugmentConfig, LoaderConfig
 
@@ -225,7 +231,9 @@ class CheckpointSection:
     max_rollbacks: int = 3  # rollbacks in one run before a non-finite loss stops it
     # A resumed loader position is refused when the saved plan inputs (split, seed, window, block size, cache
     # fingerprint, ...) differ from this run's: the position would index another sequence of batches. true
-    # loads the position anyway and continues this run's own plan from there (a different sample order).
+    # loads the position anyway and continues this run's own plan from there (a different sample order), also
+    # from a commit made at another data.global_batch_size or for another cache (`dutycycle train --resume
+    # --force` sets it).
     force_loader_state: bool = False
 
     def check(self, where: str) -> None:
@@ -298,9 +306,11 @@ def packaged_config(name: str) -> str:
 
 
 def _read_config_text(path: str) -> str:
-    """A config file from disk; ``configs/NAME.toml`` not found on disk is the copy installed with the package,
-    so the documented ``dutycycle train configs/demo.toml`` works from any directory."""
+    """A config file; ``configs/NAME.toml`` not found on disk is the copy installed with the package, so the
+    documented ``dutycycle train configs/demo.toml`` works from any directory."""
     try:
+        if io.protocol(path) != "file":
+            return io.read_capped(path, MAX_CONFIG_BYTES).decode("utf-8")
         with open(path, encoding="utf-8") as f:
             return f.read()
     except FileNotFoundError:
@@ -311,17 +321,85 @@ def _read_config_text(path: str) -> str:
             except FileNotFoundError:
                 pass
         raise ConfigError(f"config file {path!r} does not exist; pass a TOML file such as configs/demo.toml "
-                          "(the configs installed with dutycycle: demo.toml, vit.toml)") from None
+                          "(the configs installed with dutycycle: demo.toml, vit.toml), a run's config.json or "
+                          "a run directory") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text; pass a TOML file, a run's config.json or a "
+                          "run directory") from None
+
+
+# ------------------------------------------------------------------------------------------- a run's config
+
+# A run directory's own config files (the layout is trainer/launch/rundir.py's): RUN_DIR/config.json is the
+# config of the newest attempt that finished (the one model.safetensors and summary.json belong to);
+# RUN_DIR/attempts/<k>/config.json is the config each launch k started with.
+CONFIG_FILE = "config.json"
+ATTEMPTS = "attempts"
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few kilobytes; a larger file is no config
+
+
+def attempt_numbers(run_dir: str) -> list[int]:
+    """The numbers of the attempt folders in ``run_dir`` (``attempts/1``, ``attempts/2``, ...), ascending."""
+    fs, path = io.filesystem(io.join(run_dir, ATTEMPTS))
+    try:
+        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(int(n) for n in names if n.isdigit() and not n.startswith("0"))
+
+
+def run_config_uri(run_dir: str) -> str | None:
+    """The config a run directory continues with: its newest attempt's ``config.json``, else (a run made before
+    attempt folders existed) ``RUN_DIR/config.json``; None when it holds neither."""
+    for k in reversed(attempt_numbers(run_dir)):
+        uri = io.join(run_dir, ATTEMPTS, str(k), CONFIG_FILE)
+        if io.exists(uri):
+            return uri
+    uri = io.join(run_dir, CONFIG_FILE)
+    return uri if io.exists(uri) else None
+
+
+def _is_dir(path: str) -> bool:
+    fs, p = io.filesystem(path)
+    try:
+        return fs.isdir(p)
+    except OSError:
+        return False
+
+
+def read_config_tree(path: str) -> dict[str, Any]:
+    """The nested dict of a config file: TOML, or JSON (a run's ``config.json``: its ``format`` stamp is checked
+    and dropped), or a run directory (the config it continues with: ``run_config_uri``)."""
+    if _is_dir(path):
+        uri = run_config_uri(path)
+        if uri is None:
+            raise ConfigError(f"{path!r} is a directory without a run's config (no {CONFIG_FILE}, no "
+                              f"{ATTEMPTS}/<k>/{CONFIG_FILE}); pass a TOML config or a run directory")
+        path = uri
+    text = _read_config_text(path)
+    if path.endswith(".json"):
+        try:
+            tree = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path!r} is not valid JSON: {e}") from e
+        if isinstance(tree, dict) and formats.KEY in tree:  # a run's own config.json carries the stamp
+            formats.check(tree, f"config file {path!r}")
+            tree = {k: v for k, v in tree.items() if k != formats.KEY}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path!r} holds a JSON {type(tree).__name__}, not an object of sections")
+        return tree
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from e
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None, base: dict | None = None) -> TrainConfig:
-    """Load a TOML file (or start from ``base``/defaults), apply ``--set`` overrides, validate."""
-    tree: dict[str, Any] = dict(base or {})
-    if path:
-        try:
-            tree = tomllib.loads(_read_config_text(path))
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from e
+    """Load a config (or start from ``base``/defaults), apply ``--set`` overrides, validate. ``path``: a TOML
+    file, a run's ``config.json`` (``RUN_DIR/config.json``, ``RUN_DIR/attempts/<k>/config.json``) or a run
+    directory (its newest attempt's config: what ``--resume`` continues). A value of the wrong type is refused
+    (``configtree.coerce``); an override is text, parsed as its key's type."""
+    tree: dict[str, Any] = read_config_tree(path) if path else dict(base or {})
     for k, v in parse_overrides(overrides):
         set_dotted(TrainConfig, tree, k, v, ALIASES)
     cfg = build(TrainConfig, tree, "", ALIASES)
@@ -386,13 +464,3 @@ def use_gpu(cfg: TrainConfig, gpus_available: float) -> bool:
     if cfg.parallel.use_gpu == "auto":
         return gpus_available >= 1
     return cfg.parallel.use_gpu == "true"
-
-
-def describe(cfg: TrainConfig) -> str:
-    """The resolved config as TOML-ish text, for printing before a run starts."""
-    lines = []
-    for section, values in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for k, v in values.items():
-            lines.append(f"{k} = {json.dumps(v)}")
-    return "\n".join(lines)

@@ -4,6 +4,7 @@ the fault injection the diagnosis uses; each key checked here, naming it (traine
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from dutycycle.engine.errors import ConfigError
 
@@ -14,7 +15,8 @@ from .parallel.dims import ParallelDims
 @dataclass
 class ParallelSection:
     num_workers: int = 1
-    use_gpu: str = "auto"  # "auto" (GPU when the cluster has one), "true" or "false"
+    # "auto" (GPU when the cluster has one), "true" or "false"; TOML's true and false are accepted as those words
+    use_gpu: Literal["auto", "true", "false"] = "auto"
     # ZeRO stage (trainer/parallel/plan.py): 0 = DDP; 1-3 = FSDP2 sharding optimizer state (1), + gradients (2),
     # + parameters (3)
     zero_stage: int = 0

@@ -1,11 +1,13 @@
-"""A tree of config dataclasses from TOML and ``--set a.b=value`` overrides: types coerced from the field
-annotations, unknown keys named with the valid ones, and the value checks the sections call. Generic: it knows
+"""A tree of config dataclasses from TOML and ``--set a.b=value`` overrides: a TOML value must have its field's
+type (``coerce``), a ``--set`` value (text) is parsed as it, unknown keys are named with the valid ones, and the
+value checks the sections call. Generic: it knows
 nothing about training; trainer/config.py holds the sections."""
 
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import json
 import tomllib
 import types
 import typing
@@ -68,59 +70,127 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def coerce(key: str, value: Any, tp: Any) -> Any:
-    """Convert ``value`` (from TOML or a ``--set`` string) to the field type ``tp`` or raise ConfigError."""
+# What a value of each TOML (or JSON) type is called in an error message.
+TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", dict: "a table",
+              list: "an array", tuple: "an array"}
+
+
+def toml_type(value: Any) -> str:
+    """The TOML type of a parsed value, as a message names it ("a string", "an integer", ...)."""
+    for tp in (bool, int, float, str, dict, list, tuple):  # bool before int: True is an int in Python
+        if isinstance(value, tp):
+            return TOML_TYPES[tp]
+    return f"a {type(value).__name__}"  # TOML's dates and times
+
+
+def expected_type(tp: Any) -> str:
+    """How a message names the type a field takes."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return expected_type(next(a for a in args if a is not type(None)))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(json_text(a) for a in args)
+    if origin is dict:
+        return "a table"
+    if origin is collections.abc.Sequence:
+        one = expected_type(args[0]).split(" ", 1)[1]  # "number" of "a number"
+        return f"an array of {one}s, or one {one}"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def json_text(value: Any) -> str:
+    """A value as TOML writes it (strings in double quotes, true/false lower case)."""
+    return json.dumps(value)
+
+
+def shown(value: Any) -> str:
+    """A value in a message, as TOML writes it where it can."""
+    return json_text(value) if isinstance(value, (str, bool, int, float)) else repr(value)
+
+
+def wrong_type(key: str, value: Any, tp: Any, hint: str = "") -> ConfigError:
+    return ConfigError(f"{key} = {shown(value)} is {toml_type(value)}; {expected_type(tp)} is expected{hint}")
+
+
+def coerce(key: str, value: Any, tp: Any, text: bool = False) -> Any:
+    """``value`` as the field type ``tp``, or a ConfigError naming the key, the type found and the type expected.
+
+    ``text=False``: a value from a TOML file (or a run's ``config.json``, or a dict) already has a type, and it
+    must be the field's: ``global_batch_size = "64"`` is a string and is refused, as is ``flip = "true"``. The one
+    widening is an integer for a float (``lr = 1``): TOML writes whole numbers without a point and nothing is
+    lost. The reverse is refused, ``64.0`` for an integer included: a count written as a float is more often a
+    slip (``warmup_steps = 0.1`` meant as a fraction) than a whole number, and accepting ``64.0`` while refusing
+    ``64.5`` would make a value's fate depend on its digits. ``text=True``: a ``--set KEY=VALUE`` value, which is
+    text on the command line, parsed as the field's type (``--set data.global_batch_size=64``)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         if len(inner) != 1 or len(args) != 2:
             raise AssertionError(f"unsupported union type for {key}")
         # TOML has no null: a key left out keeps None (the default); a JSON round trip brings None back
-        return None if value is None else coerce(key, value, inner[0])
+        return None if value is None else coerce(key, value, inner[0], text)
+    if origin is typing.Literal:  # a closed set of words, e.g. parallel.use_gpu = "auto" | "true" | "false"
+        if isinstance(value, bool) and ("true" in args or "false" in args):
+            value = "true" if value else "false"  # TOML's own true/false for a key whose words include them
+        elif text and isinstance(value, str):
+            value = value.strip()
+        if value not in args:
+            raise ConfigError(f"{key} = {shown(value)} is not {expected_type(tp)}")
+        return value
     if origin is dict:
-        if isinstance(value, str):
+        if text and isinstance(value, str):
             value = parse_value(key, value, "a TOML inline table", f'{key}={{zone="a"}}')
         if not isinstance(value, dict):
-            raise ConfigError(f"{key} = {value!r} must be a table of strings, e.g. {key}={{zone=\"a\"}}")
-        return {str(k): str(v) for k, v in value.items()}
+            raise wrong_type(key, value, tp, f', e.g. {key} = {{zone = "a"}}')
+        inner = args[1] if len(args) == 2 else str
+        return {str(k): coerce(f"{key}.{k}", v, inner) for k, v in value.items()}
     if origin is collections.abc.Sequence:  # e.g. data.augment.mean: a list, or one value for all channels
-        if isinstance(value, str):
+        if text and isinstance(value, str):
             value = parse_value(key, value, "a TOML array or number", f"{key}=[0.5, 0.5, 0.5]")
         return tuple(coerce(key, v, args[0]) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    if text and isinstance(value, str):
+        return _parse_text(key, value, tp)
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, str):
+        return value
+    if tp not in (bool, int, float, str):
+        raise AssertionError(f"unsupported field type {tp} for {key}")
+    hint, name = "", key.rsplit(".", 1)[-1]
+    if isinstance(value, str) and tp in (int, float, bool):
+        try:
+            hint = f" (write it without quotes: {name} = {shown(_parse_text(key, value.strip(), tp))})"
+        except ConfigError:
+            pass
+    elif isinstance(value, float) and tp is int and value.is_integer():
+        hint = f" (write {int(value)})"
+    elif not isinstance(value, (dict, list, tuple)) and tp is str:
+        hint = f" (write it in quotes: {name} = {json_text(json_text(value))})"
+    raise wrong_type(key, value, tp, hint)
+
+
+def _parse_text(key: str, value: str, tp: Any) -> Any:
+    """A ``--set`` value (text) as a bool, int, float or str field's value."""
     if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        if value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
             return value.lower() in ("true", "1", "yes", "on")
         raise ConfigError(f"{key} = {value!r} is not a boolean; use true or false")
     if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key} = {value!r} is not an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise ConfigError(f"{key} = {value!r} is not an integer")
+        try:
+            return int(value.replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{key} = {value!r} is not an integer") from None
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
             return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key} = {value!r} is not a number")
+        except ValueError:
+            raise ConfigError(f"{key} = {value!r} is not a number") from None
     if tp is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key} = {value!r} must be a string")
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        return str(value)
+        return value
     raise AssertionError(f"unsupported field type {tp} for {key}")
 
 
@@ -190,7 +260,7 @@ def set_dotted(root: type, tree: dict[str, Any], dotted: str, raw: str, aliases:
         else:
             if not last:
                 raise ConfigError(f"unknown config key {dotted!r}: {key} is not a section")
-            node[part] = coerce(dotted, raw, tp)
+            node[part] = coerce(dotted, raw, tp, text=True)
 
 
 def add_overrides(parser, what: str = "a config key") -> None:

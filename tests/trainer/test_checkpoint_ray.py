@@ -60,7 +60,8 @@ def test_a_killed_worker_restarts_the_group_and_the_run_finishes_with_the_same_w
         except (FileNotFoundError, json.JSONDecodeError):
             pass
     assert registered, f"Ray Train registered no commit within 200 s; the run: {out.get('error') or 'still starting'}"
-    first = json.loads((run / "health.json").read_text())["workers"]
+    health = run / "attempts" / "1" / "health.json"  # the launch's own folder; its restarts share it
+    first = json.loads(health.read_text())["workers"]
     victim = next(w for w in first if w["rank"] == 1)
     os.kill(victim["pid"], signal.SIGKILL)
     killed_at = time.time()
@@ -75,7 +76,7 @@ def test_a_killed_worker_restarts_the_group_and_the_run_finishes_with_the_same_w
     ref_thread.join(300)
     assert summary["weights_sha256"] == ref["sha"]  # bit-identical to the uninterrupted 2-rank run
     # the restarted group is new processes; Ray Train holds a pointer to a dutycycle commit
-    second = json.loads((run / "health.json").read_text())["workers"]
+    second = json.loads(health.read_text())["workers"]
     assert {w["pid"] for w in second}.isdisjoint({w["pid"] for w in first})
     assert summary["ray_checkpoint"] is not None and summary["ray_checkpoint"]["step"] <= resumed["step"]
     # Ray's pointer lags by one save: with keep = 2 retention may have deleted its commit, and the record says so.
@@ -115,7 +116,7 @@ def test_a_damaged_ray_train_record_is_set_aside_and_the_run_resumes_from_the_ne
     snapshot.write_bytes(bytes(data))
     assert "cannot be read as JSON" in run_state_problem(str(storage))
     with pytest.warns(UserWarning, match=r"Ray Train's record of run 'dutycycle' .* is damaged"):
-        second = train(cw.small_cfg(run, *extra, "run.max_steps=6"), quiet=True)
+        second = train(cw.small_cfg(run, *extra, "run.max_steps=6"), quiet=True, resume=True)
     assert second["checkpoint"]["resumed"]["step"] == 4 and second["steps"] == 6
     assert len(list(storage.glob(f"{RUN_STATE}.damaged-*"))) == 1
     assert run_state_problem(str(storage)) is None  # Ray Train wrote a new, sound record

@@ -159,3 +159,69 @@ def test_the_built_in_model_names_a_config_accepts_are_the_models_built():
     from dutycycle.trainer.step.models import MODELS
 
     assert tuple(MODELS) == BUILT_IN_MODELS
+
+
+@pytest.mark.parametrize(
+    "line, said",
+    [
+        ('[data]\nglobal_batch_size = "64"', 'data.global_batch_size = "64" is a string; an integer is expected '
+                                             "(write it without quotes: global_batch_size = 64)"),
+        ("[data]\nglobal_batch_size = 64.0", "data.global_batch_size = 64.0 is a float; an integer is expected "
+                                            "(write 64)"),
+        ("[run]\nmax_steps = true", "run.max_steps = true is a boolean; an integer is expected"),
+        ('[optim]\nlr = "0.01"', 'optim.lr = "0.01" is a string; a number is expected'),
+        ('[data.augment]\nflip = "true"', 'data.augment.flip = "true" is a string; a boolean is expected'),
+        ("[data.augment]\nflip = 1", "data.augment.flip = 1 is an integer; a boolean is expected"),
+        ("[model]\nname = 5", 'model.name = 5 is an integer; a string is expected (write it in quotes: name = "5")'),
+        ("[run]\ndir = [1]", "run.dir = [1] is an array; a string is expected"),
+        ("[ray]\nlabel_selector = {zone = 1}", "ray.label_selector.zone = 1 is an integer; a string is expected"),
+        ('[data.augment]\nmean = [0.5, "x"]', 'data.augment.mean = "x" is a string; a number is expected'),
+        ('[parallel]\nuse_gpu = "maybe"', 'parallel.use_gpu = "maybe" is not one of "auto", "true", "false"'),
+    ],
+)
+def test_a_toml_value_of_the_wrong_type_is_refused_naming_the_key_and_both_types(tmp_path, line, said):
+    path = write(tmp_path, f'{line}\n[run]\nmax_steps = 3\n' if "[run]" not in line else line + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["data.source=synthetic"])
+    assert said in str(err.value)
+
+
+def test_toml_types_that_are_the_fields_own_are_kept_and_set_values_are_parsed(tmp_path):
+    """An integer is a float's value (``lr = 1``: TOML writes whole numbers without a point); TOML's true/false
+    are the words of a key that takes "true"/"false"; ``--set`` values are text, parsed as their key's type."""
+    path = write(tmp_path, '[data]\nsource = "synthetic"\n[optim]\nlr = 1\n[parallel]\nuse_gpu = false\n'
+                           '[data.augment]\nmean = [1, 0.5, 0]\nstd = [1, 1, 1]\n')
+    cfg = load_config(path)
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float) and cfg.parallel.use_gpu == "false"
+    assert cfg.data.augment.mean == (1.0, 0.5, 0.0)
+    cfg = load_config(path, ["data.global_batch_size=64", "optim.lr=2e-3", "data.augment.flip=true",
+                             "parallel.use_gpu=true", "run.epochs=2"])
+    assert (cfg.data.global_batch_size, cfg.optim.lr, cfg.data.augment.flip) == (64, 2e-3, True)
+    assert cfg.parallel.use_gpu == "true" and cfg.run.epochs == 2.0
+
+
+def test_load_config_reads_a_runs_config_json_and_a_run_directory(tmp_path):
+    """A run saves its resolved config as stamped JSON (``format`` first); ``load_config`` reads it back, and a
+    run directory as its newest attempt's config (``--resume`` continues that one)."""
+    from dutycycle.engine import formats
+    from dutycycle.engine.errors import FormatError
+
+    run = tmp_path / "run"
+    (run / "attempts" / "1").mkdir(parents=True)
+    (run / "attempts" / "2").mkdir(parents=True)
+    first = load_config(None, ["data.source=synthetic", f"run.dir={run}", "run.max_steps=5", "data.augment.mean=[1]"])
+    second = load_config(None, ["data.source=synthetic", f"run.dir={run}", "run.max_steps=9"])
+    for where, cfg in ((run / "config.json", first), (run / "attempts" / "1" / "config.json", first),
+                       (run / "attempts" / "2" / "config.json", second)):
+        where.write_text(json.dumps(formats.stamp(cfg.to_dict()), indent=2))
+    assert load_config(str(run / "config.json")) == first
+    assert load_config(str(run)) == second  # the newest attempt's
+    assert load_config(str(run), ["run.max_steps=12"]).run.max_steps == 12
+    (run / "attempts" / "2" / "config.json").write_text(json.dumps({**formats.stamp(second.to_dict()), "format": 2}))
+    with pytest.raises(FormatError, match="has format 2"):
+        load_config(str(run))
+    with pytest.raises(ConfigError, match="without a run's config"):
+        load_config(str(tmp_path))
+    (tmp_path / "bad.json").write_text('{"run": {"max_steps": "9"}}')
+    with pytest.raises(ConfigError, match='run.max_steps = "9" is a string'):
+        load_config(str(tmp_path / "bad.json"), ["data.source=synthetic"])

@@ -96,6 +96,6 @@ def test_a_health_record_of_another_format_names_the_file_in_the_chaos_report(tm
     writer.close()
     ckpt = tmp_path / "checkpoints"
     mf.write_manifest(str(ckpt / mf.step_name(4)), mf.Manifest(step=4, world_size=1, files={}))
-    chaos = KillOneWorker(str(tmp_path), str(ckpt), 1, timeout_s=10)
+    chaos = KillOneWorker(str(tmp_path), str(ckpt), 1, timeout_s=10, since=0.0)  # its rows predate it here
     chaos.run()
     assert "health.json has format 2" in chaos.report.error

@@ -124,7 +124,11 @@ def test_results_reach_the_driver_through_ray_train_storage(ray_cluster, cache, 
     fs = fsspec.filesystem("memory")  # this (driver) process's memory: filled from Ray's storage
     base = run_dir.removeprefix("memory://")
     names = {p.rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)}
-    assert {"summary.json", "metrics.jsonl", "report.png"} <= names, names
+    assert {"summary.json", "metrics.jsonl", "report.png", "config.json"} <= names, names
+    # the launch's own files, in its attempt folder: health.json came back from rank 0 the same way
+    attempt = {p.rsplit("/", 1)[-1] for p in fs.ls(base + "/attempts/1", detail=False)}
+    assert {"config.json", "health.json", "attempt.json"} <= attempt, attempt
+    assert [w["rank"] for w in json.loads(fs.cat(base + "/attempts/1/health.json"))["workers"]] == [0, 1]
     rows = [json.loads(x) for x in fs.cat(base + "/metrics.jsonl").decode().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
     assert fs.cat(base + "/report.png")[:4] == b"\x89PNG"

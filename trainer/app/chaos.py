@@ -2,10 +2,12 @@
 time how the run comes back.
 
 ``KillOneWorker`` runs beside ``train()`` in the driver. It waits until a checkpoint has committed and training has
-logged ``after_step``, reads the workers' PIDs from ``RUN_DIR/health.json`` (written by the pre-flight health
-check), SIGKILLs one rank, and then watches ``metrics.jsonl`` for the restarted group's ``resume`` row. Ray Train
-restarts the group (``ray.max_failures``) and the new workers resume from the newest verified commit by
-themselves; nothing here helps them. Local run directories only (it reads files and kills local processes).
+logged ``after_step``, reads the workers' PIDs from the newest attempt's ``health.json``
+(``RUN_DIR/attempts/<k>/``, written by the pre-flight health check), SIGKILLs one rank, and then watches
+``metrics.jsonl`` for the restarted group's ``resume`` row. Ray Train restarts the group (``ray.max_failures``)
+and the new workers resume from the newest verified commit by themselves; nothing here helps them. Only rows
+logged after it was made count: it may start before ``train(..., overwrite=True)`` has removed an earlier run's
+files (the demo's). Local run directories only (it reads files and kills local processes).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from dutycycle.engine import formats
 from dutycycle.engine.errors import FormatError
 from dutycycle.trainer.checkpoint import manifest as mf
+from dutycycle.trainer.launch.rundir import HEALTH_FILE, newest_attempt_file
 from dutycycle.trainer.step.metrics import read_metrics
 
 
@@ -39,12 +42,14 @@ class KillReport:
 
 
 class KillOneWorker(threading.Thread):
-    def __init__(self, run_dir: str, checkpoint_dir: str, after_step: int, rank: int = 1, timeout_s: float = 600):
+    def __init__(self, run_dir: str, checkpoint_dir: str, after_step: int, rank: int = 1, timeout_s: float = 600,
+                 since: float | None = None):
         super().__init__(name="dutycycle-chaos", daemon=True)
         self.run_dir, self.checkpoint_dir = run_dir, checkpoint_dir
         self.after_step, self.rank, self.timeout_s = after_step, rank, timeout_s
         self.report = KillReport()
         self._halt = threading.Event()  # not `_stop`: threading.Thread has its own
+        self.since = time.time() if since is None else since  # rows logged before it are an earlier run's
 
     def stop(self) -> None:
         self._halt.set()
@@ -60,12 +65,13 @@ class KillOneWorker(threading.Thread):
             time.sleep(0.05)
         return False
 
+    def _rows(self) -> list[dict]:
+        return [r for r in read_metrics(self.run_dir, live=True) if r.get("time", 0.0) >= self.since]
+
     def run(self) -> None:
 
-        health = os.path.join(self.run_dir, "health.json")
-
         def newest_step() -> int:
-            return max((r["step"] for r in read_metrics(self.run_dir, live=True) if "loss" in r), default=-1)
+            return max((r["step"] for r in self._rows() if "loss" in r), default=-1)
 
         def trained_past_a_commit() -> bool:
             # a manifest is the commit; verifying checksums here would only compete with training for the cores
@@ -74,6 +80,7 @@ class KillOneWorker(threading.Thread):
 
         if not self._wait(trained_past_a_commit, f"a commit and step {self.after_step}"):
             return
+        health = newest_attempt_file(self.run_dir, HEALTH_FILE) or os.path.join(self.run_dir, HEALTH_FILE)
         try:
             with open(health) as f:
                 record = json.load(f)
@@ -93,7 +100,7 @@ class KillOneWorker(threading.Thread):
         resume_rows: list[dict] = []
 
         def resumed() -> bool:
-            resume_rows[:] = [r for r in read_metrics(self.run_dir, live=True) if r.get("event") == "resume"]
+            resume_rows[:] = [r for r in self._rows() if r.get("event") == "resume"]
             return bool(resume_rows)
 
         if self._wait(resumed, "the restarted workers to resume"):

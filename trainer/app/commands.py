@@ -12,13 +12,24 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "train",
         help="train a model from a TOML config (on Ray Train, or --local in this process)",
-        description="Train from CONFIG.toml. The resolved config is printed and saved in the run directory; "
-        "outputs: config.json, metrics.jsonl, summary.json, report.png.",
+        description="Train from CONFIG. The data, the model's module and the run directory are checked before Ray "
+        "starts. A run directory that holds a run is never replaced unless asked: --resume continues it, "
+        "--overwrite replaces it. Outputs in RUN_DIR: metrics.jsonl, summary.json, model.safetensors, "
+        "report.png, config.json, checkpoints/, and attempts/<k>/ (each launch's config.json and health.json).",
     )
-    p.add_argument("config", help="a TOML config file, e.g. configs/demo.toml")
+    p.add_argument("config", help="a TOML config (e.g. configs/demo.toml), a run's config.json, or a run directory")
     add_overrides(p)
     p.add_argument("--local", action="store_true",
                    help="run one worker in this process, without Ray (sets parallel.num_workers=1)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--resume", action="store_true",
+                     help="continue the run in run.dir from its newest commit (e.g. with a larger run.max_steps); "
+                     "changed keys are named, and a change to its data is refused unless --force")
+    how.add_argument("--overwrite", action="store_true",
+                     help="replace the run in run.dir (removes dutycycle's files there and its commits)")
+    p.add_argument("--force", action="store_true",
+                   help="with --resume: accept config changes that alter the data already trained on (the cache, "
+                   "global batch size, seed, loader plan, augmentation)")
     p.set_defaults(func=command("cmd_train"))
 
     g = subparsers.add_parser(

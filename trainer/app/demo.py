@@ -8,7 +8,8 @@
 Every stage is the public API a user would call, and every artifact lands under ``--out`` so a person can
 look at it afterwards (``images/``, ``table/``, ``curated/``, ``cache/``, ``run/``, ``diagnose/``). Running the
 demo again in the same folder reuses the data (ingest adds only new files, the cache is found by fingerprint) and
-trains afresh (``run/`` is cleared, or training would resume from the previous run's last checkpoint).
+trains afresh: ``run/`` is the demo's own, so its previous run is overwritten (``train(..., overwrite=True)``;
+otherwise the launch would be refused, since a run directory is never replaced unasked).
 """
 
 from __future__ import annotations
@@ -130,9 +131,6 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
          f"{' (reused)' if res.reused else ''}, splits {m.split_counts} -> {res.uri} [{stages['materialize']:.1f}s]")
 
     cfg = training_config(workers, run_dir, res.uri, small, overrides)
-    if io.exists(run_dir):  # train afresh: a previous demo's checkpoints would be resumed from
-        fs, path = io.filesystem(run_dir)
-        fs.rm(path, recursive=True)
     t = time.perf_counter()
     _say(f"train: {cfg.parallel.num_workers} workers on a local Ray cluster, ZeRO stage {cfg.parallel.zero_stage}, "
          f"{cfg.parallel.quant_grads} gradient exchange, asynchronous checkpoints every {cfg.checkpoint.every} "
@@ -143,7 +141,7 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
         chaos.start()
         _say(f"failure injection: rank 1 will be killed (SIGKILL) once step {plan['kill_after_step']} is logged")
     try:
-        summary = train(cfg, local=False, quiet=True)
+        summary = train(cfg, local=False, quiet=True, overwrite=True)  # the demo's own run: trained afresh
     finally:
         if chaos is not None:
             chaos.stop()

@@ -21,7 +21,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.local:  # one worker in this process; the global batch (and so the training) stays the same
         overrides.append("parallel.num_workers=1")
     cfg = load_config(args.config, overrides)
-    summary = train(cfg, local=args.local)
+    summary = train(cfg, local=args.local, resume=args.resume, overwrite=args.overwrite, force=args.force)
     acc = summary.get("val_accuracy")
     print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
           f"val accuracy {acc:.3f}, {summary['samples_per_s']:.0f} samples/s, world size {summary['world_size']}")

@@ -91,20 +91,26 @@ def read_trainer_state(selected: Selected) -> TrainerState:
 
 
 def check_compatible(saved: TrainerState, cfg, fingerprint: str, uri: str) -> None:
-    """Refuse a checkpoint made for another model, dataset or batch size (the state would not fit, or would
-    resume another plan), naming the key."""
+    """Refuse a checkpoint made for another model or optimizer (the state would not fit), naming the key; and
+    one made for another dataset or batch size (it would resume another plan), unless
+    ``checkpoint.force_loader_state`` accepts that (``dutycycle train --resume --force`` sets it): the loader then
+    continues this run's own plan from the saved position."""
     mine = cfg.to_dict()
     theirs = saved.config
-    keys = [("model", k) for k in mine["model"]] + [("data", "global_batch_size"), ("optim", "name")]
+    forced = cfg.checkpoint.force_loader_state
+    keys = [("model", k) for k in mine["model"]] + [("optim", "name")]
+    if not forced:
+        keys.append(("data", "global_batch_size"))
     for section, key in keys:
         a, b = theirs.get(section, {}).get(key), mine[section][key]
         if a is not None and a != b:
             raise ConfigError(f"checkpoint {uri} was saved with {section}.{key} = {a!r}, this run has {b!r}; use the "
                               "same setting, another checkpoint.dir, or checkpoint.resume = \"none\" to start fresh")
-    if saved.data.get("fingerprint") and saved.data["fingerprint"] != fingerprint:
+    if not forced and saved.data.get("fingerprint") and saved.data["fingerprint"] != fingerprint:
         raise ConfigError(f"checkpoint {uri} was saved for data with fingerprint {saved.data['fingerprint']!r}, this "
                           f"run reads {fingerprint!r}; point data.cache at the same cache, or set checkpoint.resume = "
-                          "\"none\" to start fresh")
+                          "\"none\" to start fresh (or checkpoint.force_loader_state = true to continue this "
+                          "run's own plan on it from the saved position)")
 
 
 def load(selected: Selected, strategy, optimizer, source, *, rank: int, world: int = 1, device=None,

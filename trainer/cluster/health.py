@@ -6,7 +6,7 @@ sum must be W(W+1)/2), timed as a round trip. The results are gathered, and if a
 value or took longer than ``run.health_timeout_s``, every worker raises ``HealthCheckError`` naming the bad ones
 (rank, host, pid). On a real cluster the operator replaces that node; under Ray Train with
 ``ray.max_failures > 0`` the group is started again, possibly elsewhere. Rank 0 writes what every worker
-measured to ``RUN_DIR/health.json``.
+measured to ``health.json`` in the launch's attempt folder (``RUN_DIR/attempts/<k>/``, trainer/launch/rundir.py).
 
 The matmul tolerance: an fp32 dot product of n terms has a rounding error of at most about n * eps * sum|a_i b_i|
 (eps = 2^-24 per operation, summed over n = 256 terms); a factor of 4 on top covers blocked summation orders. A
@@ -82,7 +82,7 @@ def check_collective(rank: int, world: int, device, timeout_s: float) -> dict:
 
 def preflight(rank: int, world: int, device, timeout_s: float, run_dir: str = "") -> list[dict]:
     """Run the check on every worker (a collective); returns every worker's record, or raises HealthCheckError
-    on every worker when any failed."""
+    on every worker when any failed. ``run_dir``: where rank 0 writes ``health.json`` (the attempt's folder)."""
     import torch
 
     device = device or torch.device("cpu")

@@ -50,9 +50,10 @@ from .findings import (
 from .layouts import memory
 
 
-def short_run(ctx: Context, name: str, *overrides: str, steps: int | None = None) -> dict:
+def short_run(ctx: Context, name: str, *overrides: str, steps: int | None = None, resume: bool = False) -> dict:
     """A short training run of the config (its launcher: Ray Train, or this process for one worker) of ``steps``
-    optimizer steps (default ``ctx.steps``)."""
+    optimizer steps (default ``ctx.steps``). Its run directory is the diagnosis's own: a diagnosis written again
+    into the same folder replaces it (``overwrite``), unless ``resume`` continues the run there (and its commits)."""
     run_dir = io.join(ctx.workdir, name)
     # never a resume unless asked (the failures experiment asks): a diagnosis written again into the same folder
     # would otherwise resume each run from its last commit and train nothing, reporting the old rows
@@ -60,7 +61,7 @@ def short_run(ctx: Context, name: str, *overrides: str, steps: int | None = None
                   "run.eval_max_batches=1", "run.log_every=0", "run.report=false", "run.save_model=false",
                   f"run.name=diagnose-{name}", "checkpoint.resume=none", *overrides)
     t0 = time.perf_counter()
-    summary = train(cfg, local=cfg.parallel.num_workers == 1, quiet=True)
+    summary = train(cfg, local=cfg.parallel.num_workers == 1, quiet=True, resume=resume, overwrite=not resume)
     launched = time.perf_counter() - t0
     rows = _steady_rows(run_dir)
     step_s = sum(r["step_s"] for r in rows) or 1e-9
@@ -366,7 +367,8 @@ def failures(ctx: Context) -> FailuresFinding:
     common = (*_synthetic(ctx), f"checkpoint.dir={io.join(ctx.workdir, 'fail-ckpt')}", "checkpoint.every=2",
               f"checkpoint.async_save={mode}", "ray.max_failures=0")
     first = short_run(ctx, "fail-first", *common, "checkpoint.resume=none")
-    again = short_run(ctx, "fail-again", *common, "checkpoint.resume=auto", f"run.max_steps={ctx.steps + 2}")
+    again = short_run(ctx, "fail-again", *common, "checkpoint.resume=auto", f"run.max_steps={ctx.steps + 2}",
+                      resume=True)
     saved = first["summary"].get("checkpoint") or {}
     resumed = (again["summary"].get("checkpoint") or {}).get("resumed") or {}
     if not resumed:

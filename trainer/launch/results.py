@@ -1,11 +1,12 @@
 """How a run's results reach the driver on a real cluster, and how Ray's log stays readable.
 
 **Results.** On a multi-node cluster the driver cannot read files rank 0 wrote to its own node's disk. So at the
-end of training rank 0 reports the run's small result files (``summary.json``, ``config.json``,
-``metrics.jsonl``, ``health.json``) to Ray Train as the run's last checkpoint; Ray Train copies it into
-``RunConfig.storage_path`` (``ray.storage_path``: a shared folder or ``s3://``), and the driver reads it from
-``Result.checkpoint``, filling in its own view of ``run.dir`` when that is a different disk, and draws
-``report.png`` there once it has closed the job's time account. The checkpoint also holds the pointer to the last
+end of training rank 0 reports the run's small result files (``summary.json`` and ``metrics.jsonl`` of the run,
+``config.json`` and ``health.json`` of this launch's attempt folder) to Ray Train as the run's last checkpoint;
+Ray Train copies it into ``RunConfig.storage_path`` (``ray.storage_path``: a shared folder or ``s3://``), and the
+driver reads it from ``Result.checkpoint``, writing each file where its own view of ``run.dir`` lacks it or holds
+another version (a different disk; an earlier attempt's summary), and draws ``report.png`` there once it has
+closed the job's time account. The checkpoint also holds the pointer to the last
 committed training checkpoint (checkpoint/raytrain.py), so ``checkpoint_uri(result.checkpoint)`` keeps working.
 ``model.safetensors`` stays in ``run.dir`` (it can be large); the summary names it.
 
@@ -35,6 +36,7 @@ from dutycycle.trainer.checkpoint.raytrain import checkpoint_uri, write_pointer
 from dutycycle.trainer.step.metrics import read_summary
 
 RESULT_FILES = ("summary.json", "config.json", "metrics.jsonl", "health.json")
+ATTEMPT_FILES = ("config.json", "health.json")  # in the attempt's folder; the others in the run directory
 SUMMARY_KEY = "dutycycle_results"  # in the metrics of the final report: marks the results checkpoint
 RAY_WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 
@@ -59,9 +61,22 @@ def runtime_env(extra_env: dict[str, str]) -> dict:
             "worker_process_setup_hook": "dutycycle.trainer.launch.results.quiet_ray_logs"}
 
 
-def report_results(cfg, run_dir: str, summary: dict, rank: int, last_commit: dict | None) -> None:
+def _home(name: str, run_dir: str, attempt_dir: str) -> str:
+    return io.join(attempt_dir if name in ATTEMPT_FILES else run_dir, name)
+
+
+def _holds(uri: str, data: bytes) -> bool:
+    """Whether the file at ``uri`` holds exactly ``data``."""
+    try:
+        return io.read_capped(uri, len(data)) == data
+    except (FileNotFoundError, io.FileTooLargeError):
+        return False
+
+
+def report_results(cfg, run_dir: str, summary: dict, rank: int, last_commit: dict | None,
+                   attempt_dir: str = "") -> None:
     """Every worker calls this once after training (Ray Train V2 reports are a barrier); rank 0's carries the
-    result files as a checkpoint."""
+    result files as a checkpoint. ``attempt_dir``: the launch's folder ("" = ``run_dir``)."""
     import ray.train
 
     if rank != 0:
@@ -69,7 +84,7 @@ def report_results(cfg, run_dir: str, summary: dict, rank: int, last_commit: dic
         return
     with tempfile.TemporaryDirectory(prefix="dutycycle-results-") as d:
         for name in RESULT_FILES:
-            uri = io.join(run_dir, name)
+            uri = _home(name, run_dir, attempt_dir or run_dir)
             if io.exists(uri):
                 fs, path = io.filesystem(uri)
                 with fs.open(path, "rb") as src, open(os.path.join(d, name), "wb") as dst:
@@ -81,9 +96,10 @@ def report_results(cfg, run_dir: str, summary: dict, rank: int, last_commit: dic
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
 
 
-def results_from(cfg, result) -> dict:
-    """The summary from Ray Train's result; the result files copied into ``run.dir`` where the driver sees it
-    without them (rank 0 wrote them on another node's disk)."""
+def results_from(cfg, result, attempt_dir: str = "") -> dict:
+    """The summary from Ray Train's result; each result file written into ``run.dir`` (or the attempt's folder,
+    ``attempt_dir``) where the driver's view of it lacks the file or holds other bytes (rank 0 wrote them on
+    another node's disk, where an earlier attempt's files may stand in the driver's)."""
 
     ckpt = result.checkpoint
     if ckpt is None or not (result.metrics or {}).get(SUMMARY_KEY):
@@ -91,11 +107,14 @@ def results_from(cfg, result) -> dict:
                              f"{result.path!r}); the workers ended without reporting one")
     with ckpt.as_directory() as d:
         summary = read_summary(d)
-        if not io.exists(io.join(cfg.run.dir, "summary.json")):
-            for name in RESULT_FILES:
-                if os.path.exists(os.path.join(d, name)):
-                    with open(os.path.join(d, name), "rb") as f:
-                        io.write_bytes_atomic(io.join(cfg.run.dir, name), f.read())
+        for name in RESULT_FILES:
+            if not os.path.exists(os.path.join(d, name)):
+                continue
+            with open(os.path.join(d, name), "rb") as f:
+                data = f.read()
+            uri = _home(name, cfg.run.dir, attempt_dir or cfg.run.dir)
+            if not _holds(uri, data):
+                io.write_bytes_atomic(uri, data)
     summary["ray_result_checkpoint"] = checkpoint_uri(ckpt)
     summary["ray_storage"] = result.path
     return summary

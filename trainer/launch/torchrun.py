@@ -2,7 +2,12 @@
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE (and MASTER_ADDR / MASTER_PORT) from the environment as
 torchrun sets them, initializes the process group (nccl on GPU, gloo on CPU) and runs the same step loop.
-Rank 0 saves the config, writes metrics and the summary, and draws the report.
+Rank 0 checks the data, the model and the run directory (``--resume``, ``--overwrite``, ``--force`` as for
+``dutycycle train``), saves the config in its attempt folder, writes metrics and the summary, and draws the
+report. A launch refused there exits 2 on rank 0; the other ranks then stop at the process group's timeout.
+A restart by torchrun (``--max-restarts``; ``TORCHELASTIC_RESTART_COUNT`` > 0) is the same launch: it continues
+in its attempt folder and resumes from the newest commit, as a restarted Ray Train group does. A launch whose
+last try fails before training removes its attempt folder (rundir.py).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dutycycle.trainer.configtree import add_overrides
 from dutycycle.trainer.step.loop import WorkerContext, set_threads
 from dutycycle.trainer.step.trainer import Trainer
 
+from .rundir import rejoin
 from .train import finish_run, prepare_run, resolve_run_dir
 
 
@@ -27,16 +33,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dutycycle.trainer.launch.torchrun")
     parser.add_argument("config")
     add_overrides(parser)
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--resume", action="store_true", help="continue the run in run.dir (see dutycycle train)")
+    how.add_argument("--overwrite", action="store_true", help="replace the run in run.dir")
+    parser.add_argument("--force", action="store_true", help="with --resume: accept changes to its data")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    last_try = restarts >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    attempt = None
     try:
         cfg = load_config(args.config, args.overrides + [f"parallel.num_workers={world}"])
         gpu = use_gpu(cfg, torch.cuda.device_count())
-        if rank == 0:
-            prepare_run(cfg)
+        if rank == 0 and restarts:
+            resolve_run_dir(cfg)
+            attempt = rejoin(cfg)
+        elif rank == 0:
+            attempt = prepare_run(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force)
         else:
             resolve_run_dir(cfg)
         device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
@@ -46,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.init_process_group("nccl" if gpu else "gloo")
         set_threads(cfg, local_world)
         ctx = WorkerContext(rank=rank, world_size=world, device=device, run_dir=cfg.run.dir,
-                            info={"launcher": "torchrun"})
+                            attempt_dir=attempt.dir if attempt else "", info={"launcher": "torchrun"})
         with Trainer(cfg, ctx) as trainer:
             trainer.train()
         if world > 1:
@@ -57,8 +73,11 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
         if rank == 0:
             summary = finish_run(cfg)
+            attempt.finish()
             print(f"val accuracy {summary['val_accuracy']}, report {summary.get('report')}")
     except DutycycleError as e:
+        if attempt is not None and last_try:
+            attempt.discard_if_untrained()
         print(f"dutycycle torchrun: error: {e}", file=sys.stderr)
         return 2
     return 0

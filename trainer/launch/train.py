@@ -1,7 +1,9 @@
 """Launching a run: locally in this process, on Ray Train (TorchTrainer, the V2 API), or under torchrun.
 
-All three run the same ``Trainer`` (step/trainer.py). The driver validates the config, prints it and saves it in
-the run directory before any worker starts; after the run it reads ``summary.json`` and draws ``report.png``.
+All three run the same ``Trainer`` (step/trainer.py). Before any worker starts (before Ray starts), the driver
+checks the data and the model's module (inputs.py) and the run directory, which a new run never clobbers, and
+saves the config in this launch's attempt folder (rundir.py); after the run it reads ``summary.json`` and draws
+``report.png``.
 
 Placement on Ray: workers are gang-scheduled in one placement group. ``PACK`` (the default) puts them on as
 few nodes as possible; ``STRICT_PACK`` insists on one node. ``ray.label_selector`` (e.g. ``{zone = "a"}``)
@@ -17,24 +19,27 @@ intra-op threads so two workers do not oversubscribe the cores.
 
 from __future__ import annotations
 
-import json
 import os
 
-from dutycycle.engine import formats, io
+from dutycycle.engine import io
 from dutycycle.engine.errors import ConfigError, DutycycleError
 from dutycycle.trainer.checkpoint.raytrain import latest_reported, report_commit, set_aside_damaged_run_state
 from dutycycle.trainer.cluster.local import start_local_ray
 from dutycycle.trainer.cluster.topology import node_label
-from dutycycle.trainer.config import TrainConfig, describe, from_dict, use_gpu
+from dutycycle.trainer.config import TrainConfig, from_dict, use_gpu
 from dutycycle.trainer.step.loop import WorkerContext, set_threads
 from dutycycle.trainer.step.metrics import read_metrics, read_summary
 from dutycycle.trainer.step.report import write_report
 from dutycycle.trainer.step.trainer import Trainer
 
+from . import rundir
 from .account import job_time
 from .fits import alive_nodes, check_fits, describe_nodes, request_text
+from .inputs import check_inputs
 from .results import report_results, results_from, runtime_env
+from .rundir import Attempt
 from .runpage import write_run_page
+from .usermodule import worker_runtime_env
 
 
 def resolve_run_dir(cfg: TrainConfig) -> str:
@@ -57,13 +62,23 @@ def resolve_run_dir(cfg: TrainConfig) -> str:
     return cfg.run.dir
 
 
-def prepare_run(cfg: TrainConfig, quiet: bool = False) -> str:
-    run_dir = resolve_run_dir(cfg)
+def prepare_run(cfg: TrainConfig, quiet: bool = False, *, resume: bool = False, overwrite: bool = False,
+                force: bool = False) -> Attempt:
+    """Everything a launch checks and decides in the driver, before Ray starts: paths made absolute; the data
+    (the cache and its splits, or the table) and the model's module (launch/inputs.py); the run directory, which
+    a new run never clobbers (``resume`` continues the run there, ``overwrite`` replaces it, ``force`` accepts a
+    resume's data changes: launch/rundir.py). Then claims this launch's attempt folder, holding its config."""
+    resolve_run_dir(cfg)
+    inputs = check_inputs(cfg)
+    attempt = rundir.prepare(cfg, inputs, resume=resume, overwrite=overwrite, force=force,
+                             say=None if quiet else _say)
     if not quiet:
-        print(f"resolved config (saved to {io.join(run_dir, 'config.json')}):\n{describe(cfg)}", flush=True)
-    config = json.dumps(formats.stamp(cfg.to_dict()), indent=2, sort_keys=True)
-    io.write_bytes_atomic(io.join(run_dir, "config.json"), config.encode())
-    return run_dir
+        _say(f"run directory {cfg.run.dir}, attempt {attempt.number}: config in {attempt.config_uri()}")
+    return attempt
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
 
 
 def finish_run(cfg: TrainConfig, launched: float | None = None, fit_called: float | None = None,
@@ -88,23 +103,35 @@ def finish_run(cfg: TrainConfig, launched: float | None = None, fit_called: floa
     return summary
 
 
-def train(cfg: TrainConfig, local: bool = False, quiet: bool = False) -> dict:
+def train(cfg: TrainConfig, local: bool = False, quiet: bool = False, *, resume: bool = False,
+          overwrite: bool = False, force: bool = False) -> dict:
     """Run training as configured and return the summary. ``local=True`` runs in this process with no Ray
-    (one worker)."""
+    (one worker). A ``run.dir`` that holds a run is refused unless ``resume=True`` (continue it from its newest
+    commit; ``force=True`` also accepts config changes that alter its data) or ``overwrite=True`` (replace it):
+    the same as ``dutycycle train --resume / --overwrite / --force`` (launch/rundir.py). A launch that fails
+    before training leaves the run directory as it was."""
     import time
 
     launched = time.time()
-    prepare_run(cfg, quiet=quiet)
-    if local:
-        return train_local(cfg, launched=launched)
-    return train_ray(cfg, launched=launched)
+    attempt = prepare_run(cfg, quiet=quiet, resume=resume, overwrite=overwrite, force=force)
+    try:
+        if local:
+            summary = train_local(cfg, launched=launched, attempt_dir=attempt.dir)
+        else:
+            summary = train_ray(cfg, launched=launched, attempt_dir=attempt.dir)
+    except BaseException:
+        attempt.discard_if_untrained()
+        raise
+    attempt.finish()
+    return summary
 
 
 # --------------------------------------------------------------------------------------------------- local
 
 
-def train_local(cfg: TrainConfig, launched: float | None = None) -> dict:
-    """One worker, this process, no Ray and no process group."""
+def train_local(cfg: TrainConfig, launched: float | None = None, attempt_dir: str = "") -> dict:
+    """One worker, this process, no Ray and no process group. ``attempt_dir``: this launch's folder in the run
+    directory (``prepare_run``), where its health check is recorded."""
     import time
 
     import torch
@@ -118,7 +145,7 @@ def train_local(cfg: TrainConfig, launched: float | None = None) -> dict:
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     set_threads(cfg, 1)
     with Trainer(cfg, WorkerContext(rank=0, world_size=1, device=device, run_dir=cfg.run.dir,
-                                    started=time.time())) as trainer:
+                                    attempt_dir=attempt_dir, started=time.time())) as trainer:
         trainer.train()
     return finish_run(cfg, launched)
 
@@ -167,10 +194,11 @@ def _ray_train_fn(payload: dict) -> None:
         ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
 
     ctx = WorkerContext(rank=rank, world_size=world, device=device, report=report, run_dir=payload["run_dir"],
-                        info=info, on_commit=on_commit, node_labels=[w["node"] for w in where], started=started)
+                        attempt_dir=payload["attempt_dir"], info=info, on_commit=on_commit,
+                        node_labels=[w["node"] for w in where], started=started)
     with Trainer(cfg, ctx) as trainer:
         summary = trainer.train()
-    report_results(cfg, payload["run_dir"], summary, rank, last_commit or None)
+    report_results(cfg, payload["run_dir"], summary, rank, last_commit or None, attempt_dir=payload["attempt_dir"])
 
 
 def init_ray(cfg: TrainConfig) -> None:
@@ -204,8 +232,9 @@ def scaling_config(cfg: TrainConfig, gpu: bool):
     )
 
 
-def train_ray(cfg: TrainConfig, launched: float | None = None) -> dict:
-    """Run on Ray Train's TorchTrainer with ``parallel.num_workers`` workers."""
+def train_ray(cfg: TrainConfig, launched: float | None = None, attempt_dir: str = "") -> dict:
+    """Run on Ray Train's TorchTrainer with ``parallel.num_workers`` workers. ``attempt_dir``: this launch's
+    folder in the run directory (``prepare_run``), where its health check and config are recorded."""
     import time
 
     import ray
@@ -214,9 +243,7 @@ def train_ray(cfg: TrainConfig, launched: float | None = None) -> dict:
 
     init_ray(cfg)
     gpu = use_gpu(cfg, ray.cluster_resources().get("GPU", 0))
-    storage = cfg.ray.storage_path or io.join(cfg.run.dir, "ray")
-    if io.protocol(storage) == "file":
-        storage = os.path.abspath(storage)
+    storage = rundir.storage_of(cfg)
 
     # dutycycle's commits decide where a run resumes: a damaged Ray Train record must not stop the start
     set_aside_damaged_run_state(storage, cfg.run.name)
@@ -229,12 +256,15 @@ def train_ray(cfg: TrainConfig, launched: float | None = None) -> dict:
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(cfg.ray.health_check_interval_s)
     trainer = TorchTrainer(
         _ray_train_fn,
-        train_loop_config={"config": cfg.to_dict(), "run_dir": cfg.run.dir, "use_gpu": gpu},
+        train_loop_config={"config": cfg.to_dict(), "run_dir": cfg.run.dir, "attempt_dir": attempt_dir or cfg.run.dir,
+                           "use_gpu": gpu},
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         scaling_config=scaling_config(cfg, gpu),
         # a dead worker restarts the whole group up to ray.max_failures times; the new workers resume from the
         # last commit. Ray Train keeps pointers to dutycycle's commits (checkpoint/raytrain.py), as many as we keep.
         run_config=RunConfig(name=cfg.run.name, storage_path=storage, logging_config=LoggingConfig(cfg.ray.log_level),
+                             # the model's module when it is the user's, not installed (launch/usermodule.py)
+                             worker_runtime_env=worker_runtime_env(cfg, storage),
                              # a group that cannot be placed within ray.start_timeout_s ends the run (Ray
                              # Train's default retries it forever)
                              failure_config=FailureConfig(max_failures=cfg.ray.max_failures,
@@ -252,7 +282,7 @@ def train_ray(cfg: TrainConfig, launched: float | None = None) -> dict:
     if result.error is not None:
         raise _start_error(result.error, cfg, per_worker) or result.error
     # through Ray Train's result and storage, not the driver's disk (rank 0 may have run on another node)
-    return finish_run(cfg, launched, fit_called, summary=results_from(cfg, result))
+    return finish_run(cfg, launched, fit_called, summary=results_from(cfg, result, attempt_dir or cfg.run.dir))
 
 
 def _start_error(err: BaseException, cfg: TrainConfig, per_worker: dict):

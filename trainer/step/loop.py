@@ -47,6 +47,9 @@ class WorkerContext:
     device: Any = None  # torch.device; None = cpu
     report: Any = None  # callable(metrics: dict) -> None, e.g. ray.train.report; called by every rank
     run_dir: str = ""
+    # this launch's folder in the run directory (launch/rundir.py: RUN_DIR/attempts/<k>), where rank 0 records the
+    # health check; "" = run_dir
+    attempt_dir: str = ""
     info: dict = field(default_factory=dict)  # merged into the summary (e.g. where each worker ran)
     # every rank's node label (cluster/topology.py) when the launcher has gathered them already; None: gathered here
     node_labels: list | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -174,6 +175,9 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": cnn, "vit": vit}
 
 
 def resolve_factory(name: str) -> Callable[..., nn.Module]:
+    """The factory ``model.name`` names: a registered one, or ``"package.module:factory"`` imported (the working
+    directory is importable: the driver adds it to ``sys.path``, Ray workers get the module through Ray's
+    runtime environment, trainer/launch/usermodule.py)."""
     if name in MODELS:
         return MODELS[name]
     module_name, _, attr = name.partition(":")
@@ -182,11 +186,25 @@ def resolve_factory(name: str) -> Callable[..., nn.Module]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError(f"model.name = {name!r}: cannot import {module_name!r} ({e}); check the module path") from e
+        raise ConfigError(import_hint(name, module_name, e)) from e
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ConfigError(f"model.name = {name!r}: {module_name} has no callable {attr!r}")
     return factory
+
+
+def import_hint(name: str, module_name: str, err: ImportError) -> str:
+    """Why ``model.name``'s module did not import and what to do: run from the folder that holds it, or install
+    it; a module it imports that is missing is named as such."""
+    missing = getattr(err, "name", None) or ""
+    top = module_name.split(".")[0]
+    where = f"working directory {os.getcwd()}"
+    if isinstance(err, ModuleNotFoundError) and missing and not module_name.startswith(missing) \
+            and not missing.startswith(top):
+        return (f"model.name = {name!r}: {module_name} imports {missing!r}, which is not installed here ({err}); "
+                f"install it (pip install {missing.split('.')[0]})")
+    return (f"model.name = {name!r}: cannot import {module_name!r} ({type(err).__name__}: {err}) from the {where}. "
+            f"Run from the folder that holds {top}/ (or {top}.py), or install it (pip install -e . in its project)")
 
 
 def build_model(cfg, in_channels: int, num_classes: int, image_size: int) -> nn.Module:

@@ -91,7 +91,7 @@ class Trainer:
         self.health = None
         if cfg.run.health_check:
             self.health = preflight(self.world.rank, self.world.size, self.device, cfg.run.health_timeout_s,
-                                    ctx.run_dir)
+                                    ctx.attempt_dir or ctx.run_dir)
         self.account.setup_done("health_check")
 
     def _open_data(self) -> None:

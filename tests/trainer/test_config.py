@@ -209,7 +209,8 @@ def test_load_config_reads_a_runs_config_json_and_a_run_directory(tmp_path):
     run = tmp_path / "run"
     (run / "attempts" / "1").mkdir(parents=True)
     (run / "attempts" / "2").mkdir(parents=True)
-    first = load_config(None, ["data.source=synthetic", f"run.dir={run}", "run.max_steps=5", "data.augment.mean=[1]"])
+    first = load_config(None, ["data.source=synthetic", f"run.dir={run}", "run.max_steps=5", "data.augment.mean=[1]",
+                                "data.augment.std=[2]"])
     second = load_config(None, ["data.source=synthetic", f"run.dir={run}", "run.max_steps=9"])
     for where, cfg in ((run / "config.json", first), (run / "attempts" / "1" / "config.json", first),
                        (run / "attempts" / "2" / "config.json", second)):

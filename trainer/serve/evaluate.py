@@ -35,7 +35,7 @@ from dutycycle.engine.errors import ConfigError, SourceError
 from dutycycle.trainer.checkpoint.manifest import checkpoint_root
 from dutycycle.trainer.checkpoint.weights import model_state_dict, select_commit
 from dutycycle.trainer.cluster.world import World
-from dutycycle.trainer.config import from_dict
+from dutycycle.trainer.config import load_config
 from dutycycle.trainer.launch.runpage import write_run_page
 from dutycycle.trainer.step.data import DataInfo, make_sources
 from dutycycle.trainer.step.metrics import read_summary
@@ -116,14 +116,17 @@ def evaluate(run_dir: str, split: str = "test", *, table: str | None = None, ste
 
 
 def run_config(run_dir: str):
-    """The run's resolved config (``RUN_DIR/config.json``, as ``dutycycle train`` wrote it)."""
+    """The run's resolved config: ``RUN_DIR/config.json`` (the config of the newest attempt that finished, the
+    one its model was trained with), else, for a run that has not finished yet, its newest attempt's
+    (``RUN_DIR/attempts/<k>/config.json``): a resume may change only the run's length, never the model."""
     uri = io.join(run_dir, CONFIG)
-    if not io.exists(uri):
+    try:
+        return load_config(uri if io.exists(uri) else run_dir)
+    except ConfigError as e:
+        if io.exists(uri) or io.exists(io.join(run_dir, "attempts")):
+            raise
         raise SourceError(f"{run_dir!r} is not a run directory: it has no {CONFIG} (`dutycycle train` writes one "
-                          "when a run starts); pass the run's directory (run.dir)")
-    tree = io.read_json(uri, "it is written by `dutycycle train`; train the run again")
-    formats.check(tree, f"run config {uri!r}")
-    return from_dict({k: v for k, v in tree.items() if k != formats.KEY})
+                          "when a run starts); pass the run's directory (run.dir)") from e
 
 
 def data_info(run_dir: str, cfg) -> tuple[DataInfo, list[str]]:

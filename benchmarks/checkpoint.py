@@ -20,7 +20,7 @@ synthetic batches:
   (``--throttle-backing``) so that, as with a network store, the bytes do not also pay this machine's disk. The product takes it as any fsspec URI; the
   ranks start through benchmarks/throttle.py, which registers the protocol and then runs the same launcher module;
 - ``recovery``: an asynchronous run whose whole process group is SIGKILLed after its first commit (a lost node),
-  then started again with the same command: the wall time from the kill to the first step after the resume.
+  then started again with the same command plus ``--resume``: the wall time from the kill to the first step after the resume.
 
 Stall per save is the loop's "checkpoint" phase (the slowest rank's total) divided by the saves: everything the
 step waited for on account of checkpoints. Write throughput is the bytes of all ranks' files divided by the wall
@@ -120,15 +120,17 @@ async_save = {"false" if base == "sync" else "true"}
     return path
 
 
-def launch(config: Path, args, throttle_state: Path | None = None, **kwargs) -> subprocess.Popen:
+def launch(config: Path, args, throttle_state: Path | None = None, resume: bool = False,
+           **kwargs) -> subprocess.Popen:
     """The torchrun job; with ``throttle_state``, its ranks start through throttle.py (which registers
-    ``throttled://`` and runs the same module), pacing their writes together to ``--throttle-mb-s``."""
+    ``throttled://`` and runs the same module), pacing their writes together to ``--throttle-mb-s``; ``resume``
+    continues the run in its run directory (a new launch into a run is refused without it)."""
     entry = ["-m"] if throttle_state is None else [str(THROTTLE)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if throttle_state is not None:
         env.update({RATE_ENV: str(args.throttle_mb_s), STATE_ENV: str(throttle_state)})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--master-port",
-           str(free_port()), *entry, "dutycycle.trainer.launch.torchrun", str(config)]
+           str(free_port()), *entry, "dutycycle.trainer.launch.torchrun", str(config), *(["--resume"] if resume else [])]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **kwargs)
 
 
@@ -265,7 +267,7 @@ def recovery_row(args, workdir: Path) -> dict:
     kill_tree(proc.pid)  # the whole job: torchrun's agent and both ranks, as a lost node would
     killed = time.perf_counter()
     proc.wait()
-    again = launch(config, args)
+    again = launch(config, args, resume=True)
     first_step_at = None
     while again.poll() is None and first_step_at is None:
         rows = metrics(run_dir)
@@ -472,7 +474,7 @@ def render(d: dict) -> str:
          fmt.times(ratio["async_step_after_save_vs_median_step"])],
     ]
     rec = rows["recovery"]
-    recovery = fmt.table(["recovery (whole job SIGKILLed, same command again)", "value"], [
+    recovery = fmt.table(["recovery (whole job SIGKILLed, same command with --resume)", "value"], [
         ["killed after step", str(rec["killed_after_step"])],
         ["resumed from step", str(rec["resumed_from_step"])],
         ["steps lost", str(rec["steps_lost"])],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -177,20 +178,37 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"cnn": cnn, "vit": vit}
 def resolve_factory(name: str) -> Callable[..., nn.Module]:
     """The factory ``model.name`` names: a registered one, or ``"package.module:factory"`` imported (the working
     directory is importable: the driver adds it to ``sys.path``, Ray workers get the module through Ray's
-    runtime environment, trainer/launch/usermodule.py)."""
+    runtime environment, trainer/launch/usermodule.py; so do ``evaluate``, ``predict`` and ``export``, run from
+    the folder that holds the module, through ``import_user_module``)."""
     if name in MODELS:
         return MODELS[name]
     module_name, _, attr = name.partition(":")
     if not attr:
         raise ConfigError(f"model.name = {name!r} is not registered ({', '.join(sorted(MODELS))})")
     try:
-        module = importlib.import_module(module_name)
+        module = import_user_module(module_name)
     except ImportError as e:
         raise ConfigError(import_hint(name, module_name, e)) from e
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ConfigError(f"model.name = {name!r}: {module_name} has no callable {attr!r}")
     return factory
+
+
+def import_user_module(module_name: str):
+    """Import ``module_name``; when its top-level package is not found and the working directory holds it (the
+    ``dutycycle`` console script, unlike ``python -m``, leaves the working directory off ``sys.path``), with the
+    working directory appended to ``sys.path``, so an installed package of the same name still wins."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        top, cwd = module_name.split(".")[0], os.getcwd()
+        here = os.path.isdir(os.path.join(cwd, top)) or os.path.isfile(os.path.join(cwd, top + ".py"))
+        if e.name != top or not here or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)
+        importlib.invalidate_caches()
+        return importlib.import_module(module_name)
 
 
 def import_hint(name: str, module_name: str, err: ImportError) -> str:

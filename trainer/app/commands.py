@@ -12,8 +12,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "train",
         help="train a model from a TOML config (on Ray Train, or --local in this process)",
-        description="Train from CONFIG.toml. The resolved config is printed and saved in the run directory; "
-        "outputs: config.json, metrics.jsonl, summary.json, report.png.",
+        description="Train from CONFIG.toml, showing step, loss, samples/s and an ETA while it trains. The resolved "
+        "config is saved in the run directory; outputs: config.json, metrics.jsonl, summary.json, report.png "
+        "(and an MLflow run with [tracking] mlflow_uri).",
     )
     p.add_argument("config", help="a TOML config file, e.g. configs/demo.toml")
     add_overrides(p)

@@ -2,7 +2,8 @@
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE (and MASTER_ADDR / MASTER_PORT) from the environment as
 torchrun sets them, initializes the process group (nccl on GPU, gloo on CPU) and runs the same step loop.
-Rank 0 saves the config, writes metrics and the summary, and draws the report.
+Rank 0 saves the config, writes metrics and the summary, and draws the report; it is the driver too: it shows
+the progress (progress.py) and records the run in MLflow when ``tracking.mlflow_uri`` is set.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dutycycle.trainer.configtree import add_overrides
 from dutycycle.trainer.step.loop import WorkerContext, set_threads
 from dutycycle.trainer.step.trainer import Trainer
 
-from .train import finish_run, prepare_run, resolve_run_dir
+from .train import end_tracking, finish_run, open_tracking, prepare_run, progress_stream, resolve_run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    tracker = None
     try:
         cfg = load_config(args.config, args.overrides + [f"parallel.num_workers={world}"])
         gpu = use_gpu(cfg, torch.cuda.device_count())
@@ -45,10 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1:
             dist.init_process_group("nccl" if gpu else "gloo")
         set_threads(cfg, local_world)
+        tracker = open_tracking(cfg, "torchrun") if rank == 0 else None
+        stream = progress_stream(cfg, tracker) if rank == 0 else None
         ctx = WorkerContext(rank=rank, world_size=world, device=device, run_dir=cfg.run.dir,
-                            info={"launcher": "torchrun"})
-        with Trainer(cfg, ctx) as trainer:
-            trainer.train()
+                            info={"launcher": "torchrun"}, progress=stream.put if stream else None)
+        try:
+            with Trainer(cfg, ctx) as trainer:
+                trainer.train()
+        finally:
+            if stream is not None:
+                stream.close()
         if world > 1:
             # only after success (torchtitan does the same): a rank that failed may leave peers inside a
             # collective, where a barrier would hang. Every rank reaches the barrier before any tears its groups
@@ -56,9 +64,13 @@ def main(argv: list[str] | None = None) -> int:
             dist.barrier()
             dist.destroy_process_group()
         if rank == 0:
-            summary = finish_run(cfg)
+            summary = finish_run(cfg, tracker=tracker)
             print(f"val accuracy {summary['val_accuracy']}, report {summary.get('report')}")
-    except DutycycleError as e:
+    except BaseException as e:
+        if tracker is not None:
+            end_tracking(tracker, None, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        if not isinstance(e, DutycycleError):
+            raise
         print(f"dutycycle torchrun: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -27,6 +27,7 @@ from dutycycle.engine.errors import ConfigError
 from dutycycle.loader.config import MODES, AugmentConfig, LoaderConfig
 
 from .config_parallel import ParallelSection
+from .config_tracking import TrackingSection
 from .configtree import (
     as_tree,
     build,
@@ -259,7 +260,9 @@ class RunSection:
     max_steps: int = 0
     eval_every: int = 50  # optimizer steps between validation passes (and always at the end); 0 = end only
     eval_max_batches: int = 0  # cap validation batches per pass; 0 = the whole split
-    log_every: int = 10  # print every N steps (metrics.jsonl records every step)
+    # the driver's progress line every N steps (a bar on a terminal; launch/progress.py); 0 = none shown.
+    # metrics.jsonl records every step either way
+    log_every: int = 10
     # "auto" (bf16 on GPU, fp32 on CPU), "fp32", "bf16", or "fp64" (model and inputs in float64: parity checks)
     precision: str = "auto"
     save_model: bool = True  # write the consolidated weights as RUN_DIR/model.safetensors at the end
@@ -287,6 +290,7 @@ class TrainConfig:
     ray: RaySection = field(default_factory=RaySection)
     run: RunSection = field(default_factory=RunSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)  # MLflow (config_tracking.py)
 
     def to_dict(self) -> dict[str, Any]:
         return as_tree(self)

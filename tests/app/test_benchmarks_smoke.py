@@ -298,3 +298,23 @@ def test_diagnose_accuracy_benchmark_quick(tmp_path):
     comm = [c for c in data["cases"] if c["cause"] == "comm"]
     # the wait was accounted as injected: the exchange's sleep, every step, within a millisecond
     assert all(abs(r["wait_error_ms"]) < 1.0 for c in comm for r in c["runs"])
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_startup_benchmark_quick(tmp_path):
+    """benchmarks/startup.py at a tiny size: a job with --local, and a notebook's two train calls on one Ray
+    instance (the second reuses it); every row's start-up comes from its run's summary."""
+    out = tmp_path / "startup.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "startup.py"), "--steps", "3", "--eval-every", "3",
+                           "--n", "200", "--repeats", "1", "--rows", "local", "notebook", "--busy", "0",
+                           "--out", str(out)],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"local", "notebook-first", "notebook-second"}
+    assert all("error" not in r for r in rows.values()), rows
+    assert rows["local"]["command_to_first_step_s"] > rows["local"]["launch_to_first_step_s"] > 0
+    assert rows["notebook-first"]["ray_reused"] is False and rows["notebook-second"]["ray_reused"] is True
+    assert rows["notebook-second"]["parts"]["ray_start"] < rows["notebook-first"]["parts"]["ray_start"]

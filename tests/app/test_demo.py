@@ -34,8 +34,10 @@ def test_demo_small_runs_end_to_end_from_the_built_wheel(tmp_path, wheel):
     both = proc.stdout + proc.stderr
     assert "Failed to query Ray Train Controller actor state" not in both
     assert "ScanTaskSource::get_data" not in both
-    step_lines = [ln for ln in both.splitlines() if "[rank 0] step 1/16 " in ln]
+    step_lines = [ln for ln in both.splitlines() if ln.startswith("step 1/16 (")]  # the driver's progress line
     assert len(step_lines) == 1, step_lines
+    assert "[rank 0]" not in both and "Token authentication" not in both and "PreemptionWatcher" not in both
+    assert "attempt 2: resumed at step" in text  # the restart after the killed worker, as the driver shows it
     assert "bad files counted" in text and " 0 bad files" not in text  # the broken files were counted
     demo = json.loads((out / "demo.json").read_text())
     summary = json.loads((out / "run" / "summary.json").read_text())

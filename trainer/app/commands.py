@@ -12,10 +12,11 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "train",
         help="train a model from a TOML config (on Ray Train, or --local in this process)",
-        description="Train from CONFIG. The data, the model's module and the run directory are checked before Ray "
-        "starts. A run directory that holds a run is never replaced unless asked: --resume continues it, "
-        "--overwrite replaces it. Outputs in RUN_DIR: metrics.jsonl, summary.json, model.safetensors, "
-        "report.png, config.json, checkpoints/, and attempts/<k>/ (each launch's config.json and health.json).",
+        description="Train from CONFIG, showing step, loss, samples/s and an ETA while it trains. The data, the "
+        "model's module and the run directory are checked before Ray starts. A run directory that holds a run is "
+        "never replaced unless asked: --resume continues it, --overwrite replaces it. Outputs in RUN_DIR: "
+        "metrics.jsonl, summary.json, model.safetensors, report.png, report.html, config.json, checkpoints/, and "
+        "attempts/<k>/ (each launch's config.json and health.json); an MLflow run with [tracking] mlflow_uri.",
     )
     p.add_argument("config", help="a TOML config (e.g. configs/demo.toml), a run's config.json, or a run directory")
     add_overrides(p)

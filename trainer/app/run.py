@@ -9,7 +9,7 @@ from dutycycle.engine import io
 from dutycycle.engine.errors import ConfigError
 from dutycycle.trainer.config import load_config
 from dutycycle.trainer.diagnose import diagnose
-from dutycycle.trainer.launch.account import format_job
+from dutycycle.trainer.launch.account import format_job, format_startup
 from dutycycle.trainer.launch.train import train
 from dutycycle.trainer.step.metrics import format_breakdown
 
@@ -28,6 +28,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(format_breakdown(summary))
     if summary.get("launch"):
         print(format_job(summary["launch"]))
+    if summary.get("startup"):
+        print(format_startup(summary["startup"]))
     print(f"run directory: {cfg.run.dir}" + (f"\nreport: {summary['report']}" if summary.get("report") else ""))
     return 0
 

@@ -88,6 +88,59 @@ def job_time(summary: dict, rows: list[dict], *, launched: float, fit_called: fl
     }
 
 
+STARTUP = ("ray_start", "trainer_start", "worker_start", "health_check", "data_open", "model_build", "loop_start",
+           "first_step", "other")
+
+
+def startup_time(summary: dict, rows: list[dict], *, launched: float, fit_called: float | None,
+                 ray_ready: float | None = None, ray_reused: bool | None = None) -> dict | None:
+    """Where a job's start-up went, from launch to the end of its first optimizer step (the first attempt's):
+    ``{"launch_to_first_step_s", "seconds", "ray_reused"}`` with ``seconds`` split at measured boundaries:
+
+        ray_start       launch -> Ray up (started, joined, or this process's already: ~0)
+        trainer_start   Ray up -> Ray Train's fit called (the launcher's imports, placement checked)
+        worker_start    fit called -> rank 0 in the training code, its imports included (Ray Train's controller
+                        and worker processes, the process group); from launch when there is no Ray
+        health_check, data_open, model_build   rank 0's setup, as the time account has them
+        loop_start      restoring a checkpoint and the first epoch's loader start
+        first_step      the first step's own wall time (its batch's wait included)
+        other           the rest: gaps between the boundaries, the first row's hand-over
+
+    None when no step finished."""
+    attempts = [r for r in rows if r.get("event") == "attempt"] or ([summary["attempt"]] if "attempt" in summary else [])
+    # this launch's: a run directory resumed by a later launch holds the earlier launches' attempts too
+    attempts = [r for r in attempts if r["started"] >= launched]
+    if not attempts:
+        return None
+    first = min(attempts, key=lambda r: r["started"])
+    steps = [r for r in rows if "loss" in r and r.get("time", 0.0) >= first["loop_started"]]
+    if not steps:
+        return None
+    head = min(steps, key=lambda r: r["time"])
+    done = float(head["time"])
+    sec = dict.fromkeys(STARTUP, 0.0)
+    up = ray_ready if ray_ready is not None else launched
+    begun = fit_called if fit_called is not None else up
+    sec["ray_start"] = max(0.0, up - launched)
+    sec["trainer_start"] = max(0.0, begun - up)
+    sec["worker_start"] = max(0.0, first["started"] - begun) + float(first["setup"].get("worker_init", 0.0))
+    for name in ("health_check", "data_open", "model_build"):
+        sec[name] = float(first["setup"].get(name, 0.0))
+    sec["first_step"] = float(head.get("step_s", 0.0))
+    sec["loop_start"] = max(0.0, done - sec["first_step"] - float(first["loop_started"]))
+    total = max(done - launched, 1e-9)
+    sec["other"] = max(0.0, total - sum(sec.values()))
+    return {"launch_to_first_step_s": total, "seconds": sec, "ray_reused": ray_reused}
+
+
+def format_startup(startup: dict) -> str:
+    """The start-up in one line a person reads at the end of a run."""
+    sec = startup["seconds"]
+    parts = ", ".join(f"{k.replace('_', ' ')} {sec[k]:.1f}s" for k in STARTUP if sec[k] >= 0.05)
+    reused = " (Ray reused)" if startup.get("ray_reused") else ""
+    return f"start-up: {startup['launch_to_first_step_s']:.1f} s from launch to the first step{reused}: {parts}"
+
+
 def format_job(launch: dict) -> str:
     """The account in a few lines a person reads at the end of a run."""
     sec, wall = launch["seconds"], launch["wall_s"]

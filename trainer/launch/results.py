@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 
 from dutycycle.engine import io
 from dutycycle.engine.errors import DutycycleError
@@ -49,11 +50,36 @@ def quiet_ray_logs() -> None:
     Ray Train's INFO root logger would print to the console."""
     import importlib.util
 
+    import ray
+
+    # the placement-group cleaner asks Ray's state API about "the" cluster: with RAY_ADDRESS unset (or "local")
+    # and another Ray instance on the machine it cannot tell which, and its thread dies with a traceback. This
+    # process's cluster is the one it means.
+    if os.environ.get("RAY_ADDRESS", "local") == "local" and ray.is_initialized():
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     logging.getLogger("tracing").setLevel(logging.WARNING)
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
     spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")
     if spec is not None and spec.origin:
         logging.getLogger(spec.origin).setLevel(logging.WARNING)
+    if os.environ.get(PRELOAD_ENV) == "1":
+        threading.Thread(target=_preload_trainer, name="dutycycle-preload", daemon=True).start()
+
+
+# Set in the runtime environment of dutycycle's Ray Train workers alone (launch/train.py): their process starts
+# importing the step loop (torch, its FSDP and DTensor: seconds) at once, on a thread of its own, while Ray Train
+# creates the worker actor and sets up its process group; the train function's own import then finds it done
+# (or waits for it: one import, never two). Every other process of the job (the controller, its helpers) skips it.
+PRELOAD_ENV = "DUTYCYCLE_PRELOAD_TRAINER"
+
+
+def _preload_trainer() -> None:
+    import importlib
+
+    try:
+        importlib.import_module("dutycycle.trainer.step.trainer")
+    except Exception:  # noqa: BLE001, S110 - the train function imports it again and reports what is wrong
+        pass
 
 
 def runtime_env(extra_env: dict[str, str]) -> dict:

@@ -59,7 +59,9 @@ from .inputs import Inputs
 ATTEMPT_FILE = "attempt.json"
 HEALTH_FILE = "health.json"
 # dutycycle's own files in a run directory, and its folders: what --overwrite removes (nothing else)
-RUN_FILES = (SUMMARY, METRICS, CONFIG_FILE, "model.safetensors", "report.png", "report.html", HEALTH_FILE)
+# mlflow.json: the MLflow run a resume continues (launch/tracking.py); a replaced run starts a new one
+RUN_FILES = (SUMMARY, METRICS, CONFIG_FILE, "model.safetensors", "report.png", "report.html", HEALTH_FILE,
+             "mlflow.json")
 # evaluation/: `dutycycle evaluate`'s files; export/: `dutycycle export`'s default output; both describe this run's
 # model and would be stale beside a replaced one
 RUN_FOLDERS = (ATTEMPTS, "checkpoints", "ray", "evaluation", "export")

@@ -4,10 +4,11 @@ Reads RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE (and MASTER_ADDR / MASTE
 torchrun sets them, initializes the process group (nccl on GPU, gloo on CPU) and runs the same step loop.
 Rank 0 checks the data, the model and the run directory (``--resume``, ``--overwrite``, ``--force`` as for
 ``dutycycle train``), saves the config in its attempt folder, writes metrics and the summary, and draws the
-report. A launch refused there exits 2 on rank 0; the other ranks then stop at the process group's timeout.
-A restart by torchrun (``--max-restarts``; ``TORCHELASTIC_RESTART_COUNT`` > 0) is the same launch: it continues
-in its attempt folder and resumes from the newest commit, as a restarted Ray Train group does. A launch whose
-last try fails before training removes its attempt folder (rundir.py).
+report; it is the driver too: it shows the progress (progress.py) and records the run in MLflow when
+``tracking.mlflow_uri`` is set. A launch refused there exits 2 on rank 0; the other ranks then stop at the
+process group's timeout. A restart by torchrun (``--max-restarts``; ``TORCHELASTIC_RESTART_COUNT`` > 0) is the
+same launch: it continues in its attempt folder and resumes from the newest commit, as a restarted Ray Train
+group does. A launch whose last try fails before training removes its attempt folder (rundir.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dutycycle.trainer.step.loop import WorkerContext, set_threads
 from dutycycle.trainer.step.trainer import Trainer
 
 from .rundir import rejoin
-from .train import finish_run, prepare_run, resolve_run_dir
+from .train import end_tracking, finish_run, open_tracking, prepare_run, progress_stream, resolve_run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     last_try = restarts >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    attempt = None
+    attempt, tracker = None, None
     try:
         cfg = load_config(args.config, args.overrides + [f"parallel.num_workers={world}"])
         gpu = use_gpu(cfg, torch.cuda.device_count())
@@ -61,10 +62,17 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1:
             dist.init_process_group("nccl" if gpu else "gloo")
         set_threads(cfg, local_world)
+        tracker = open_tracking(cfg, "torchrun") if rank == 0 else None
+        stream = progress_stream(cfg, tracker) if rank == 0 else None
         ctx = WorkerContext(rank=rank, world_size=world, device=device, run_dir=cfg.run.dir,
-                            attempt_dir=attempt.dir if attempt else "", info={"launcher": "torchrun"})
-        with Trainer(cfg, ctx) as trainer:
-            trainer.train()
+                            attempt_dir=attempt.dir if attempt else "", info={"launcher": "torchrun"},
+                            progress=stream.put if stream else None)
+        try:
+            with Trainer(cfg, ctx) as trainer:
+                trainer.train()
+        finally:
+            if stream is not None:
+                stream.close()
         if world > 1:
             # only after success (torchtitan does the same): a rank that failed may leave peers inside a
             # collective, where a barrier would hang. Every rank reaches the barrier before any tears its groups
@@ -72,10 +80,13 @@ def main(argv: list[str] | None = None) -> int:
             dist.barrier()
             dist.destroy_process_group()
         if rank == 0:
-            summary = finish_run(cfg)
-            attempt.finish()
+            summary = finish_run(cfg, tracker=tracker, attempt=attempt)
             print(f"val accuracy {summary['val_accuracy']}, report {summary.get('report')}")
-    except DutycycleError as e:
+    except BaseException as e:
+        if tracker is not None:
+            end_tracking(tracker, None, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        if not isinstance(e, DutycycleError):
+            raise
         if attempt is not None and last_try:
             attempt.discard_if_untrained()
         print(f"dutycycle torchrun: error: {e}", file=sys.stderr)

@@ -2,8 +2,19 @@
 
 All three run the same ``Trainer`` (step/trainer.py). Before any worker starts (before Ray starts), the driver
 checks the data and the model's module (inputs.py) and the run directory, which a new run never clobbers, and
-saves the config in this launch's attempt folder (rundir.py); after the run it reads ``summary.json`` and draws
-``report.png``.
+saves the config in this launch's attempt folder, naming it in one line (rundir.py); during the run it shows rank
+0's progress
+(progress.py: a bar with an ETA on a terminal, plain lines otherwise) and records it in MLflow when
+``tracking.mlflow_uri`` is set (tracking.py); after the run it reads ``summary.json``, draws ``report.png`` and
+writes the job's time account with its start-up (``summary["launch"]``, ``summary["startup"]``: account.py).
+
+Start-up: the driver does not import the step loop (worker.py: torch.distributed's FSDP and DTensor), only what
+launching needs, and a Ray Train worker starts importing it as its process starts (results.py: ``PRELOAD_ENV``);
+a Ray instance this process already runs (a notebook's earlier ``train`` or ``materialize``) is
+reused, and the workers' environment travels with the run (``RunConfig.worker_runtime_env``), so it holds
+whoever started Ray. Ray Train's preemption watcher (an actor per run that polls for node drains, which
+dutycycle does not act on: a drained node's workers fail and the group restarts from the last commit) is off
+unless ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER`` says otherwise: one process fewer at start, and no error line.
 
 Placement on Ray: workers are gang-scheduled in one placement group. ``PACK`` (the default) puts them on as
 few nodes as possible; ``STRICT_PACK`` insists on one node. ``ray.label_selector`` (e.g. ``{zone = "a"}``)
@@ -20,25 +31,25 @@ intra-op threads so two workers do not oversubscribe the cores.
 from __future__ import annotations
 
 import os
+import sys
 
 from dutycycle.engine import io
 from dutycycle.engine.errors import ConfigError, DutycycleError
-from dutycycle.trainer.checkpoint.raytrain import latest_reported, report_commit, set_aside_damaged_run_state
+from dutycycle.trainer.checkpoint.raytrain import set_aside_damaged_run_state
 from dutycycle.trainer.cluster.local import start_local_ray
-from dutycycle.trainer.cluster.topology import node_label
-from dutycycle.trainer.config import TrainConfig, from_dict, use_gpu
-from dutycycle.trainer.step.loop import WorkerContext, set_threads
+from dutycycle.trainer.config import TrainConfig, use_gpu
 from dutycycle.trainer.step.metrics import read_metrics, read_summary
 from dutycycle.trainer.step.report import write_report
-from dutycycle.trainer.step.trainer import Trainer
 
+from . import progress as P
 from . import rundir
-from .account import job_time
+from .account import job_time, startup_time
 from .fits import alive_nodes, check_fits, describe_nodes, request_text
 from .inputs import check_inputs
-from .results import report_results, results_from, runtime_env
+from .results import PRELOAD_ENV, results_from, runtime_env
 from .rundir import Attempt
 from .runpage import write_run_page
+from .tracking import Tracker, require_mlflow
 from .usermodule import worker_runtime_env
 
 
@@ -65,15 +76,18 @@ def resolve_run_dir(cfg: TrainConfig) -> str:
 def prepare_run(cfg: TrainConfig, quiet: bool = False, *, resume: bool = False, overwrite: bool = False,
                 force: bool = False) -> Attempt:
     """Everything a launch checks and decides in the driver, before Ray starts: paths made absolute; the data
-    (the cache and its splits, or the table) and the model's module (launch/inputs.py); the run directory, which
-    a new run never clobbers (``resume`` continues the run there, ``overwrite`` replaces it, ``force`` accepts a
-    resume's data changes: launch/rundir.py). Then claims this launch's attempt folder, holding its config."""
+    (the cache and its splits, or the table) and the model's module (launch/inputs.py); MLflow when the run is
+    tracked; the run directory, which a new run never clobbers (``resume`` continues the run there,
+    ``overwrite`` replaces it, ``force`` accepts a resume's data changes: launch/rundir.py). Then claims this
+    launch's attempt folder, holding its config, and names it in one line."""
     resolve_run_dir(cfg)
     inputs = check_inputs(cfg)
+    if cfg.tracking.mlflow_uri:  # a tracked run without MLflow is refused before anything is written
+        require_mlflow(cfg.tracking.mlflow_uri)
     attempt = rundir.prepare(cfg, inputs, resume=resume, overwrite=overwrite, force=force,
                              say=None if quiet else _say)
     if not quiet:
-        _say(f"run directory {cfg.run.dir}, attempt {attempt.number}: config in {attempt.config_uri()}")
+        _say(f"config: {attempt.config_uri()} (resolved; run directory {cfg.run.dir}, attempt {attempt.number})")
     return attempt
 
 
@@ -82,17 +96,27 @@ def _say(msg: str) -> None:
 
 
 def finish_run(cfg: TrainConfig, launched: float | None = None, fit_called: float | None = None,
-               summary: dict | None = None) -> dict:
+               summary: dict | None = None, *, ray_ready: float | None = None, ray_reused: bool | None = None,
+               tracker: Tracker | None = None, attempt: Attempt | None = None) -> dict:
     """The driver's end of a run: the job's time account closed and written into ``summary.json``
-    (``summary["launch"]``, launch/account.py, when the launch time is known), then ``report.png`` drawn from it
-    (its drawing time, after the account closed, is ``summary["report_draw_s"]``)."""
+    (``summary["launch"]`` and its start-up, ``summary["startup"]``: launch/account.py, when the launch time is
+    known), then ``report.png`` drawn from it (its drawing time, after the account closed, is
+    ``summary["report_draw_s"]``) and the run's page (``report.html``); the attempt's config becomes the run's
+    (``attempt``: beside the summary and model it matches); then the MLflow run given its summary and files and
+    ended (``tracker``).
+    ``ray_ready``: when Ray was up (started or found); ``ray_reused``: it was this process's already."""
     import time
 
     uri = io.join(cfg.run.dir, "summary.json")
     summary = read_summary(cfg.run.dir) if summary is None else summary
     if launched is not None and "attempt" in summary:
-        summary["launch"] = job_time(summary, read_metrics(cfg.run.dir), launched=launched, fit_called=fit_called,
-                                     closed=time.time())
+        rows = read_metrics(cfg.run.dir)
+        closed = time.time()
+        summary["launch"] = job_time(summary, rows, launched=launched, fit_called=fit_called, closed=closed)
+        summary["startup"] = startup_time(summary, rows, launched=launched, fit_called=fit_called,
+                                          ray_ready=ray_ready, ray_reused=ray_reused)
+    if tracker is not None and tracker.run_id is not None:
+        summary["tracking"] = {"uri": tracker.uri, "experiment": tracker.experiment_name, "run_id": tracker.run_id}
     io.write_json_atomic(uri, summary)
     if cfg.run.report:
         t0 = time.perf_counter()
@@ -100,7 +124,42 @@ def finish_run(cfg: TrainConfig, launched: float | None = None, fit_called: floa
         summary["report_draw_s"] = time.perf_counter() - t0
         io.write_json_atomic(uri, summary)
         write_run_page(cfg.run.dir)  # report.html, from the summary just written (and any evaluations)
+    if attempt is not None:
+        attempt.finish()
+    if tracker is not None:
+        end_tracking(tracker, summary, "FINISHED")
     return summary
+
+
+def end_tracking(tracker: Tracker, summary: dict | None, status: str) -> None:
+    """End the MLflow run; a tracking store that fails here costs the record, never the run's result."""
+    import warnings
+
+    try:
+        tracker.finish(summary, status)
+    except Exception as e:  # noqa: BLE001 - the training itself is done and written
+        warnings.warn(f"tracking: the MLflow run {tracker.run_id} could not be ended ({type(e).__name__}: {e})",
+                      RuntimeWarning, stacklevel=2)
+
+
+def open_tracking(cfg: TrainConfig, launcher: str) -> Tracker | None:
+    """The run's MLflow tracker, its store opening in the background; None when ``tracking.mlflow_uri`` is
+    empty. Refuses a tracked run without MLflow installed (before Ray starts)."""
+    if not cfg.tracking.mlflow_uri:
+        return None
+    require_mlflow(cfg.tracking.mlflow_uri)
+    return Tracker(cfg, launcher=launcher).open()
+
+
+def progress_stream(cfg: TrainConfig, tracker: Tracker | None) -> P.ProgressStream:
+    """The driver's progress stream and its listeners: the display (unless ``run.log_every`` is 0), the MLflow
+    run (when tracked)."""
+    listeners = []
+    if cfg.run.log_every > 0:
+        listeners.append(P.ProgressDisplay(cfg.run.log_every, label=cfg.run.name))
+    if tracker is not None:
+        listeners.append(tracker.listener())
+    return P.ProgressStream(listeners)
 
 
 def train(cfg: TrainConfig, local: bool = False, quiet: bool = False, *, resume: bool = False,
@@ -116,104 +175,101 @@ def train(cfg: TrainConfig, local: bool = False, quiet: bool = False, *, resume:
     attempt = prepare_run(cfg, quiet=quiet, resume=resume, overwrite=overwrite, force=force)
     try:
         if local:
-            summary = train_local(cfg, launched=launched, attempt_dir=attempt.dir)
-        else:
-            summary = train_ray(cfg, launched=launched, attempt_dir=attempt.dir)
+            return train_local(cfg, launched=launched, attempt=attempt)
+        return train_ray(cfg, launched=launched, attempt=attempt)
     except BaseException:
         attempt.discard_if_untrained()
         raise
-    attempt.finish()
-    return summary
 
 
 # --------------------------------------------------------------------------------------------------- local
 
 
-def train_local(cfg: TrainConfig, launched: float | None = None, attempt_dir: str = "") -> dict:
-    """One worker, this process, no Ray and no process group. ``attempt_dir``: this launch's folder in the run
-    directory (``prepare_run``), where its health check is recorded."""
-    import time
-
-    import torch
-
+def train_local(cfg: TrainConfig, launched: float | None = None, attempt: Attempt | None = None) -> dict:
+    """One worker, this process, no Ray and no process group; its progress rows go to the driver's stream in
+    process. ``attempt``: this launch's folder in the run directory (``prepare_run``), where its health check is
+    recorded; None writes it into the run directory."""
     if cfg.parallel.num_workers != 1:
         raise ConfigError(
             f"parallel.num_workers = {cfg.parallel.num_workers} with --local; local mode runs one worker "
             "(drop --local to run on Ray, or use torchrun)"
         )
-    gpu = use_gpu(cfg, torch.cuda.device_count())
-    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    set_threads(cfg, 1)
-    with Trainer(cfg, WorkerContext(rank=0, world_size=1, device=device, run_dir=cfg.run.dir,
-                                    attempt_dir=attempt_dir, started=time.time())) as trainer:
-        trainer.train()
-    return finish_run(cfg, launched)
+    tracker = open_tracking(cfg, "local")
+    stream = progress_stream(cfg, tracker)
+    try:
+        try:
+            _worker().in_process(cfg, progress=stream.put, attempt_dir=attempt.dir if attempt else "")
+        finally:
+            stream.close()
+    except BaseException as e:
+        if tracker is not None:
+            end_tracking(tracker, None, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        raise
+    return finish_run(cfg, launched, tracker=tracker, attempt=attempt)
+
+
+def _worker():
+    """worker.py, loaded where the training runs (a Ray worker, or this process for --local)."""
+    from . import worker  # heavy: torch.distributed's FSDP and DTensor, which a Ray driver does without
+
+    return worker
 
 
 # ----------------------------------------------------------------------------------------------- Ray Train
 
 
 def _ray_train_fn(payload: dict) -> None:
-    """Runs in every Ray Train worker. Ray Train has already set up the process group (gloo or nccl)."""
+    """Runs in every Ray Train worker (worker.py: ``ray_worker``). Ray Train has already set up the process
+    group (gloo or nccl)."""
     import time
 
     started = time.time()  # launch/account.py: the end of the worker start
-    import ray
-    import ray.train
-    import ray.train.torch
-    import torch
-    import torch.distributed as dist
-
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    cfg = from_dict(payload["config"])
-    set_threads(cfg, ctx.get_local_world_size())
-    device = ray.train.torch.get_device() if payload["use_gpu"] else torch.device("cpu")
-    rt = ray.get_runtime_context()
-
-    me = {"rank": rank, "node_id": rt.get_node_id(), "node": node_label(), "labels": dict(rt.get_node_labels() or {})}
-    where = [None] * world
-    if world > 1:
-        dist.all_gather_object(where, me)
-    else:
-        where = [me]
-    # Ray's own labels (ray.io/...) are noise in a summary; keep the user's
-    for w in where:
-        w["labels"] = {k: v for k, v in w["labels"].items() if not k.startswith("ray.io/")}
-
-    # a restarted group resumes from the newest verified commit by itself (checkpoint.resume = "auto"); Ray
-    # Train's own record of the last reported one is kept for the summary
-    info = {"workers": where, "launcher": "ray", "ray_checkpoint": latest_reported()}
-    last_commit: dict = {}
-
-    def on_commit(step: int, uri: str) -> None:
-        last_commit.update(step=step, uri=uri)
-        report_commit(step, uri)
-
-    def report(metrics: dict) -> None:  # an evaluation's metrics: the barrier only, the hand-over in the background
-        ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
-
-    ctx = WorkerContext(rank=rank, world_size=world, device=device, report=report, run_dir=payload["run_dir"],
-                        attempt_dir=payload["attempt_dir"], info=info, on_commit=on_commit,
-                        node_labels=[w["node"] for w in where], started=started)
-    with Trainer(cfg, ctx) as trainer:
-        summary = trainer.train()
-    report_results(cfg, payload["run_dir"], summary, rank, last_commit or None, attempt_dir=payload["attempt_dir"])
+    _worker().ray_worker(payload, started)
 
 
-def init_ray(cfg: TrainConfig) -> None:
-    import ray
+QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "DAFT_ANALYTICS_ENABLED": "0"}
 
-    if ray.is_initialized():
-        return
-    env = {"RAY_USAGE_STATS_ENABLED": "0", "DAFT_ANALYTICS_ENABLED": "0"}
-    for k, v in env.items():
+
+def ray_train_env(cfg: TrainConfig) -> dict[str, str]:
+    """What Ray Train reads from the driver's environment (before each fit) and hands to its controller and
+    workers."""
+    return {
+        # a group that cannot be placed in time ends the run; Ray Train's controller polls its workers this often
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(cfg.ray.start_timeout_s),
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(cfg.ray.health_check_interval_s),
+        # off (see the module's docstring) unless the user turned it on
+        "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0"),
+    }
+
+
+def init_ray(cfg: TrainConfig) -> bool:
+    """Ray for this run: this process's Ray instance when it has one (reused as it is: a notebook's second
+    ``train``, or a ``materialize`` before it), else ``ray.address``'s cluster, else a cluster already running
+    on this machine or a new one. True when this call connected or started Ray."""
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():  # Ray's own import is start_local_ray's
+        return False
+    for k, v in QUIET_ENV.items():
         os.environ.setdefault(k, v)
-    runtime = runtime_env({k: os.environ[k] for k in env})  # one print per line, no state-API warnings
+    runtime = worker_env(job=True)  # one print per line, no state-API warnings
     if cfg.ray.address:
+        import ray
+
         ray.init(address=cfg.ray.address, log_to_driver=True, configure_logging=False, runtime_env=runtime)
     else:  # a cluster already running on this machine, or a new one
         start_local_ray(fresh=False, log_to_driver=True, runtime_env=runtime)
+    return True
+
+
+def worker_env(job: bool = False) -> dict:
+    """The workers' runtime environment (results.py): for the job when Ray starts (with the setup hook that
+    quiets every process's logs), or for Ray Train's workers alone (``RunConfig.worker_runtime_env``; Ray takes
+    a setup hook only at ``ray.init``), so that a Ray instance started elsewhere runs them alike."""
+    env = runtime_env({k: os.environ.get(k, v) for k, v in QUIET_ENV.items()})
+    if job:
+        return env
+    # Ray Train's workers start importing the step loop at once (results.py: PRELOAD_ENV)
+    return {**{k: v for k, v in env.items() if k != "worker_process_setup_hook"},
+            "env_vars": {**env["env_vars"], PRELOAD_ENV: "1"}}
 
 
 def scaling_config(cfg: TrainConfig, gpu: bool):
@@ -232,18 +288,37 @@ def scaling_config(cfg: TrainConfig, gpu: bool):
     )
 
 
-def train_ray(cfg: TrainConfig, launched: float | None = None, attempt_dir: str = "") -> dict:
-    """Run on Ray Train's TorchTrainer with ``parallel.num_workers`` workers. ``attempt_dir``: this launch's
-    folder in the run directory (``prepare_run``), where its health check and config are recorded."""
+def train_ray(cfg: TrainConfig, launched: float | None = None, attempt: Attempt | None = None) -> dict:
+    """Run on Ray Train's TorchTrainer with ``parallel.num_workers`` workers. ``attempt``: this launch's folder in
+    the run directory (``prepare_run``), where its health check and config are recorded; None: the run
+    directory."""
+    import time
+
+    launched = launched or time.time()
+    tracker = open_tracking(cfg, "ray")  # MLflow missing is refused here, before Ray starts
+    try:
+        started_ray = init_ray(cfg)
+        ray_ready = time.time()
+        return _fit(cfg, tracker, launched=launched, ray_ready=ray_ready, ray_reused=not started_ray,
+                    attempt=attempt)
+    except BaseException as e:
+        if tracker is not None:
+            end_tracking(tracker, None, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        raise
+
+
+def _fit(cfg: TrainConfig, tracker: Tracker | None, *, launched: float, ray_ready: float, ray_reused: bool,
+         attempt: Attempt | None) -> dict:
+    """Ray is up: the TorchTrainer made and run, rank 0's progress relayed to the driver's stream meanwhile."""
     import time
 
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    init_ray(cfg)
     gpu = use_gpu(cfg, ray.cluster_resources().get("GPU", 0))
     storage = rundir.storage_of(cfg)
+    attempt_dir = attempt.dir if attempt is not None else cfg.run.dir
 
     # dutycycle's commits decide where a run resumes: a damaged Ray Train record must not stop the start
     set_aside_damaged_run_state(storage, cfg.run.name)
@@ -251,29 +326,35 @@ def train_ray(cfg: TrainConfig, launched: float | None = None, attempt_dir: str 
     per_worker = scaling_config(cfg, gpu).resources_per_worker
     if not cfg.ray.address:  # a cluster this process started (or joined on this machine) does not grow
         check_fits(cfg, alive_nodes(), per_worker)
-    # Ray Train reads the start timeout from the driver's environment and passes it to its controller
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.ray.start_timeout_s)
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(cfg.ray.health_check_interval_s)
+    os.environ.update(ray_train_env(cfg))  # Ray Train reads them from the driver's environment
+    box, token = P.mailbox(), P.run_token()
     trainer = TorchTrainer(
         _ray_train_fn,
-        train_loop_config={"config": cfg.to_dict(), "run_dir": cfg.run.dir, "attempt_dir": attempt_dir or cfg.run.dir,
-                           "use_gpu": gpu},
+        train_loop_config={"config": cfg.to_dict(), "run_dir": cfg.run.dir, "attempt_dir": attempt_dir,
+                           "use_gpu": gpu, "progress": {"mailbox": box, "token": token}},
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         scaling_config=scaling_config(cfg, gpu),
         # a dead worker restarts the whole group up to ray.max_failures times; the new workers resume from the
         # last commit. Ray Train keeps pointers to dutycycle's commits (checkpoint/raytrain.py), as many as we keep.
         run_config=RunConfig(name=cfg.run.name, storage_path=storage, logging_config=LoggingConfig(cfg.ray.log_level),
-                             # the model's module when it is the user's, not installed (launch/usermodule.py)
-                             worker_runtime_env=worker_runtime_env(cfg, storage),
                              # a group that cannot be placed within ray.start_timeout_s ends the run (Ray
                              # Train's default retries it forever)
                              failure_config=FailureConfig(max_failures=cfg.ray.max_failures,
                                                           controller_failure_limit=0),
-                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep)),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+                             # the workers' environment, and the model's module when it is the user's, not
+                             # installed (launch/usermodule.py)
+                             worker_runtime_env={**worker_env(), **worker_runtime_env(cfg, storage)}),
     )
+    stream = progress_stream(cfg, tracker)
+    relay = P.Relay(box, token, stream)
     fit_called = time.time()
     try:
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        finally:
+            relay.stop()
+            stream.close()
     except Exception as e:
         user = _user_error(e) or _start_error(e, cfg, per_worker)
         if user is not None:  # a bad config or a diverged loss inside a worker: say it plainly
@@ -282,7 +363,8 @@ def train_ray(cfg: TrainConfig, launched: float | None = None, attempt_dir: str 
     if result.error is not None:
         raise _start_error(result.error, cfg, per_worker) or result.error
     # through Ray Train's result and storage, not the driver's disk (rank 0 may have run on another node)
-    return finish_run(cfg, launched, fit_called, summary=results_from(cfg, result, attempt_dir or cfg.run.dir))
+    return finish_run(cfg, launched, fit_called, summary=results_from(cfg, result, attempt_dir),
+                      ray_ready=ray_ready, ray_reused=ray_reused, tracker=tracker, attempt=attempt)
 
 
 def _start_error(err: BaseException, cfg: TrainConfig, per_worker: dict):

@@ -56,6 +56,8 @@ class WorkerContext:
     state: dict | None = None  # filled with {"strategy", "model", "optimizer"} at the end (in-process callers, tests)
     on_commit: Any = None  # callable(step, uri), every rank, after a checkpoint commits (Ray Train: report it)
     started: float | None = None  # wall clock when the launcher entered this worker (launch/account.py)
+    # rank 0's progress sink: callable(rows: list[dict]), never blocking (launch/progress.py); None = no rows
+    progress: Any = None
 
 
 class NoCheckpoint:

@@ -150,8 +150,8 @@ class Trainer:
             checkpointer = make_checkpointer(cfg, ctx, total_steps=self.total, data_info=self.info,
                                              writer=self.writer)
         self.checkpointer = checkpointer
-        self.log = StepLog(self.account.timer, self.writer, log_every=cfg.run.log_every, total_steps=self.total,
-                           verbose=rank == 0 and cfg.run.log_every > 0, base_lr=cfg.optim.lr)
+        self.log = StepLog(self.account.timer, self.writer, log_every=cfg.run.log_every, base_lr=cfg.optim.lr,
+                           progress=ctx.progress if rank == 0 else None)
         self.sampler = MemorySampler()
         self.val, self.val_samples = (None, None), 0
 
@@ -163,6 +163,9 @@ class Trainer:
         self.writer.log({"step": restored.step if restored else 0, "event": "attempt", **attempt})
         self.step, self.epoch = (restored.step, restored.epoch) if restored else (0, 0)
         self.first_step = self.step
+        self.log.event("start", step=self.step, epoch=self.epoch, total=self.total, world_size=self.world.size,
+                       global_batch=self.config.data.global_batch_size, resumed=restored is not None,
+                       data={"fingerprint": self.info.fingerprint, "lineage": self.info.lineage})
 
     # -------------------------------------------------------------------------------------------- steps
 
@@ -253,10 +256,11 @@ class Trainer:
             self.close()
         self.account.end("final_save")  # the last save, its background write, the close
         self.account.loop_ended()
+        self.log.event("end", step=self.step)
         return self._results(host)
 
     def evaluate(self) -> tuple[float, float]:
-        """One validation pass over every rank's share (a collective); logged, printed and reported."""
+        """One validation pass over every rank's share (a collective); logged, shown and reported."""
         cfg, ctx = self.config, self.ctx
         self.log.flush()
         with self.account.span("eval") as span:
@@ -266,8 +270,8 @@ class Trainer:
         self.writer.log({"step": self.step, "epoch": self.epoch, "val_accuracy": acc, "val_loss": loss,
                          "val_samples": n_val, "eval_s": span.seconds})
         self.writer.flush()
-        if self.world.rank == 0 and cfg.run.log_every > 0:
-            print(f"[rank 0] step {self.step}/{self.total}: val accuracy {acc:.3f}, val loss {loss:.4f}", flush=True)
+        self.log.event("eval", step=self.step, val_accuracy=acc, val_loss=loss, val_samples=n_val,
+                       eval_s=span.seconds)
         if ctx.report is not None:
             ctx.report({"step": self.step, "val_accuracy": acc, "val_loss": loss, "loss": self.log.last_loss})
         return acc, loss

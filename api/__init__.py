@@ -25,6 +25,8 @@ _LAZY = {
     "TransformSpec": "dutycycle.engine.transform",
     "CacheLoader": "dutycycle.loader.cache_loader",
     "LoaderConfig": "dutycycle.loader.config",
+    "TorchDataset": "dutycycle.loader.torch_data",
+    "TorchDataLoader": "dutycycle.loader.torch_data",
     "evaluate": "dutycycle.trainer.serve.evaluate",
 }
 

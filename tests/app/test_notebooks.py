@@ -31,7 +31,19 @@ def check_cache(tmp_path, outputs):
     assert (tmp_path / "data" / "cache" / "latest").exists()
 
 
-CASES = {"curate.ipynb": check_curate, "cache.ipynb": check_cache}
+def check_bring_your_own(tmp_path, outputs):
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "1797 rows; splits by folders" in text
+    accuracy = float(text.split("test accuracy ")[1].split()[0])
+    assert accuracy >= 0.85, accuracy  # held-out handwritten digits, never in the training cache
+    assert "a fresh process predicts the same: True" in text
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the confusion matrix, shown inline
+    run = tmp_path / "runs" / "digits"
+    assert (run / "evaluation" / "test.json").exists() and (run / "export" / "model.pt2").exists()
+    assert (tmp_path / "mlruns" / "mlflow.db").exists()
+
+
+CASES = {"curate.ipynb": check_curate, "cache.ipynb": check_cache, "bring_your_own.ipynb": check_bring_your_own}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -352,15 +352,21 @@ def attempt_numbers(run_dir: str) -> list[int]:
     return sorted(int(n) for n in names if n.isdigit() and not n.startswith("0"))
 
 
+def newest_attempt_file(run_dir: str, name: str) -> str | None:
+    """``RUN_DIR/attempts/<k>/<name>`` of the newest attempt that has one (``RUN_DIR/<name>`` in a run made
+    before attempt folders existed); None when there is none."""
+    for k in reversed(attempt_numbers(run_dir)):
+        uri = io.join(run_dir, ATTEMPTS, str(k), name)
+        if io.exists(uri):
+            return uri
+    uri = io.join(run_dir, name)
+    return uri if io.exists(uri) else None
+
+
 def run_config_uri(run_dir: str) -> str | None:
     """The config a run directory continues with: its newest attempt's ``config.json``, else (a run made before
     attempt folders existed) ``RUN_DIR/config.json``; None when it holds neither."""
-    for k in reversed(attempt_numbers(run_dir)):
-        uri = io.join(run_dir, ATTEMPTS, str(k), CONFIG_FILE)
-        if io.exists(uri):
-            return uri
-    uri = io.join(run_dir, CONFIG_FILE)
-    return uri if io.exists(uri) else None
+    return newest_attempt_file(run_dir, CONFIG_FILE)
 
 
 def _is_dir(path: str) -> bool:

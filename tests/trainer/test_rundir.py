@@ -5,7 +5,6 @@ in this process: ``local=True``) on synthetic data and on a real cache written b
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -18,17 +17,7 @@ from dutycycle.trainer.launch.train import train
 
 from ..support import ckpt_models as cm
 from ..support import ckpt_worker as cw
-
-
-def tree(root) -> dict[str, str]:
-    """Every file under ``root`` with the sha256 of its bytes: what "as it was" compares."""
-    out = {}
-    for folder, _, files in os.walk(root):
-        for f in files:
-            path = os.path.join(folder, f)
-            with open(path, "rb") as fh:
-                out[os.path.relpath(path, root)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
+from ..support.files import tree
 
 
 def cfg_for(run_dir, *extra):

@@ -5,7 +5,6 @@ script, which does not put the working directory on ``sys.path``. Also: what is 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -19,6 +18,8 @@ from dutycycle.engine.errors import ConfigError
 from dutycycle.trainer.config import load_config
 from dutycycle.trainer.launch import usermodule
 from dutycycle.trainer.launch.train import train
+
+from ..support.files import tree
 
 # a LeNet-sized net: nothing of dutycycle's, only torch
 NETS = '''
@@ -58,16 +59,6 @@ def small(run_dir, name: str, *extra: str):
                               "data.synthetic_samples=64", f"model.name={name}.nets:tiny", "run.max_steps=3",
                               "run.eval_every=0", "run.log_every=0", "run.report=false", f"run.dir={run_dir}",
                               "checkpoint.every=3", "parallel.threads_per_worker=1", *extra])
-
-
-def tree(root) -> dict[str, str]:
-    out = {}
-    for folder, _, files in os.walk(root):
-        for f in files:
-            path = os.path.join(folder, f)
-            with open(path, "rb") as fh:
-                out[os.path.relpath(path, root)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from dutycycle.engine import formats
 from dutycycle.engine.errors import FormatError
 from dutycycle.trainer.checkpoint import manifest as mf
-from dutycycle.trainer.launch.rundir import HEALTH_FILE, newest_attempt_file
+from dutycycle.trainer.config import newest_attempt_file
+from dutycycle.trainer.launch.rundir import HEALTH_FILE
 from dutycycle.trainer.step.metrics import read_metrics
 
 

@@ -245,17 +245,6 @@ def rejoin(cfg: TrainConfig) -> Attempt:
     return attempt
 
 
-def newest_attempt_file(run_dir: str, name: str) -> str | None:
-    """``RUN_DIR/attempts/<k>/<name>`` of the newest attempt that has one (``RUN_DIR/<name>`` in a run made
-    before attempt folders existed); None when there is none."""
-    for k in reversed(attempt_numbers(run_dir)):
-        uri = io.join(run_dir, ATTEMPTS, str(k), name)
-        if io.exists(uri):
-            return uri
-    uri = io.join(run_dir, name)
-    return uri if io.exists(uri) else None
-
-
 # ------------------------------------------------------------------------------------------------- prepare
 
 

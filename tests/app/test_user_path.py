@@ -112,9 +112,21 @@ def test_a_users_digits_and_model_from_folders_to_a_model_in_a_fresh_process(tmp
     assert cache["samples"] == 1797 - len(digits["test"])
 
     # train the user's own model from ./mymodels on Ray Train, tracked in a local MLflow store
-    run(DUTYCYCLE, "train", "digits.toml", cwd=work, timeout=600)
+    out = run(DUTYCYCLE, "train", "digits.toml", cwd=work, timeout=600)
     summary = json.loads((work / "runs" / "digits" / "summary.json").read_text())
     assert summary["data"]["channels"] == 1 and summary["data"]["classes"] == [str(d) for d in range(10)]
+    # quiet where it should be: no Ray noise, one line for the config, plain progress (stdout is a pipe here)
+    for noise in ("Token authentication", "PreemptionWatcher", "Failed to query Ray Train Controller", "Traceback",
+                  "resolved config", "[rank 0]", "Requesting resources"):
+        assert noise not in out.stdout + out.stderr, f"{noise!r} in the output:\n{out.stdout}\n{out.stderr}"
+    lines, steps, run_dir = out.stdout.splitlines(), summary["steps"], work / "runs" / "digits"
+    assert lines[0] == f"config: {run_dir / 'attempts' / '1' / 'config.json'} (resolved; run directory {run_dir}, " \
+                       "attempt 1)"
+    assert f"digits: {steps} steps on 1 worker, global batch 64" in lines and "\r" not in out.stdout
+    shown = [ln.split()[1] for ln in lines if ln.startswith("step ") and "val" not in ln]
+    assert shown[0] == f"1/{steps}" and shown[1] == f"20/{steps}" and shown[-1] == f"{steps}/{steps}", lines
+    assert any(ln.startswith("start-up: ") and "from launch to the first step" in ln for ln in lines)
+    assert summary["startup"]["ray_reused"] is False and summary["startup"]["seconds"]["ray_start"] > 0
 
     # a second train into the same run directory is refused, naming the ways on
     again = run(DUTYCYCLE, "train", "digits.toml", cwd=work, ok=False)

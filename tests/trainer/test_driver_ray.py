@@ -1,14 +1,12 @@
 """The driver of a Ray run: rank 0's progress rows reach it live through the mailbox actor (shown once, whatever
 the number of workers, and recorded in MLflow), a Ray instance the process already runs is reused and the start-up
-is accounted; and `dutycycle train` as a user types it prints no Ray noise, one line for the config, and progress."""
+is accounted. `dutycycle train` as a user types it (no Ray noise, one line for the config, progress) is checked
+in tests/app/test_user_path.py, on the user's own data and model."""
 
 from __future__ import annotations
 
 import gc
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from dutycycle.engine.synth import synthesize_cache
@@ -64,29 +62,3 @@ def test_rank_0_progress_reaches_the_driver_through_ray_and_into_mlflow(ray_clus
     gc.collect()
     assert ray_cluster.get(mailbox().take.remote("no-such-run"), timeout=60) == ([], 0)
 
-
-def test_dutycycle_train_on_ray_is_quiet_and_shows_progress(cache, tmp_path):
-    """The command a user types, in a process of its own that starts its own Ray: no token-auth notice, no
-    preemption-watcher error, no state-API tracebacks, the config named in one line, plain progress lines (stdout
-    is a pipe here), and the start-up in the summary."""
-    config = tmp_path / "c.toml"
-    config.write_text(f'[data]\ncache = "{cache}"\nglobal_batch_size = 32\n[model]\nwidth = 8\n'
-                      f'[run]\ndir = "{tmp_path / "run"}"\nname = "quiet"\nmax_steps = 4\neval_every = 2\n'
-                      "log_every = 2\nreport = false\n")
-    env = {**os.environ, "RAY_ADDRESS": "local"}  # a cluster of its own
-    env.pop("RAY_AUTH_MODE", None)  # as a user's shell: unset
-    proc = subprocess.run([sys.executable, "-m", "dutycycle.trainer.app.cli", "train", str(config)],
-                          capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
-    both = proc.stdout + proc.stderr
-    assert proc.returncode == 0, both[-4000:]
-    for noise in ("Token authentication", "PreemptionWatcher", "Failed to query Ray Train Controller", "Traceback",
-                  "resolved config", "[rank 0]", "Requesting resources"):
-        assert noise not in both, f"{noise!r} in the output:\n{both}"
-    lines = proc.stdout.splitlines()
-    assert lines[0] == f"config: {tmp_path / 'run' / 'config.json'} (resolved)"
-    assert "quiet: 4 steps on 1 worker, global batch 32" in lines
-    assert [ln.split()[1] for ln in lines if ln.startswith("step ") and "val" not in ln] == ["1/4", "2/4", "4/4"]
-    assert sum(ln.startswith("step ") and "val accuracy" in ln for ln in lines) == 2
-    assert any(ln.startswith("start-up: ") and "from launch to the first step" in ln for ln in lines)
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["startup"]["ray_reused"] is False and summary["startup"]["seconds"]["ray_start"] > 0

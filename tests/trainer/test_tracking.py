@@ -106,10 +106,10 @@ def test_a_tracked_run_and_its_resume_are_one_mlflow_run(cache, tmp_path, monkey
     assert "digits: 4 steps on 1 worker, global batch 32" in out
     assert "step 1/4 (25%)" in out and "step 4/4 (100%)" in out and "step 2/4: val accuracy" in out
     assert "[rank 0]" not in out and "resolved config" not in out
-    assert f"config: {run_dir}/config.json" in out
+    assert f"config: {run_dir}/attempts/1/config.json (resolved; run directory {run_dir}, attempt 1)" in out
 
-    # a second train into the same directory resumes from its commit at step 4: the same MLflow run goes on
-    second = train(_cfg(cache, run_dir, "mlruns", "run.max_steps=6"), local=True)
+    # a second train into the same directory, --resume, continues from its commit at step 4: the same MLflow run goes on
+    second = train(_cfg(cache, run_dir, "mlruns", "run.max_steps=6"), local=True, resume=True)
     out = capsys.readouterr().out
     assert json.loads((run_dir / RECORD).read_text())["run_id"] == run.info.run_id
     run = client.get_run(run.info.run_id)
@@ -143,9 +143,9 @@ def test_a_run_from_step_0_is_a_new_mlflow_run_and_a_failed_launch_leaves_none(c
     first = train(_cfg(cache, tmp_path / "a", f"sqlite:///{store}", "run.max_steps=2", "checkpoint.every=0",
                        "run.log_every=0"), local=True)
     client = MlflowClient(tracking_uri=f"sqlite:///{store}")
-    # the same directory again without a checkpoint to resume from: training starts at step 0, a new run
+    # the same directory replaced (nothing to resume from): training starts at step 0, a new run
     again = train(_cfg(cache, tmp_path / "a", f"sqlite:///{store}", "run.max_steps=2", "checkpoint.every=0",
-                       "run.log_every=0"), local=True)
+                       "run.log_every=0"), local=True, overwrite=True)
     assert again["tracking"]["run_id"] != first["tracking"]["run_id"]
     exp = client.get_experiment_by_name("digits").experiment_id
     assert len(client.search_runs([exp])) == 2
@@ -153,7 +153,7 @@ def test_a_run_from_step_0_is_a_new_mlflow_run_and_a_failed_launch_leaves_none(c
     with pytest.raises(Exception):  # noqa: B017, PT011 - the loader's own error; which one is not the point
         train(_cfg(cache + "-missing", tmp_path / "b", f"sqlite:///{store}", "run.max_steps=2"), local=True)
     assert not (tmp_path / "b" / RECORD).exists() and len(client.search_runs([exp])) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "db"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "db"]  # checked before anything was written
     assert (tmp_path / "db" / "artifacts").is_dir()
 
 

@@ -12,8 +12,9 @@ The injections (each documented as fault injection in the config, or a measureme
     checkpoint   synchronous saves every 2 steps to a path throttled (benchmarks/throttle.py) so that a save
                  writes for k x the step time; its share is (k + s) / (2 + k + s), s the unthrottled stall in steps
     memory       --memory-budget-mb = f x the configured stage's model state (f < 1): it cannot fit
-    failures     checkpoint.failures_per_worker_hour set so the modelled loss is a share p of the time (from the
-                 baseline's measured save, restore and restart): the verdict must say failure-bound
+    failures     checkpoint.failures_per_worker_hour set so the modelled loss is a share p of the job's time
+                 (from the baseline's measured save, restore and restart, its detection time and the job's
+                 steps and step: trainer/diagnose/failures.py): the verdict must say failure-bound
 
 Every run is one worker, in this process (no Ray: a diagnosis in about 20 s), with only the experiments the
 verdict needs for that cause. A baseline diagnosis first measures the step time, the checkpoint's bytes and
@@ -79,26 +80,19 @@ def baseline(config: str, common: list[str], tmp: Path, budget_s: float) -> dict
             "table": table_of(load_config(config, common)),
             "save_bytes": sync["summary"]["checkpoint"]["bytes_per_save"],
             "sync_stall_s": sync["stall_s_per_save"], "state_bytes": f["memory"]["configured"]["device_bytes"],
-            "failure_costs": f["failures"]["measured"], "wall_s": d["wall_s"]}
+            "failure_costs": f["failures"]["costs"], "failure_job_steps": f["failures"]["job_steps"],
+            "wall_s": d["wall_s"]}
 
 
 def failure_rate_for(share: float, base: dict) -> float:
-    """The per-worker-hour rate whose modelled loss is ``share`` of the time, from the measured costs (one
-    worker, every 2 steps, as the injected config)."""
+    """The per-worker-hour rate whose modelled loss is ``share`` of the job's time, from the baseline's failure
+    costs and job (one worker, every 2 steps, as the injected config)."""
     from dutycycle.trainer.diagnose import failures as fm
 
-    m = base["failure_costs"]
-
-    def modelled(rate: float) -> float:
-        costs = fm.FailureCosts(save_s=m["save_s"], restart_s=m["restart_s"], step_s=m["step_s"],
-                                rate_per_worker_hour=rate)
-        return fm.assess(costs, 1, 2)["failure_share"]
-
-    lo, hi = 1e-3, 1e7
-    for _ in range(80):  # the share grows with the rate: bisect on a log scale
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if modelled(mid) < share else (lo, mid)
-    return (lo * hi) ** 0.5
+    c = base["failure_costs"]
+    costs = fm.FailureCosts(save_s=c["save_s"], restart_s=c["restart_s"], step_s=c["step_s"],
+                            detect_s=c["detect_s"])
+    return fm.rate_for_share(share, costs, 1, 2, base["failure_job_steps"])
 
 
 def cases(base: dict, tmp: Path) -> list[dict]:

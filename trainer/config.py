@@ -215,6 +215,11 @@ class CheckpointSection:
     # failures per worker-hour that `dutycycle diagnose` models lost work and the best interval with; default: the
     # Llama 3 report's 419 interruptions in 54 days on 16,384 GPUs (trainer/diagnose/failures.py)
     failures_per_worker_hour: float = 419 / (54 * 24 * 16384)
+    # seconds from a failure to Ray Train acting on it, for the same model; unset: a lost node as Ray notices it
+    # (its health check declares the node dead after 5 missed checks 3 s apart, then the controller's next poll,
+    # ray.health_check_interval_s). A crashed worker is seen sooner; a hang only at the process group's timeout:
+    # set that here when hangs are the failures your cluster has
+    failure_detect_s: float | None = None
     # true: the step blocks only for the snapshot into host memory, the write streams in the background (at most
     # one save in flight; a save due while the previous one still writes waits for it, counted as stall).
     # false: the step blocks for the whole write and commit. The key "checkpoint.async" is accepted too.
@@ -240,6 +245,9 @@ class CheckpointSection:
     def check(self, where: str) -> None:
         one_of(f"{where}.on_nonfinite", self.on_nonfinite, ("skip", "rollback", "stop"))
         not_negative(where, self, "every", "max_rollbacks", "failures_per_worker_hour")
+        if self.failure_detect_s is not None and not 0 <= self.failure_detect_s < float("inf"):
+            raise ConfigError(f"{where}.failure_detect_s = {self.failure_detect_s} must be a number of seconds >= 0 "
+                              "(leave it out for Ray's own detection of a lost node)")
         if not 0 <= self.background_nice <= 19:
             raise ConfigError(f"{where}.background_nice = {self.background_nice} must be within 0..19 (nice steps "
                               "below the training thread; 0 = the same priority)")

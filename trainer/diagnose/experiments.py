@@ -12,7 +12,8 @@ goes on. Each runs in a process of its own (run.py, worker.py).
 5. scaling   1 vs N workers at the configured ZeRO stage, fp32 and with quantized collectives
 6. checkpoint the step's stall per save, synchronous and asynchronous (when checkpoints are configured)
 7. memory    model-state bytes per rank for every layout, against the device budget (layouts.py)
-8. failures  a save's stall and a restart's cost, measured; lost work and ETTR at N workers, modelled
+8. failures  a save's stall and a restart's cost, measured; the configured job's lost work and ETTR at N
+             workers, modelled
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from dutycycle.engine import io, open_cache
 from dutycycle.trainer.cluster.world import World
+from dutycycle.trainer.launch.inputs import Inputs
 from dutycycle.trainer.launch.train import train
 from dutycycle.trainer.parallel.dims import flat_overrides
 from dutycycle.trainer.step.data import make_sources
@@ -358,10 +360,13 @@ def checkpoint(ctx: Context) -> CheckpointFinding:
 
 
 def failures(ctx: Context) -> FailuresFinding:
-    """What a failure costs this run, measured, and what failures cost at the configured (or ``--scale``)
-    worker count, modelled (``failures.py``): a short run that commits every other step (the stall per save,
-    in the configured mode), then the same run started again, which resumes from its newest commit as a
-    restarted worker group does (the restart: launch to the first step, restore included)."""
+    """What a failure costs this run, measured, and what failures cost the configured job at the configured (or
+    ``--scale``) worker count, modelled (``failures.py``): a short run that commits every other step (the stall
+    per save, in the configured mode), then the same run started again, which resumes from its newest commit as a
+    restarted worker group does (the restart: launch to the first step, restore included). The job is the
+    configured run's steps (``job_steps``) at the configured end-to-end run's step when that experiment ran
+    (else this one's), saves left out: at ``--scale`` N the same steps at the same step time fail N / workers
+    times as often (a job that N workers finish sooner fails less: an upper bound then)."""
     cfg = ctx.cfg
     mode = str(cfg.checkpoint.async_save).lower()
     common = (*_synthetic(ctx), f"checkpoint.dir={io.join(ctx.workdir, 'fail-ckpt')}", "checkpoint.every=2",
@@ -373,17 +378,53 @@ def failures(ctx: Context) -> FailuresFinding:
     resumed = (again["summary"].get("checkpoint") or {}).get("resumed") or {}
     if not resumed:
         raise RuntimeError("the second run did not resume from the first one's commit")
+    steps, job_from = job_steps(ctx)
+    step_s, step_from = _job_step(ctx, first)
+    detect, detect_from = detect_s(cfg)
     costs = fm.FailureCosts(save_s=(saved.get("stall_s") or {}).get("mean", 0.0),
-                            restart_s=again["launch_s"] + resumed.get("restore_s", 0.0), step_s=first["step_s"],
-                            rate_per_worker_hour=cfg.checkpoint.failures_per_worker_hour)
+                            restart_s=again["launch_s"] + resumed.get("restore_s", 0.0), step_s=step_s,
+                            detect_s=detect, rate_per_worker_hour=cfg.checkpoint.failures_per_worker_hour)
     workers = ctx.scale or cfg.parallel.num_workers
     out = {"measured": {"save_s": costs.save_s, "launch_s": again["launch_s"],
                         "restore_s": resumed.get("restore_s", 0.0), "restart_s": costs.restart_s,
-                        "step_s": costs.step_s, "async": cfg.checkpoint.async_save},
-           "configured_every": cfg.checkpoint.every,
-           **fm.assess(costs, workers, cfg.checkpoint.every)}
-    out["to_reach_97"] = fm.to_reach(0.97, costs, workers)
+                        "step_s": first["step_s"], "async": cfg.checkpoint.async_save},
+           "configured_every": cfg.checkpoint.every, "job_from": f"{job_from}, at {step_from}",
+           "detect_from": detect_from,
+           **fm.assess(costs, workers, cfg.checkpoint.every, steps)}
+    out["to_reach_97"] = fm.to_reach(0.97, costs, workers, steps)
     return from_dict(FailuresFinding, out)
+
+
+def job_steps(ctx: Context) -> tuple[int, str]:
+    """The configured run's length in optimizer steps, as the trainer counts it, and where it comes from."""
+    cfg = ctx.cfg
+    if cfg.run.max_steps:
+        return cfg.run.max_steps, f"run.max_steps = {cfg.run.max_steps}"
+    samples = data_info(ctx).train_samples
+    steps = Inputs(train_samples=samples).total_steps(cfg)
+    return steps, (f"run.epochs = {cfg.run.epochs:g} of {samples:,} training samples at "
+                   f"{cfg.data.global_batch_size:,} per step")
+
+
+def _job_step(ctx: Context, own: dict) -> tuple[float, str]:
+    """One step of the job without its saves: the configured end-to-end run's (the data the job reads) when that
+    experiment ran in this diagnosis, else ``own`` (this experiment's synthetic run)."""
+    e2e = ctx.results.get("end_to_end") or {}
+    run = e2e.get(e2e.get("configured", "")) if "error" not in e2e else None
+    if isinstance(run, dict) and run.get("step_s"):
+        return run["step_s"] * (1 - run.get("checkpoint_share", 0.0)), "the end-to-end run's step"
+    return own["step_s"] * (1 - own.get("checkpoint_share", 0.0)), "the failures run's step (synthetic data)"
+
+
+def detect_s(cfg) -> tuple[float, str]:
+    """Seconds from a failure to Ray Train acting on it: ``checkpoint.failure_detect_s``, else a lost node as Ray
+    notices it (``failures.default_detect_s``)."""
+    if cfg.checkpoint.failure_detect_s is not None:
+        return cfg.checkpoint.failure_detect_s, "checkpoint.failure_detect_s"
+    poll = cfg.ray.health_check_interval_s
+    return fm.default_detect_s(poll), (f"a lost node: Ray's health check ({fm.RAY_NODE_CHECK_FAILURES} missed "
+                                       f"checks {fm.RAY_NODE_CHECK_PERIOD_S:g} s apart) and the Train controller's "
+                                       f"next poll (ray.health_check_interval_s = {poll:g} s)")
 
 
 EXPERIMENTS = (

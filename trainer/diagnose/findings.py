@@ -144,19 +144,30 @@ class MemoryFinding:
 
 @dataclass
 class FailuresFinding:
+    """The failures experiment: measured costs, and the configured job's failures at ``workers`` (failures.py)."""
+
     measured: dict  # save_s, launch_s, restore_s, restart_s, step_s, async
     configured_every: int
+    job_from: str  # where the job's steps and step time come from
+    detect_from: str  # where the detection time comes from
     workers: int
-    mtbf_s: float | None
+    job_steps: int
+    job_s: float  # T: the job's training seconds
+    mtbf_s: float | None  # None: no failures (a rate of 0)
     failures_per_hour: float
+    expected_failures: float | None  # in the whole job, as configured (None: it never ends)
+    lost_s: float | None  # work done again, detection and restart over the job, as configured
     lost_s_per_failure: float | None
-    lost_s_per_hour: float | None
-    failure_share: float
-    ettr: float
-    interval_s: float | None
-    recommended_every: int | None
+    failure_share: float  # lost_s over the expected wall time
+    ettr: float  # as configured
+    ettr_no_checkpoints: float
+    interval_s: float | None  # the configured commit interval (None: no checkpoints)
+    intervals: dict  # young, daly, nvidia, exact -> every, interval_s, ettr (and the formula's own seconds)
+    recommended_every: int  # 0: no checkpoints needed
     recommended_interval_s: float | None
+    recommended_by: str  # the interval that gave the best exact ETTR, or "no checkpoints"
     ettr_recommended: float
+    margin: float  # no checkpoints when they gain less ETTR than this
     model: str
     costs: dict
     to_reach_97: str

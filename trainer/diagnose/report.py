@@ -17,6 +17,7 @@ from dutycycle.trainer.step.report import (
 )
 
 from .experiments import EXPERIMENTS
+from .failures import duration
 from .remedies import measured_text, predicted_text
 
 
@@ -56,12 +57,7 @@ def describe(key: str, res: dict) -> str:
         return (f"stall per save {res['sync']['stall_s_per_save']:.3f} s synchronous, "
                 f"{res['async']['stall_s_per_save']:.3f} s asynchronous")
     if key == "failures":
-        m = res["measured"]
-        return (f"save stall {m['save_s']:.3f} s, restart {m['restart_s']:.1f} s (launch {m['launch_s']:.1f} s + "
-                f"restore {m['restore_s']:.2f} s); at {res['workers']:,} workers: a failure every "
-                f"{res['mtbf_s'] / 3600:,.1f} h, {res['lost_s_per_hour']:.0f} s lost per hour, ETTR {res['ettr']:.1%}"
-                + (f", {res['ettr_recommended']:.1%} at checkpoint.every = {res['recommended_every']}"
-                   if res.get("recommended_every") else ""))
+        return failures_line(res)
     if key == "memory":
         mine = res["configured"]
 
@@ -71,6 +67,48 @@ def describe(key: str, res: dict) -> str:
                 f"budget {megabytes(res['budget_bytes'])} "
                 f"({'fits' if mine['fits'] else 'does not fit'})")
     return json.dumps(res)[:200]
+
+
+def failures_line(res: dict) -> str:
+    """The failures experiment in one line: what it measured, the job, and its ETTR without checkpoints, as
+    configured and at the recommended interval."""
+    m = res["measured"]
+    every, best = res["configured_every"], res["recommended_every"]
+    line = (f"save stall {m['save_s']:.3f} s, restart {m['restart_s']:.1f} s (launch {m['launch_s']:.1f} s + "
+            f"restore {m['restore_s']:.2f} s), detection {res['costs']['detect_s']:.1f} s; the job: "
+            f"{res['job_steps']:,} steps, {duration(res['job_s'])} at {res['workers']:,} workers, a failure every "
+            f"{duration(res['mtbf_s'])}; ETTR {res['ettr_no_checkpoints']:.1%} without checkpoints")
+    if every:
+        line += f", {res['ettr']:.1%} at checkpoint.every = {every}"
+    if best:
+        line += f", {res['ettr_recommended']:.1%} at checkpoint.every = {best} (recommended, {res['recommended_by']})"
+    else:
+        line += (f"; no checkpoints needed for failures (they would gain under {res['margin']:.0%} of ETTR)")
+    return line
+
+
+def _failures_table(result: dict) -> str:
+    """The failures model on the page: which model, the job, and the ETTR of each plan it compared."""
+    res = (result.get("findings") or {}).get("failures") or {}
+    if "intervals" not in res:
+        return ""
+    plans = [("no checkpoints", "-", res["ettr_no_checkpoints"])]
+    if res["configured_every"]:
+        plans.append(("configured", f"{res['configured_every']:,}", res["ettr"]))
+    names = {"young": "Young: sqrt(2 C M)", "daly": "Daly (higher order)",
+             "nvidia": "NVIDIA: sqrt(2 (M + D + R) C + C^2)", "exact": "exact model's best (searched)"}
+    plans += [(names[k], f"{v['every']:,}", v["ettr"]) for k, v in res["intervals"].items()]
+    rec = ("no checkpoints" if not res["recommended_every"] else
+           f"checkpoint.every = {res['recommended_every']:,} ({res['recommended_by']})")
+    rows = "".join(f"<tr><td>{html.escape(n)}</td><td>{e}</td><td>{r:.2%}</td></tr>" for n, e, r in plans)
+    return (f"<h2>Failures</h2><p>{html.escape(res['model'])}. The job: {res['job_steps']:,} steps, "
+            f"{html.escape(duration(res['job_s']))} of training ({html.escape(res['job_from'])}) at "
+            f"{res['workers']:,} workers, a failure every {html.escape(duration(res['mtbf_s']))}; detection "
+            f"{res['costs']['detect_s']:.1f} s ({html.escape(res['detect_from'])}), restart "
+            f"{res['costs']['restart_s']:.1f} s, save stall {res['costs']['save_s']:.3f} s. Recommended: "
+            f"{html.escape(rec)}, ETTR {res['ettr_recommended']:.2%} (no checkpoints when they gain under "
+            f"{res['margin']:.0%}).</p><table><tr><th>plan</th><th>checkpoint.every</th><th>ETTR</th></tr>"
+            + rows + "</table>")
 
 
 def picture(findings: dict, found: list[dict] | None = None) -> bytes:
@@ -232,6 +270,7 @@ def page(result: dict, png: bytes) -> str:
         f"<h1>dutycycle diagnose</h1><p>config: <code>{html.escape(result['config_name'])}</code></p>"
         # the headline starts with the kind and ends with the fix: each said once
         f"<p class='verdict'>{html.escape(v['headline'])}</p>{_shares_table(v)}{_remedies_table(result)}"
+        f"{_failures_table(result)}"
         f"<table>{rows}</table><p><img alt='diagnosis' src='data:image/png;base64,{img}' width='100%'></p>"
         "<p>Every number is in diagnosis.json beside this page.</p></body></html>"
     )

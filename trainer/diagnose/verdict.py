@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from dutycycle.engine.numbers import megabytes, share_interval, thousands
 
 from . import noise
+from .failures import duration
 from .projection import comm_measured_at, project
 
 THRESHOLD = 0.2  # a wait taking a fifth of the step is worth removing before anything else
@@ -254,11 +255,18 @@ def _comm(share, shares, scaling) -> Verdict:
 
 def _failures(share, shares, fails) -> Verdict:
     n, every, best = fails["workers"], fails.get("configured_every"), fails.get("recommended_every")
-    head = (f"failure-bound: at {n:,} workers a failure comes every {fails['mtbf_s'] / 3600:.1f} h and costs "
-            f"{fails['lost_s_per_failure']:.0f} s of work done again and restart, {share:.0%} of the time "
+    failures = fails.get("expected_failures")
+    expect = (f"{failures:,.1f} failures expected" if failures is not None and failures < 1e6 else
+              "so many expected that it practically never finishes")
+    head = (f"failure-bound: the job ({fails['job_steps']:,} steps, {duration(fails['job_s'])} of training) at "
+            f"{n:,} workers meets a failure every {duration(fails['mtbf_s'])}: {expect}, "
+            f"{share:.0%} of its time lost to work done again, detection and restart "
             f"(ETTR {fails['ettr']:.1%}{f' with checkpoint.every = {every}' if every else ', no checkpoints'})")
-    fix = (f"commit every {best} steps (checkpoint.every = {best}): projected ETTR {fails['ettr_recommended']:.1%}"
-           if best and best != every else "faster restarts and saves (see the failures experiment)")
+    if best and best != every:
+        fix = (f"commit every {best} steps (checkpoint.every = {best}, the {fails['recommended_by']} interval): "
+               f"projected ETTR {fails['ettr_recommended']:.1%}")
+    else:
+        fix = "faster restarts and saves (see the failures experiment)"
     if fails.get("ettr_recommended", 1.0) < 0.97 and fails.get("to_reach_97"):
         fix += f"; {fails['to_reach_97']}"
     return Verdict("failure-bound", share, f"{head}; {fix}", fix, shares)

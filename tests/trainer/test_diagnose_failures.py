@@ -14,6 +14,7 @@ from dutycycle.trainer.config import load_config
 from dutycycle.trainer.diagnose import decide, diagnose
 from dutycycle.trainer.diagnose import failures as fm
 from dutycycle.trainer.diagnose.experiments import detect_s
+from dutycycle.trainer.diagnose.report import describe
 
 # k standard errors: the mean of n = 20,000 simulated jobs is normal to a good approximation (the wall time has a
 # finite variance: the failures per segment are geometric), so a correct formula falls outside k = 4 standard
@@ -237,8 +238,14 @@ def test_a_short_default_job_is_not_failure_bound():
     e2e = {"configured": "synthetic", "synthetic": {"data_wait_share": 0.04, "comm_share": 0.0,
                                                     "checkpoint_share": 0.0, "samples_per_s": 164.0, "step_s": 0.78}}
     a = fm.assess(_costs(step_s=0.78, restart_s=1.3, save_s=0.03), 1, 0, 115)
-    v = decide({"end_to_end": e2e, "failures": {**a, "configured_every": 0}})
+    finding = {**a, "configured_every": 0, "measured": {"save_s": 0.03, "restart_s": 1.3, "launch_s": 1.0,
+                                                        "restore_s": 0.3}}
+    v = decide({"end_to_end": e2e, "failures": finding})
     assert v.kind == "compute-bound" and v.shares["failures"] < 1e-6
+    # the report's line says the job, the ETTR without checkpoints and that none are needed
+    line = describe("failures", finding)
+    assert "the job: 115 steps, 90 s at 1 worker, a failure every 5.8 years" in line
+    assert "ETTR 100.0% without checkpoints; no checkpoints needed" in line
 
 
 def test_the_failures_experiment_measures_a_save_and_a_restart(tmp_path):

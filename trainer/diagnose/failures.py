@@ -96,7 +96,13 @@ def duration(seconds: float | None) -> str:
         return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.2g} s"
     if seconds < 7200:
         return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:,.1f} h" if seconds < 172800 else f"{seconds / 86400:,.1f} days"
+    if seconds < 172800:
+        return f"{seconds / 3600:,.1f} h"
+    return f"{seconds / 86400:,.1f} days" if seconds < 730 * 86400 else f"{seconds / (365 * 86400):,.1f} years"
+
+
+def workers_text(n: int) -> str:
+    return f"{n:,} worker" + ("" if n == 1 else "s")
 
 
 def mtbf_s(workers: int, rate_per_worker_hour: float) -> float:

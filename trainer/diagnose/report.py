@@ -17,7 +17,7 @@ from dutycycle.trainer.step.report import (
 )
 
 from .experiments import EXPERIMENTS
-from .failures import duration
+from .failures import duration, workers_text
 from .remedies import measured_text, predicted_text
 
 
@@ -76,14 +76,14 @@ def failures_line(res: dict) -> str:
     every, best = res["configured_every"], res["recommended_every"]
     line = (f"save stall {m['save_s']:.3f} s, restart {m['restart_s']:.1f} s (launch {m['launch_s']:.1f} s + "
             f"restore {m['restore_s']:.2f} s), detection {res['costs']['detect_s']:.1f} s; the job: "
-            f"{res['job_steps']:,} steps, {duration(res['job_s'])} at {res['workers']:,} workers, a failure every "
+            f"{res['job_steps']:,} steps, {duration(res['job_s'])} at {workers_text(res['workers'])}, a failure every "
             f"{duration(res['mtbf_s'])}; ETTR {res['ettr_no_checkpoints']:.1%} without checkpoints")
     if every:
         line += f", {res['ettr']:.1%} at checkpoint.every = {every}"
     if best:
         line += f", {res['ettr_recommended']:.1%} at checkpoint.every = {best} (recommended, {res['recommended_by']})"
     else:
-        line += (f"; no checkpoints needed for failures (they would gain under {res['margin']:.0%} of ETTR)")
+        line += f"; no checkpoints needed for failures (they would gain under {res['margin'] * 100:g} point of ETTR)"
     return line
 
 
@@ -97,17 +97,18 @@ def _failures_table(result: dict) -> str:
         plans.append(("configured", f"{res['configured_every']:,}", res["ettr"]))
     names = {"young": "Young: sqrt(2 C M)", "daly": "Daly (higher order)",
              "nvidia": "NVIDIA: sqrt(2 (M + D + R) C + C^2)", "exact": "exact model's best (searched)"}
-    plans += [(names[k], f"{v['every']:,}", v["ettr"]) for k, v in res["intervals"].items()]
+    plans += [(names[k], f"{res['intervals'][k]['every']:,}", res["intervals"][k]["ettr"]) for k in names
+              if k in res["intervals"]]
     rec = ("no checkpoints" if not res["recommended_every"] else
            f"checkpoint.every = {res['recommended_every']:,} ({res['recommended_by']})")
     rows = "".join(f"<tr><td>{html.escape(n)}</td><td>{e}</td><td>{r:.2%}</td></tr>" for n, e, r in plans)
     return (f"<h2>Failures</h2><p>{html.escape(res['model'])}. The job: {res['job_steps']:,} steps, "
             f"{html.escape(duration(res['job_s']))} of training ({html.escape(res['job_from'])}) at "
-            f"{res['workers']:,} workers, a failure every {html.escape(duration(res['mtbf_s']))}; detection "
+            f"{workers_text(res['workers'])}, a failure every {html.escape(duration(res['mtbf_s']))}; detection "
             f"{res['costs']['detect_s']:.1f} s ({html.escape(res['detect_from'])}), restart "
             f"{res['costs']['restart_s']:.1f} s, save stall {res['costs']['save_s']:.3f} s. Recommended: "
             f"{html.escape(rec)}, ETTR {res['ettr_recommended']:.2%} (no checkpoints when they gain under "
-            f"{res['margin']:.0%}).</p><table><tr><th>plan</th><th>checkpoint.every</th><th>ETTR</th></tr>"
+            f"{res['margin'] * 100:g} point of ETTR).</p><table><tr><th>plan</th><th>checkpoint.every</th><th>ETTR</th></tr>"
             + rows + "</table>")
 
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from dutycycle.engine.numbers import megabytes, share_interval, thousands
 
 from . import noise
-from .failures import duration
+from .failures import duration, workers_text
 from .projection import comm_measured_at, project
 
 THRESHOLD = 0.2  # a wait taking a fifth of the step is worth removing before anything else
@@ -259,7 +259,7 @@ def _failures(share, shares, fails) -> Verdict:
     expect = (f"{failures:,.1f} failures expected" if failures is not None and failures < 1e6 else
               "so many expected that it practically never finishes")
     head = (f"failure-bound: the job ({fails['job_steps']:,} steps, {duration(fails['job_s'])} of training) at "
-            f"{n:,} workers meets a failure every {duration(fails['mtbf_s'])}: {expect}, "
+            f"{workers_text(n)} meets a failure every {duration(fails['mtbf_s'])}: {expect}, "
             f"{share:.0%} of its time lost to work done again, detection and restart "
             f"(ETTR {fails['ettr']:.1%}{f' with checkpoint.every = {every}' if every else ', no checkpoints'})")
     if best and best != every:

@@ -231,6 +231,19 @@ def test_the_verdict_names_failures_when_they_are_the_largest_wait():
     assert "190.0 failures expected" in v.headline and "3.1 h" in v.headline
     assert "checkpoint.every = 20, the exact interval" in v.fix and "98.0%" in v.fix
     assert decide({"end_to_end": e2e, "failures": _fails(0.01)}).kind == "compute-bound"
+    # saves every 2 steps of a job that loses less without them: the fix is to drop them
+    v = decide({"end_to_end": e2e, "failures": {**_fails(0.3, every=2, best=0), "ettr_recommended": 0.663}})
+    assert "checkpoint.every = 0 gives a projected ETTR of 66.3%" in v.fix
+
+
+def test_the_accuracy_benchmark_s_failures_case_is_failure_bound_and_says_why():
+    # its injected rate (a failure every 39 s) on a 5-second job that saves every 2 steps, as measured there
+    costs = fm.FailureCosts(save_s=0.167, restart_s=0.39, step_s=0.21, detect_s=15.5, rate_per_worker_hour=93.3)
+    a = fm.assess(costs, 1, 2, 24)
+    assert a["failure_share"] == pytest.approx(0.3, abs=0.01) and a["recommended_every"] == 0
+    assert a["ettr_no_checkpoints"] > a["ettr"]
+    text = fm.to_reach(0.97, costs, 1, 24)
+    assert "at 1 worker, short of 97%" in text and "the failure rate must come down" in text
 
 
 def test_a_short_default_job_is_not_failure_bound():

@@ -314,14 +314,15 @@ def to_reach(target: float, costs: FailureCosts, workers: int, job_steps: int) -
         return FailureCosts(costs.save_s, x * (1 - share), costs.step_s, x * share, costs.rate_per_worker_hour)
 
     c_max, d_max = largest(with_save), largest(with_down)
-    text = f"the best plan reaches {got:.1%} at {workers:,} workers, short of {target:.0%}: "
+    text = f"the best plan reaches {got:.1%} at {workers_text(workers)}, short of {target:.0%}: "
     said = []
     if c_max is not None:
         said.append(f"saves would have to stall at most {c_max:.2f} s (now {costs.save_s:.2f} s)")
     if d_max is not None:
         said.append(f"detection and restart take at most {d_max:.0f} s together (now {costs.down_s:.0f} s)")
     if not said:
-        return text + "neither faster saves nor faster restarts alone reach it: fewer workers or a lower failure rate"
+        fewer = "the failure rate" + (" or the workers" if workers > 1 else "")
+        return text + f"neither faster saves nor faster detection and restart alone reach it: {fewer} must come down"
     return text + " or ".join(said)
 
 

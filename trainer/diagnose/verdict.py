@@ -265,6 +265,9 @@ def _failures(share, shares, fails) -> Verdict:
     if best and best != every:
         fix = (f"commit every {best} steps (checkpoint.every = {best}, the {fails['recommended_by']} interval): "
                f"projected ETTR {fails['ettr_recommended']:.1%}")
+    elif every and best == 0:  # the saves cost this job more than the work they keep
+        fix = (f"the saves cost this job more than the failures they guard against: checkpoint.every = 0 gives a "
+               f"projected ETTR of {fails['ettr_recommended']:.1%} (keep them where a resume or rollback needs them)")
     else:
         fix = "faster restarts and saves (see the failures experiment)"
     if fails.get("ettr_recommended", 1.0) < 0.97 and fails.get("to_reach_97"):

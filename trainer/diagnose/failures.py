@@ -51,7 +51,7 @@ process-group timeout).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -307,11 +307,11 @@ def to_reach(target: float, costs: FailureCosts, workers: int, job_steps: int) -
         return lo
 
     def with_save(x):
-        return FailureCosts(x, costs.restart_s, costs.step_s, costs.detect_s, costs.rate_per_worker_hour)
+        return replace(costs, save_s=x)
 
     def with_down(x):  # detection and restart together, in today's proportion
         share = costs.detect_s / costs.down_s if costs.down_s else 0.5
-        return FailureCosts(costs.save_s, x * (1 - share), costs.step_s, x * share, costs.rate_per_worker_hour)
+        return replace(costs, restart_s=x * (1 - share), detect_s=x * share)
 
     c_max, d_max = largest(with_save), largest(with_down)
     text = f"the best plan reaches {got:.1%} at {workers_text(workers)}, short of {target:.0%}: "
@@ -334,8 +334,7 @@ def rate_for_share(share: float, costs: FailureCosts, workers: int, every_steps:
         raise ValueError(f"share = {share} must be within (0, 1)")
 
     def got(rate: float) -> float:
-        c = FailureCosts(costs.save_s, costs.restart_s, costs.step_s, costs.detect_s, rate)
-        return assess(c, workers, every_steps, job_steps)["failure_share"]
+        return assess(replace(costs, rate_per_worker_hour=rate), workers, every_steps, job_steps)["failure_share"]
 
     lo, hi = 1e-12, 1.0
     while got(hi) < share:  # a rate that loses more than the share: the job's failures outrun it

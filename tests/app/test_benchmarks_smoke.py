@@ -288,13 +288,14 @@ def test_diagnose_accuracy_benchmark_quick(tmp_path):
     cases = {(c["cause"], c["strength"]): c for c in data["cases"]}
     assert {cause for cause, _ in cases} == {"comm"} and len(cases) == 2
     for c in cases.values():
-        # the injected cause is the one named at the strong delay (twice the baseline step).
-        # The weak one (half the baseline step, a third of it) is not asserted here: its share is set from a
-        # baseline measured minutes earlier, and on a busy machine the step grows (21 ms -> 61 ms seen in CI), so
-        # it came out "balanced" or "compute-bound" in one run of 40 s. The full benchmark counts how often it is
-        # named (10 of 10); what every run must get right, the wait accounted as injected, is checked below
+        # the injected cause is named wherever the injected wait is well over the line in the step as it ran. Each
+        # delay is set from a baseline step measured minutes earlier; on a busy machine the step grows (21 ms ->
+        # 61 ms seen in CI, 0.35 s with the machine four times oversubscribed), and the delay of "twice the
+        # step" became a tenth of it: "compute-bound" was then the right verdict. The full benchmark counts how
+        # often each strength is named on a quiet machine (10 of 10); what every run must get right, the wait
+        # accounted as injected, is checked below
         (r,) = c["runs"]
-        if c["strength"].startswith("exchange delay 2x"):
+        if c["injected_s_per_step"] / r["step_s"] >= 0.4:  # twice the line: beyond the share's noise
             assert r.get("hit"), c["runs"]
     comm = [c for c in data["cases"] if c["cause"] == "comm"]
     # the wait was accounted as injected: the exchange's sleep, every step, within a millisecond

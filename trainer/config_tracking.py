@@ -28,10 +28,6 @@ class TrackingSection:
     # upload RUN_DIR/model.safetensors as the run's "model/" artifact (off: the summary still names its path)
     log_model: bool = True
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self.mlflow_uri)
-
     def check(self, where: str) -> None:
         if self.mlflow_uri != self.mlflow_uri.strip():
             raise ConfigError(f"{where}.mlflow_uri = {self.mlflow_uri!r} has surrounding spaces; remove them")

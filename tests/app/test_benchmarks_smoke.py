@@ -295,6 +295,7 @@ def test_diagnose_accuracy_benchmark_quick(tmp_path):
         # often each strength is named on a quiet machine (10 of 10); what every run must get right, the wait
         # accounted as injected, is checked below
         (r,) = c["runs"]
+        assert "error" not in r and r.get("step_s"), c["runs"]  # the run measured its step: the test below has a base
         if c["injected_s_per_step"] / r["step_s"] >= 0.4:  # twice the line: beyond the share's noise
             assert r.get("hit"), c["runs"]
     comm = [c for c in data["cases"] if c["cause"] == "comm"]

@@ -165,3 +165,7 @@ def test_a_users_digits_and_model_from_folders_to_a_model_in_a_fresh_process(tmp
     assert tracked.data.params["model.name"] == "mymodels.digits:lenet"
     assert len(client.get_metric_history(tracked.info.run_id, "loss")) == summary["steps"]
     assert "val_accuracy" in tracked.data.metrics
+    # the evaluate command added its files and scores to the same MLflow run
+    logged = {a.path for a in client.list_artifacts(tracked.info.run_id, "evaluation")}
+    assert {"evaluation/test.json", "evaluation/test.png"} <= logged, logged
+    assert tracked.data.metrics["test_accuracy"] == pytest.approx(evaluation["accuracy"])

@@ -131,8 +131,8 @@ def test_the_interval_formulas():
 def test_the_exact_search_finds_the_best_whole_number_of_steps():
     steps, step_s, rate, save, down = 3000, 1.0, 1 / 2000, 8.0, 40.0
     best = fm.best_every(steps, step_s, rate, save, down)
-    walls = [fm.expected_wall_s(steps * step_s, rate, k * step_s, save, down) for k in range(1, steps + 1)]
-    assert fm.expected_wall_s(steps * step_s, rate, best * step_s, save, down) == pytest.approx(min(walls), rel=1e-12)
+    walls = [fm.plan(steps * step_s, rate, k * step_s, save, down)["wall_s"] for k in range(1, steps + 1)]
+    assert fm.plan(steps * step_s, rate, best * step_s, save, down)["wall_s"] == pytest.approx(min(walls), rel=1e-12)
     # in the regime of the first-order formulas their intervals come close to it
     assert best == pytest.approx(fm.young_interval_s(save, 2000), rel=0.1)
 
@@ -186,7 +186,7 @@ def test_to_reach_says_what_would_have_to_change():
 
     def best(save):
         a = fm.assess(_costs(save_s=save), 16384, 0, job)
-        return max(a["ettr_recommended"], a["ettr_no_checkpoints"])
+        return max([a["ettr_no_checkpoints"], *(v["ettr"] for v in a["intervals"].values())])
 
     assert best(c_max * 0.99) >= 0.97 > best(c_max * 1.01)  # the save it names is the one that reaches it
     # restarts as slow as these cannot reach it with any save
@@ -232,8 +232,13 @@ def test_the_verdict_names_failures_when_they_are_the_largest_wait():
     assert "checkpoint.every = 20, the exact interval" in v.fix and "98.0%" in v.fix
     assert decide({"end_to_end": e2e, "failures": _fails(0.01)}).kind == "compute-bound"
     # saves every 2 steps of a job that loses less without them: the fix is to drop them
-    v = decide({"end_to_end": e2e, "failures": {**_fails(0.3, every=2, best=0), "ettr_recommended": 0.663}})
+    v = decide({"end_to_end": e2e, "failures": {**_fails(0.3, every=2, best=0), "ettr": 0.6, "ettr_recommended": 0.663}})
     assert "checkpoint.every = 0 gives a projected ETTR of 66.3%" in v.fix
+    assert v.fix.startswith("the saves cost this job more than the failures they guard against")
+    # checkpoints that gain, but under the margin: said so, not that they cost more
+    v = decide({"end_to_end": e2e, "failures": {**_fails(0.3, every=2, best=0), "ettr": 0.665,
+                                                 "ettr_recommended": 0.663, "margin": 0.01}})
+    assert v.fix.startswith("checkpoints gain this job under 1 point of ETTR: checkpoint.every = 0"), v.fix
 
 
 def test_the_accuracy_benchmark_s_failures_case_is_failure_bound_and_says_why():

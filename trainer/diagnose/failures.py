@@ -57,7 +57,7 @@ import numpy as np
 
 LLAMA3_RATE_PER_WORKER_HOUR = 419 / (54 * 24 * 16384)
 # Ray's node health check (GCS): a node is declared dead after RAY_health_check_failure_threshold (5) missed
-# checks RAY_health_check_period_ms (3,000) apart; Ray's defaults, read from ray._raylet.Config in Ray 2.59
+# checks RAY_health_check_period_ms (3,000) apart; Ray's defaults, read from ray._raylet.Config in Ray 2.58.1
 RAY_NODE_CHECK_PERIOD_S = 3.0
 RAY_NODE_CHECK_FAILURES = 5
 SCAN = 100_000  # the exact search tries every step count up to this many at once (a few milliseconds)
@@ -150,13 +150,6 @@ def plan(job_s: float, rate_per_s: float, interval_s: float | None, save_s: floa
     wall = busy + lost
     return {"wall_s": wall, "failures": failures, "lost_s": lost, "saves": saves,
             "ettr": job_s / wall if wall > 0 else 1.0, "failure_share": lost / wall if wall > 0 else 0.0}
-
-
-def expected_wall_s(job_s: float, rate_per_s: float, interval_s: float | None, save_s: float,
-                    down_s: float) -> float:
-    """E[wall] of ``plan``: the closed form, math.inf when it overflows."""
-    wall = plan(job_s, rate_per_s, interval_s, save_s, down_s)["wall_s"]
-    return math.inf if wall is None else wall
 
 
 def _walls(steps: np.ndarray, job_steps: int, step_s: float, rate_per_s: float, save_s: float,
@@ -283,8 +276,9 @@ def _finite(d):
 
 
 def _best_ettr(costs: FailureCosts, workers: int, job_steps: int) -> float:
+    """The best ETTR any plan reaches, checkpoints or none (the recommendation may prefer none within its margin)."""
     a = assess(costs, workers, 0, job_steps)
-    return max(a["ettr_recommended"], a["ettr_no_checkpoints"])
+    return max([a["ettr_no_checkpoints"], *(v["ettr"] for v in a["intervals"].values())])
 
 
 def to_reach(target: float, costs: FailureCosts, workers: int, job_steps: int) -> str:

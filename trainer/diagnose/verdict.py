@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from dutycycle.engine.numbers import megabytes, share_interval, thousands
 
 from . import noise
-from .failures import duration, workers_text
+from .failures import NO_CHECKPOINT_MARGIN, duration, workers_text
 from .projection import comm_measured_at, project
 
 THRESHOLD = 0.2  # a wait taking a fifth of the step is worth removing before anything else
@@ -265,9 +265,12 @@ def _failures(share, shares, fails) -> Verdict:
     if best and best != every:
         fix = (f"commit every {best} steps (checkpoint.every = {best}, the {fails['recommended_by']} interval): "
                f"projected ETTR {fails['ettr_recommended']:.1%}")
-    elif every and best == 0:  # the saves cost this job more than the work they keep
-        fix = (f"the saves cost this job more than the failures they guard against: checkpoint.every = 0 gives a "
-               f"projected ETTR of {fails['ettr_recommended']:.1%} (keep them where a resume or rollback needs them)")
+    elif every and best == 0:  # checkpoints keep less of this job than they cost, or under the margin more
+        why = ("the saves cost this job more than the failures they guard against"
+               if fails["ettr_recommended"] >= fails["ettr"] else  # recommended here: no checkpoints
+               f"checkpoints gain this job under {fails.get('margin', NO_CHECKPOINT_MARGIN) * 100:g} point of ETTR")
+        fix = (f"{why}: checkpoint.every = 0 gives a projected ETTR of {fails['ettr_recommended']:.1%} (keep them "
+               "where a resume or rollback needs them)")
     else:
         fix = "faster restarts and saves (see the failures experiment)"
     if fails.get("ettr_recommended", 1.0) < 0.97 and fails.get("to_reach_97"):

@@ -385,12 +385,12 @@ def log_run_files(run_dir: str, paths: list[str], artifact_path: str = EVALUATIO
     """Log files (e.g. an evaluation's ``RUN_DIR/evaluation/*.json`` and ``*.png``) and optionally a few metrics
     (``{"test_accuracy": 0.98}``) to the MLflow run of ``run_dir``; the run keeps its status. Returns its run id,
     or None when the run directory is not tracked. For the evaluate command, after the training has ended."""
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric
-
     record = read_record(run_dir)
     if record is None:
         return None
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
     client = MlflowClient(tracking_uri=record["tracking_uri"])
     run_id = record["run_id"]
     by_folder: dict[str, list[str]] = {}

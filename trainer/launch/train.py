@@ -201,11 +201,12 @@ def train_local(cfg: TrainConfig, launched: float | None = None, attempt: Attemp
             _worker().in_process(cfg, progress=stream.put, attempt_dir=attempt.dir if attempt else "")
         finally:
             stream.close()
+        # inside: a summary or page that fails to write ends the MLflow run FAILED, not left RUNNING
+        return finish_run(cfg, launched, tracker=tracker, attempt=attempt)
     except BaseException as e:
         if tracker is not None:
             end_tracking(tracker, None, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
-    return finish_run(cfg, launched, tracker=tracker, attempt=attempt)
 
 
 def _worker():

@@ -37,6 +37,7 @@ from dutycycle.trainer.checkpoint.weights import model_state_dict, select_commit
 from dutycycle.trainer.cluster.world import World
 from dutycycle.trainer.config import load_config
 from dutycycle.trainer.launch.runpage import write_run_page
+from dutycycle.trainer.launch.tracking import log_run_files
 from dutycycle.trainer.step.data import DataInfo, make_sources
 from dutycycle.trainer.step.metrics import read_summary
 from dutycycle.trainer.step.models import build_model
@@ -109,6 +110,9 @@ def evaluate(run_dir: str, split: str = "test", *, table: str | None = None, ste
     if write:
         ev.files = evalfiles.write(run_dir, ev, per_sample)
         ev.files["page"] = write_run_page(run_dir)
+        # a tracked run's MLflow run gets the evaluation beside its training (a no-op for an untracked run)
+        log_run_files(run_dir, [ev.files["json"], ev.files["png"]], step=weights["step"],
+                      metrics={f"{split}_accuracy": metrics["accuracy"], f"{split}_loss": metrics["loss"]})
     return ev
 
 

@@ -84,7 +84,9 @@ def short_run(ctx: Context, name: str, *overrides: str, steps: int | None = None
         "intervals": {f"{k}_share": noise.ratio_interval([r[k] for r in rows], steps)
                       for k in ("data_wait", "comm", "checkpoint")},
         # the per-step samples behind comm_share: two runs of one exchange pool them (verdict.py)
-        "per_step": {"step_s": steps, "comm": [r["comm"] for r in rows]},
+        # and the step's own work (forward, backward, optimizer) per step: the run's compute against the ceiling's
+        "per_step": {"step_s": steps, "comm": [r["comm"] for r in rows],
+                     "compute": [r.get("forward_backward", 0.0) + r.get("optimizer", 0.0) for r in rows]},
         "bytes_per_step": summary["parallel"]["traffic"]["bytes"] / max(1, summary["steps"]),
         "inter_node_bytes_per_step": summary["parallel"]["traffic"]["inter_node_bytes"] / max(1, summary["steps"]),
         "comm_exposed_measured": summary["parallel"]["comm_exposed_measured"],
@@ -114,8 +116,9 @@ def _synthetic(ctx: Context, steps: int | None = None) -> list[str]:
 
 @contextlib.contextmanager
 def _model_step(ctx: Context):
-    """The configured model's optimizer step on a random batch already on the device, with one worker's share of
-    the cores (what each worker gets on this machine when they share it): yields ``(step, info)``, ``step()``
+    """The configured model's optimizer step on a random batch already on the device (forward, backward, the
+    gradient norm, the optimizer), with one worker's share of the cores (what each worker gets on this machine
+    when they share it): yields ``(step, info)``, ``step()``
     running one step to completion (synchronized on GPU), ``info`` its batch, device, threads and model."""
     import torch
     import torch.nn.functional as F
@@ -146,6 +149,8 @@ def _model_step(ctx: Context):
             with autocast():
                 loss = F.cross_entropy(model(x).float(), y)
             loss.backward()
+            # the gradient norm training computes every step (clipped at optim.grad_clip, or for the step log)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
             opt.step()
             opt.zero_grad(set_to_none=True)
             if device.type == "cuda":

@@ -82,7 +82,8 @@ def describe(key: str, res: dict) -> str:
 
 
 GAP_PARTS = (("data_wait", "data wait"), ("contention", "step slowed by the loader"),
-             ("communication", "communication"), ("checkpoint", "checkpoint"), ("unexplained", "unexplained"))
+             ("communication", "communication"), ("checkpoint", "checkpoint"),
+             ("overhead", "host work outside the step's compute"), ("unexplained", "unexplained"))
 
 
 def gap_text(v: dict) -> str | None:
@@ -222,7 +223,7 @@ def _shares_table(v: dict) -> str:
     if not v.get("shares"):
         return ""
     iv = v.get("intervals") or {}
-    order = sorted(v["shares"].items(), key=lambda kv: (kv[0] == "unexplained", -kv[1]))
+    order = sorted(v["shares"].items(), key=lambda kv: (kv[0] in ("overhead", "unexplained"), -kv[1]))
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{s:.1%}</td><td>"
                    + (f"{iv[k][0]:.1%} to {iv[k][1]:.1%}" if k in iv else "one measurement") + "</td></tr>"
                    for k, s in order)

@@ -25,7 +25,10 @@ from . import noise
 from .projection import comm_measured_at, project
 
 THRESHOLD = 0.2  # a wait taking a fifth of the step is worth removing before anything else
-STEP_WAITS = ("data", "communication", "checkpoint")  # the waits inside the step: with unexplained, the gap
+STEP_WAITS = ("data", "communication", "checkpoint")  # the waits inside the step
+# not waits a verdict names: the step's host work beside its compute and waits, and what no measurement explains;
+# with the step's waits they add up to the gap between the run and its compute ceiling
+NOT_WAITS = ("overhead", "unexplained")
 CONTENTION_NAMED = 0.05  # a slowdown beside the loader this large a share of the step is named in the verdict
 
 
@@ -38,8 +41,8 @@ class Verdict:
     shares: dict  # every measured wait share, and ``unexplained`` (see ``gap``)
     intervals: dict = field(default_factory=dict)  # share name -> [low, high], its 90% interval
     # the run against its compute ceiling: ``share`` (1 - run / ceiling) is data + communication + checkpoint +
-    # unexplained (failures, modelled over wall time, stand beside); ``parts`` splits data into its wait and the
-    # step's slowdown beside the loader (contention)
+    # overhead + unexplained (failures, modelled over wall time, stand beside); ``parts`` splits data into its
+    # wait and the step's slowdown beside the loader (contention)
     gap: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -186,14 +189,14 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
             return _failures(shares[k], shares, fails)
         return _checkpoint(shares[k], shares, ckpt)
 
-    waits = {k: v for k, v in shares.items() if k != "unexplained"}
+    waits = {k: v for k, v in shares.items() if k not in NOT_WAITS}
     if not waits:
         return Verdict("unknown", None, "no wait of a running step was measured", "run dutycycle diagnose without "
                        "--only, or with end_to_end", shares, iv, gap)
     kind, share = max(waits.items(), key=lambda kv: kv[1])
     lo, hi = iv[kind]
     if gap:  # the step's waits and unexplained add up to the gap (projected with --scale: their sum there)
-        whole = sum(shares.get(k, 0.0) for k in (*STEP_WAITS, "unexplained"))
+        whole = sum(shares.get(k, 0.0) for k in (*STEP_WAITS, *NOT_WAITS))
         if whole >= THRESHOLD and shares["unexplained"] > whole / 4:
             return _unexplained(whole, shares, iv, gap, cont, findings, kind, named_fix=lambda k: named(k).fix)
     if hi < THRESHOLD:
@@ -201,7 +204,7 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
         frac = (f" ({got / ceiling:.0%} of the compute ceiling of {thousands(ceiling)} samples/s)"
                 if got and ceiling else "")
         waits = ", ".join(f"{k} {shares[k]:.0%}" for k in ("data", "communication", "checkpoint", "failures",
-                                                             "unexplained") if k in shares)
+                                                             "overhead", "unexplained") if k in shares)
         head = (f"compute-bound: no wait takes more than {share:.0%} of a step ({waits}); it trains at "
                 f"{thousands(got)} samples/s{frac}")
         fix = "a faster model step (larger batch per worker, bf16 on GPU, more devices) is what shortens this run"
@@ -302,6 +305,16 @@ def _gap(run: dict, compute: dict, shares: dict, iv: dict, parts: dict) -> dict:
     gap, g_lo, g_hi = 1.0 - rate / ceiling, 1.0 - rate / max(c_lo, 1e-9), 1.0 - rate / max(c_hi, 1e-9)
     step = [k for k in STEP_WAITS if k in shares]
     explained = sum(shares[k] for k in step)
+    per = run.get("per_step") or {}
+    if per.get("compute") and per.get("step_s"):
+        # the step's host work outside its compute and its waits (copies to the device, the loop's bookkeeping):
+        # measured, though no wait; what is left of the gap is the run's compute slower than the ceiling's step
+        # beyond what the loader's contention explains
+        own = sum(per["compute"]) / max(sum(per["step_s"]), 1e-12)
+        overhead = max(0.0, 1.0 - own - run["data_wait_share"] - run["comm_share"] - run["checkpoint_share"])
+        shares["overhead"], iv["overhead"] = overhead, [overhead, overhead]
+        step.append("overhead")
+        explained += overhead
     shares["unexplained"] = gap - explained
     iv["unexplained"] = [min(g_lo, g_hi) - sum(iv[k][1] for k in step), max(g_lo, g_hi) - sum(iv[k][0] for k in step)]
     return {"ceiling_samples_per_s": ceiling, "samples_per_s": rate, "share": gap,
@@ -312,7 +325,7 @@ def _unexplained(whole, shares, iv, gap, cont, findings, kind, named_fix) -> Ver
     """The measured waits leave more than a quarter of the gap to the ceiling (``whole``) unexplained: say so,
     with what was measured, instead of naming the largest small wait."""
     u = shares["unexplained"]
-    waits = ", ".join(f"{k} {shares[k]:.0%}" for k in STEP_WAITS if k in shares)
+    waits = ", ".join(f"{k} {shares[k]:.0%}" for k in (*STEP_WAITS, "overhead") if k in shares)
     head = (f"unexplained: the run trains at {thousands(gap['samples_per_s'])} samples/s, "
             f"{1 - gap['share']:.0%} of its compute ceiling of {thousands(gap['ceiling_samples_per_s'])}; the "
             f"measured waits ({waits}) explain {whole - u:.0%} of the step and {u:.0%} of the {whole:.0%} gap is "
@@ -324,17 +337,19 @@ def _unexplained(whole, shares, iv, gap, cont, findings, kind, named_fix) -> Ver
     if rates:
         measured.append(f"loader alone {', '.join(rates)} samples/s")
     if cont:
-        b = cont.get("beside") or {}
+        b, a = cont.get("beside") or {}, cont.get("alone") or {}
         line = f"the step {cont['slowdown']:+.0%} beside the loader"
         if "loader" in b:
-            line += (f", whose threads took {b['loader']:.1f} of {cont['cores']} cores; other processes "
-                     f"{b['others']:.1f}")
+            line += f", whose threads took {b['loader']:.1f} of {cont['cores']} cores"
         measured.append(line)
+        if "others" in b:  # CPU contention from outside the run: no wait of its own, and no part of the loader's
+            measured.append(f"other processes took {max(a.get('others', 0.0), b['others']):.1f} of "
+                            f"{cont['cores']} cores while the step ran")
     else:
         measured.append("the step beside the loader was not measured (the contention experiment)")
     head += "; measured: " + "; ".join(measured)
-    fix = ("measure longer (--budget-s) and on a quiet machine; compare the run's own step with the compute "
-           "ceiling's (training does more per step than the ceiling's forward, backward and optimizer step)")
+    fix = ("measure again, longer (--budget-s) and on a machine no other work shares: the run's compute was slower "
+           "than the ceiling's step by more than the loader's contention explains")
     if shares.get(kind, 0.0) >= THRESHOLD:
         fix += f"; the largest measured wait is {kind} ({shares[kind]:.0%}): {named_fix(kind)}"
     return Verdict("unexplained", u, f"{head}; {fix}", fix, shares, iv, gap)

@@ -33,7 +33,7 @@ from dutycycle.engine.numbers import megabytes
 from dutycycle.engine.transform import TransformSpec
 
 from .context import share_steps
-from .verdict import contention_of, contention_share, layout_settings
+from .verdict import compute_share, contention_of, contention_share, layout_settings
 
 CACHE_HERE = "CACHE"  # a raw run without a cache of its table: the remedy's cache, made by --verify (materialize)
 
@@ -50,7 +50,7 @@ def _data_parts(findings: dict) -> tuple[dict, float, float] | None:
     if not run:
         return None
     cont = contention_of(findings)
-    c = contention_share(cont, run["step_s"])[0] if cont else 0.0
+    c = contention_share(cont, run)[0] if cont else 0.0
     return run, run["data_wait_share"], c
 
 
@@ -91,12 +91,12 @@ def decode_threads_remedy(findings: dict) -> dict | None:
     rate = loaders.get("raw")
     if not c or not taken or taken <= 1.0 or not isinstance(rate, float):
         return None
-    step, compute = run["step_s"], cont["alone_step_s"]
-    rest = step * (1.0 - wait - c) - compute  # the step's other parts: exchange, saves, unexplained
-    slowdown = max(0.0, cont["slowdown"]) / taken
+    step, own, s = run["step_s"], compute_share(run), max(0.0, cont["slowdown"])
+    compute = step * own / (1.0 + s)  # the run's compute without decoding beside it
+    rest = step * (1.0 - wait - own)  # the step's other parts: exchange, saves, host work
     one = rate / min(cont["raw_threads"], cont["cores"])
     gbs = run["samples_per_s"] * step
-    predicted = gbs / max(compute * (1 + slowdown) + max(rest, 0.0), gbs / one)
+    predicted = gbs / max(compute * (1.0 + s / taken) + max(rest, 0.0), gbs / one)
     if predicted <= run["samples_per_s"]:
         return None
     return {"for": "data", "set": ["data.raw_threads=1"], "predicted_samples_per_s": predicted,

@@ -93,8 +93,11 @@ def gap_text(v: dict) -> str | None:
         return None
     parts = gap.get("parts") or {}
     said = ", ".join(f"{label} {parts[k]:.0%}" for k, label in GAP_PARTS if k in parts)
-    return (f"the run trains at {gap['samples_per_s']:,.0f} samples/s against a compute ceiling of "
+    line = (f"the run trains at {gap['samples_per_s']:,.0f} samples/s against a compute ceiling of "
             f"{gap['ceiling_samples_per_s']:,.0f}: a gap of {gap['share']:.0%} of its step = {said}")
+    if gap["share"] < 0:  # the ceiling was measured on a busier machine than the run
+        line += " (the run measured faster than its ceiling: the machine's load changed between the experiments)"
+    return line
 
 
 def picture(findings: dict, found: list[dict] | None = None) -> bytes:

@@ -129,7 +129,7 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
         # threads then slow forward/backward instead. The contention experiment measures that slowdown (the step
         # beside the loader against the step alone); its seconds per step are a data cost beside the wait.
         if cont:
-            c, (c_lo, c_hi) = contention_share(cont, run["step_s"])
+            c, (c_lo, c_hi) = contention_share(cont, run)
             parts["contention"] = c
             w_lo, w_hi = got.get("data_wait_share") or (wait, wait)
             put("data", wait + c, [w_lo + c_lo, w_hi + c_hi])
@@ -242,7 +242,7 @@ def _balanced(kind: str, rivals: list[str], shares: dict, iv: dict, named) -> Ve
 def _data(share, shares, e2e, run, loaders, ceiling, cont=None) -> Verdict:
     configured = e2e.get("configured")
     rate = loaders.get(configured)
-    c = contention_share(cont, run["step_s"])[0] if cont else 0.0
+    c = contention_share(cont, run)[0] if cont else 0.0
     busy = (cont.get("beside") or {}).get("loader") if cont else None
     if c >= CONTENTION_NAMED:  # the step slowed by the loader's CPU use: named first, with the cores it takes
         what = "decoding" if configured == "raw" else f"the {configured} loader"
@@ -281,15 +281,27 @@ def contention_of(findings: dict) -> dict | None:
     return c if "slowdown" in c and "error" not in c else None
 
 
-def contention_share(cont: dict, step_s: float) -> tuple[float, list[float]]:
-    """The seconds the loader adds to each step (the step beside it against the step alone), as a share of the
-    run's step ``step_s``, with its 90% interval; never below zero (a step measured faster beside the loader is
-    noise, not a gain)."""
-    alone = cont["alone_step_s"]
+def compute_share(run: dict) -> float:
+    """The share of the run's step its own compute took (forward, backward, optimizer; from its per-step phases),
+    or, for a run recorded without them, what its waits leave."""
+    per = run.get("per_step") or {}
+    if per.get("compute") and per.get("step_s"):
+        return sum(per["compute"]) / max(sum(per["step_s"]), 1e-12)
+    return max(0.0, 1.0 - run["data_wait_share"] - run.get("comm_share", 0.0) - run.get("checkpoint_share", 0.0))
+
+
+def contention_share(cont: dict, run: dict) -> tuple[float, list[float]]:
+    """The part of the run's step that the loader's CPU use added, with its 90% interval: the run's compute is
+    the step slowed by ``slowdown`` (measured beside the loader against alone, in one process minutes apart at
+    most), so ``s / (1 + s)`` of it is the loader's. A ratio, not the experiment's seconds: the machine's load
+    moves between experiments, and the run's own compute is what the share is of. Never below zero (a step
+    measured faster beside the loader is noise, not a gain)."""
+    own = compute_share(run)
     lo, hi = cont.get("slowdown_interval") or (cont["slowdown"], cont["slowdown"])
 
     def share(slowdown: float) -> float:
-        return max(0.0, slowdown) * alone / max(step_s, 1e-12)
+        s = max(0.0, slowdown)
+        return own * s / (1.0 + s)
 
     return share(cont["slowdown"]), [share(lo), share(hi)]
 
@@ -310,7 +322,7 @@ def _gap(run: dict, compute: dict, shares: dict, iv: dict, parts: dict) -> dict:
         # the step's host work outside its compute and its waits (copies to the device, the loop's bookkeeping):
         # measured, though no wait; what is left of the gap is the run's compute slower than the ceiling's step
         # beyond what the loader's contention explains
-        own = sum(per["compute"]) / max(sum(per["step_s"]), 1e-12)
+        own = compute_share(run)
         overhead = max(0.0, 1.0 - own - run["data_wait_share"] - run["comm_share"] - run["checkpoint_share"])
         shares["overhead"], iv["overhead"] = overhead, [overhead, overhead]
         step.append("overhead")

@@ -10,8 +10,8 @@ import time
 import pytest
 from dutycycle.trainer.config import load_config
 from dutycycle.trainer.diagnose import cpu, decide
-from dutycycle.trainer.diagnose.experiments import loader_sources, own_cache, table_of
 from dutycycle.trainer.diagnose.remedies import data_remedy, decode_threads_remedy, node_remedy, remedies
+from dutycycle.trainer.diagnose.sources import loader_sources, own_cache, table_of
 
 # The run, as recorded: one worker, data.source = raw, batch 128; 990 samples/s end to end against a
 # compute ceiling of 2,254, 6% of the step waiting on the loader. The raw loader alone (all cores to itself)

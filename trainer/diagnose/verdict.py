@@ -12,7 +12,12 @@ The order of questions:
    lies above ``THRESHOLD`` and above every other share's interval; when its interval lies below ``THRESHOLD``
    the run is compute-bound (and the verdict says how close to the ceiling it runs); otherwise the verdict is
    "balanced" and names the waits that noise cannot tell apart, with their numbers, rather than flip between
-   them from run to run.
+   them from run to run. A step slowed by the loader's CPU use (the contention experiment: the step beside
+   the loader against the step alone) is a data cost beside the wait.
+3. the whole gap: the run's gap to its compute ceiling (1 - run / ceiling, a share of its step) is the step's
+   waits, its host work outside compute (``overhead``) and ``unexplained``, which makes them add up. When
+   unexplained is more than a quarter of a gap of at least ``THRESHOLD``, the verdict is ``unexplained``: it
+   says what it measured instead of naming the largest small wait.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ CONTENTION_NAMED = 0.05  # a slowdown beside the loader this large a share of th
 
 @dataclass
 class Verdict:
-    kind: str  # memory-, data-, communication-, checkpoint-, failure-bound, balanced, compute-bound, unknown
+    # memory-, data-, communication-, checkpoint-, failure-bound, balanced, compute-bound, unexplained, unknown
+    kind: str
     share: float | None  # the dominant wait's share of the step
     headline: str  # one line: "data-bound: 41% of each step waits on the loader; ..."
     fix: str  # the setting or command that addresses it

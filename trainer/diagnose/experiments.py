@@ -290,7 +290,7 @@ def contention(ctx: Context) -> ContentionFinding | NotApplicable:
         train_src, _, _ = make_sources(variant(cfg, "parallel.tensor=1"), World(0, workers))
         window = ctx.seconds / 4
         a0 = cpu.snapshot() if measured else None
-        alone = _step_times(step, window)
+        alone = _step_times(step, window, least=noise.PER_WINDOW)  # twice: before and after, so 6 at least
         a1 = cpu.snapshot() if measured else None
         it = _epochs(train_src)
         next(it)  # the loader's start (opening, filling its prefetch) is the end-to-end run's to count
@@ -310,7 +310,7 @@ def contention(ctx: Context) -> ContentionFinding | NotApplicable:
         b1 = cpu.snapshot() if measured else None
         it.close()  # the prefetch thread stops
         a2 = cpu.snapshot() if measured else None
-        alone += _step_times(step, window)
+        alone += _step_times(step, window, least=noise.PER_WINDOW)
         a3 = cpu.snapshot() if measured else None
     a_step, b_step = statistics.median(alone), statistics.median(beside)
     lo, hi = noise.median_ratio_interval(beside, alone)

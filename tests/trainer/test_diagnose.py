@@ -227,20 +227,25 @@ def test_a_raw_decoding_config_is_data_bound_and_the_cache_is_not(shapes, tmp_pa
     f = raw["findings"]
     assert all("error" not in f[k] for k in f), f
     assert "raw" in f["loader"] and "no committed cache" in f["loader"]["not_measured"]["cache"]
-    assert raw["verdict"]["kind"] == "data-bound", raw["verdict"]
-    assert "the raw path decodes at" in raw["verdict"]["headline"] and "dutycycle materialize" in raw["verdict"]["fix"]
+    # data is what the verdict names: data-bound, or, when the measured parts leave more than a quarter of the gap
+    # to the ceiling unexplained, "unexplained" with data as the largest measured wait and its fix. (Training's own
+    # forward and backward of this tiny CNN took 60x the ceiling's step here, with synthetic data too: a gap no
+    # wait explains, and the verdict says so rather than name the largest wait alone.)
+    v = raw["verdict"]
+    assert v["kind"] == "data-bound" or (v["kind"] == "unexplained" and "largest measured wait is data" in v["fix"]), v
+    assert "dutycycle materialize" in v["fix"], v
+    assert v["kind"] != "data-bound" or "the raw path decodes at" in v["headline"], v
     # the step beside the loader, and the cores its decode threads took, read from the OS
     c = f["contention"]
     assert c["source"] == "raw" and c["steps_beside"] >= 3 and c["beside"]["loader_threads"] >= 1, c
     assert c["beside"]["loader"] > 0 and c["alone_step_s"] > 0, c
     # the shares add up to the gap between the run and its compute ceiling, unexplained explicit
-    v = raw["verdict"]
     gap = 1 - f["end_to_end"]["raw"]["samples_per_s"] / f["compute"]["samples_per_s"]
     assert v["gap"]["share"] == pytest.approx(gap)
     assert sum(s for k, s in v["shares"].items() if k != "failures") == pytest.approx(gap), v["shares"]
     assert {"overhead", "unexplained"} <= set(v["shares"]), v["shares"]
     printed = capsys.readouterr().out
-    assert "[diagnose] 1/4 compute ceiling" in printed and "[diagnose] verdict: data-bound" in printed
+    assert "[diagnose] 1/4 compute ceiling" in printed and f"[diagnose] verdict: {v['kind']}" in printed
     assert "[diagnose] 3/4 step beside the loader: the step" in printed
     assert "[diagnose] gap: the run trains at" in printed and "unexplained" in printed
     assert "unexplained" in (tmp_path / "raw" / "diagnosis.html").read_text()

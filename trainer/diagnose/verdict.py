@@ -16,7 +16,8 @@ The order of questions:
    the loader against the step alone) is a data cost beside the wait.
 3. the whole gap: the run's gap to its compute ceiling (1 - run / ceiling, a share of its step) is the step's
    waits, its host work outside compute (``overhead``) and ``unexplained``, which makes them add up. When
-   unexplained is more than a quarter of a gap of at least ``THRESHOLD``, the verdict is ``unexplained``: it
+   unexplained is, its whole interval, more than a quarter of a gap of at least ``THRESHOLD``, the verdict is
+   ``unexplained``: it
    says what it measured instead of naming the largest small wait.
 """
 
@@ -203,7 +204,8 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
     lo, hi = iv[kind]
     if gap:  # the step's waits and unexplained add up to the gap (projected with --scale: their sum there)
         whole = sum(shares.get(k, 0.0) for k in (*STEP_WAITS, *NOT_WAITS))
-        if whole >= THRESHOLD and shares["unexplained"] > whole / 4:
+        # beyond its noise, as every share is compared: its whole interval above a quarter of the gap
+        if whole >= THRESHOLD and iv["unexplained"][0] > whole / 4:
             return _unexplained(whole, shares, iv, gap, cont, findings, kind, named_fix=lambda k: named(k).fix)
     if hi < THRESHOLD:
         got = run.get("samples_per_s") if run else None

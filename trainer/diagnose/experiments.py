@@ -6,14 +6,19 @@ experiment that does not apply says so (``NotApplicable``); one that fails raise
 goes on. Each runs in a process of its own (run.py, worker.py).
 
 1. compute   the model's step on a synthetic batch already on the device: the ceiling the loader must feed
-2. loader    the loaders alone: decode per step (raw), the cache, and one slice of it held in RAM
-3. end_to_end short training runs from the cache and from raw: the data-wait share of the step
-4. h2d       host-to-device copy time and whether it overlaps compute (GPU only)
-5. scaling   1 vs N workers at the configured ZeRO stage, fp32 and with quantized collectives
-6. checkpoint the step's stall per save, synchronous and asynchronous (when checkpoints are configured)
-7. memory    model-state bytes per rank for every layout, against the device budget (layouts.py)
-8. failures  a save's stall and a restart's cost, measured; the configured job's lost work and ETTR at N
+2. loader    the loaders alone, on the run's own data: the configured source, the other path to the same data
+             (a raw run's own cache, a cache's source table decoded per step), one slice held in RAM
+3. contention the step alone and beside the configured loader, and the CPU the loader's threads take (cpu.py)
+4. end_to_end short training runs from the cache and from raw: the data-wait share of the step
+5. h2d       host-to-device copy time and whether it overlaps compute (GPU only)
+6. scaling   1 vs N workers at the configured ZeRO stage, fp32 and with quantized collectives
+7. checkpoint the step's stall per save, synchronous and asynchronous (when checkpoints are configured)
+8. memory    model-state bytes per rank for every layout, against the device budget (layouts.py)
+9. failures  a save's stall and a restart's cost, measured; the configured job's lost work and ETTR at N
              workers, modelled
+
+Every experiment reads the run's own data (``data.source`` and its table or cache), never a path the config only
+inherited: a raw config whose base config names a cache that was never materialized here measures the raw path.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import statistics
 import time
 from typing import Any
 
-from dutycycle.engine import io, open_cache
+from dutycycle.engine import io
 from dutycycle.trainer.cluster.world import World
 from dutycycle.trainer.launch.inputs import Inputs
 from dutycycle.trainer.launch.train import train
@@ -35,12 +40,13 @@ from dutycycle.trainer.step.metrics import peak_flops, read_metrics
 from dutycycle.trainer.step.models import build_model
 from dutycycle.trainer.step.optim import make_optimizer
 
+from . import cpu, noise
 from . import failures as fm
-from . import noise
-from .context import Context, data_info, once, share_steps, variant
+from .context import Context, data_info, share_steps, variant
 from .findings import (
     CheckpointFinding,
     ComputeFinding,
+    ContentionFinding,
     EndToEndFinding,
     FailuresFinding,
     H2DFinding,
@@ -50,6 +56,7 @@ from .findings import (
     from_dict,
 )
 from .layouts import memory
+from .sources import loader_sources, table_of  # noqa: F401 - table_of: benchmarks read it here
 
 
 def short_run(ctx: Context, name: str, *overrides: str, steps: int | None = None, resume: bool = False) -> dict:
@@ -79,7 +86,9 @@ def short_run(ctx: Context, name: str, *overrides: str, steps: int | None = None
         "intervals": {f"{k}_share": noise.ratio_interval([r[k] for r in rows], steps)
                       for k in ("data_wait", "comm", "checkpoint")},
         # the per-step samples behind comm_share: two runs of one exchange pool them (verdict.py)
-        "per_step": {"step_s": steps, "comm": [r["comm"] for r in rows]},
+        # and the step's own work (forward, backward, optimizer) per step: the run's compute against the ceiling's
+        "per_step": {"step_s": steps, "comm": [r["comm"] for r in rows],
+                     "compute": [r.get("forward_backward", 0.0) + r.get("optimizer", 0.0) for r in rows]},
         "bytes_per_step": summary["parallel"]["traffic"]["bytes"] / max(1, summary["steps"]),
         "inter_node_bytes_per_step": summary["parallel"]["traffic"]["inter_node_bytes"] / max(1, summary["steps"]),
         "comm_exposed_measured": summary["parallel"]["comm_exposed_measured"],
@@ -107,31 +116,34 @@ def _synthetic(ctx: Context, steps: int | None = None) -> list[str]:
             f"data.synthetic_samples={max(ctx.cfg.data.global_batch_size * ((steps or ctx.steps) + 1), 256)}"]
 
 
-def compute(ctx: Context) -> ComputeFinding:
-    """One worker's optimizer step on a random batch already on the device, with that worker's share of the
-    cores: samples/s per worker, times the workers for the ideal aggregate (no communication)."""
+@contextlib.contextmanager
+def _model_step(ctx: Context):
+    """The configured model's optimizer step on a random batch already on the device (forward, backward, the
+    gradient norm, the optimizer), with one worker's share of the cores (what each worker gets on this machine
+    when they share it): yields ``(step, info)``, ``step()``
+    running one step to completion (synchronized on GPU), ``info`` its batch, device, threads and model."""
     import torch
     import torch.nn.functional as F
 
     cfg = ctx.cfg
-    info = data_info(ctx)
+    data = data_info(ctx)
     workers = cfg.parallel.num_workers
     device = torch.device("cuda", 0) if torch.cuda.is_available() and cfg.parallel.use_gpu != "false" \
         else torch.device("cpu")
     threads_before = torch.get_num_threads()
-    if device.type == "cpu":  # what each worker gets on this machine when they share it
+    if device.type == "cpu":
         torch.set_num_threads(cfg.parallel.threads_per_worker or max(1, (os.cpu_count() or 1) // workers))
     try:
         torch.manual_seed(0)
-        model = build_model(cfg.model, info.channels, info.num_classes, info.size).to(device)
+        model = build_model(cfg.model, data.channels, data.num_classes, data.size).to(device)
         precision = resolve_precision(device, cfg.run.precision)
         if precision == "fp64":
             model = model.double()
         opt = make_optimizer(model.parameters(), cfg.optim)
         per_worker = cfg.data.global_batch_size // workers
         dtype = torch.float64 if precision == "fp64" else torch.float32
-        x = torch.rand(per_worker, info.channels, info.size, info.size, device=device, dtype=dtype)
-        y = torch.randint(0, info.num_classes, (per_worker,), device=device)
+        x = torch.rand(per_worker, data.channels, data.size, data.size, device=device, dtype=dtype)
+        y = torch.randint(0, data.num_classes, (per_worker,), device=device)
         autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16" else \
             contextlib.nullcontext
 
@@ -139,33 +151,53 @@ def compute(ctx: Context) -> ComputeFinding:
             with autocast():
                 loss = F.cross_entropy(model(x).float(), y)
             loss.backward()
+            # the gradient norm training computes every step (clipped at optim.grad_clip, or for the step log)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
             opt.step()
             opt.zero_grad(set_to_none=True)
-
-        for _ in range(2):
-            step()
-        times, t0 = [], time.perf_counter()
-        while len(times) < 5 or (time.perf_counter() - t0 < ctx.seconds and len(times) < 200):
-            t = time.perf_counter()
-            step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
+
+        for _ in range(2):  # lazy initialization, the intra-op pool's start
+            step()
+        yield step, {"batch_per_worker": per_worker, "device": device, "threads": torch.get_num_threads(),
+                     "workers": workers, "model": model, "data": data}
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _step_times(step, seconds: float, least: int = 5, most: int = 200) -> list[float]:
+    """Seconds of each of ``step``'s runs for ``seconds`` (at least ``least`` runs, at most ``most``)."""
+    times, t0 = [], time.perf_counter()
+    while len(times) < least or (time.perf_counter() - t0 < seconds and len(times) < most):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def compute(ctx: Context) -> ComputeFinding:
+    """One worker's optimizer step on a random batch already on the device, with that worker's share of the
+    cores: samples/s per worker, times the workers for the ideal aggregate (no communication)."""
+    import torch
+
+    with _model_step(ctx) as (step, s):
+        times = _step_times(step, ctx.seconds)
+        per_worker, workers, device = s["batch_per_worker"], s["workers"], s["device"]
         # the median step: a ceiling, so the steps another process's burst slowed down do not count
         rate = per_worker / statistics.median(times)
         lo, hi = noise.median_interval([per_worker / t for t in times])
         out = {"samples_per_s_per_worker": rate, "samples_per_s": rate * workers, "workers": workers,
                "interval": [lo * workers, hi * workers],
-               "batch_per_worker": per_worker, "device": device.type, "threads": torch.get_num_threads(),
-               "num_params": sum(p.numel() for p in model.parameters()), "mfu": None}
+               "batch_per_worker": per_worker, "device": device.type, "threads": s["threads"],
+               "num_params": sum(p.numel() for p in s["model"].parameters()), "mfu": None}
         if device.type == "cuda":
-            fps, peak = flops_per_sample(model, info.channels, info.size, device), peak_flops(
+            info = s["data"]
+            fps, peak = flops_per_sample(s["model"], info.channels, info.size, device), peak_flops(
                 torch.cuda.get_device_name(device))
             if fps and peak:
                 out["mfu"] = fps * rate / peak
         return from_dict(ComputeFinding, out)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 # ------------------------------------------------------------------------------------------------- 2 loader
@@ -191,33 +223,24 @@ def _rate(it, batch_size: int, seconds: float, min_batches: int = noise.MIN_ITEM
     return noise.rate_with_interval(durations, batch_size)
 
 
-def table_of(cfg) -> str | None:
-    """The metadata table behind the config: ``data.table``, or the one the cache was materialized from."""
-    if cfg.data.table:
-        return cfg.data.table
-    if cfg.data.source == "cache" and cfg.data.cache:
-        return open_cache(cfg.data.cache).manifest.source or None
-    return None
-
-
 def loader(ctx: Context) -> LoaderFinding:
-    """Global batches per second from each source alone, in this process, with training's augmentation."""
+    """Global batches per second from each source alone, in this process, with training's augmentation; and one
+    slice of the configured source's batches held in RAM (the rate no loader of this data can beat here)."""
     cfg = ctx.cfg
     gbs = cfg.data.global_batch_size
+    sources, skipped = loader_sources(cfg)
     out: dict[str, Any] = {"global_batch_size": gbs, "intervals": {}}
-    sources = []
-    if cfg.data.source == "synthetic":
-        sources.append(("synthetic", variant(cfg)))
-    if cfg.data.source == "cache" or cfg.data.cache:
-        sources.append(("cache", variant(cfg, "data.source=cache")))
-    table = once(ctx, "table", lambda: table_of(cfg))
-    if table:
-        sources.append(("raw", variant(cfg, "data.source=raw", f"data.table={table}")))
+    if skipped:
+        out["not_measured"] = skipped
+    cache, raw = dict(sources).get("cache"), dict(sources).get("raw")
+    table = raw.data.table if raw else None
+    out["paths"] = {k: v for k, v in (("table", table or None), ("cache", cache.data.cache if cache else None),
+                                      ("size", cfg.data.size if cfg.data.source != "cache" else None)) if v}
     seconds = ctx.seconds / (len(sources) + 1)
     for name, c in sources:
         train, _, _ = make_sources(variant(c, "parallel.tensor=1"), World())  # one reader, the whole batch
         out[name], out["intervals"][name] = _rate(_epochs(train), gbs, seconds)
-        if name in ("cache", "synthetic") and "in_ram" not in out:
+        if "in_ram" not in out:
             out["in_ram"], out["intervals"]["in_ram"] = _rate(_in_ram_batches(train, gbs), gbs, seconds)
     out["slow_ms"] = cfg.data.slow_ms
     return from_dict(LoaderFinding, out)
@@ -249,7 +272,67 @@ def _in_ram_batches(source, gbs: int, hold: int = 8):
         yield torch.from_numpy(buf).float().div_(255.0)
 
 
-# --------------------------------------------------------------------------------------------- 3 end to end
+# --------------------------------------------------------------------------------------------- 3 contention
+
+
+def contention(ctx: Context) -> ContentionFinding | NotApplicable:
+    """One worker's step (as the compute ceiling measures it) alone, then beside the configured loader, then alone
+    again, in this process: the loader runs as in training (its prefetch thread and decode pool, one batch taken
+    per step, batches discarded, the step on its own random batch), and the CPU time of its threads and processes
+    and of the step's own threads is read from the OS (``cpu.py``). A step slowed by the loader's CPU use is a
+    data cost that no wait timer sees (on CPU the decode threads take the cores the step needs)."""
+    cfg = ctx.cfg
+    if cfg.data.source == "synthetic":
+        return NotApplicable("synthetic batches are drawn in the step's own thread: no loader runs beside it")
+    measured = cpu.available()
+    with _model_step(ctx) as (step, s):
+        step_threads = set(cpu.thread_seconds()) if measured else set()  # the main thread and the intra-op pool
+        workers = s["workers"]
+        # one worker's loader (its share of each global batch) beside one worker's step
+        train_src, _, _ = make_sources(variant(cfg, "parallel.tensor=1"), World(0, workers))
+        window = ctx.seconds / 4
+        a0 = cpu.snapshot() if measured else None
+        alone = _step_times(step, window, least=noise.PER_WINDOW)  # twice: before and after, so 6 at least
+        a1 = cpu.snapshot() if measured else None
+        it = _epochs(train_src)
+        next(it)  # the loader's start (opening, filling its prefetch) is the end-to-end run's to count
+        b0 = cpu.snapshot() if measured else None
+        beside, waits, t0 = [], [], time.perf_counter()
+        while True:
+            t = time.perf_counter()
+            next(it)
+            waits.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            step()
+            beside.append(time.perf_counter() - t)
+            spent = time.perf_counter() - t0
+            if (spent >= 2 * window and len(beside) >= noise.MIN_ITEMS) or \
+                    (spent >= 6 * window and len(beside) >= noise.PER_WINDOW):
+                break
+        b1 = cpu.snapshot() if measured else None
+        it.close()  # the prefetch thread stops
+        a2 = cpu.snapshot() if measured else None
+        alone += _step_times(step, window, least=noise.PER_WINDOW)
+        a3 = cpu.snapshot() if measured else None
+    a_step, b_step = statistics.median(alone), statistics.median(beside)
+    lo, hi = noise.median_ratio_interval(beside, alone)
+    out: dict[str, Any] = {
+        "source": cfg.data.source, "loader_mode": cfg.data.loader_mode, "raw_threads": cfg.data.raw_threads,
+        "prefetch": cfg.data.prefetch, "workers": workers, "batch_per_worker": s["batch_per_worker"],
+        "threads": s["threads"], "cores": cpu.cores_available(), "steps_alone": len(alone),
+        "steps_beside": len(beside), "alone_step_s": a_step, "beside_step_s": b_step,
+        "slowdown": b_step / a_step - 1.0, "slowdown_interval": [lo - 1.0, hi - 1.0],
+        "wait_s_per_batch": statistics.fmean(waits)}
+    if measured:
+        first, second, near = cpu.cores(a0, a1, step_threads), cpu.cores(a2, a3, step_threads), \
+            cpu.cores(b0, b1, step_threads)
+        out["alone"] = {k: (first[k] * first["wall_s"] + second[k] * second["wall_s"]) /
+                        (first["wall_s"] + second["wall_s"]) for k in ("step", "loader", "others")}
+        out["beside"] = {k: near[k] for k in ("step", "loader", "others", "loader_threads", "loader_processes")}
+    return from_dict(ContentionFinding, out)
+
+
+# --------------------------------------------------------------------------------------------- 4 end to end
 
 
 def end_to_end(ctx: Context) -> EndToEndFinding:
@@ -257,13 +340,15 @@ def end_to_end(ctx: Context) -> EndToEndFinding:
     cfg = ctx.cfg
     out = {"configured": cfg.data.source,
            cfg.data.source: short_run(ctx, f"e2e-{cfg.data.source}", steps=share_steps(ctx))}
-    table = once(ctx, "table", lambda: table_of(cfg))
-    if cfg.data.source == "cache" and table:
-        out["raw"] = short_run(ctx, "e2e-raw", "data.source=raw", f"data.table={table}")
+    if cfg.data.source == "cache":  # the same data decoded per step, from the cache's own source table
+        raw = dict(loader_sources(cfg)[0]).get("raw")
+        if raw is not None:
+            out["raw"] = short_run(ctx, "e2e-raw", "data.source=raw", f"data.table={raw.data.table}",
+                                   f"data.size={raw.data.size}")
     return from_dict(EndToEndFinding, out)
 
 
-# ----------------------------------------------------------------------------------------------------- 4 h2d
+# ----------------------------------------------------------------------------------------------------- 5 h2d
 
 
 def h2d(ctx: Context) -> H2DFinding | NotApplicable:
@@ -289,7 +374,7 @@ def h2d(ctx: Context) -> H2DFinding | NotApplicable:
                       share_of_step=per_batch / e2e["step_s"] if e2e.get("step_s") else None)
 
 
-# ------------------------------------------------------------------------------------------------- 5 scaling
+# ------------------------------------------------------------------------------------------------- 6 scaling
 
 
 def scaling(ctx: Context) -> ScalingFinding | NotApplicable:
@@ -323,7 +408,7 @@ def scaling(ctx: Context) -> ScalingFinding | NotApplicable:
     return from_dict(ScalingFinding, out)
 
 
-# ---------------------------------------------------------------------------------------------- 6 checkpoint
+# ---------------------------------------------------------------------------------------------- 7 checkpoint
 
 
 def checkpoint(ctx: Context) -> CheckpointFinding:
@@ -356,7 +441,7 @@ def checkpoint(ctx: Context) -> CheckpointFinding:
     return from_dict(CheckpointFinding, out)
 
 
-# ------------------------------------------------------------------------------------------------ 8 failures
+# ------------------------------------------------------------------------------------------------ 9 failures
 
 
 def failures(ctx: Context) -> FailuresFinding:
@@ -430,6 +515,7 @@ def detect_s(cfg) -> tuple[float, str]:
 EXPERIMENTS = (
     ("compute", "compute ceiling", compute),
     ("loader", "loader alone", loader),
+    ("contention", "step beside the loader", contention),
     ("end_to_end", "end to end", end_to_end),
     ("h2d", "host-to-device", h2d),
     ("scaling", "scaling", scaling),

@@ -88,6 +88,31 @@ class LoaderFinding:
     cache: float | None = None
     raw: float | None = None
     in_ram: float | None = None
+    not_measured: dict | None = None  # source name -> why it was not measured (a base config's cache, ...)
+    paths: dict | None = None  # the run's own data: its table, its cache (when one of this table exists), size
+
+
+@dataclass
+class ContentionFinding:
+    """The step alone and beside the configured loader (experiments.contention), and the cores each took."""
+
+    source: str
+    loader_mode: str
+    raw_threads: int
+    prefetch: int
+    workers: int
+    batch_per_worker: int
+    threads: int  # the step's intra-op threads
+    cores: int  # the cores this process may use
+    steps_alone: int
+    steps_beside: int
+    alone_step_s: float  # median
+    beside_step_s: float  # median, one batch taken from the loader before each step
+    slowdown: float  # beside / alone - 1
+    slowdown_interval: list
+    wait_s_per_batch: float  # the mean time taken to get a batch beside the step (the loader's pace)
+    alone: dict | None = None  # cores used while the step ran alone: step, loader, others (None off Linux)
+    beside: dict | None = None  # and beside the loader, with its threads and processes counted
 
 
 @dataclass
@@ -176,6 +201,7 @@ class FailuresFinding:
 FINDINGS: dict[str, type] = {
     "compute": ComputeFinding,
     "loader": LoaderFinding,
+    "contention": ContentionFinding,
     "end_to_end": EndToEndFinding,
     "h2d": H2DFinding,
     "scaling": ScalingFinding,

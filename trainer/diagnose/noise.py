@@ -70,3 +70,19 @@ def rate_with_interval(durations: list[float], items_each: float) -> tuple[float
     """The median window rate (a burst from another process slows one window, not the figure) and its interval."""
     rates = window_rates(durations, items_each)
     return statistics.median(rates), median_interval(rates)
+
+
+def median_ratio_interval(slow: list[float], fast: list[float]) -> list[float]:
+    """90% interval of ``median(slow) / median(fast)`` when each sample is resampled on its own (two loops measured
+    one after the other: the step beside the loader against the step alone)."""
+    import numpy as np
+
+    a, b = np.asarray(slow, float), np.asarray(fast, float)
+    if len(a) < 2 or len(b) < 2:
+        v = float(np.median(a) / max(np.median(b), 1e-12)) if len(a) and len(b) else 0.0
+        return [v, v]
+    rng = np.random.default_rng(0)
+    ra = np.median(a[rng.integers(0, len(a), (ROUNDS, len(a)))], axis=1)
+    rb = np.median(b[rng.integers(0, len(b), (ROUNDS, len(b)))], axis=1)
+    ratios = ra / np.maximum(rb, 1e-12)
+    return [float(np.quantile(ratios, LOW)), float(np.quantile(ratios, HIGH))]

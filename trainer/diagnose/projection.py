@@ -4,7 +4,7 @@ Data parallelism at a fixed global batch: N workers each take 1/N of every globa
 with the measured step as the unit (p the compute part, d, c, k the data, communication and checkpoint shares
 measured at n workers):
 
-- compute: each worker's part of the batch, p x n/N;
+- compute: each worker's part of the batch, p x n/N; the unexplained part of the step (verdict.py) with it;
 - data: each worker loads its own part of the batch, so the wait shrinks with the compute, d x n/N (the share is
   unchanged);
 - communication: a ring exchange sends (W-1)/W of the gradient (or parameter) bytes per rank at W ranks, at the
@@ -37,7 +37,7 @@ def factors(*, measured_at: int, comm_measured_at: int, workers: int, zero_stage
     n, m, big = measured_at, comm_measured_at, workers
     shrink = n / big
     comm = ((big - 1) / big) / ((m - 1) / m) if m >= 2 else None
-    return {"compute": shrink, "data": shrink, "communication": comm,
+    return {"compute": shrink, "data": shrink, "unexplained": shrink, "communication": comm,
             "checkpoint": shrink if zero_stage >= 1 else 1.0}
 
 

@@ -3,8 +3,14 @@ measured components; ``dutycycle diagnose --verify`` then runs the top one and r
 
 The predictions, each a small model over numbers the experiments measured:
 
-- data (raw -> cache): the step without its data wait, ``samples/s / (1 - data wait share)``, capped by the
-  cache loader's rate alone: the cache removes the decode, not the compute or the exchange.
+- data (raw -> cache): the step without its data wait and without the slowdown decoding causes beside it (the
+  contention experiment), ``samples/s / (1 - wait - contention)``, capped by the cache loader's rate alone (or,
+  with no cache of the table yet, by the run's samples held in RAM; --verify then materializes the cache): the
+  cache removes the decode, not the compute or the exchange.
+- data (fewer decode threads, ``data.raw_threads = 1``): the step's slowdown scaled by the cores decoding takes,
+  the raw loader's rate by its cores; the slower of the two.
+- data (a larger node): the step at its speed alone, the loader at its rate alone; not a config change (its
+  ``set`` is empty and ``node`` names it), so --verify cannot run it.
 - communication (fp32 -> int8 collectives): the step's exposed communication scaled by the bytes the quantized
   format sends (8 bits per element plus one fp32 scale per block) against fp32's, the rest of the step unchanged.
 - checkpoint (synchronous -> asynchronous saves): the step time with the asynchronous runs' step in place of the
@@ -18,12 +24,18 @@ model-state bytes per rank at that stage, and --verify reads what the ranks held
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from dutycycle.engine import io
+from dutycycle.engine.cache.materialize import materialize
 from dutycycle.engine.numbers import megabytes
+from dutycycle.engine.transform import TransformSpec
 
 from .context import share_steps
-from .verdict import layout_settings
+from .verdict import compute_share, contention_of, contention_share, layout_settings
+
+CACHE_HERE = "CACHE"  # a raw run without a cache of its table: the remedy's cache, made by --verify (materialize)
 
 
 def _run(findings: dict) -> dict:
@@ -31,17 +43,91 @@ def _run(findings: dict) -> dict:
     return e2e.get(e2e.get("configured", ""), {}) if "error" not in e2e else {}
 
 
-def data_remedy(findings: dict) -> dict | None:
-    run, loaders = _run(findings), findings.get("loader") or {}
-    if not run or (findings.get("end_to_end") or {}).get("configured") != "raw":
+def _data_parts(findings: dict) -> tuple[dict, float, float] | None:
+    """The configured run, the share of its step spent waiting on the loader, and the share the loader's CPU
+    use added to the step (the contention experiment; 0 when not measured)."""
+    run = _run(findings)
+    if not run:
         return None
-    cache = loaders.get("cache")
+    cont = contention_of(findings)
+    c = contention_share(cont, run)[0] if cont else 0.0
+    return run, run["data_wait_share"], c
+
+
+def data_remedy(findings: dict) -> dict | None:
+    """Raw decoding -> the cache: the step without its data wait and without the slowdown decoding caused
+    (contention), capped by the cache loader's rate alone, or, with no cache of this table yet, by the rate of
+    the run's own samples held in RAM (no loader of this data beats it; the remedy then materializes one)."""
+    got, loaders = _data_parts(findings), findings.get("loader") or {}
+    if not got or (findings.get("end_to_end") or {}).get("configured") != "raw":
+        return None
+    run, wait, c = got
+    paths = loaders.get("paths") or {}
+    cache, cap_name = loaders.get("cache"), "the cache loader alone"
+    if not isinstance(cache, float):
+        cache, cap_name = loaders.get("in_ram"), "the run's samples held in RAM"
     if not isinstance(cache, float):
         return None
-    free = run["samples_per_s"] / max(1e-9, 1.0 - run["data_wait_share"])
-    return {"for": "data", "set": ["data.source=cache"], "predicted_samples_per_s": min(free, cache),
-            "from": f"the step without its data wait ({free:,.0f} samples/s), capped by the cache loader alone "
-                    f"({cache:,.0f})"}
+    free = run["samples_per_s"] / max(1e-9, 1.0 - wait - c)
+    without = f"its data wait ({wait:.0%})" + (f" and decoding's slowdown of the step ({c:.0%})" if c else "")
+    out = {"for": "data", "set": ["data.source=cache", f"data.cache={paths.get('cache') or CACHE_HERE}"],
+           "predicted_samples_per_s": min(free, cache),
+           "from": f"the step without {without}: {free:,.0f} samples/s, capped by {cap_name} ({cache:,.0f})"}
+    if not paths.get("cache") and paths.get("table"):  # no cache of this table yet: --verify materializes one
+        out["materialize"] = {"table": paths["table"], "size": paths.get("size")}
+    return out
+
+
+def decode_threads_remedy(findings: dict) -> dict | None:
+    """Fewer decode threads (``data.raw_threads = 1``) when decoding slows the step: the step's slowdown scaled
+    by the cores decoding takes (L -> 1: s -> s / L), and the loader's rate alone by its cores (min(threads,
+    cores) -> 1); the slower of the step and the loader sets the rate."""
+    got, loaders = _data_parts(findings), findings.get("loader") or {}
+    cont = contention_of(findings)
+    if not got or not cont or cont.get("source") != "raw" or cont.get("raw_threads", 1) <= 1:
+        return None
+    run, wait, c = got
+    taken = (cont.get("beside") or {}).get("loader")
+    rate = loaders.get("raw")
+    if not c or not taken or taken <= 1.0 or not isinstance(rate, float):
+        return None
+    step, own, s = run["step_s"], compute_share(run), max(0.0, cont["slowdown"])
+    compute = step * own / (1.0 + s)  # the run's compute without decoding beside it
+    rest = step * (1.0 - wait - own)  # the step's other parts: exchange, saves, host work
+    one = rate / min(cont["raw_threads"], cont["cores"])
+    gbs = run["samples_per_s"] * step
+    predicted = gbs / max(compute * (1.0 + s / taken) + max(rest, 0.0), gbs / one)
+    if predicted <= run["samples_per_s"]:
+        return None
+    return {"for": "data", "set": ["data.raw_threads=1"], "predicted_samples_per_s": predicted,
+            "from": f"decoding's slowdown of the step ({cont['slowdown']:.0%}) scaled by the cores it takes "
+                    f"({taken:.1f} -> 1) and the raw loader alone ({rate:,.0f} samples/s on "
+                    f"{min(cont['raw_threads'], cont['cores'])} cores) by its cores (-> 1): the slower of the two"}
+
+
+def node_remedy(findings: dict) -> dict | None:
+    """A node with the cores decoding takes added: the step back at its speed alone, the loader at its rate
+    alone (which it reached with the cores to itself); the slower of the two. Not a config change: it names
+    the node, and --verify cannot run it."""
+    got, loaders = _data_parts(findings), findings.get("loader") or {}
+    cont = contention_of(findings)
+    if not got or not cont or not got[2]:
+        return None
+    run, wait, c = got
+    taken = (cont.get("beside") or {}).get("loader")
+    rate = loaders.get(cont.get("source"))
+    if not taken or not isinstance(rate, float):
+        return None
+    gbs = run["samples_per_s"] * run["step_s"]
+    step = run["step_s"] * (1.0 - c)  # the slowdown gone; the wait stays unless the loader outpaces the step
+    predicted = min(gbs / step, rate) if wait > 0.05 else gbs / step
+    if predicted <= run["samples_per_s"]:
+        return None
+    cores = cont["cores"] + math.ceil(taken)
+    return {"for": "data", "set": [], "node": f"a node with {cores} cores (decoding takes {taken:.1f})",
+            "predicted_samples_per_s": predicted,
+            "from": f"the step without decoding's slowdown ({c:.0%} of it), the loader at its rate alone "
+                    f"({rate:,.0f} samples/s)"}
 
 
 def comm_remedy(findings: dict) -> dict | None:
@@ -119,10 +205,17 @@ def memory_remedy(findings: dict) -> dict | None:
 
 def remedies(findings: dict, kind: str) -> list[dict[str, Any]]:
     """The remedies with a prediction (a rate; for memory, the bytes per rank), the verdict's ``kind``'s first."""
-    found = [r for r in (data_remedy(findings), comm_remedy(findings), checkpoint_remedy(findings),
-                         memory_remedy(findings), compute_remedy(findings)) if r]
+    found = [r for r in (data_remedy(findings), decode_threads_remedy(findings), node_remedy(findings),
+                         comm_remedy(findings), checkpoint_remedy(findings), memory_remedy(findings),
+                         compute_remedy(findings)) if r]
     top = kind.split("-")[0]
-    return sorted(found, key=lambda r: r["for"] != top)
+    # the verdict's first; config changes before a node (--verify and tune run the first); a larger gain first
+    return sorted(found, key=lambda r: (r["for"] != top, not r["set"], -r.get("predicted_samples_per_s", 0.0)))
+
+
+def change_text(r: dict) -> str:
+    """A remedy's change as a person applies it: its ``--set`` pairs, or the node it needs."""
+    return " ".join(f"--set {x}" for x in r["set"]) if r["set"] else r.get("node", "no setting")
 
 
 def predicted_text(r: dict) -> str:
@@ -144,7 +237,14 @@ def measured_text(r: dict) -> str | None:
 def verify(ctx, remedy: dict, short_run) -> dict:
     """Run the config with ``remedy``'s settings as a short run (``short_run``: ``experiments.short_run``) and
     record measured against predicted. It takes the steps of the run the prediction came from."""
-    got = short_run(ctx, f"verify-{remedy['for']}", *remedy["set"], steps=share_steps(ctx))
+    sets = list(remedy["set"])
+    if remedy.get("materialize"):  # the cache the remedy trains from, materialized into the diagnosis's folder
+        m = remedy["materialize"]
+        spec = TransformSpec(size=m["size"]) if m.get("size") else TransformSpec()
+        cache = materialize(m["table"], io.join(ctx.workdir, "cache"), spec).uri
+        sets = [f"data.cache={cache}" if x == f"data.cache={CACHE_HERE}" else x for x in sets]
+        remedy = {**remedy, "set": sets}
+    got = short_run(ctx, f"verify-{remedy['for']}", *sets, steps=share_steps(ctx))
     if "predicted_bytes_per_rank" in remedy:  # memory: what the most loaded rank held (its model state)
         held = max(sum(r.get(k, 0.0) for k in ("params", "grads", "optimizer")) for r in got["held_per_rank"])
         return {**remedy, "measured_bytes_per_rank": held,

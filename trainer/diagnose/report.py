@@ -18,7 +18,7 @@ from dutycycle.trainer.step.report import (
 
 from .experiments import EXPERIMENTS
 from .failures import duration, workers_text
-from .remedies import measured_text, predicted_text
+from .remedies import change_text, measured_text, predicted_text
 
 
 def describe(key: str, res: dict) -> str:
@@ -35,7 +35,8 @@ def describe(key: str, res: dict) -> str:
                 f"{res['workers']}, {res['device']}{mfu})")
     if key == "loader":
         names = [k for k in ("raw", "cache", "synthetic", "in_ram") if k in res]
-        return ", ".join(f"{k} {res[k]:,.0f} samples/s" for k in names)
+        line = ", ".join(f"{k} {res[k]:,.0f} samples/s" for k in names)
+        return line + "".join(f"; {k} not measured: {why}" for k, why in (res.get("not_measured") or {}).items())
     if key == "end_to_end":
         parts = []
         for name in ("cache", "raw", "synthetic"):
@@ -44,6 +45,13 @@ def describe(key: str, res: dict) -> str:
                 parts.append(f"{name}: {r['samples_per_s']:,.0f} samples/s, data wait {r['data_wait_share']:.0%}, "
                              f"communication {r['comm_share']:.0%}")
         return "; ".join(parts)
+    if key == "contention":
+        b = res.get("beside") or {}
+        cores = (f"; the loader's {b['loader_threads']} threads and {b['loader_processes']} processes took "
+                 f"{b['loader']:.1f} of {res['cores']} cores, the step {b['step']:.1f}, other processes "
+                 f"{b['others']:.1f}") if b else ""
+        return (f"the step {res['alone_step_s'] * 1e3:,.0f} ms alone, {res['beside_step_s'] * 1e3:,.0f} ms beside "
+                f"the {res['source']} loader ({res['slowdown']:+.0%}){cores}")
     if key == "h2d":
         return f"{res['copy_s_per_batch'] * 1000:.2f} ms per batch ({res['gb_per_s']:.1f} GB/s)"
     if key == "scaling":
@@ -110,6 +118,25 @@ def _failures_table(result: dict) -> str:
             f"{html.escape(rec)}, ETTR {res['ettr_recommended']:.2%} (no checkpoints when they gain under "
             f"{res['margin'] * 100:g} point of ETTR).</p><table><tr><th>plan</th><th>checkpoint.every</th><th>ETTR</th></tr>"
             + rows + "</table>")
+
+
+GAP_PARTS = (("data_wait", "data wait"), ("contention", "step slowed by the loader"),
+             ("communication", "communication"), ("checkpoint", "checkpoint"),
+             ("overhead", "host work outside the step's compute"), ("unexplained", "unexplained"))
+
+
+def gap_text(v: dict) -> str | None:
+    """The run against its compute ceiling, and the parts its gap splits into (they add up to it)."""
+    gap = v.get("gap") or {}
+    if not gap:
+        return None
+    parts = gap.get("parts") or {}
+    said = ", ".join(f"{label} {parts[k]:.0%}" for k, label in GAP_PARTS if k in parts)
+    line = (f"the run trains at {gap['samples_per_s']:,.0f} samples/s against a compute ceiling of "
+            f"{gap['ceiling_samples_per_s']:,.0f}: a gap of {gap['share']:.0%} of its step = {said}")
+    if gap["share"] < 0:  # the ceiling was measured on a busier machine than the run
+        line += " (the run measured faster than its ceiling: the machine's load changed between the experiments)"
+    return line
 
 
 def picture(findings: dict, found: list[dict] | None = None) -> bytes:
@@ -205,7 +232,7 @@ def figure(findings: dict, found: list[dict] | None = None):
 def _remedy_bars(ax, checked: list[dict]) -> None:
     """Each verified remedy: predicted and measured, as a ratio to the prediction (one scale for rates and
     bytes), with the figures on the bars."""
-    names = [f"{r['for']}: {' '.join(r['set'])}" for r in checked]
+    names = [f"{r['for']}: {' '.join(r['set'])}" for r in checked]  # verified: config changes only
     ys = range(len(checked))
     ax.barh([y + 0.2 for y in ys], [1.0] * len(checked), height=0.4, color="#c7c7c7", label="predicted")
     bars = ax.barh([y - 0.2 for y in ys], [r["measured_over_predicted"] for r in checked], height=0.4,
@@ -233,14 +260,18 @@ def _missing(ax, title: str, findings: dict, keys: tuple[str, ...]) -> None:
 
 
 def _shares_table(v: dict) -> str:
-    """Each wait's share of the step with its 90% interval: what the verdict compared."""
+    """Each wait's share of the step with its 90% interval: what the verdict compared; ``unexplained`` last, and
+    the gap to the compute ceiling the step's shares add up to."""
     if not v.get("shares"):
         return ""
     iv = v.get("intervals") or {}
+    order = sorted(v["shares"].items(), key=lambda kv: (kv[0] in ("overhead", "unexplained"), -kv[1]))
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{s:.1%}</td><td>"
                    + (f"{iv[k][0]:.1%} to {iv[k][1]:.1%}" if k in iv else "one measurement") + "</td></tr>"
-                   for k, s in sorted(v["shares"].items(), key=lambda kv: -kv[1]))
-    return ("<table><tr><th>wait</th><th>share of the step</th><th>90% interval</th></tr>" + rows + "</table>")
+                   for k, s in order)
+    gap = gap_text(v)
+    return ("<table><tr><th>wait</th><th>share of the step</th><th>90% interval</th></tr>" + rows + "</table>"
+            + (f"<p>{html.escape(gap)} (failures, modelled over wall time, stand beside)</p>" if gap else ""))
 
 
 def _remedies_table(result: dict) -> str:
@@ -249,7 +280,7 @@ def _remedies_table(result: dict) -> str:
     if not found:
         return ""
     rows = "".join(
-        f"<tr><td>{html.escape(r['for'])}</td><td><code>{html.escape(' '.join('--set ' + x for x in r['set']))}"
+        f"<tr><td>{html.escape(r['for'])}</td><td><code>{html.escape(change_text(r))}"
         f"</code></td><td>{html.escape(predicted_text(r))}</td><td>"
         + html.escape(measured_text(r) or r.get("verify_error", "not run (--verify runs the first)"))
         + f"</td><td>{html.escape(r['from'])}</td></tr>" for r in found)

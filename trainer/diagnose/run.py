@@ -31,8 +31,8 @@ from .context import Context
 from .experiments import EXPERIMENTS
 from .findings import FindingError, read, to_dict
 from .projection import comm_measured_at, models
-from .remedies import measured_text, predicted_text, remedies
-from .report import describe, write
+from .remedies import change_text, measured_text, predicted_text, remedies
+from .report import describe, gap_text, write
 from .verdict import decide
 
 GRACE_S = 5.0  # from SIGTERM to SIGKILL for an experiment's process group
@@ -249,9 +249,8 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
                                     "workers": cfg.parallel.num_workers, "zero_stage": cfg.parallel.zero_stage})
         found = remedies(findings, verdict.kind)
         for r in found:
-            say(f"[diagnose] remedy for {r['for']}: --set {' --set '.join(r['set'])}: predicted "
-                f"{predicted_text(r)} ({r['from']})")
-        if verify and found and interrupted is None:
+            say(f"[diagnose] remedy for {r['for']}: {change_text(r)}: predicted {predicted_text(r)} ({r['from']})")
+        if verify and found and found[0]["set"] and interrupted is None:  # a node (no setting) cannot be run
             try:
                 found[0] = _verify(ctx, found[0], deadline, say)
             except KeyboardInterrupt as e:
@@ -268,6 +267,9 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
     if interrupted is not None:
         result["interrupted"] = str(interrupted)
     result["files"] = write(out, result)
+    gap = gap_text(verdict.to_dict())
+    if gap:
+        say(f"[diagnose] gap: {gap}")
     say(f"[diagnose] verdict: {verdict.headline}")
     say(f"[diagnose] report: {result['files']['html']}")
     if interrupted is not None:

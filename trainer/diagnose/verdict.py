@@ -12,7 +12,13 @@ The order of questions:
    lies above ``THRESHOLD`` and above every other share's interval; when its interval lies below ``THRESHOLD``
    the run is compute-bound (and the verdict says how close to the ceiling it runs); otherwise the verdict is
    "balanced" and names the waits that noise cannot tell apart, with their numbers, rather than flip between
-   them from run to run.
+   them from run to run. A step slowed by the loader's CPU use (the contention experiment: the step beside
+   the loader against the step alone) is a data cost beside the wait.
+3. the whole gap: the run's gap to its compute ceiling (1 - run / ceiling, a share of its step) is the step's
+   waits, its host work outside compute (``overhead``) and ``unexplained``, which makes them add up. When
+   unexplained is, its whole interval, more than a quarter of a gap of at least ``THRESHOLD``, the verdict is
+   ``unexplained``: it
+   says what it measured instead of naming the largest small wait.
 """
 
 from __future__ import annotations
@@ -26,16 +32,26 @@ from .failures import NO_CHECKPOINT_MARGIN, duration, workers_text
 from .projection import comm_measured_at, project
 
 THRESHOLD = 0.2  # a wait taking a fifth of the step is worth removing before anything else
+STEP_WAITS = ("data", "communication", "checkpoint")  # the waits inside the step
+# not waits a verdict names: the step's host work beside its compute and waits, and what no measurement explains;
+# with the step's waits they add up to the gap between the run and its compute ceiling
+NOT_WAITS = ("overhead", "unexplained")
+CONTENTION_NAMED = 0.05  # a slowdown beside the loader this large a share of the step is named in the verdict
 
 
 @dataclass
 class Verdict:
-    kind: str  # memory-, data-, communication-, checkpoint-, failure-bound, balanced, compute-bound, unknown
+    # memory-, data-, communication-, checkpoint-, failure-bound, balanced, compute-bound, unexplained, unknown
+    kind: str
     share: float | None  # the dominant wait's share of the step
     headline: str  # one line: "data-bound: 41% of each step waits on the loader; ..."
     fix: str  # the setting or command that addresses it
-    shares: dict  # every measured wait share
+    shares: dict  # every measured wait share, and ``unexplained`` (see ``gap``)
     intervals: dict = field(default_factory=dict)  # share name -> [low, high], its 90% interval
+    # the run against its compute ceiling: ``share`` (1 - run / ceiling) is data + communication + checkpoint +
+    # overhead + unexplained (failures, modelled over wall time, stand beside); ``parts`` splits data into its
+    # wait and the step's slowdown beside the loader (contention)
+    gap: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,14 +127,26 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
             value, lo, hi = max(value, shares[name]), max(lo, iv[name][0]), max(hi, iv[name][1])
         shares[name], iv[name] = value, [lo, hi]
 
+    cont = contention_of(findings)
+    parts: dict[str, float] = {}
     if run:
         got = run.get("intervals", {})
-        put("data", run["data_wait_share"], got.get("data_wait_share"))
+        wait = run["data_wait_share"]
+        parts["data_wait"] = wait
         # Waiting on the loader understates it when decoding shares the cores with compute (CPU runs): decode
-        # threads then slow forward/backward instead. So the loader alone is measured too, and the part of the
-        # compute ceiling it cannot feed counts as data pressure.
+        # threads then slow forward/backward instead. The contention experiment measures that slowdown (the step
+        # beside the loader against the step alone); its seconds per step are a data cost beside the wait.
+        if cont:
+            c, (c_lo, c_hi) = contention_share(cont, run)
+            parts["contention"] = c
+            w_lo, w_hi = got.get("data_wait_share") or (wait, wait)
+            put("data", wait + c, [w_lo + c_lo, w_hi + c_hi])
+        else:
+            put("data", wait, got.get("data_wait_share"))
+        # Without that measurement (an older diagnosis.json, or the experiment not run), the part of the compute
+        # ceiling the loader alone cannot feed counts as data pressure.
         rate = loaders.get(e2e.get("configured"))
-        if isinstance(rate, float) and ceiling:
+        if not cont and isinstance(rate, float) and ceiling:
             r_lo, r_hi = (loaders.get("intervals") or {}).get(e2e.get("configured")) or (rate, rate)
             c_lo, c_hi = (findings.get("compute") or {}).get("interval") or (ceiling, ceiling)
             put("data", max(0.0, 1.0 - rate / ceiling), [max(0.0, 1.0 - r_hi / c_lo), max(0.0, 1.0 - r_lo / c_hi)])
@@ -145,6 +173,7 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
     fails = findings.get("failures") or {}
     if fails.get("failure_share") is not None:  # redone work and restarts at the modelled worker count
         put("failures", fails["failure_share"], None)
+    gap = _gap(run, findings.get("compute") or {}, shares, iv, parts)
     settings = settings or {}
     scale, workers = settings.get("scale"), settings.get("workers", 1)
     if scale and scale != workers and shares:  # --scale: every wait at N workers, each by its model
@@ -158,14 +187,33 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
                            "so no wait could be measured", "fix the error and run dutycycle diagnose again", {})
         return Verdict("unknown", None, "the waits of a running step were not measured (the end_to_end and scaling "
                        "experiments did not run)", "run dutycycle diagnose without --only, or with end_to_end", {})
-    kind, share = max(shares.items(), key=lambda kv: kv[1])
+
+    def named(k: str) -> Verdict:
+        if k == "data":
+            return _data(shares[k], shares, e2e, run, loaders, ceiling, cont)
+        if k == "communication":
+            return _comm(shares[k], shares, scaling)
+        if k == "failures":
+            return _failures(shares[k], shares, fails)
+        return _checkpoint(shares[k], shares, ckpt)
+
+    waits = {k: v for k, v in shares.items() if k not in NOT_WAITS}
+    if not waits:
+        return Verdict("unknown", None, "no wait of a running step was measured", "run dutycycle diagnose without "
+                       "--only, or with end_to_end", shares, iv, gap)
+    kind, share = max(waits.items(), key=lambda kv: kv[1])
     lo, hi = iv[kind]
+    if gap:  # the step's waits and unexplained add up to the gap (projected with --scale: their sum there)
+        whole = sum(shares.get(k, 0.0) for k in (*STEP_WAITS, *NOT_WAITS))
+        # beyond its noise, as every share is compared: its whole interval above a quarter of the gap
+        if whole >= THRESHOLD and iv["unexplained"][0] > whole / 4:
+            return _unexplained(whole, shares, iv, gap, cont, findings, kind, named_fix=lambda k: named(k).fix)
     if hi < THRESHOLD:
         got = run.get("samples_per_s") if run else None
         frac = (f" ({got / ceiling:.0%} of the compute ceiling of {thousands(ceiling)} samples/s)"
                 if got and ceiling else "")
-        waits = ", ".join(f"{k} {shares[k]:.0%}" for k in ("data", "communication", "checkpoint", "failures")
-                          if k in shares)
+        waits = ", ".join(f"{k} {shares[k]:.0%}" for k in ("data", "communication", "checkpoint", "failures",
+                                                             "overhead", "unexplained") if k in shares)
         head = (f"compute-bound: no wait takes more than {share:.0%} of a step ({waits}); it trains at "
                 f"{thousands(got)} samples/s{frac}")
         fix = "a faster model step (larger batch per worker, bf16 on GPU, more devices) is what shortens this run"
@@ -177,24 +225,17 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
                      "they share the same compute")
             fix = ("workers that share one machine's cores do not add compute: put them on separate devices or nodes "
                    "(parallel.num_workers per node = its accelerators), or run one worker with all the cores")
-        return Verdict("compute-bound", share, head, fix, shares, iv)
-
-    def named(k: str) -> Verdict:
-        if k == "data":
-            return _data(shares[k], shares, e2e, run, loaders, ceiling)
-        if k == "communication":
-            return _comm(shares[k], shares, scaling)
-        if k == "failures":
-            return _failures(shares[k], shares, fails)
-        return _checkpoint(shares[k], shares, ckpt)
+        return Verdict("compute-bound", share, head, fix, shares, iv, gap)
 
     # another wait whose interval reaches this one's (and the line): noise cannot order them
-    rivals = [k for k in shares if k != kind and iv[k][1] >= max(lo, THRESHOLD)]
+    rivals = [k for k in waits if k != kind and iv[k][1] >= max(lo, THRESHOLD)]
     if lo >= THRESHOLD and not rivals:
         v = named(kind)
-        v.intervals = iv
+        v.intervals, v.gap = iv, gap
         return v
-    return _balanced(kind, rivals, shares, iv, named)
+    v = _balanced(kind, rivals, shares, iv, named)
+    v.gap = gap
+    return v
 
 
 def _balanced(kind: str, rivals: list[str], shares: dict, iv: dict, named) -> Verdict:
@@ -207,23 +248,132 @@ def _balanced(kind: str, rivals: list[str], shares: dict, iv: dict, named) -> Ve
     return Verdict("balanced", shares[kind], f"{head}; {fix}", fix, shares, iv)
 
 
-def _data(share, shares, e2e, run, loaders, ceiling) -> Verdict:
+def _data(share, shares, e2e, run, loaders, ceiling, cont=None) -> Verdict:
     configured = e2e.get("configured")
     rate = loaders.get(configured)
-    head = (f"data-bound: {run['data_wait_share']:.0%} of each step waits on the loader and training reaches "
-            f"{thousands(run['samples_per_s'])} samples/s")
-    what = "the raw path decodes" if configured == "raw" else f"the {configured} loader delivers"
-    head += f"; {what} at {thousands(rate)} samples/s alone against a compute ceiling of {thousands(ceiling)}"
+    c = contention_share(cont, run)[0] if cont else 0.0
+    busy = (cont.get("beside") or {}).get("loader") if cont else None
+    if c >= CONTENTION_NAMED:  # the step slowed by the loader's CPU use: named first, with the cores it takes
+        what = "decoding" if configured == "raw" else f"the {configured} loader"
+        cores = f"takes {busy:.1f} of {cont['cores']} cores and " if busy is not None else ""
+        head = (f"data-bound: {what} {cores}slows each step by {cont['slowdown']:.0%} ({c:.0%} of the step); "
+                f"{run['data_wait_share']:.0%} of each step waits on the loader")
+    else:
+        head = f"data-bound: {run['data_wait_share']:.0%} of each step waits on the loader"
+    head += f" and training reaches {thousands(run['samples_per_s'])} samples/s"
+    if ceiling:
+        head += f", {run['samples_per_s'] / ceiling:.0%} of its compute ceiling"
+    if isinstance(rate, float):
+        what = "the raw path decodes" if configured == "raw" else f"the {configured} loader delivers"
+        head += f"; {what} at {thousands(rate)} samples/s alone against a compute ceiling of {thousands(ceiling)}"
     if configured == "raw":
         fix = "materialize a cache (dutycycle materialize TABLE CACHE) and train with data.source = 'cache'"
         if loaders.get("cache"):
             fix += f" (the cache reads at {thousands(loaders['cache'])} samples/s here)"
+        if c >= CONTENTION_NAMED and cont.get("raw_threads", 1) > 1:
+            fix += (f"; or fewer decode threads (data.raw_threads, now {cont['raw_threads']}); or a node with more "
+                    "cores, so decoding does not take the step's")
     elif loaders.get("slow_ms"):
         fix = "remove data.slow_ms (the loader is slowed on purpose)"
+    elif c >= CONTENTION_NAMED:
+        fix = ("a loader that takes fewer cores (data.loader_mode = 'sync' reads in the step's thread, 'memory' "
+               "holds the split in RAM) or a node with more cores")
     else:
         fix = ("raise data.prefetch, use data.loader_mode = 'thread' or 'memory', or give workers more CPUs "
                "(parallel.cpus_per_worker)")
     return Verdict("data-bound", share, f"{head}; {fix}", fix, shares)
+
+
+def contention_of(findings: dict) -> dict | None:
+    """The contention experiment's finding when it measured (not failed, applicable)."""
+    c = findings.get("contention") or {}
+    return c if "slowdown" in c and "error" not in c else None
+
+
+def compute_share(run: dict) -> float:
+    """The share of the run's step its own compute took (forward, backward, optimizer; from its per-step phases),
+    or, for a run recorded without them, what its waits leave."""
+    per = run.get("per_step") or {}
+    if per.get("compute") and per.get("step_s"):
+        return sum(per["compute"]) / max(sum(per["step_s"]), 1e-12)
+    return max(0.0, 1.0 - run["data_wait_share"] - run.get("comm_share", 0.0) - run.get("checkpoint_share", 0.0))
+
+
+def contention_share(cont: dict, run: dict) -> tuple[float, list[float]]:
+    """The part of the run's step that the loader's CPU use added, with its 90% interval: the run's compute is
+    the step slowed by ``slowdown`` (measured beside the loader against alone, in one process minutes apart at
+    most), so ``s / (1 + s)`` of it is the loader's. A ratio, not the experiment's seconds: the machine's load
+    moves between experiments, and the run's own compute is what the share is of. Never below zero (a step
+    measured faster beside the loader is noise, not a gain)."""
+    own = compute_share(run)
+    lo, hi = cont.get("slowdown_interval") or (cont["slowdown"], cont["slowdown"])
+
+    def share(slowdown: float) -> float:
+        s = max(0.0, slowdown)
+        return own * s / (1.0 + s)
+
+    return share(cont["slowdown"]), [share(lo), share(hi)]
+
+
+def _gap(run: dict, compute: dict, shares: dict, iv: dict, parts: dict) -> dict:
+    """The run's gap to its compute ceiling, ``1 - run / ceiling`` of its step, and the ``unexplained`` share
+    that makes the step's waits add up to it (put into ``shares``); empty without both figures."""
+    ceiling = compute.get("samples_per_s")
+    if not run or not ceiling:
+        return {}
+    rate = run["samples_per_s"]
+    c_lo, c_hi = compute.get("interval") or (ceiling, ceiling)
+    gap, g_lo, g_hi = 1.0 - rate / ceiling, 1.0 - rate / max(c_lo, 1e-9), 1.0 - rate / max(c_hi, 1e-9)
+    step = [k for k in STEP_WAITS if k in shares]
+    explained = sum(shares[k] for k in step)
+    per = run.get("per_step") or {}
+    if per.get("compute") and per.get("step_s"):
+        # the step's host work outside its compute and its waits (copies to the device, the loop's bookkeeping):
+        # measured, though no wait; what is left of the gap is the run's compute slower than the ceiling's step
+        # beyond what the loader's contention explains
+        own = compute_share(run)
+        overhead = max(0.0, 1.0 - own - run["data_wait_share"] - run["comm_share"] - run["checkpoint_share"])
+        shares["overhead"], iv["overhead"] = overhead, [overhead, overhead]
+        step.append("overhead")
+        explained += overhead
+    shares["unexplained"] = gap - explained
+    iv["unexplained"] = [min(g_lo, g_hi) - sum(iv[k][1] for k in step), max(g_lo, g_hi) - sum(iv[k][0] for k in step)]
+    return {"ceiling_samples_per_s": ceiling, "samples_per_s": rate, "share": gap,
+            "parts": {**parts, **{k: shares[k] for k in step if k != "data"}, "unexplained": gap - explained}}
+
+
+def _unexplained(whole, shares, iv, gap, cont, findings, kind, named_fix) -> Verdict:
+    """The measured waits leave more than a quarter of the gap to the ceiling (``whole``) unexplained: say so,
+    with what was measured, instead of naming the largest small wait."""
+    u = shares["unexplained"]
+    waits = ", ".join(f"{k} {shares[k]:.0%}" for k in (*STEP_WAITS, "overhead") if k in shares)
+    head = (f"unexplained: the run trains at {thousands(gap['samples_per_s'])} samples/s, "
+            f"{1 - gap['share']:.0%} of its compute ceiling of {thousands(gap['ceiling_samples_per_s'])}; the "
+            f"measured waits ({waits}) explain {whole - u:.0%} of the step and {u:.0%} of the {whole:.0%} gap is "
+            "unexplained")
+    measured = []
+    loaders = findings.get("loader") or {}
+    rates = [f"{k} {thousands(loaders[k])}" for k in ("raw", "cache", "synthetic", "in_ram")
+             if isinstance(loaders.get(k), float)]
+    if rates:
+        measured.append(f"loader alone {', '.join(rates)} samples/s")
+    if cont:
+        b, a = cont.get("beside") or {}, cont.get("alone") or {}
+        line = f"the step {cont['slowdown']:+.0%} beside the loader"
+        if "loader" in b:
+            line += f", whose threads took {b['loader']:.1f} of {cont['cores']} cores"
+        measured.append(line)
+        if "others" in b:  # CPU contention from outside the run: no wait of its own, and no part of the loader's
+            measured.append(f"other processes took {max(a.get('others', 0.0), b['others']):.1f} of "
+                            f"{cont['cores']} cores while the step ran")
+    else:
+        measured.append("the step beside the loader was not measured (the contention experiment)")
+    head += "; measured: " + "; ".join(measured)
+    fix = ("measure again, longer (--budget-s) and on a machine no other work shares: the run's compute was slower "
+           "than the ceiling's step by more than the loader's contention explains")
+    if shares.get(kind, 0.0) >= THRESHOLD:
+        fix += f"; the largest measured wait is {kind} ({shares[kind]:.0%}): {named_fix(kind)}"
+    return Verdict("unexplained", u, f"{head}; {fix}", fix, shares, iv, gap)
 
 
 def _comm(share, shares, scaling) -> Verdict:

@@ -78,9 +78,14 @@ def test_a_verdict_names_a_wait_only_beyond_its_noise():
     assert "for data:" in v.fix and "for communication:" in v.fix
     # the same point values with no noise (one measurement each) are ordered as before
     assert decide(_noisy(0.26, 0.23, [0.26, 0.26], [0.23, 0.23])).kind == "data-bound"
-    # the largest wait straddles the line: it may be a wait or compute, and the verdict says so
-    v = decide(_noisy(0.18, 0.05, [0.12, 0.24], [0.04, 0.06]))
-    assert v.kind == "balanced" and "data 18% (12%-24%) and compute" in v.headline
+    # the largest wait straddles the line: it may be a wait or compute; inconclusive, with how to measure longer
+    v = decide(_noisy(0.18, 0.05, [0.12, 0.24], [0.04, 0.06]), {"budget_s": 90})
+    assert v.kind == "inconclusive", v.headline
+    assert "data 18% (12%-24%) reach both sides of the line of 20%" in v.headline, v.headline
+    assert v.fix.startswith("measure longer (--budget-s 180)") and "for data:" in v.fix
+    # two waits level, the larger one reaching below the line too: inconclusive, both named
+    v = decide(_noisy(0.22, 0.20, [0.17, 0.27], [0.16, 0.24]))
+    assert v.kind == "inconclusive" and "data 22% (17%-27%) and communication 20% (16%-24%)" in v.headline
     # wholly below the line: compute-bound
     assert decide(_noisy(0.15, 0.05, [0.12, 0.19], [0.04, 0.06])).kind == "compute-bound"
 
@@ -144,7 +149,7 @@ def test_the_loader_shortfall_is_compared_with_both_intervals():
                 "loader": {"cache": 5300.0, "intervals": {"cache": [4200.0, 6900.0]}}}
     v = decide(findings)
     # low: the loader's best against the ceiling's worst (no shortfall), so the wait measured end to end (10%)
-    assert v.kind == "balanced" and v.intervals["data"] == pytest.approx([0.10, 1 - 4200 / 7400])
+    assert v.kind == "inconclusive" and v.intervals["data"] == pytest.approx([0.10, 1 - 4200 / 7400])
     # both measured tightly: the shortfall is real
     findings["loader"]["intervals"]["cache"] = [5200.0, 5400.0]
     findings["compute"]["interval"] = [6900.0, 7100.0]

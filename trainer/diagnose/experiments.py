@@ -32,11 +32,10 @@ from typing import Any
 from dutycycle.engine import io
 from dutycycle.trainer.cluster.world import World
 from dutycycle.trainer.launch.inputs import Inputs
-from dutycycle.trainer.launch.train import train
 from dutycycle.trainer.parallel.dims import flat_overrides
 from dutycycle.trainer.step.data import make_sources
 from dutycycle.trainer.step.loop import flops_per_sample, resolve_precision
-from dutycycle.trainer.step.metrics import peak_flops, read_metrics
+from dutycycle.trainer.step.metrics import peak_flops
 from dutycycle.trainer.step.models import build_model
 from dutycycle.trainer.step.optim import make_optimizer
 
@@ -56,64 +55,11 @@ from .findings import (
     from_dict,
 )
 from .layouts import memory
+from .shortrun import short_run, trainer_step
+from .shortrun import synthetic as _synthetic
 from .sources import loader_sources, table_of  # noqa: F401 - table_of: benchmarks read it here
 
-
-def short_run(ctx: Context, name: str, *overrides: str, steps: int | None = None, resume: bool = False) -> dict:
-    """A short training run of the config (its launcher: Ray Train, or this process for one worker) of ``steps``
-    optimizer steps (default ``ctx.steps``). Its run directory is the diagnosis's own: a diagnosis written again
-    into the same folder replaces it (``overwrite``), unless ``resume`` continues the run there (and its commits)."""
-    run_dir = io.join(ctx.workdir, name)
-    # never a resume unless asked (the failures experiment asks): a diagnosis written again into the same folder
-    # would otherwise resume each run from its last commit and train nothing, reporting the old rows
-    cfg = variant(ctx.cfg, f"run.dir={run_dir}", f"run.max_steps={steps or ctx.steps}", "run.eval_every=0",
-                  "run.eval_max_batches=1", "run.log_every=0", "run.report=false", "run.save_model=false",
-                  f"run.name=diagnose-{name}", "checkpoint.resume=none", *overrides)
-    t0 = time.perf_counter()
-    summary = train(cfg, local=cfg.parallel.num_workers == 1, quiet=True, resume=resume, overwrite=not resume)
-    launched = time.perf_counter() - t0
-    rows = _steady_rows(run_dir)
-    step_s = sum(r["step_s"] for r in rows) or 1e-9
-    steps = [r["step_s"] for r in rows]
-    return {
-        "workers": cfg.parallel.num_workers,
-        "samples_per_s": cfg.data.global_batch_size * len(rows) / step_s,
-        "step_s": step_s / max(1, len(rows)),
-        "data_wait_share": sum(r["data_wait"] for r in rows) / step_s,
-        "comm_share": sum(r["comm"] for r in rows) / step_s,
-        "checkpoint_share": sum(r["checkpoint"] for r in rows) / step_s,
-        # how far each share moves when the steps are resampled: the verdict compares shares beyond these
-        "intervals": {f"{k}_share": noise.ratio_interval([r[k] for r in rows], steps)
-                      for k in ("data_wait", "comm", "checkpoint")},
-        # the per-step samples behind comm_share: two runs of one exchange pool them (verdict.py)
-        # and the step's own work (forward, backward, optimizer) per step: the run's compute against the ceiling's
-        "per_step": {"step_s": steps, "comm": [r["comm"] for r in rows],
-                     "compute": [r.get("forward_backward", 0.0) + r.get("optimizer", 0.0) for r in rows]},
-        "bytes_per_step": summary["parallel"]["traffic"]["bytes"] / max(1, summary["steps"]),
-        "inter_node_bytes_per_step": summary["parallel"]["traffic"]["inter_node_bytes"] / max(1, summary["steps"]),
-        "comm_exposed_measured": summary["parallel"]["comm_exposed_measured"],
-        # before the first step and after the last: worker group start, model build, teardown
-        "launch_s": max(0.0, launched - summary["wall_s"]),
-        "held_per_rank": (summary.get("memory") or {}).get("held_per_rank", []),  # model state each rank held
-        "summary": {k: summary.get(k) for k in ("steps", "samples_per_s", "data_wait_fraction", "comm_fraction",
-                                                 "goodput", "checkpoint")},
-    }
-
-
-def _steady_rows(run_dir: str) -> list[dict]:
-    """Per-step rows without the first two (lazy initialization, the memory-sampling step)."""
-    rows = [r for r in read_metrics(run_dir) if "loss" in r]
-    return rows[2:] if len(rows) > 4 else rows
-
-
 # ------------------------------------------------------------------------------------------------ 1 compute
-
-
-def _synthetic(ctx: Context, steps: int | None = None) -> list[str]:
-    """Overrides for synthetic data of the configured shape, enough for a short run of ``steps`` (default
-    ``ctx.steps``) in one epoch: the loader out of the way."""
-    return ["data.source=synthetic", f"data.size={data_info(ctx).size}",
-            f"data.synthetic_samples={max(ctx.cfg.data.global_batch_size * ((steps or ctx.steps) + 1), 256)}"]
 
 
 @contextlib.contextmanager
@@ -178,7 +124,9 @@ def _step_times(step, seconds: float, least: int = 5, most: int = 200) -> list[f
 
 def compute(ctx: Context) -> ComputeFinding:
     """One worker's optimizer step on a random batch already on the device, with that worker's share of the
-    cores: samples/s per worker, times the workers for the ideal aggregate (no communication)."""
+    cores: samples/s per worker, times the workers for the ideal aggregate (no communication). Then the trainer's
+    own step in the configured layout on the same batch (``shortrun.trainer_step``): the ceiling is the model's,
+    and the layout's work beyond it is a part of the gap the verdict explains."""
     import torch
 
     with _model_step(ctx) as (step, s):
@@ -197,7 +145,11 @@ def compute(ctx: Context) -> ComputeFinding:
                 torch.cuda.get_device_name(device))
             if fps and peak:
                 out["mfu"] = fps * rate / peak
-        return from_dict(ComputeFinding, out)
+    try:
+        out["trainer"] = trainer_step(ctx, per_worker, s["threads"])
+    except Exception as e:  # noqa: BLE001 - the ceiling stands without it; the gap then leaves the layout unexplained
+        out["trainer"] = {"error": f"{type(e).__name__}: {e}"}
+    return from_dict(ComputeFinding, out)
 
 
 # ------------------------------------------------------------------------------------------------- 2 loader

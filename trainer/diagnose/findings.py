@@ -77,6 +77,9 @@ class ComputeFinding:
     threads: int
     num_params: int
     mfu: float | None
+    # the trainer's step at one worker in the configured layout (shortrun.trainer_step): compute_s, interval,
+    # steps, layout; or {"error": ...} when it could not run. None in a diagnosis recorded before it was measured
+    trainer: dict | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ measured at n workers):
   experiment's N workers when it ran, else the configured count; from one worker there is no exchange to scale);
 - checkpoint: every rank writes its shard of a sharded state (ZeRO stage >= 1), k x n/N; at stage 0 one full
   copy is written whatever N is, k;
+- layout: the layout's host work per step (FSDP2's hooks, quantizing) is per parameter, not per sample: kept;
 - failures: already at N (``failures.py``): the configured job's steps at the measured step time, failing
   N / n times as often (each worker at the same rate). A job that N workers finish sooner fails less in all, so
   the failures share at N is an upper bound where the step shrinks.
@@ -27,6 +28,7 @@ MODELS = {
     "data": "each worker loads its own part of the global batch: the wait shrinks as the compute does (share kept)",
     "communication": "ring exchange: bytes per rank grow as (W-1)/W at the measured link bandwidth",
     "checkpoint": "sharded state (stage >= 1): each rank writes 1/W of it; stage 0: one full copy, W-independent",
+    "layout": "the layout's host work per step (hooks, per-parameter bookkeeping): kept per step",
     "failures": "failures.py: the job's steps at the measured step, failing N/workers times as often (exact "
                 "expectation for exponential failures; an upper bound where the step shrinks with N)",
 }

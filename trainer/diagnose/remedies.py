@@ -13,6 +13,8 @@ The predictions, each a small model over numbers the experiments measured:
   ``set`` is empty and ``node`` names it), so --verify cannot run it.
 - communication (fp32 -> int8 collectives): the step's exposed communication scaled by the bytes the quantized
   format sends (8 bits per element plus one fp32 scale per block) against fp32's, the rest of the step unchanged.
+- layout (one worker sharded or quantizing -> stage 0, nothing quantized): the step without the layout's work
+  beyond the model's bare step (the compute experiment's trainer step against its bare step).
 - checkpoint (synchronous -> asynchronous saves): the step time with the asynchronous runs' step in place of the
   synchronous runs' (the checkpoint experiment's, which save every other step: the stall and the background
   write's contention for the cores), spread over ``checkpoint.every`` steps.
@@ -33,7 +35,14 @@ from dutycycle.engine.numbers import megabytes
 from dutycycle.engine.transform import TransformSpec
 
 from .context import share_steps
-from .verdict import compute_share, contention_of, contention_share, layout_settings
+from .verdict import (
+    bare_step_s,
+    compute_share,
+    contention_of,
+    contention_share,
+    layout_settings,
+    layout_share,
+)
 
 CACHE_HERE = "CACHE"  # a raw run without a cache of its table: the remedy's cache, made by --verify (materialize)
 
@@ -186,6 +195,26 @@ def compute_remedy(findings: dict) -> dict | None:
                     f"scaling experiment ({ratio:.2f}x): they share the cores, one has them all"}
 
 
+def layout_remedy(findings: dict) -> dict | None:
+    """One worker in a sharding or quantizing layout -> stage 0 without quantizing: the step without the layout's
+    work beyond the model's bare step (the compute experiment's two steps). Nothing is sharded or exchanged at one
+    worker, so nothing else changes; at N workers a lower stage changes the exchange too, which this does not
+    predict."""
+    run, compute = _run(findings), findings.get("compute") or {}
+    lay = layout_share(compute, run) if run else None
+    t = compute.get("trainer") or {}
+    # offload is there to fit the model (one worker shards nothing): not a setting to drop for speed
+    if not lay or lay[0] <= 0 or run.get("workers", 1) != 1 or "offload" in t.get("layout", ""):
+        return None
+    step = run["step_s"] * (1.0 - lay[0])
+    return {"for": "layout", "set": ["parallel.zero_stage=0", "parallel.quant_grads=none",
+                                     "parallel.quant_weights=none"],
+            "predicted_samples_per_s": run["samples_per_s"] * run["step_s"] / max(step, 1e-9),
+            "from": f"the step without the layout's work beyond the model's bare step ({t['layout']}: "
+                    f"{t['compute_s'] * 1e3:.1f} ms against {bare_step_s(compute)[0] * 1e3:.1f} ms, "
+                    f"{lay[0]:.0%} of the step)"}
+
+
 def memory_remedy(findings: dict) -> dict | None:
     """The least-sharded stage that fits, with the model-state bytes per rank it should hold (the memory
     experiment's formula); --verify runs it and reads what its ranks held."""
@@ -207,7 +236,7 @@ def remedies(findings: dict, kind: str) -> list[dict[str, Any]]:
     """The remedies with a prediction (a rate; for memory, the bytes per rank), the verdict's ``kind``'s first."""
     found = [r for r in (data_remedy(findings), decode_threads_remedy(findings), node_remedy(findings),
                          comm_remedy(findings), checkpoint_remedy(findings), memory_remedy(findings),
-                         compute_remedy(findings)) if r]
+                         compute_remedy(findings), layout_remedy(findings)) if r]
     top = kind.split("-")[0]
     # the verdict's first; config changes before a node (--verify and tune run the first); a larger gain first
     return sorted(found, key=lambda r: (r["for"] != top, not r["set"], -r.get("predicted_samples_per_s", 0.0)))

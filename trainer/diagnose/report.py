@@ -31,8 +31,16 @@ def describe(key: str, res: dict) -> str:
         return f"skipped: {res['skipped']}"
     if key == "compute":
         mfu = f", MFU {res['mfu']:.1%}" if res.get("mfu") else ""
-        return (f"{res['samples_per_s']:,.0f} samples/s ({res['samples_per_s_per_worker']:,.0f} per worker x "
+        line = (f"{res['samples_per_s']:,.0f} samples/s ({res['samples_per_s_per_worker']:,.0f} per worker x "
                 f"{res['workers']}, {res['device']}{mfu})")
+        t = res.get("trainer") or {}
+        if "compute_s" in t:  # the trainer's own step in its layout, beside the bare step the ceiling is
+            bare = res["batch_per_worker"] / res["samples_per_s_per_worker"]
+            line += (f"; the trainer's step in its layout ({t['layout']}) {t['compute_s'] * 1e3:.1f} ms against the "
+                     f"model's bare {bare * 1e3:.1f} ms")
+        elif "error" in t:
+            line += f"; the trainer's step in its layout not measured: {t['error']}"
+        return line
     if key == "loader":
         names = [k for k in ("raw", "cache", "synthetic", "in_ram") if k in res]
         line = ", ".join(f"{k} {res[k]:,.0f} samples/s" for k in names)
@@ -122,6 +130,7 @@ def _failures_table(result: dict) -> str:
 
 GAP_PARTS = (("data_wait", "data wait"), ("contention", "step slowed by the loader"),
              ("communication", "communication"), ("checkpoint", "checkpoint"),
+             ("layout", "the layout's work beyond the model's step"),
              ("overhead", "host work outside the step's compute"), ("unexplained", "unexplained"))
 
 

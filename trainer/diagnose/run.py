@@ -246,7 +246,8 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
         interrupted = _measure(chosen, ctx, deadline, budget_s, say)
         verdict = decide(findings, {"quant_grads": cfg.parallel.quant_grads,
                                     "inject_comm_ms": cfg.parallel.inject_comm_ms, "scale": scale,
-                                    "workers": cfg.parallel.num_workers, "zero_stage": cfg.parallel.zero_stage})
+                                    "workers": cfg.parallel.num_workers, "zero_stage": cfg.parallel.zero_stage,
+                                    "budget_s": budget_s})
         found = remedies(findings, verdict.kind)
         for r in found:
             say(f"[diagnose] remedy for {r['for']}: {change_text(r)}: predicted {predicted_text(r)} ({r['from']})")

@@ -10,15 +10,18 @@ The order of questions:
    per save), failures (work done again and restarts at the modelled worker count, ``failures.py``). Each share
    carries a 90% interval from its own samples (``noise``). The largest is the verdict when its whole interval
    lies above ``THRESHOLD`` and above every other share's interval; when its interval lies below ``THRESHOLD``
-   the run is compute-bound (and the verdict says how close to the ceiling it runs); otherwise the verdict is
-   "balanced" and names the waits that noise cannot tell apart, with their numbers, rather than flip between
-   them from run to run. A step slowed by the loader's CPU use (the contention experiment: the step beside
-   the loader against the step alone) is a data cost beside the wait.
+   the run is compute-bound (and the verdict says how close to the ceiling it runs). Otherwise noise decides
+   nothing: "balanced" when the largest wait clears the line but another's interval reaches it (both matter,
+   their order is in doubt), "inconclusive" when its interval reaches below the line (a wait, or compute), with
+   what to measure longer; either names the waits with their numbers rather than flip between them from run to
+   run. A step slowed by the loader's CPU use (the contention experiment: the step beside
+   the loader against the step alone) is a data cost beside the wait. The layout's host work per step (the
+   trainer's step at one worker in the configured layout against the model's bare step: FSDP2's hooks,
+   quantizing) is a cost of the same standing: ``layout-bound`` when it is the largest.
 3. the whole gap: the run's gap to its compute ceiling (1 - run / ceiling, a share of its step) is the step's
-   waits, its host work outside compute (``overhead``) and ``unexplained``, which makes them add up. When
-   unexplained is, its whole interval, more than a quarter of a gap of at least ``THRESHOLD``, the verdict is
-   ``unexplained``: it
-   says what it measured instead of naming the largest small wait.
+   waits and layout, its host work outside compute (``overhead``) and ``unexplained``, which makes them add up.
+   When unexplained is, its whole interval, more than a quarter of a gap of at least ``THRESHOLD``, the verdict
+   is ``unexplained``: it says what it measured instead of naming the largest small wait.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from .failures import NO_CHECKPOINT_MARGIN, duration, workers_text
 from .projection import comm_measured_at, project
 
 THRESHOLD = 0.2  # a wait taking a fifth of the step is worth removing before anything else
-STEP_WAITS = ("data", "communication", "checkpoint")  # the waits inside the step
+# the costs inside the step: its waits, and the layout's host work beyond the model's bare step (``layout_share``)
+STEP_WAITS = ("data", "communication", "checkpoint", "layout")
 # not waits a verdict names: the step's host work beside its compute and waits, and what no measurement explains;
 # with the step's waits they add up to the gap between the run and its compute ceiling
 NOT_WAITS = ("overhead", "unexplained")
@@ -41,7 +45,8 @@ CONTENTION_NAMED = 0.05  # a slowdown beside the loader this large a share of th
 
 @dataclass
 class Verdict:
-    # memory-, data-, communication-, checkpoint-, failure-bound, balanced, compute-bound, unexplained, unknown
+    # memory-, data-, communication-, checkpoint-, failure-, layout-bound, balanced, inconclusive, compute-bound,
+    # unexplained, unknown
     kind: str
     share: float | None  # the dominant wait's share of the step
     headline: str  # one line: "data-bound: 41% of each step waits on the loader; ..."
@@ -173,6 +178,10 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
     fails = findings.get("failures") or {}
     if fails.get("failure_share") is not None:  # redone work and restarts at the modelled worker count
         put("failures", fails["failure_share"], None)
+    if run:
+        lay = layout_share(findings.get("compute") or {}, run)
+        if lay:
+            put("layout", *lay)
     gap = _gap(run, findings.get("compute") or {}, shares, iv, parts)
     settings = settings or {}
     scale, workers = settings.get("scale"), settings.get("workers", 1)
@@ -195,6 +204,8 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
             return _comm(shares[k], shares, scaling)
         if k == "failures":
             return _failures(shares[k], shares, fails)
+        if k == "layout":
+            return _layout(shares[k], shares, findings, settings or {})
         return _checkpoint(shares[k], shares, ckpt)
 
     waits = {k: v for k, v in shares.items() if k not in NOT_WAITS}
@@ -212,8 +223,8 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
         got = run.get("samples_per_s") if run else None
         frac = (f" ({got / ceiling:.0%} of the compute ceiling of {thousands(ceiling)} samples/s)"
                 if got and ceiling else "")
-        waits = ", ".join(f"{k} {shares[k]:.0%}" for k in ("data", "communication", "checkpoint", "failures",
-                                                             "overhead", "unexplained") if k in shares)
+        waits = ", ".join(f"{k} {shares[k]:.0%}" for k in ("data", "communication", "checkpoint", "layout",
+                                                             "failures", "overhead", "unexplained") if k in shares)
         head = (f"compute-bound: no wait takes more than {share:.0%} of a step ({waits}); it trains at "
                 f"{thousands(got)} samples/s{frac}")
         fix = "a faster model step (larger batch per worker, bf16 on GPU, more devices) is what shortens this run"
@@ -233,19 +244,27 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
         v = named(kind)
         v.intervals, v.gap = iv, gap
         return v
-    v = _balanced(kind, rivals, shares, iv, named)
+    v = _balanced(kind, rivals, shares, iv, named, settings.get("budget_s"))
     v.gap = gap
     return v
 
 
-def _balanced(kind: str, rivals: list[str], shares: dict, iv: dict, named) -> Verdict:
-    """No wait stands out beyond noise: say which ones are level, with their intervals, and each one's remedy."""
+def _balanced(kind: str, rivals: list[str], shares: dict, iv: dict, named, budget_s: float | None) -> Verdict:
+    """No wait stands out beyond noise. When the largest wait's whole interval clears the line, a wait surely
+    matters and only their order is in doubt: ``balanced``, naming the level ones with their intervals and each
+    one's remedy. When it reaches below the line, the run may as well be compute-bound: ``inconclusive``, with
+    what to measure longer."""
     level = [f"{k} {share_interval(shares[k], iv[k])}" for k in (kind, *rivals)]
-    if not rivals:  # the largest wait straddles the line: it may be a wait worth removing, or compute
-        level.append(f"compute (the line is {THRESHOLD:.0%})")
-    head = (f"balanced: {' and '.join(level)} within noise; a longer diagnosis (--budget-s) narrows the intervals")
     fix = "; or ".join(f"for {k}: {named(k).fix}" for k in (kind, *rivals))
-    return Verdict("balanced", shares[kind], f"{head}; {fix}", fix, shares, iv)
+    if iv[kind][0] >= THRESHOLD:
+        head = f"balanced: {' and '.join(level)} within noise; a longer diagnosis (--budget-s) orders them"
+        return Verdict("balanced", shares[kind], f"{head}; {fix}", fix, shares, iv)
+    longer = f"--budget-s {2 * budget_s:.0f}" if budget_s else "a larger --budget-s"
+    head = (f"inconclusive: {' and '.join(level)} reach both sides of the line of {THRESHOLD:.0%} (a wait worth "
+            f"removing, or compute): measure longer ({longer}: more steps narrow every interval), and on a machine "
+            "no other work shares")
+    return Verdict("inconclusive", shares[kind], f"{head}; if it is a wait, {fix}",
+                   f"measure longer ({longer}); {fix}", shares, iv)
 
 
 def _data(share, shares, e2e, run, loaders, ceiling, cont=None) -> Verdict:
@@ -315,6 +334,45 @@ def contention_share(cont: dict, run: dict) -> tuple[float, list[float]]:
     return share(cont["slowdown"]), [share(lo), share(hi)]
 
 
+def bare_step_s(compute: dict) -> tuple[float, list[float]] | None:
+    """The model's bare step (the compute ceiling's), seconds per step of one worker, with its 90% interval."""
+    rate, n = compute.get("samples_per_s_per_worker"), compute.get("workers", 1)
+    if not rate or not compute.get("batch_per_worker"):
+        return None
+    b = compute["batch_per_worker"]
+    lo, hi = compute.get("interval") or (rate * n, rate * n)
+    return b / rate, [b / max(hi / n, 1e-9), b / max(lo / n, 1e-9)]
+
+
+def layout_share(compute: dict, run: dict) -> tuple[float, list[float]] | None:
+    """The share of the run's step that its layout's host work takes: the trainer's step at one worker in the
+    configured layout (the compute experiment's ``trainer``) beyond the model's bare step, over the run's step.
+    Never below zero (a trainer's step measured faster than the bare one is noise). None when not measured."""
+    t, bare = compute.get("trainer") or {}, bare_step_s(compute)
+    if "compute_s" not in t or not bare or not run.get("step_s"):
+        return None
+    (b, (b_lo, b_hi)), (t_lo, t_hi), step = bare, t["interval"], run["step_s"]
+    return max(0.0, t["compute_s"] - b) / step, [max(0.0, t_lo - b_hi) / step, max(0.0, t_hi - b_lo) / step]
+
+
+def _layout(share: float, shares: dict, findings: dict, settings: dict) -> Verdict:
+    """The layout's host work per step is the largest cost: name it with the two steps behind it, and the
+    setting that removes it (at one worker nothing is sharded or exchanged: stage 0 with no quantizing)."""
+    compute = findings.get("compute") or {}
+    t, (b, _) = compute["trainer"], bare_step_s(compute)
+    head = (f"layout-bound: the trainer's step in its layout ({t['layout']}) takes {t['compute_s'] * 1e3:.1f} ms "
+            f"against the model's bare step of {b * 1e3:.1f} ms at one worker: {share:.0%} of each step is the "
+            "layout's own work (hooks, sharded parameters, quantizing), not the model's")
+    if settings.get("workers", 1) == 1:
+        fix = ("set parallel.zero_stage = 0, parallel.quant_grads = 'none' and parallel.quant_weights = 'none': "
+               "one worker has nothing to shard or exchange" + (" (keep the offload if the model needs it to fit)"
+                                                                  if "offload" in t["layout"] else ""))
+    else:
+        fix = ("a larger batch per worker (data.global_batch_size) spreads the layout's fixed work over more "
+               "samples; or a lower ZeRO stage where memory allows (the memory experiment names the stages that fit)")
+    return Verdict("layout-bound", share, f"{head}; {fix}", fix, shares)
+
+
 def _gap(run: dict, compute: dict, shares: dict, iv: dict, parts: dict) -> dict:
     """The run's gap to its compute ceiling, ``1 - run / ceiling`` of its step, and the ``unexplained`` share
     that makes the step's waits add up to it (put into ``shares``); empty without both figures."""
@@ -330,7 +388,7 @@ def _gap(run: dict, compute: dict, shares: dict, iv: dict, parts: dict) -> dict:
     if per.get("compute") and per.get("step_s"):
         # the step's host work outside its compute and its waits (copies to the device, the loop's bookkeeping):
         # measured, though no wait; what is left of the gap is the run's compute slower than the ceiling's step
-        # beyond what the loader's contention explains
+        # beyond what the loader's contention and the layout's work (the trainer's step alone) explain
         own = compute_share(run)
         overhead = max(0.0, 1.0 - own - run["data_wait_share"] - run["comm_share"] - run["checkpoint_share"])
         shares["overhead"], iv["overhead"] = overhead, [overhead, overhead]

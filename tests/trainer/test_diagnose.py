@@ -4,6 +4,10 @@ data-starved, communication-heavy or too big for a memory budget, each named cor
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 from dutycycle.trainer.config import load_config
@@ -270,6 +274,38 @@ def test_a_raw_decoding_config_is_data_bound_and_the_cache_is_not(shapes, tmp_pa
     from ..support.pages import raw_values
 
     assert not raw_values(page), raw_values(page)  # numbers with units, no None or reprs
+
+
+def _spinner() -> int:
+    """A CPU-heavy process that is not this one's descendant (a shell starts it and exits; init adopts it), as
+    another user's job on the machine is: its pid."""
+    got = subprocess.run(["sh", "-c", f"'{sys.executable}' -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True)
+    return int(got.stdout)
+
+
+@pytest.mark.slow
+def test_beside_another_cpu_heavy_process_the_verdict_holds_or_says_inconclusive(shapes, tmp_path):
+    """The raw config diagnosed twice while another process spins on one of the machine's cores: the same verdict
+    both times, or "inconclusive" (on this 2-core machine the step's slowdown beside the loader was measured 36x
+    in one run and 0.4x in the next, and the two verdicts were data-bound and compute-bound). Each says the
+    machine was shared, with the cores the other process took."""
+    table, _, _ = shapes
+    spinner = _spinner()
+    try:
+        runs = [diagnose(load_config(None, [*_sets(tmp_path / f"r{i}"), "data.source=raw", f"data.table={table}",
+                                            "data.size=16", "data.loader_mode=sync"]),
+                         out=str(tmp_path / f"d{i}"), budget_s=30, only=["compute", "contention", "end_to_end"],
+                         say=lambda line: None) for i in range(2)]
+    finally:
+        os.kill(spinner, signal.SIGKILL)
+    kinds = [r["verdict"]["kind"] for r in runs]
+    assert kinds[0] == kinds[1] or "inconclusive" in kinds, [r["verdict"]["headline"] for r in runs]
+    for r in runs:
+        # every experiment measured (a verdict of "unknown" twice would pass the line above for nothing)
+        assert all("error" not in f and "skipped" not in f for f in r["findings"].values()), r["findings"]
+        assert r["machine_load"]["others"] >= 0.5, r["machine_load"]  # the spinner: about one core of two
+        assert "the machine was shared: other processes took" in r["verdict"]["headline"], r["verdict"]["headline"]
 
 
 @pytest.mark.slow

@@ -172,6 +172,23 @@ def test_the_layout_s_own_work_is_measured_named_and_its_remedy_predicted():
     assert "layout" not in decide(f, {"workers": 1}).shares
 
 
+def test_a_shared_machine_is_said_and_its_slowdown_is_not_surely_the_loader_s():
+    # the issue's run with another process on one of the two cores while the step was measured: the slowdown
+    # beside the loader is the loader and that process together, so none of it is surely decoding's; the data
+    # share's interval reaches down to the wait alone, and the verdict cannot call it data-bound
+    shared = _contention(1.05)
+    shared["alone"]["others"] = shared["beside"]["others"] = 1.0
+    v = decide(_issue(shared), {"others_cores": 1.0, "cores": 2, "budget_s": 60})
+    assert v.intervals["data"][0] == pytest.approx(0.05) and v.shares["data"] == pytest.approx(0.06 + C)
+    assert v.kind == "inconclusive", v.headline
+    assert "measure longer (--budget-s 120" in v.headline
+    assert v.headline.endswith("[the machine was shared: other processes took 1.0 of its 2 cores while it measured; "
+                               "figures from a shared machine move between runs]"), v.headline
+    # a quiet machine (a tenth of a core elsewhere): the same figures are data-bound, with nothing said
+    v = decide(_issue(_contention(1.05)), {"others_cores": 0.1, "cores": 2})
+    assert v.kind == "data-bound" and "shared" not in v.headline
+
+
 def test_the_remedies_for_decoding_predict_from_the_measured_parts():
     f = _issue(_contention(1.05))
     c = C

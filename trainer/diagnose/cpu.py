@@ -63,20 +63,37 @@ def thread_seconds(pid: int | str = "self") -> dict[int, float]:
     return out
 
 
-def descendants(pid: int) -> list[int]:
-    """The live processes below ``pid`` (children, their children, ...)."""
+RAY_COMMANDS = ("raylet", "gcs_server")  # and every "ray::..." worker: Ray's own processes (their /proc comm)
+
+
+def _comm(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def descendants(pid: int, ray: bool = False) -> list[int]:
+    """The live processes below ``pid`` (children, their children, ...); with ``ray``, Ray's processes on this
+    machine too (a cluster started with ``ray start`` is no descendant, yet it runs this diagnosis's workers)."""
     children: dict[int, list[int]] = {}
+    rays = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             f = _fields(f"/proc/{name}/stat")
             if f is not None:
                 children.setdefault(int(f[1]), []).append(int(name))  # field 4: the parent's id
+                if ray and int(name) != pid:
+                    c = _comm(name)
+                    if c.startswith("ray::") or c in RAY_COMMANDS:
+                        rays.append(int(name))
     out, todo = [], list(children.get(pid, []))
     while todo:
         p = todo.pop()
         out.append(p)
         todo.extend(children.get(p, []))
-    return out
+    return out + [p for p in rays if p not in set(out)]
 
 
 def machine_busy_seconds() -> float:
@@ -96,10 +113,11 @@ class Snapshot:
     machine: float = 0.0  # the machine's busy seconds
 
 
-def snapshot() -> Snapshot:
+def snapshot(ray: bool = False) -> Snapshot:
+    """This process's threads, itself and its descendants (with ``ray``: and Ray's processes), and the machine."""
     pid = os.getpid()
     kids = {}
-    for p in descendants(pid):
+    for p in descendants(pid, ray):
         s = cpu_seconds(f"/proc/{p}/stat", children=True)
         if s is not None:
             kids[p] = s

@@ -27,6 +27,7 @@ from dutycycle.engine import io
 from dutycycle.engine.errors import ConfigError
 from dutycycle.trainer.launch.train import init_ray
 
+from . import cpu
 from .context import Context
 from .experiments import EXPERIMENTS
 from .findings import FindingError, read, to_dict
@@ -243,11 +244,16 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_signal) if main else None
     try:
+        # the machine's other work while the experiments ran: another process's CPU moves every figure here
+        before = cpu.snapshot(ray=True) if cpu.available() else None
         interrupted = _measure(chosen, ctx, deadline, budget_s, say)
+        load = {**cpu.cores(before, cpu.snapshot(ray=True), set()), "cores": cpu.cores_available()} if before else None
         verdict = decide(findings, {"quant_grads": cfg.parallel.quant_grads,
                                     "inject_comm_ms": cfg.parallel.inject_comm_ms, "scale": scale,
                                     "workers": cfg.parallel.num_workers, "zero_stage": cfg.parallel.zero_stage,
-                                    "budget_s": budget_s})
+                                    "budget_s": budget_s,
+                                    "others_cores": load["others"] if load else None,
+                                    "cores": load["cores"] if load else None})
         found = remedies(findings, verdict.kind)
         for r in found:
             say(f"[diagnose] remedy for {r['for']}: {change_text(r)}: predicted {predicted_text(r)} ({r['from']})")
@@ -260,6 +266,7 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
         if main:
             signal.signal(signal.SIGTERM, previous)
     result = {"config_name": config_name, "budget_s": budget_s, "findings": findings,
+              "machine_load": {k: load[k] for k in ("others", "cores", "wall_s")} if load else None,
               "verdict": verdict.to_dict(), "remedies": found}
     if scale:
         # the verdict's shares are these workers'; each wait's model says how it was carried there

@@ -94,7 +94,8 @@ def trainer_step(ctx: Context, per_worker: int, threads: int) -> dict:
     same (the demo's tiny CNN: 2.9 ms bare, 8.6 ms at stage 2 with int8 gradients, 2.8 ms at stage 0)."""
     run = short_run(ctx, "compute-trainer", *synthetic(ctx), "parallel.num_workers=1",
                     f"data.global_batch_size={per_worker}", f"parallel.threads_per_worker={threads}",
-                    "parallel.replicate=1", "parallel.tensor=1", "parallel.inject_comm_ms=0", "checkpoint.every=0")
+                    "parallel.replicate=1", "parallel.tensor=1", "parallel.inject_comm_ms=0", "data.slow_ms=0",
+                    "checkpoint.every=0")
     times = run["per_step"]["compute"]
     return {"compute_s": statistics.median(times), "interval": noise.median_interval(times), "steps": len(times),
             "layout": layout_text(ctx.cfg.parallel)}

@@ -40,6 +40,7 @@ STEP_WAITS = ("data", "communication", "checkpoint", "layout")
 # not waits a verdict names: the step's host work beside its compute and waits, and what no measurement explains;
 # with the step's waits they add up to the gap between the run and its compute ceiling
 NOT_WAITS = ("overhead", "unexplained")
+SHARED = 0.25  # other processes taking this share of the cores while a diagnosis measures: the verdict says so
 CONTENTION_NAMED = 0.05  # a slowdown beside the loader this large a share of the step is named in the verdict
 
 
@@ -105,6 +106,10 @@ def decide(findings: dict, settings: dict | None = None) -> Verdict:
     s = settings or {}
     if s.get("scale") and s["scale"] != s.get("workers", 1) and v.shares:
         v.headline += f" [shares projected from {s.get('workers', 1)} to {s['scale']:,} workers]"
+    busy, cores = s.get("others_cores"), s.get("cores")
+    if busy is not None and cores and busy >= SHARED * cores:
+        v.headline += (f" [the machine was shared: other processes took {busy:.1f} of its {cores} cores while it "
+                       "measured; figures from a shared machine move between runs]")
     return v
 
 
@@ -145,7 +150,7 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
             c, (c_lo, c_hi) = contention_share(cont, run)
             parts["contention"] = c
             w_lo, w_hi = got.get("data_wait_share") or (wait, wait)
-            put("data", wait + c, [w_lo + c_lo, w_hi + c_hi])
+            put("data", wait + c, [w_lo + c_lo, min(1.0, w_hi + c_hi)])  # a share: never above the whole step
         else:
             put("data", wait, got.get("data_wait_share"))
         # Without that measurement (an older diagnosis.json, or the experiment not run), the part of the compute
@@ -219,7 +224,9 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
         # beyond its noise, as every share is compared: its whole interval above a quarter of the gap
         if whole >= THRESHOLD and iv["unexplained"][0] > whole / 4:
             return _unexplained(whole, shares, iv, gap, cont, findings, kind, named_fix=lambda k: named(k).fix)
-    if hi < THRESHOLD:
+    # compute-bound only when no wait's interval reaches the line (the largest by its point figure may be
+    # measured tightly below it while another's interval reaches above: noise, not compute, decides that one)
+    if all(iv[k][1] < THRESHOLD for k in waits):
         got = run.get("samples_per_s") if run else None
         frac = (f" ({got / ceiling:.0%} of the compute ceiling of {thousands(ceiling)} samples/s)"
                 if got and ceiling else "")
@@ -309,6 +316,12 @@ def contention_of(findings: dict) -> dict | None:
     return c if "slowdown" in c and "error" not in c else None
 
 
+def shared_while_measured(cont: dict) -> bool:
+    """Whether other processes took ``SHARED`` of the cores while the step was measured, alone or beside."""
+    others = max((cont.get(k) or {}).get("others", 0.0) for k in ("alone", "beside"))
+    return others >= SHARED * cont.get("cores", 1)
+
+
 def compute_share(run: dict) -> float:
     """The share of the run's step its own compute took (forward, backward, optimizer; from its per-step phases),
     or, for a run recorded without them, what its waits leave."""
@@ -326,6 +339,11 @@ def contention_share(cont: dict, run: dict) -> tuple[float, list[float]]:
     measured faster beside the loader is noise, not a gain)."""
     own = compute_share(run)
     lo, hi = cont.get("slowdown_interval") or (cont["slowdown"], cont["slowdown"])
+    if shared_while_measured(cont):
+        # another process's CPU in both windows: the step's slowdown beside the loader is then the two together
+        # (a 2-core machine with one core spinning elsewhere measured the step 36x slower beside a loader taking
+        # a tenth of a core, and 0.4x in the next run), so no part of it is surely the loader's
+        lo = 0.0
 
     def share(slowdown: float) -> float:
         s = max(0.0, slowdown)

@@ -159,6 +159,12 @@ def test_the_loop_stops_when_the_budget_or_the_experiment_limit_is_spent_or_noth
     # no budget for even one diagnosis
     got = Recorded(rounds, slower, budget=1.0).run()
     assert got["rounds"] == [] and got["stopped"] == "budget spent before the first diagnosis"
+    # interrupted in its second diagnosis (Ctrl-C): what was measured before stays in the caller's state
+    rec = Recorded({(): _diagnosis(100.0, 0.02, [DATA])}, {("data.source=cache",): (245.0, 240.0, 252.0)})
+    state: dict = {}
+    with pytest.raises(KeyError):  # no recorded diagnosis for the kept config: the second round raises
+        loop(rec.diagnose, rec.verify, lambda: 1e9, say=lambda _: None, state=state)
+    assert state["kept"] == ["data.source=cache"] and len(state["experiments"]) == 1
     # a diagnosis without a training rate (its end-to-end run failed): nothing to compare against
     failed = {**rounds[()], "findings": {"end_to_end": {"error": "boom"}}}
     got = Recorded({(): failed}, slower).run()

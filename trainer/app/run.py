@@ -1,5 +1,5 @@
-"""What the trainer's subcommands do (``train``, ``diagnose``, ``tune``, ``demo``; their arguments are in commands.py). This
-module loads torch: commands.py imports it only when one of its commands runs."""
+"""What the trainer's subcommands do (``train``, ``diagnose``, ``tune``, ``demo``; their arguments are in
+commands.py). This module loads torch: commands.py imports it only when one of its commands runs."""
 
 from __future__ import annotations
 

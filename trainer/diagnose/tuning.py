@@ -122,7 +122,8 @@ def merged(kept: list[str], changes: list[str]) -> list[str]:
 
 
 def loop(diagnose_round: Callable, verify_round: Callable, time_left: Callable[[], float], *,
-         max_experiments: int | None = None, min_round_s: float = ROUND_MIN_S, say=print) -> dict:
+         max_experiments: int | None = None, min_round_s: float = ROUND_MIN_S, say=print,
+         state: dict | None = None) -> dict:
     """The tune loop over two measuring functions:
 
     - ``diagnose_round(kept, k)``: round ``k``'s diagnosis of the config with the ``kept`` changes (a dict with
@@ -132,10 +133,12 @@ def loop(diagnose_round: Callable, verify_round: Callable, time_left: Callable[[
     - ``time_left()``: seconds of the budget left.
 
     Returns ``{"kept", "experiments", "rounds", "stopped"}``: the changes kept, every verified remedy (predicted,
-    measured, kept or not and why), each round's baseline and verdict, and why the loop stopped."""
+    measured, kept or not and why), each round's baseline and verdict, and why the loop stopped. ``state``: that
+    dict, filled as the loop goes (what a caller interrupted by a signal still has)."""
+    state = state if state is not None else {}
+    state.update(kept=[], experiments=[], rounds=[], stopped="")
+    experiments, rounds = state["experiments"], state["rounds"]
     kept: list[str] = []
-    experiments: list[dict] = []
-    rounds: list[dict] = []
     stopped = ""
     while not stopped:
         if max_experiments is not None and len(experiments) >= max_experiments:
@@ -185,9 +188,10 @@ def loop(diagnose_round: Callable, verify_round: Callable, time_left: Callable[[
             experiments.append(row)
             say(f"[tune] {'kept' if keep else 'not kept'}: {why}")
             if keep:
-                kept = merged(kept, remedy["set"])
+                kept = state["kept"] = merged(kept, remedy["set"])
                 break  # a new config: diagnose it again
-    return {"kept": kept, "experiments": experiments, "rounds": rounds, "stopped": stopped}
+    state["stopped"] = stopped
+    return state
 
 
 def tuned_rate(result: dict) -> dict | None:
@@ -268,10 +272,10 @@ def tune(cfg, *, out: str, budget_s: float = 900.0, base: dict | None = None, co
 
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_signal) if main else None
-    state: dict = {"kept": [], "experiments": [], "rounds": [], "stopped": ""}
+    state: dict = {}
     interrupted = None
     try:
-        state = loop(diagnose_round, verify_round, time_left, max_experiments=max_experiments, say=say)
+        loop(diagnose_round, verify_round, time_left, max_experiments=max_experiments, say=say, state=state)
     except KeyboardInterrupt as e:
         interrupted = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
         state["stopped"] = f"interrupted by {interrupted}"

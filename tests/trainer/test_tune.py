@@ -169,6 +169,16 @@ def test_the_loop_stops_when_the_budget_or_the_experiment_limit_is_spent_or_noth
     failed = {**rounds[()], "findings": {"end_to_end": {"error": "boom"}}}
     got = Recorded({(): failed}, slower).run()
     assert got["experiments"] == [] and "measured no training rate" in got["stopped"]
+    # ... unless the configured layout does not fit: the layout that fits is tried, judged by its bytes
+    mem = {"for": "memory", "set": ["parallel.zero_stage=3"], "predicted_bytes_per_rank": 1e6}
+    over = {**failed, "remedies": [DATA, mem],
+            "findings": {**failed["findings"], "memory": {"budget_bytes": 2e6}}}
+    rec = Recorded({(): over, ("parallel.zero_stage=3",): failed},
+                   {("parallel.zero_stage=3",): {**mem, "measured_bytes_per_rank": 1.1e6}})
+    got = rec.run()
+    assert got["kept"] == ["parallel.zero_stage=3"] and got["experiments"][0]["baseline"] is None
+    assert got["rounds"][0]["passed_over"] == [{"for": "data", "set": ["data.source=cache"],
+                                                "why": "the configured run measured no rate to compare it with"}]
 
 
 def test_the_tuned_config_is_the_base_plus_the_kept_changes_and_loads_back(tmp_path):

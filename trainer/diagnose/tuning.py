@@ -72,11 +72,12 @@ def key_of(remedy: dict) -> tuple[str, ...]:
     return tuple(sorted(remedy["set"]))
 
 
-def candidates(found: list[dict], base: dict, tried: set) -> tuple[list[dict], list[dict]]:
+def candidates(found: list[dict], base: dict | None, tried: set) -> tuple[list[dict], list[dict]]:
     """The remedies worth verifying from a diagnosis's ``found`` (its ``remedies``), in the order to try them, and
     the ones passed over, each as ``{"remedy": ..., "why": ...}``. ``tried``: the settings already run from this
-    config (``key_of``)."""
-    hi = base["interval"][1]
+    config (``key_of``). ``base`` None (the configured run measured no rate; it may not fit): a memory layout
+    only."""
+    hi = base["interval"][1] if base else None
     go, passed = [], []
     for r in found:
         if key_of(r) in tried:
@@ -85,6 +86,8 @@ def candidates(found: list[dict], base: dict, tried: set) -> tuple[list[dict], l
             go.append(r)  # the configured layout does not fit: this comes first
         elif "predicted_samples_per_s" not in r:
             passed.append({"remedy": r, "why": "its prediction is not a rate a short run can measure"})
+        elif hi is None:
+            passed.append({"remedy": r, "why": "the configured run measured no rate to compare it with"})
         elif r["predicted_samples_per_s"] <= hi:
             passed.append({"remedy": r, "why": f"predicted {thousands(r['predicted_samples_per_s'])} samples/s, "
                                                f"within the noise of the baseline (its interval reaches "
@@ -154,11 +157,10 @@ def loop(diagnose_round: Callable, verify_round: Callable, time_left: Callable[[
         rnd = {"round": k, "changes": list(kept), "verdict": diag["verdict"]["headline"], "baseline": base,
                "remedies": len(diag.get("remedies") or []), "passed_over": []}
         rounds.append(rnd)
-        if base is None:
+        if base is None and not any("predicted_bytes_per_rank" in r for r in diag.get("remedies") or []):
             stopped = f"round {k}'s diagnosis measured no training rate (its end-to-end run failed or did not run)"
             break
-        say(f"[tune] round {k}: {thousands(base['samples_per_s'])} samples/s "
-            f"({thousands(base['interval'][0])}-{thousands(base['interval'][1])}); {diag['verdict']['headline']}")
+        say(f"[tune] round {k}: {_rate(base)} samples/s; {diag['verdict']['headline']}")
         tried: set = set()
         while True:
             go, passed = candidates(diag.get("remedies") or [], base, tried)
@@ -272,7 +274,7 @@ def tune(cfg, *, out: str, budget_s: float = 900.0, base: dict | None = None, co
 
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_signal) if main else None
-    state: dict = {}
+    state: dict = {"kept": [], "experiments": [], "rounds": [], "stopped": ""}
     interrupted = None
     try:
         loop(diagnose_round, verify_round, time_left, max_experiments=max_experiments, say=say, state=state)

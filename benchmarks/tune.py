@@ -7,9 +7,10 @@ int8 gradients, asynchronous saves) and a raw one (the same file at one worker d
 ``data.source = raw``, the cache named beside it). For each:
 
 1. ``dutycycle tune CONFIG --max-experiments 5`` runs as a user runs it (a process of its own);
-2. every point of the grid, then the tuned config, runs as a short training run of the same steps, one after
-   another in this process (``experiments.short_run``, what tune's own verifications run): the tuned config is
-   measured in the same conditions as the grid, not by tune's figures.
+2. every point of the grid and the tuned config run as short training runs of the same steps, one after another
+   in this process (``experiments.short_run``, what tune's own verifications run), ``--repeats`` times in turns,
+   each point's figure the median of its runs: the tuned config is measured in the same conditions as the grid,
+   not by tune's figures.
 
 The grid is over the knobs tune's remedies set, at the values a 2-core machine can run in minutes (each point at
 2 workers is a Ray Train run): for the demo config, workers {2, 1} x int8 gradients {on, off} (at 2 workers) x
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,44 +100,54 @@ def run_tune(config: Path, out: Path, budget_s: float, only: str, max_experiment
 
 
 def measure(cfg, workdir: str, name: str, sets: list[str], steps: int) -> dict:
-    """One point: a short run of ``cfg`` with ``sets``, its training rate over its steady steps."""
+    """One short run of ``cfg`` with ``sets``: its training rate over its steady steps, with its interval."""
     from dutycycle.trainer.diagnose.context import Context
     from dutycycle.trainer.diagnose.experiments import short_run
     from dutycycle.trainer.diagnose.tuning import rate_interval
 
-    t0 = time.perf_counter()
     try:
         got = short_run(Context(cfg=cfg, workdir=workdir, steps=steps), name, *sets)
     except Exception as e:  # noqa: BLE001 - a point that does not run is recorded, the others run
-        return {"set": sets, "error": f"{type(e).__name__}: {e}"}
-    return {"set": sets, "samples_per_s": round(got["samples_per_s"], 1),
-            "interval": [round(x, 1) for x in rate_interval(got)], "wall_s": round(time.perf_counter() - t0, 1)}
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"samples_per_s": round(got["samples_per_s"], 1), "interval": [round(x, 1) for x in rate_interval(got)]}
 
 
 def one_config(name: str, config: Path, grid: list[list[str]], args, tmp: Path) -> dict:
+    """Tune first; then every grid point and the tuned config, one after another, ``args.repeats`` times over (a
+    busy machine moves a run's rate by more than the differences measured: each point's figure is the median of
+    its runs, taken in turns with the others')."""
     from dutycycle.trainer.config import load_config
 
     print(f"[{name}] tune ...", file=sys.stderr)
     tuned = run_tune(config, tmp / f"tune-{name}", args.budget_s, args.only, GOAL_EXPERIMENTS)
-    cfg = load_config(str(config))
-    # a first short run in this process pays its one-off costs (imports, Ray's start for 2 workers), not a point
-    measure(cfg, str(tmp / f"grid-{name}"), "warm-up", grid[0], min(args.steps, 8))
-    rows = []
-    for i, sets in enumerate(grid):
-        rows.append(measure(cfg, str(tmp / f"grid-{name}"), f"point-{i}", sets, args.steps))
-        print(f"[{name}] grid {' '.join(sets)}: {rows[-1].get('samples_per_s', rows[-1].get('error'))}",
-              file=sys.stderr)
-    out = {"config": str(config.name), "grid": rows, "tune": tuned}
+    out: dict = {"config": str(config.name), "tune": tuned}
     if "error" in tuned:
         return out
-    mine = measure(load_config(str(tmp / f"tune-{name}" / "tuned.toml")), str(tmp / f"grid-{name}"), "tuned", [],
-                   args.steps)
-    out["tuned"] = mine
-    ok = [r for r in rows if "samples_per_s" in r]
-    if ok and "samples_per_s" in mine:
+    cfg, mine = load_config(str(config)), load_config(str(tmp / f"tune-{name}" / "tuned.toml"))
+    points = [(cfg, sets) for sets in grid] + [(mine, [])]
+    workdir = str(tmp / f"grid-{name}")
+    # a first short run in this process pays its one-off costs (imports, Ray's start for 2 workers), not a point
+    measure(cfg, workdir, "warm-up", grid[0], min(args.steps, 8))
+    runs: list[list[dict]] = [[] for _ in points]
+    for r in range(args.repeats):
+        for i, (c, sets) in enumerate(points):
+            runs[i].append(measure(c, workdir, f"point-{i}", sets, args.steps))
+            print(f"[{name}] repeat {r + 1}: {' '.join(sets) or 'tuned'}: "
+                  f"{runs[i][-1].get('samples_per_s', runs[i][-1].get('error'))}", file=sys.stderr)
+    rows = []
+    for (_, sets), got in zip(points, runs, strict=True):
+        rates = [g["samples_per_s"] for g in got if "samples_per_s" in g]
+        row = {"set": sets, "runs": got}
+        if rates:
+            row["samples_per_s"] = round(statistics.median(rates), 1)
+            row["spread"] = [min(rates), max(rates)]
+        rows.append(row)
+    out["grid"], out["tuned"] = rows[:-1], rows[-1]
+    ok = [r for r in out["grid"] if "samples_per_s" in r]
+    if ok and "samples_per_s" in out["tuned"]:
         best = max(ok, key=lambda r: r["samples_per_s"])
         out["best"] = best
-        out["ratio_vs_best"] = round(mine["samples_per_s"] / best["samples_per_s"], 3)
+        out["ratio_vs_best"] = round(out["tuned"]["samples_per_s"] / best["samples_per_s"], 3)
         out["experiments_used"] = len(tuned["experiments"])
         out["goal_met"] = out["ratio_vs_best"] >= GOAL_RATIO and out["experiments_used"] <= GOAL_EXPERIMENTS
     return out
@@ -146,6 +158,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--quick", action="store_true", help="a smoke run: the raw config, a tiny table, no time to tune")
     p.add_argument("--images", type=int, default=1200, help="images drawn for the demo's data (default 1200)")
     p.add_argument("--steps", type=int, default=24, help="optimizer steps of each grid point's short run")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each grid point and the tuned config, in turns")
     p.add_argument("--budget-s", type=float, default=900.0, help="tune's --budget-s for each config")
     p.add_argument("--only", default="compute,loader,end_to_end,scaling,checkpoint,memory",
                    help="the experiments of tune's diagnoses (failures predicts an ETTR, no rate to verify)")
@@ -154,7 +167,8 @@ def parse_args(argv: list[str] | None = None):
     args = p.parse_args(argv)
     if args.quick:  # the benchmark's path end to end in seconds: tune's command runs, and stops before its first
         # diagnosis (what tune measures is tested in tests/trainer/test_tune.py); the grid and the tuned config run
-        args.images, args.steps, args.budget_s, args.only, args.configs = 160, 8, 1.0, "end_to_end", "raw"
+        args.images, args.steps, args.repeats, args.budget_s, args.only, args.configs = (160, 8, 1, 1.0, "end_to_end",
+                                                                                          "raw")
     return args
 
 
@@ -171,7 +185,8 @@ def run(args) -> dict:
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():  # the grid's Ray Train runs started it
         sys.modules["ray"].shutdown()
     return {"benchmark": "tune", "quick": args.quick, "machine": machine(),
-            "settings": {"images": args.images, "steps": args.steps, "budget_s": args.budget_s, "only": args.only,
+            "settings": {"images": args.images, "steps": args.steps, "repeats": args.repeats,
+                         "budget_s": args.budget_s, "only": args.only,
                          "goal": {"ratio": GOAL_RATIO, "experiments": GOAL_EXPERIMENTS}},
             "configs": configs, "total_s": round(time.perf_counter() - t0, 1)}
 
@@ -187,14 +202,17 @@ def render(d: dict) -> str:
             rows.append([name, "failed", "-", "-", "-", "-", "-"])
             continue
         kept = ", ".join(f"`{k}`" for k in t["kept"]) or "nothing"
-        rows.append([name, str(c["experiments_used"]), kept, fmt.rate(c["tuned"]["samples_per_s"]),
-                     f"{fmt.rate(c['best']['samples_per_s'])} (`{' '.join(c['best']['set'])}`)",
+        tuned, best = c["tuned"], c["best"]
+        rows.append([name, str(c["experiments_used"]), kept,
+                     f"{fmt.rate(tuned['samples_per_s'])} ({fmt.rate(tuned['spread'][0])}-{fmt.rate(tuned['spread'][1])})",
+                     f"{fmt.rate(best['samples_per_s'])} (`{' '.join(best['set'])}`)",
                      fmt.times(c["ratio_vs_best"]), "yes" if c["goal_met"] else "no"])
     s = d["settings"]
     line = (f"`python benchmarks/tune.py`: the demo's data ({s['images']:,} images, cache and table); tune with "
             f"--budget-s {s['budget_s']:g} and at most {s['goal']['experiments']} verified experiments, then every "
-            f"grid point and the tuned config as short runs of {s['steps']} steps, one after another; whole "
-            f"benchmark {fmt.secs(d['total_s'])}.")
+            f"grid point and the tuned config as short runs of {s['steps']} steps, {s.get('repeats', 1)} times in "
+            f"turns (the median of each; the tuned config's range beside it); whole benchmark "
+            f"{fmt.secs(d['total_s'])}.")
     table = fmt.table(["config", "verified experiments", "kept", "tuned samples/s", "grid's best samples/s",
                        "tuned / best", f"goal ({s['goal']['ratio']:.0%} in {s['goal']['experiments']})"], rows)
     return "\n\n".join([fmt.para(line), table, fmt.source("tune")])

@@ -96,6 +96,7 @@ def run_tune(config: Path, out: Path, budget_s: float, only: str, max_experiment
     print(proc.stdout[-4000:], file=sys.stderr)
     d = json.loads((out / "tune.json").read_text())
     return {"wall_s": round(wall, 1), "experiments": d["experiments"], "kept": d["kept"], "stopped": d["stopped"],
+            "rounds": [{k: r[k] for k in ("round", "changes", "verdict", "baseline", "passed_over")} for r in d["rounds"]],
             "start": d["start"], "tuned": d["tuned"], "tuned_toml": (out / "tuned.toml").read_text()}
 
 
@@ -215,7 +216,17 @@ def render(d: dict) -> str:
             f"{fmt.secs(d['total_s'])}.")
     table = fmt.table(["config", "verified experiments", "kept", "tuned samples/s", "grid's best samples/s",
                        "tuned / best", f"goal ({s['goal']['ratio']:.0%} in {s['goal']['experiments']})"], rows)
-    return "\n\n".join([fmt.para(line), table, fmt.source("tune")])
+    # where nothing was kept the tuned config is the one given, which is also the grid's first point: the two
+    # figures of one config say how far this machine moved a rate between runs
+    same = [f"{name}: {fmt.rate(c['tuned']['samples_per_s'])} as the tuned row, {fmt.rate(c['grid'][0]['samples_per_s'])} "
+            f"as the grid's first point ({fmt.rate(c['grid'][0]['spread'][0])}-{fmt.rate(c['grid'][0]['spread'][1])})"
+            for name, c in d["configs"].items()
+            if "ratio_vs_best" in c and not c["tune"]["kept"] and "samples_per_s" in c["grid"][0]]
+    parts = [fmt.para(line), table]
+    if same:
+        parts.append(fmt.para("Nothing kept, so the tuned config is the config as given, which is also the grid's "
+                              "first point; the one config measured twice: " + "; ".join(same) + "."))
+    return "\n\n".join([*parts, fmt.source("tune")])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -319,3 +319,31 @@ def test_startup_benchmark_quick(tmp_path):
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"local"} and "error" not in rows["local"], rows
     assert rows["local"]["command_to_first_step_s"] > rows["local"]["launch_to_first_step_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tune_benchmark_quick(tmp_path):
+    """benchmarks/tune.py --quick: the demo's data path at a tiny size, ``dutycycle tune`` run as a user runs it
+    (with no time to tune: what it measures is tested in tests/trainer/test_tune.py), every grid point and the
+    tuned config measured, the ratio to the grid's best and the docs' block from the JSON."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks import tune
+
+    out = tmp_path / "tune.json"
+    proc = subprocess.run([sys.executable, str(BENCH.parent / "tune.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "DAFT_ANALYTICS_ENABLED": "0"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    raw = data["configs"]["raw"]
+    assert [r["set"] for r in raw["grid"]] == [["data.source=raw"], ["data.source=cache"]]
+    for r in [*raw["grid"], raw["tuned"]]:
+        (run,) = r["runs"]  # --quick: one run of each point
+        assert r["samples_per_s"] == run["samples_per_s"] > 0, r
+        assert run["interval"][0] <= run["samples_per_s"] <= run["interval"][1], r
+    assert raw["tune"]["stopped"] == "budget spent before the first diagnosis" and raw["experiments_used"] == 0
+    assert 'source = "raw"' in raw["tune"]["tuned_toml"]  # nothing kept: the tuned config is the raw one
+    assert raw["best"]["samples_per_s"] == max(r["samples_per_s"] for r in raw["grid"])
+    assert raw["ratio_vs_best"] == pytest.approx(raw["tuned"]["samples_per_s"] / raw["best"]["samples_per_s"], rel=1e-2)
+    assert "| raw | 0 | nothing |" in tune.render(data) and "raw: 0 verified experiment(s)" in proc.stdout

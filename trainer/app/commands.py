@@ -1,4 +1,4 @@
-"""CLI subcommands of the trainer: ``dutycycle train``, ``dutycycle diagnose`` and ``dutycycle demo``: their
+"""CLI subcommands of the trainer: ``dutycycle train``, ``diagnose``, ``tune`` and ``demo``: their
 arguments. What they do is in run.py, imported when a command runs (it loads torch)."""
 
 from __future__ import annotations
@@ -53,6 +53,28 @@ def register(subparsers) -> None:
     g.add_argument("--scale", type=int, default=None,
                    help="project the failures wait to this many workers (default: parallel.num_workers)")
     g.set_defaults(func=command("cmd_diagnose"))
+
+    t = subparsers.add_parser(
+        "tune",
+        help="apply diagnose's remedies one by one, each verified by a measured run, kept only beyond the noise",
+        description="Diagnose CONFIG, apply the remedy with the largest predicted gain as a config change, verify it "
+        "with a short measured run, keep it only when its rate's interval lies above the baseline's, and repeat from "
+        "the new config until no remedy's predicted gain exceeds the noise or --budget-s is spent. Writes tuned.toml "
+        "(CONFIG plus the kept changes, for dutycycle train), tune.json (every experiment: predicted, measured, "
+        "kept and why) and rounds/<k>/ (each round's diagnosis) under --out, and prints the experiments' table.",
+    )
+    t.add_argument("config", help="a TOML config file, e.g. configs/demo.toml")
+    add_overrides(t)
+    t.add_argument("--budget-s", type=float, default=900.0,
+                   help="time for the whole loop: diagnoses and verifications (default 900)")
+    t.add_argument("--out", default="", help="where tuned.toml and tune.json go (default: RUN_DIR/tune)")
+    t.add_argument("--diagnose-s", type=float, default=None,
+                   help="the most one round's diagnosis may take (default: what is left of --budget-s)")
+    t.add_argument("--only", default="", help="comma-separated experiments of each diagnosis (default: all)")
+    t.add_argument("--max-experiments", type=int, default=None, help="stop after this many verified remedies")
+    t.add_argument("--memory-budget-mb", type=float, default=None,
+                   help="memory per rank to check the model state against (default: the device's)")
+    t.set_defaults(func=command("cmd_tune"))
 
     d = subparsers.add_parser(
         "demo",

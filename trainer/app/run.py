@@ -1,5 +1,5 @@
-"""What the trainer's subcommands do (``train``, ``diagnose``, ``demo``; their arguments are in commands.py). This
-module loads torch: commands.py imports it only when one of its commands runs."""
+"""What the trainer's subcommands do (``train``, ``diagnose``, ``tune``, ``demo``; their arguments are in
+commands.py). This module loads torch: commands.py imports it only when one of its commands runs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import argparse
 
 from dutycycle.engine import io
 from dutycycle.engine.errors import ConfigError
-from dutycycle.trainer.config import load_config
-from dutycycle.trainer.diagnose import diagnose
+from dutycycle.trainer.config import ALIASES, TrainConfig, load_config, read_config_tree
+from dutycycle.trainer.configtree import parse_overrides, set_dotted
+from dutycycle.trainer.diagnose import diagnose, tune
 from dutycycle.trainer.launch.account import format_job, format_startup
 from dutycycle.trainer.launch.train import train
 from dutycycle.trainer.step.metrics import format_breakdown
@@ -46,6 +47,24 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     diagnose(cfg, out=out, budget_s=args.budget_s, memory_budget_mb=args.memory_budget_mb,
              only=[x for x in args.only.split(",") if x] or None, config_name=args.config, scale=args.scale,
              verify=args.verify)
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    if args.budget_s <= 0:
+        raise ConfigError(f"--budget-s {args.budget_s} must be positive, e.g. --budget-s 900")
+    if args.diagnose_s is not None and args.diagnose_s <= 0:
+        raise ConfigError(f"--diagnose-s {args.diagnose_s} must be positive, e.g. --diagnose-s 150")
+    if args.max_experiments is not None and args.max_experiments < 1:
+        raise ConfigError(f"--max-experiments {args.max_experiments} must be at least 1, e.g. --max-experiments 5")
+    cfg = load_config(args.config, args.overrides)
+    # the tuned file is the user's own config plus the --set items given here, then the kept changes
+    base = read_config_tree(args.config)
+    for k, v in parse_overrides(args.overrides):
+        set_dotted(TrainConfig, base, k, v, ALIASES)
+    tune(cfg, out=args.out or io.join(cfg.run.dir, "tune"), budget_s=args.budget_s, base=base,
+         config_name=args.config, only=[x for x in args.only.split(",") if x] or None, diagnose_s=args.diagnose_s,
+         max_experiments=args.max_experiments, memory_budget_mb=args.memory_budget_mb)
     return 0
 
 

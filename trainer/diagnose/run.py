@@ -217,6 +217,15 @@ def _verify(ctx: Context, remedy: dict, deadline: float, say) -> dict:
     return got
 
 
+def context(cfg, out: str, budget_s: float, memory_budget_mb: float | None = None,
+            scale: int | None = None) -> Context:
+    """The experiments' context of a diagnosis of ``cfg`` into ``out`` within ``budget_s``: its measuring loops'
+    share of the budget and its short runs' steps (``tune`` builds the same one to verify a remedy of it)."""
+    return Context(cfg=cfg, workdir=io.join(out, "runs"), seconds=max(1.0, min(5.0, budget_s / 40)),
+                   steps=12 if budget_s >= 180 else 8,
+                   memory_budget_bytes=int(memory_budget_mb * 2**20) if memory_budget_mb else None, scale=scale)
+
+
 def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float | None = None,
              only: list[str] | None = None, say=print, config_name: str = "", scale: int | None = None,
              verify: bool = False) -> dict:
@@ -235,9 +244,7 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
         raise ConfigError(f"--only {','.join(unknown)}: unknown experiment; choose from {', '.join(names)}")
     if io.protocol(out) == "file":
         out = os.path.abspath(out)
-    ctx = Context(cfg=cfg, workdir=io.join(out, "runs"), seconds=max(1.0, min(5.0, budget_s / 40)),
-                  steps=12 if budget_s >= 180 else 8,
-                  memory_budget_bytes=int(memory_budget_mb * 2**20) if memory_budget_mb else None, scale=scale)
+    ctx = context(cfg, out, budget_s, memory_budget_mb, scale)
     chosen = [(k, t, f) for k, t, f in EXPERIMENTS if not only or k in only]
     deadline = time.perf_counter() + budget_s
     findings = ctx.results  # later experiments read earlier ones' results (scaling reads end_to_end)

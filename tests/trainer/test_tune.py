@@ -226,7 +226,9 @@ def test_tune_cli_verifies_the_cache_remedy_keeps_it_and_writes_the_tuned_config
     assert rc == 0
     got = json.loads((out / "tune.json").read_text())
     (e,) = got["experiments"]
-    assert e["for"] == "data" and e["set"] == ["data.source=cache"]
+    # the cache of the run's own table, by its path (sources.py: the one the loader experiment read)
+    change = ["data.source=cache", f"data.cache={cache}"]
+    assert e["for"] == "data" and e["set"] == change, e["set"]
     base = e["baseline"]
     assert base["interval"][0] <= base["samples_per_s"] <= base["interval"][1]
     assert e["predicted_samples_per_s"] > base["interval"][1]  # why it was tried
@@ -234,10 +236,10 @@ def test_tune_cli_verifies_the_cache_remedy_keeps_it_and_writes_the_tuned_config
     assert lo <= e["measured_samples_per_s"] <= hi
     # decoding 448 px JPEGs per step against reading 16 px samples: far beyond the noise
     assert e["kept"] and lo > base["interval"][1], e
-    assert got["kept"] == ["data.source=cache"] and got["stopped"] == "1 experiments verified (the limit)"
+    assert got["kept"] == change and got["stopped"] == "1 experiments verified (the limit)"
     assert got["tuned"]["samples_per_s"] == e["measured_samples_per_s"]
     tuned = load_config(str(out / "tuned.toml"))
-    want = load_config(str(cfg), ["data.source=cache"])
+    want = load_config(str(cfg), change)
     assert tuned.to_dict() == want.to_dict()
     row = next(line for line in printed.splitlines() if line.startswith("1  "))
     assert "data.source=cache" in row and " yes " in row and "[tune] tuned config:" in printed

@@ -14,7 +14,9 @@ int8 gradients, asynchronous saves) and a raw one (the same file at one worker d
 
 The grid is over the knobs tune's remedies set, at the values a 2-core machine can run in minutes (each point at
 2 workers is a Ray Train run): for the demo config, workers {2, 1} x int8 gradients {on, off} (at 2 workers) x
-asynchronous saves {on, off} (6 points); for the raw config, the source {raw, cache} x workers {1, 2} (4 points).
+asynchronous saves {on, off}, and one worker at ZeRO stage 0 with nothing quantized (8 points); for the raw
+config, the source {raw, cache} x {one worker as configured (stage 2, int8 gradients), one worker at stage 0
+with nothing quantized, two workers} (6 points).
 
     python benchmarks/tune.py                 # both configs (about 20 minutes on 2 cores)
     python benchmarks/tune.py --quick         # a smoke run: the raw config, a tiny table, no time to tune
@@ -43,10 +45,13 @@ from benchmarks._common import bench_env, default_out, machine, write_result  # 
 
 GOAL_RATIO, GOAL_EXPERIMENTS = 0.9, 5
 # each grid: (name, the --set items of each point); the config's own values are the first point's where they apply
+ONE_FLAT = ["parallel.zero_stage=0", "parallel.quant_grads=none"]  # one worker with nothing sharded or quantized
 GRIDS = {
     "demo": [[f"parallel.num_workers={w}", f"parallel.quant_grads={q}", f"checkpoint.async_save={a}"]
-             for w, quants in ((2, ("int8", "none")), (1, ("none",))) for q in quants for a in ("true", "false")],
-    "raw": [[f"data.source={s}", f"parallel.num_workers={w}"] for s in ("raw", "cache") for w in (1, 2)],
+             for w, quants in ((2, ("int8", "none")), (1, ("none",))) for q in quants for a in ("true", "false")]
+    + [["parallel.num_workers=1", *ONE_FLAT, f"checkpoint.async_save={a}"] for a in ("true", "false")],
+    "raw": [[f"data.source={s}", *layout] for s in ("raw", "cache")
+            for layout in ([], ONE_FLAT, ["parallel.num_workers=2"])],
 }
 QUICK_GRID = {"raw": [["data.source=raw"], ["data.source=cache"]]}
 
@@ -160,8 +165,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--images", type=int, default=1200, help="images drawn for the demo's data (default 1200)")
     p.add_argument("--steps", type=int, default=24, help="optimizer steps of each grid point's short run")
     p.add_argument("--repeats", type=int, default=3, help="runs of each grid point and the tuned config, in turns")
-    p.add_argument("--budget-s", type=float, default=900.0, help="tune's --budget-s for each config")
-    p.add_argument("--only", default="compute,loader,end_to_end,scaling,checkpoint,memory",
+    p.add_argument("--budget-s", type=float, default=600.0, help="tune's --budget-s for each config")
+    p.add_argument("--only", default="compute,loader,contention,end_to_end,scaling,checkpoint,memory",
                    help="the experiments of tune's diagnoses (failures predicts an ETTR, no rate to verify)")
     p.add_argument("--configs", default="demo,raw", help="which configs (demo, raw)")
     p.add_argument("--out", default=default_out("tune"))

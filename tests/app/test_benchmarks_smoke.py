@@ -303,6 +303,32 @@ def test_diagnose_accuracy_benchmark_quick(tmp_path):
     assert all(abs(r["wait_error_ms"]) < 1.0 for c in comm for r in c["runs"])
 
 
+def test_the_accuracy_matrix_judges_untuned_runs_by_what_each_expects():
+    """The cases of runs nobody tuned (benchmarks/diagnose_accuracy.py): each verdict judged by its ``expect``,
+    on recorded diagnoses (the benchmark runs them for real; the smoke above runs one cause)."""
+    from benchmarks.diagnose_accuracy import right, untuned_cases
+
+    cases = {c["cause"]: c for c in untuned_cases({"table": "/data/table"})}
+    assert set(cases) == {"untuned", "short_job", "external", "compute"}
+    assert "data.source=raw" in cases["untuned"]["set"] and cases["external"]["spinner"]
+
+    def d(kind, headline="", fix="", ettr=None):
+        return {"verdict": {"kind": kind, "headline": headline, "fix": fix},
+                "findings": {"failures": {"ettr": ettr}} if ettr is not None else {}}
+
+    assert right(cases["untuned"], d("data-bound", fix="materialize a cache (dutycycle materialize TABLE CACHE)"))
+    assert not right(cases["untuned"], d("compute-bound"))
+    assert not right(cases["untuned"], d("data-bound", fix="raise data.prefetch"))  # not the remedy that removes it
+    assert right(cases["short_job"], d("compute-bound", ettr=0.9999))
+    assert not right(cases["short_job"], d("failure-bound", ettr=0.9999))
+    assert not right(cases["short_job"], d("compute-bound", ettr=0.5))
+    assert not right(cases["short_job"], d("compute-bound"))  # the failures experiment did not run: not shown right
+    assert right(cases["external"], d("inconclusive", "inconclusive: ... [the machine was shared: other ...]"))
+    assert not right(cases["external"], d("data-bound", "data-bound: decoding slows each step by 3563%"))
+    assert right(cases["compute"], d("compute-bound")) and not right(cases["compute"], d("layout-bound"))
+    assert right({"cause": "comm"}, d("communication-bound")) and not right({"cause": "comm"}, d("balanced"))
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(300)

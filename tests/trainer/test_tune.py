@@ -61,6 +61,10 @@ def test_a_remedy_is_tried_only_beyond_the_noise_and_the_largest_predicted_gain_
     # a layout that fits the memory budget comes before any rate: a run that does not fit has none to improve
     mem = {"for": "memory", "set": ["parallel.zero_stage=3"], "predicted_bytes_per_rank": 1e6}
     assert [r["for"] for r in candidates([data, mem], base, set())[0]] == ["memory", "data"]
+    # a larger node is said, not verified: no setting of this run changes the machine
+    node = {"for": "data", "set": [], "node": "a node with 4 cores", "predicted_samples_per_s": 300.0}
+    go, passed = candidates([node, comm], base, set())
+    assert [r["for"] for r in go] == ["communication"] and passed[0]["why"] == "not a setting: a node with 4 cores"
 
 
 def test_a_change_is_kept_only_when_its_measured_interval_lies_above_the_baseline_s():

@@ -82,7 +82,9 @@ def candidates(found: list[dict], base: dict | None, tried: set) -> tuple[list[d
     for r in found:
         if key_of(r) in tried:
             continue
-        if "predicted_bytes_per_rank" in r:
+        if not r["set"]:  # a larger node: a remedy to say, not a setting a run here can verify
+            passed.append({"remedy": r, "why": f"not a setting: {r.get('node', 'a different machine')}"})
+        elif "predicted_bytes_per_rank" in r:
             go.append(r)  # the configured layout does not fit: this comes first
         elif "predicted_samples_per_s" not in r:
             passed.append({"remedy": r, "why": "its prediction is not a rate a short run can measure"})

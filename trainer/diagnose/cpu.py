@@ -63,37 +63,70 @@ def thread_seconds(pid: int | str = "self") -> dict[int, float]:
     return out
 
 
-RAY_COMMANDS = ("raylet", "gcs_server")  # and every "ray::..." worker: Ray's own processes (their /proc comm)
-
-
-def _comm(pid: str) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def descendants(pid: int, ray: bool = False) -> list[int]:
-    """The live processes below ``pid`` (children, their children, ...); with ``ray``, Ray's processes on this
-    machine too (a cluster started with ``ray start`` is no descendant, yet it runs this diagnosis's workers)."""
+def descendants(pid: int) -> list[int]:
+    """The live processes below ``pid`` (children, their children, ...)."""
     children: dict[int, list[int]] = {}
-    rays = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             f = _fields(f"/proc/{name}/stat")
             if f is not None:
                 children.setdefault(int(f[1]), []).append(int(name))  # field 4: the parent's id
-                if ray and int(name) != pid:
-                    c = _comm(name)
-                    if c.startswith("ray::") or c in RAY_COMMANDS:
-                        rays.append(int(name))
     out, todo = [], list(children.get(pid, []))
     while todo:
         p = todo.pop()
         out.append(p)
         todo.extend(children.get(p, []))
-    return out + [p for p in rays if p not in set(out)]
+    return out
+
+
+def _is_ray(pid: str) -> bool:
+    """A Ray process (its workers, "ray::...", and its daemons): a cluster started with ``ray start`` is no
+    descendant of a diagnosis, yet runs its workers."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return cmd.startswith(b"ray::") or b"/ray/" in cmd or b"raylet" in cmd or b"gcs_server" in cmd
+
+
+@dataclass
+class Others:
+    at: float  # time.perf_counter()
+    since_boot: float  # seconds since boot then (/proc/uptime), against a process's start time
+    seconds: dict[int, float]  # pid -> CPU seconds (reaped children included), processes not this run's
+
+
+def others() -> Others:
+    """The CPU seconds of every process on the machine that is not this process, its descendants or Ray's: what
+    other work takes. Counted per process, by what each has used (the machine's busy time less this process
+    tree's misses what our short-lived processes used once they are gone, and read 0.7 of 2 cores of "other
+    work" on an idle machine beside a 2-worker Ray run)."""
+    with open("/proc/uptime") as f:
+        since_boot = float(f.read().split()[0])
+    mine = {os.getpid(), *descendants(os.getpid())}
+    seconds = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in mine and not _is_ray(name):
+            s = cpu_seconds(f"/proc/{name}/stat", children=True)
+            if s is not None:
+                seconds[int(name)] = s
+    return Others(time.perf_counter(), since_boot, seconds)
+
+
+def others_cores(a: Others, b: Others) -> float:
+    """Cores other processes used between two ``others`` readings: the ones alive at the second, from the first
+    reading or from their start (a process that started in between); ones that ended in between are missed, so
+    this is a lower bound."""
+    total = 0.0
+    for pid, s in b.seconds.items():
+        if pid in a.seconds:
+            total += max(0.0, s - a.seconds[pid])
+        else:
+            f = _fields(f"/proc/{pid}/stat")
+            if f is not None and int(f[19]) / TICK >= a.since_boot:  # field 22: its start, in ticks since boot
+                total += s
+    return total / max(b.at - a.at, 1e-9)
 
 
 def machine_busy_seconds() -> float:
@@ -113,11 +146,10 @@ class Snapshot:
     machine: float = 0.0  # the machine's busy seconds
 
 
-def snapshot(ray: bool = False) -> Snapshot:
-    """This process's threads, itself and its descendants (with ``ray``: and Ray's processes), and the machine."""
+def snapshot() -> Snapshot:
     pid = os.getpid()
     kids = {}
-    for p in descendants(pid, ray):
+    for p in descendants(pid):
         s = cpu_seconds(f"/proc/{p}/stat", children=True)
         if s is not None:
             kids[p] = s

@@ -252,9 +252,11 @@ def diagnose(cfg, *, out: str, budget_s: float = 300.0, memory_budget_mb: float 
     previous = signal.signal(signal.SIGTERM, _on_signal) if main else None
     try:
         # the machine's other work while the experiments ran: another process's CPU moves every figure here
-        before = cpu.snapshot(ray=True) if cpu.available() else None
+        before = cpu.others() if cpu.available() else None
         interrupted = _measure(chosen, ctx, deadline, budget_s, say)
-        load = {**cpu.cores(before, cpu.snapshot(ray=True), set()), "cores": cpu.cores_available()} if before else None
+        after = cpu.others() if before else None
+        load = {"others": cpu.others_cores(before, after), "cores": cpu.cores_available(),
+                "wall_s": after.at - before.at} if before else None
         verdict = decide(findings, {"quant_grads": cfg.parallel.quant_grads,
                                     "inject_comm_ms": cfg.parallel.inject_comm_ms, "scale": scale,
                                     "workers": cfg.parallel.num_workers, "zero_stage": cfg.parallel.zero_stage,

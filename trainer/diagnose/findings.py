@@ -80,6 +80,10 @@ class ComputeFinding:
     # the trainer's step at one worker in the configured layout (shortrun.trainer_step): compute_s, interval,
     # steps, layout; or {"error": ...} when it could not run. None in a diagnosis recorded before it was measured
     trainer: dict | None = None
+    # the same at ZeRO stage 0, nothing quantized or offloaded (the configured one's dict when that is flat)
+    trainer_flat: dict | None = None
+    # the bare loop's rate when the trainer's flat step was faster and became the ceiling (samples_per_s_per_worker)
+    bare_samples_per_s_per_worker: float | None = None
 
 
 @dataclass

@@ -36,10 +36,10 @@ from dutycycle.engine.transform import TransformSpec
 
 from .context import share_steps
 from .verdict import (
-    bare_step_s,
     compute_share,
     contention_of,
     contention_share,
+    flat_step_s,
     layout_settings,
     layout_share,
 )
@@ -210,8 +210,8 @@ def layout_remedy(findings: dict) -> dict | None:
     return {"for": "layout", "set": ["parallel.zero_stage=0", "parallel.quant_grads=none",
                                      "parallel.quant_weights=none"],
             "predicted_samples_per_s": run["samples_per_s"] * run["step_s"] / max(step, 1e-9),
-            "from": f"the step without the layout's work beyond the model's bare step ({t['layout']}: "
-                    f"{t['compute_s'] * 1e3:.1f} ms against {bare_step_s(compute)[0] * 1e3:.1f} ms, "
+            "from": f"the step without the layout's work beyond the trainer's flat step ({t['layout']}: "
+                    f"{t['compute_s'] * 1e3:.1f} ms against {flat_step_s(compute)[0] * 1e3:.1f} ms at stage 0, "
                     f"{lay[0]:.0%} of the step)"}
 
 

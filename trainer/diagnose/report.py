@@ -34,10 +34,14 @@ def describe(key: str, res: dict) -> str:
         line = (f"{res['samples_per_s']:,.0f} samples/s ({res['samples_per_s_per_worker']:,.0f} per worker x "
                 f"{res['workers']}, {res['device']}{mfu})")
         t = res.get("trainer") or {}
-        if "compute_s" in t:  # the trainer's own step in its layout, beside the bare step the ceiling is
-            bare = res["batch_per_worker"] / res["samples_per_s_per_worker"]
-            line += (f"; the trainer's step in its layout ({t['layout']}) {t['compute_s'] * 1e3:.1f} ms against the "
-                     f"model's bare {bare * 1e3:.1f} ms")
+        flat = res.get("trainer_flat") or {}
+        if "compute_s" in t:  # the trainer's own step in its layout, beside its flat one
+            line += f"; the trainer's step in its layout ({t['layout']}) {t['compute_s'] * 1e3:.1f} ms"
+            if "compute_s" in flat and flat != t:
+                line += f", at stage 0 with nothing quantized {flat['compute_s'] * 1e3:.1f} ms"
+        if res.get("bare_samples_per_s_per_worker"):  # the trainer's flat step was the faster: the ceiling
+            line += (f"; the ceiling is the trainer's flat step (the bare loop's "
+                     f"{res['bare_samples_per_s_per_worker']:,.0f} samples/s per worker was slower)")
         elif "error" in t:
             line += f"; the trainer's step in its layout not measured: {t['error']}"
         return line

@@ -85,17 +85,28 @@ def layout_text(p) -> str:
     return ", ".join(parts)
 
 
-def trainer_step(ctx: Context, per_worker: int, threads: int) -> dict:
+FLAT = ("parallel.zero_stage=0", "parallel.quant_grads=none", "parallel.quant_weights=none", "parallel.offload=none")
+
+
+def is_flat(p) -> bool:
+    """Whether a ``[parallel]`` section shards, quantizes and offloads nothing (the trainer's flat layout)."""
+    return (p.zero_stage, p.quant_grads, p.quant_weights, p.offload) == (0, "none", "none", "none")
+
+
+def trainer_step(ctx: Context, per_worker: int, threads: int, flat: bool = False) -> dict:
     """The trainer's own step (its forward-backward and optimizer phases) at one worker in the configured layout
     (ZeRO stage, quantized collectives, offload, precision), on synthetic data of the configured shape with one
     worker's batch and cores: the step with no loader beside it and no other rank to wait on. Its excess over the
     model's bare step (the compute ceiling's) is the layout's host work per step: FSDP2's hooks and sharded
     parameters, quantizing, moving state to the host. On one worker these exchange nothing and cost it all the
-    same (the demo's tiny CNN: 2.9 ms bare, 8.6 ms at stage 2 with int8 gradients, 2.8 ms at stage 0)."""
+    same (the demo's tiny CNN: 2.9 ms bare, 8.6 ms at stage 2 with int8 gradients, 2.8 ms at stage 0). With
+    ``flat``: the same step at ZeRO stage 0 with nothing quantized or offloaded, the layout's cost measured against
+    the trainer's own step rather than the bare loop's (whose accounting differs: at the demo's width the trainer's
+    step at stage 2 measured 79 ms against the bare loop's 95 ms)."""
     run = short_run(ctx, "compute-trainer", *synthetic(ctx), "parallel.num_workers=1",
                     f"data.global_batch_size={per_worker}", f"parallel.threads_per_worker={threads}",
                     "parallel.replicate=1", "parallel.tensor=1", "parallel.inject_comm_ms=0", "data.slow_ms=0",
-                    "checkpoint.every=0")
+                    "checkpoint.every=0", *(FLAT if flat else ()))
     times = run["per_step"]["compute"]
     return {"compute_s": statistics.median(times), "interval": noise.median_interval(times), "steps": len(times),
-            "layout": layout_text(ctx.cfg.parallel)}
+            "layout": "ZeRO stage 0 (DDP)" if flat else layout_text(ctx.cfg.parallel)}

@@ -362,14 +362,23 @@ def bare_step_s(compute: dict) -> tuple[float, list[float]] | None:
     return b / rate, [b / max(hi / n, 1e-9), b / max(lo / n, 1e-9)]
 
 
+def flat_step_s(compute: dict) -> tuple[float, list[float]] | None:
+    """The step the layout's cost is measured against, with its interval: the trainer's own at stage 0 with
+    nothing quantized (``trainer_flat``, the same accounting as the configured layout's), or for a diagnosis
+    recorded without it, the bare loop's."""
+    f = compute.get("trainer_flat") or {}
+    return (f["compute_s"], f["interval"]) if "compute_s" in f else bare_step_s(compute)
+
+
 def layout_share(compute: dict, run: dict) -> tuple[float, list[float]] | None:
     """The share of the run's step that its layout's host work takes: the trainer's step at one worker in the
-    configured layout (the compute experiment's ``trainer``) beyond the model's bare step, over the run's step.
-    Never below zero (a trainer's step measured faster than the bare one is noise). None when not measured."""
-    t, bare = compute.get("trainer") or {}, bare_step_s(compute)
-    if "compute_s" not in t or not bare or not run.get("step_s"):
+    configured layout (the compute experiment's ``trainer``) beyond the same step in the flat layout, over the
+    run's step. Never below zero (a sharded step measured faster than the flat one is noise). None when not
+    measured."""
+    t, flat = compute.get("trainer") or {}, flat_step_s(compute)
+    if "compute_s" not in t or not flat or not run.get("step_s"):
         return None
-    (b, (b_lo, b_hi)), (t_lo, t_hi), step = bare, t["interval"], run["step_s"]
+    (b, (b_lo, b_hi)), (t_lo, t_hi), step = flat, t["interval"], run["step_s"]
     return max(0.0, t["compute_s"] - b) / step, [max(0.0, t_lo - b_hi) / step, max(0.0, t_hi - b_lo) / step]
 
 
@@ -377,10 +386,11 @@ def _layout(share: float, shares: dict, findings: dict, settings: dict) -> Verdi
     """The layout's host work per step is the largest cost: name it with the two steps behind it, and the
     setting that removes it (at one worker nothing is sharded or exchanged: stage 0 with no quantizing)."""
     compute = findings.get("compute") or {}
-    t, (b, _) = compute["trainer"], bare_step_s(compute)
+    t, (b, _) = compute["trainer"], flat_step_s(compute)
+    against = "at ZeRO stage 0 with nothing quantized" if compute.get("trainer_flat") else "of the bare model"
     head = (f"layout-bound: the trainer's step in its layout ({t['layout']}) takes {t['compute_s'] * 1e3:.1f} ms "
-            f"against the model's bare step of {b * 1e3:.1f} ms at one worker: {share:.0%} of each step is the "
-            "layout's own work (hooks, sharded parameters, quantizing), not the model's")
+            f"against {b * 1e3:.1f} ms {against} at one worker: {share:.0%} of each step is the layout's own "
+            "work (hooks, sharded parameters, quantizing), not the model's")
     if settings.get("workers", 1) == 1:
         fix = ("set parallel.zero_stage = 0, parallel.quant_grads = 'none' and parallel.quant_weights = 'none': "
                "one worker has nothing to shard or exchange" + (" (keep the offload if the model needs it to fit)"

@@ -113,8 +113,8 @@ class ContentionFinding:
     cores: int  # the cores this process may use
     steps_alone: int
     steps_beside: int
-    alone_step_s: float  # median
-    beside_step_s: float  # median, one batch taken from the loader before each step
+    alone_step_s: float  # trimmed mean (noise.trimmed_mean)
+    beside_step_s: float  # trimmed mean, one batch taken from the loader before each step
     slowdown: float  # beside / alone - 1
     slowdown_interval: list
     wait_s_per_batch: float  # the mean time taken to get a batch beside the step (the loader's pace)

@@ -319,6 +319,23 @@ def render(d: dict) -> str:
                          fmt.source("diagnose_accuracy")])
 
 
+def render_untuned(d: dict) -> str:
+    """The runs nobody tuned (``--causes untuned,short_job,external,compute``): right / total for each, the kinds
+    the verdicts took, and one verdict as it read."""
+    c = d["config"]
+    rows = []
+    for r in d["cases"]:
+        kinds = sorted({x.get("kind", "failed") for x in r["runs"]})
+        said = next((x["headline"] for x in r["runs"] if x.get("headline")), "")
+        cut = said[:160] + ("..." if len(said) > 160 else "")
+        rows.append([r["cause"], r["strength"], f"{r['hits']} of {r['of']}", ", ".join(kinds), cut])
+    line = (f"`python benchmarks/diagnose_accuracy.py --causes untuned,short_job,external,compute --repeats "
+            f"{c['repeats']} --budget-s {c['budget_s']:g}`: {c['workers']} worker, the demo's config and cache; "
+            f"whole benchmark {fmt.secs(d['total_s'])}.")
+    return "\n\n".join([fmt.para(line), fmt.table(["case", "run", "right", "verdicts", "a verdict as it read"], rows),
+                         fmt.source("diagnose_accuracy_untuned")])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     write_result(args.out, run(args), ("right_cause",))

@@ -76,6 +76,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {  # block -> (the result
     "diagnose-example": ("diagnose_example", recorded.render_diagnose_example),
     "diagnose-stability": ("diagnose_stability", diagnose_stability.render),
     "diagnose-accuracy": ("diagnose_accuracy", diagnose_accuracy.render),
+    "diagnose-accuracy-untuned": ("diagnose_accuracy_untuned", diagnose_accuracy.render_untuned),
     "diagnose-comm-prediction": ("zeropp", zeropp.render_comm_prediction),
     "tune": ("tune", tune.render),
     "ingest": ("ingest", ingest.render),

@@ -233,9 +233,10 @@ def test_tune_cli_verifies_the_cache_remedy_keeps_it_and_writes_the_tuned_config
     # the cache of the run's own table, by its path (sources.py: the one the loader experiment read)
     change = ["data.source=cache", f"data.cache={cache}"]
     assert e["for"] == "data" and e["set"] == change, e["set"]
-    base = e["baseline"]
+    base = e["baseline"]  # the config as it was, measured again right before the change
     assert base["interval"][0] <= base["samples_per_s"] <= base["interval"][1]
-    assert e["predicted_samples_per_s"] > base["interval"][1]  # why it was tried
+    assert base != got["rounds"][0]["baseline"]  # not the diagnosis's run: a run of its own
+    assert e["predicted_samples_per_s"] > got["rounds"][0]["baseline"]["interval"][1]  # why it was tried
     lo, hi = e["measured_interval"]
     assert lo <= e["measured_samples_per_s"] <= hi
     # decoding 448 px JPEGs per step against reading 16 px samples: far beyond the noise

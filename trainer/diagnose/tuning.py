@@ -12,7 +12,9 @@ change with a predicted rate. The decisions, each against the noise of the measu
   could not be told from noise by a run of the same length); the largest predicted gain first, except that a
   layout that fits the memory budget comes before any rate (a run that does not fit has no rate to improve);
 - a remedy is verified by a short run of its settings of the same steps as the baseline's (``remedies.verify``),
-  and kept only when the measured rate's interval lies above the baseline's interval (a memory layout: when the
+  right after a short run of the config as it is (the baseline again, in the same process: a config's rate moves
+  between runs minutes apart on a shared machine), and kept only when the measured rate's interval lies above
+  that baseline's interval (a memory layout: when the
   bytes its ranks held fit the budget). A kept change makes a new config, which is diagnosed again; a rejected
   one is not tried again from the same config, and the next remedy of the same diagnosis is tried.
 
@@ -34,7 +36,7 @@ from dutycycle.engine import formats, io
 from dutycycle.engine.numbers import thousands
 
 from . import noise
-from .context import variant
+from .context import share_steps, variant
 from .experiments import short_run
 from .remedies import verify as check_remedy
 from .run import Interrupted, context, diagnose, job_for, ray_address, run_bounded
@@ -182,9 +184,10 @@ def loop(diagnose_round: Callable, verify_round: Callable, time_left: Callable[[
             tried.add(key_of(remedy))
             say(f"[tune] round {k}: verifying {remedy['for']}: --set {' --set '.join(remedy['set'])}")
             checked = verify_round(list(kept), remedy, diag, k)
-            keep, why = judge(checked, base, budget_bytes)
+            against = checked.get("baseline_again") or base  # the paired baseline, when the check measured one
+            keep, why = judge(checked, against, budget_bytes)
             row = {"round": k, "for": remedy["for"], "set": list(remedy["set"]), "from": remedy.get("from", ""),
-                   "baseline": base, "kept": keep, "why": why,
+                   "baseline": against, "kept": keep, "why": why,
                    **{key: checked[key] for key in ("predicted_samples_per_s", "measured_samples_per_s",
                                                     "measured_interval", "measured_over_predicted",
                                                     "predicted_bytes_per_rank", "measured_bytes_per_rank",
@@ -222,9 +225,17 @@ def measure(ctx, remedy: dict) -> dict:
         runs.append(short_run(*args, **kwargs))
         return runs[-1]
 
+    again = None
+    if "predicted_bytes_per_rank" not in remedy:
+        # the config as it is, measured again right before its change, in this process: judged against the
+        # diagnosis's run minutes earlier, one config's rate moved 20% on this shared machine (a stage-0 run
+        # read 20% slower than stage 2 and was refused, where the grid measured it 20% faster)
+        again = short_run(ctx, "verify-baseline", steps=share_steps(ctx))
     checked = check_remedy(ctx, remedy, recorded)
     if "measured_samples_per_s" in checked:
         checked["measured_interval"] = rate_interval(runs[-1])
+        if again is not None:
+            checked["baseline_again"] = {"samples_per_s": again["samples_per_s"], "interval": rate_interval(again)}
     return checked
 
 

@@ -46,7 +46,7 @@ from benchmarks._common import default_out, machine, write_result  # noqa: E402
 HERE = Path(__file__).resolve().parent
 KIND = {"data": "data-bound", "comm": "communication-bound", "checkpoint": "checkpoint-bound",
         "memory": "memory-bound", "failures": "failure-bound",
-        # runs nobody tuned (issue 36): what is right for each is the case's own ``expect``
+        # runs nobody tuned: what is right for each is the case's own ``expect``
         "untuned": None, "short_job": None, "external": None, "compute": None}
 SHARE = {"data": "data", "comm": "communication", "checkpoint": "checkpoint"}  # verdict.shares keys
 BASE_ONLY = ["compute", "loader", "end_to_end"]

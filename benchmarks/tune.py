@@ -1,5 +1,5 @@
 """How close does ``dutycycle tune`` come to an exhaustive grid over the same knobs, and in how many verified
-experiments? The goal (issue 36): 90% of the grid's best throughput within 5 verified experiments.
+experiments? The goal: 90% of the grid's best throughput within 5 verified experiments.
 
 Two configs on the demo's data (shapes drawn by ``dutycycle synth``'s generator, ingested and materialized as a
 small cache, as the demo does): the demo's own config (``configs/demo.toml``: the cache, 2 workers, ZeRO stage 2,

@@ -94,7 +94,7 @@ def _is_ray(pid: str) -> bool:
 class Others:
     at: float  # time.perf_counter()
     since_boot: float  # seconds since boot then (/proc/uptime), against a process's start time
-    seconds: dict[int, float]  # pid -> CPU seconds (reaped children included), processes not this run's
+    seconds: dict[int, float]  # pid -> its own CPU seconds, processes not this run's
 
 
 def others() -> Others:
@@ -108,7 +108,10 @@ def others() -> Others:
     seconds = {}
     for name in os.listdir("/proc"):
         if name.isdigit() and int(name) not in mine and not _is_ray(name):
-            s = cpu_seconds(f"/proc/{name}/stat", children=True)
+            # its own time only: a killed process waits as a zombie until init reaps it, and init's reaped
+            # children's time then jumps by that process's whole life (a spinner's minute, killed before the
+            # run, read as 1.3 cores of other work during it)
+            s = cpu_seconds(f"/proc/{name}/stat")
             if s is not None:
                 seconds[int(name)] = s
     return Others(time.perf_counter(), since_boot, seconds)

@@ -4,6 +4,10 @@ run's own data source, never a cache a base config names."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -224,6 +228,32 @@ def test_the_remedies_for_decoding_predict_from_the_measured_parts():
     # no slowdown measured: no threads or node remedy
     f["contention"] = _contention(0.0)
     assert decode_threads_remedy(f) is None and node_remedy(f) is None
+
+
+def test_another_process_s_cpu_is_counted_and_its_end_is_not():
+    """Other work on the machine, per process: a spinner that is no descendant of this one (a shell starts it and
+    exits) is counted at about a core while it runs; once killed, the zombie init reaps (or has reaped) adds
+    nothing, where init's reaped-children time once read its whole life as other work."""
+    if not cpu.available():
+        pytest.skip("no /proc here")
+    got = subprocess.run(["sh", "-c", f"'{sys.executable}' -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True)
+    spinner = int(got.stdout)
+    try:
+        time.sleep(0.5)
+        a = cpu.others()
+        time.sleep(1.5)
+        running = cpu.others_cores(a, cpu.others())
+    finally:
+        os.kill(spinner, signal.SIGKILL)
+    time.sleep(0.2)
+    a = cpu.others()
+    time.sleep(1.5)
+    after = cpu.others_cores(a, cpu.others())
+    # a core of two shared with this test's own work and the suite's: at least half of one (the spinner is
+    # runnable throughout); afterwards the machine's housekeeping only
+    assert running >= 0.5, running
+    assert after < 0.3, after
 
 
 def test_cpu_time_of_a_spinning_thread_is_counted_as_the_loader_s():

@@ -35,14 +35,8 @@ from dutycycle.engine.numbers import megabytes
 from dutycycle.engine.transform import TransformSpec
 
 from .context import share_steps
-from .verdict import (
-    compute_share,
-    contention_of,
-    contention_share,
-    flat_step_s,
-    layout_settings,
-    layout_share,
-)
+from .parts import compute_share, contention_of, contention_share, flat_step_s, layout_share
+from .verdict import layout_settings
 
 CACHE_HERE = "CACHE"  # a raw run without a cache of its table: the remedy's cache, made by --verify (materialize)
 

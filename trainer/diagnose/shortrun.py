@@ -1,7 +1,7 @@
 """Short training runs of the config, as the experiments measure them: the config's own launcher (Ray Train, or
 this process for one worker) for a few optimizer steps, read back from the run's per-step metrics; and the
-trainer's own step with the data out of the way (``trainer_step``), which the compute ceiling's bare model step
-is set against."""
+trainer's own step with the data out of the way (``trainer_step``), in the configured layout and flat: the
+layout's cost is their difference, and the flat one is the compute ceiling when it beats the bare loop."""
 
 from __future__ import annotations
 

@@ -303,30 +303,47 @@ def test_diagnose_accuracy_benchmark_quick(tmp_path):
     assert all(abs(r["wait_error_ms"]) < 1.0 for c in comm for r in c["runs"])
 
 
+def _in_benchmarks(code: str, stdin: str = "") -> str:
+    """``code`` run in a child Python with the repository on its path, its stdout: the benchmarks import as
+    ``benchmarks.*`` there, which a test itself does not (tests/app/test_test_imports.py)."""
+    proc = subprocess.run([sys.executable, "-c", f"import sys\nsys.path.insert(0, {str(REPO)!r})\n{code}"],
+                          input=stdin, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_the_accuracy_matrix_judges_untuned_runs_by_what_each_expects():
     """The cases of runs nobody tuned (benchmarks/diagnose_accuracy.py): each verdict judged by its ``expect``,
     on recorded diagnoses (the benchmark runs them for real; the smoke above runs one cause)."""
-    from benchmarks.diagnose_accuracy import right, untuned_cases
-
-    cases = {c["cause"]: c for c in untuned_cases({"table": "/data/table"})}
-    assert set(cases) == {"untuned", "short_job", "external", "compute"}
-    assert "data.source=raw" in cases["untuned"]["set"] and cases["external"]["spinner"]
-
     def d(kind, headline="", fix="", ettr=None):
         return {"verdict": {"kind": kind, "headline": headline, "fix": fix},
                 "findings": {"failures": {"ettr": ettr}} if ettr is not None else {}}
 
-    assert right(cases["untuned"], d("data-bound", fix="materialize a cache (dutycycle materialize TABLE CACHE)"))
-    assert not right(cases["untuned"], d("compute-bound"))
-    assert not right(cases["untuned"], d("data-bound", fix="raise data.prefetch"))  # not the remedy that removes it
-    assert right(cases["short_job"], d("compute-bound", ettr=0.9999))
-    assert not right(cases["short_job"], d("failure-bound", ettr=0.9999))
-    assert not right(cases["short_job"], d("compute-bound", ettr=0.5))
-    assert not right(cases["short_job"], d("compute-bound"))  # the failures experiment did not run: not shown right
-    assert right(cases["external"], d("inconclusive", "inconclusive: ... [the machine was shared: other ...]"))
-    assert not right(cases["external"], d("data-bound", "data-bound: decoding slows each step by 3563%"))
-    assert right(cases["compute"], d("compute-bound")) and not right(cases["compute"], d("layout-bound"))
-    assert right({"cause": "comm"}, d("communication-bound")) and not right({"cause": "comm"}, d("balanced"))
+    judged = [  # (cause, the diagnosis, right?)
+        ("untuned", d("data-bound", fix="materialize a cache (dutycycle materialize TABLE CACHE)"), True),
+        ("untuned", d("compute-bound"), False),
+        ("untuned", d("data-bound", fix="raise data.prefetch"), False),  # not the remedy that removes it
+        ("short_job", d("compute-bound", ettr=0.9999), True),
+        ("short_job", d("failure-bound", ettr=0.9999), False),
+        ("short_job", d("compute-bound", ettr=0.5), False),
+        ("short_job", d("compute-bound"), False),  # the failures experiment did not run: not shown right
+        ("external", d("inconclusive", "inconclusive: ... [the machine was shared: other ...]"), True),
+        ("external", d("data-bound", "data-bound: decoding slows each step by 3563%"), False),
+        ("compute", d("compute-bound"), True),
+        ("compute", d("layout-bound"), False),
+        ("comm", d("communication-bound"), True),  # an injected cause: its kind
+        ("comm", d("balanced"), False),
+    ]
+    out = json.loads(_in_benchmarks(
+        "import json\nfrom benchmarks.diagnose_accuracy import right, untuned_cases\n"
+        "cases = {c['cause']: c for c in untuned_cases({'table': '/data/table'})}\n"
+        "judged = json.load(sys.stdin)\n"
+        "print(json.dumps({'causes': sorted(cases), 'raw': cases['untuned']['set'], 'spinner': "
+        "cases['external'].get('spinner'), 'right': [right(cases.get(c, {'cause': c}), x) for c, x, _ in judged]}))",
+        json.dumps(judged)))
+    assert out["causes"] == ["compute", "external", "short_job", "untuned"]
+    assert "data.source=raw" in out["raw"] and out["spinner"] is True
+    assert out["right"] == [want for _, _, want in judged]
 
 
 @pytest.mark.slow
@@ -353,9 +370,6 @@ def test_tune_benchmark_quick(tmp_path):
     """benchmarks/tune.py --quick: the demo's data path at a tiny size, ``dutycycle tune`` run as a user runs it
     (with no time to tune: what it measures is tested in tests/trainer/test_tune.py), every grid point and the
     tuned config measured, the ratio to the grid's best and the docs' block from the JSON."""
-    sys.path.insert(0, str(REPO))
-    from benchmarks import tune
-
     out = tmp_path / "tune.json"
     proc = subprocess.run([sys.executable, str(BENCH.parent / "tune.py"), "--quick", "--out", str(out)],
                           capture_output=True, text=True, timeout=280,
@@ -372,4 +386,5 @@ def test_tune_benchmark_quick(tmp_path):
     assert 'source = "raw"' in raw["tune"]["tuned_toml"]  # nothing kept: the tuned config is the raw one
     assert raw["best"]["samples_per_s"] == max(r["samples_per_s"] for r in raw["grid"])
     assert raw["ratio_vs_best"] == pytest.approx(raw["tuned"]["samples_per_s"] / raw["best"]["samples_per_s"], rel=1e-2)
-    assert "| raw | 0 | nothing |" in tune.render(data) and "raw: 0 verified experiment(s)" in proc.stdout
+    rendered = _in_benchmarks(f"import json\nfrom benchmarks import tune\nprint(tune.render(json.load(open({str(out)!r}))))")
+    assert "| raw | 0 | nothing |" in rendered and "raw: 0 verified experiment(s)" in proc.stdout

@@ -10,7 +10,7 @@ experiment reads, at the start and end of a window, the CPU seconds of
 - this process as a whole, reaped children included (``/proc/self/stat``: a thread that ended in the window still
   counts there);
 - every live descendant process (DataLoader workers, a local Ray cluster's workers);
-- the whole machine (``/proc/stat``): its busy time less this process tree's is what other processes took.
+- every other process's own CPU time (``others``: not this tree's, not Ray's) is what other work took.
 
 Cores used = CPU seconds / wall seconds. Elsewhere than Linux nothing is read (``available()`` is False) and the
 experiment records the step's times without the cores.
@@ -132,21 +132,13 @@ def others_cores(a: Others, b: Others) -> float:
     return total / max(b.at - a.at, 1e-9)
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds every core of the machine spent busy since boot (``/proc/stat``: all but idle and iowait)."""
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:]]
-    total = sum(values[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
-    return (total - values[3] - values[4]) / TICK
-
-
 @dataclass
 class Snapshot:
     at: float  # time.perf_counter()
     threads: dict[int, float]  # this process's threads
     process: float  # this process, reaped children included
     children: dict[int, float] = field(default_factory=dict)  # live descendants
-    machine: float = 0.0  # the machine's busy seconds
+    others: Others | None = None  # the other processes' CPU (``others``)
 
 
 def snapshot() -> Snapshot:
@@ -157,7 +149,7 @@ def snapshot() -> Snapshot:
         if s is not None:
             kids[p] = s
     return Snapshot(time.perf_counter(), thread_seconds(), cpu_seconds("/proc/self/stat", children=True) or 0.0,
-                    kids, machine_busy_seconds())
+                    kids, others())
 
 
 def cores(a: Snapshot, b: Snapshot, step_threads: set[int]) -> dict:
@@ -168,9 +160,9 @@ def cores(a: Snapshot, b: Snapshot, step_threads: set[int]) -> dict:
     kids = sum(s - a.children.get(p, 0.0) for p, s in b.children.items())  # a child started in the window: all
     ours = (b.process - a.process) + kids
     loader = max(0.0, ours - step)
-    others = max(0.0, (b.machine - a.machine) - ours)
     loader_threads = [t for t in b.threads if t not in step_threads]
-    return {"step": step / wall, "loader": loader / wall, "others": others / wall, "wall_s": wall,
+    return {"step": step / wall, "loader": loader / wall, "wall_s": wall,
+            "others": others_cores(a.others, b.others) if a.others and b.others else 0.0,
             "loader_threads": len(loader_threads), "loader_processes": len(b.children)}
 
 

@@ -222,7 +222,7 @@ def _decide(findings: dict, settings: dict | None) -> Verdict:
         return Verdict("unknown", None, "no wait of a running step was measured", "run dutycycle diagnose without "
                        "--only, or with end_to_end", shares, iv, gap)
     kind, share = max(waits.items(), key=lambda kv: kv[1])
-    lo, hi = iv[kind]
+    lo = iv[kind][0]
     if gap:  # the step's waits and unexplained add up to the gap (projected with --scale: their sum there)
         whole = sum(shares.get(k, 0.0) for k in (*STEP_WAITS, *NOT_WAITS))
         # beyond its noise, as every share is compared: its whole interval above a quarter of the gap

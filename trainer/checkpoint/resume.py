@@ -123,7 +123,8 @@ def load(selected: Selected, strategy, optimizer, source, *, rank: int, world: i
         state = read_trainer_state(selected)
     model_sd, optim_sd = sharded_state_dict(strategy, optimizer)
     comm, dropped = residuals.load_targets(strategy, state.strategy.get("residuals"), rank, world, device)
-    read_state({"model": model_sd, "optim": optim_sd, **comm}, selected.uri, set(selected.manifest.files))
+    read_state({"model": model_sd, "optim": optim_sd, **residuals.tensors(comm)}, selected.uri,
+               set(selected.manifest.files))
     apply_state(strategy, optimizer, source, {"model": model_sd, "optim": optim_sd, **comm}, state,
                 rank=rank, device=device, dropped=dropped, where=selected.uri, force_loader_state=force_loader_state)
     return state

@@ -283,9 +283,12 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     for m in fsdp_modules(model):  # the setters are per module, not recursive
         m.set_custom_all_gather(gather)
         m.set_custom_reduce_scatter(
-            QuantReduceScatter(meter, quant.grads_bits, quant.block, hierarchy, quant.error_feedback)
+            QuantReduceScatter(meter, quant.grads_bits, quant.block, hierarchy, quant.error_feedback, unit=m,
+                               root=model)
             if quant.grads_all_to_all else CountingReduceScatter(meter))
-        if p.find_unused_parameters:
+        # error feedback: every parameter's shard in every reduce-scatter (a zero gradient when unused), so each
+        # residual is sent with its own parameter at every step, whatever find_unused_parameters says
+        if p.find_unused_parameters or quant.error_feedback:
             m.set_reduce_scatter_unused_params(True, recurse=False)
         if dims.hybrid_enabled:
             m.set_all_reduce_hook(counting_hsdp_hook(meter, mesh.get_group("replicate")))

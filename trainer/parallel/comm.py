@@ -30,7 +30,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from .fsdp_api import AllGather, ReduceScatter
+from .fsdp_api import AllGather, GradSlot, ReduceScatter, grad_slots, reduce_scatter_world, reduced_now
 from .qcollectives import quantized_reduce_scatter, start_quantized_all_gather
 from .traffic import Topology, Traffic
 
@@ -196,20 +196,73 @@ class QuantAllGather(CountingAllGather):
 class QuantReduceScatter(CountingReduceScatter):
     """qgZ: gradient reduce-scatter as an int8/int4 all-to-all summed in fp32 (two hops over node subgroups when
     ``hierarchy`` is given), honouring FSDP2's ``op`` (AVG divides by the group size after the sum). One object
-    per FSDP2 module, because error feedback keeps a residual the size of that module's gradients."""
+    per FSDP2 module, because error feedback keeps a residual per parameter of that module.
 
-    def __init__(self, meter: CommMeter, bits: int, block: int, hierarchy=None, error_feedback: bool = False):
+    Error feedback (``unit``: the FSDP module, ``root``: the model, to name its parameters): ``residual`` is one
+    fp32 buffer laid out as the unit's whole reduce-scatter input, ``(W, sum of slots' numel)``, parameter by
+    parameter (``slots``, fsdp_api.grad_slots); ``param_residual(i)`` is parameter i's ``(W, numel)`` block. A
+    call whose input carries every parameter (the rule with ``set_reduce_scatter_unused_params``, which error
+    feedback sets) passes the buffer as it is; one that carries fewer (a frozen parameter) gathers the carried
+    parameters' blocks and writes them back, so a residual always returns to its own parameter's gradient."""
+
+    def __init__(self, meter: CommMeter, bits: int, block: int, hierarchy=None, error_feedback: bool = False,
+                 unit=None, root=None):
         super().__init__(meter)
         self.bits, self.block, self.hierarchy, self.error_feedback = bits, block, hierarchy, error_feedback
-        self.residual: torch.Tensor | None = None
+        self.unit = unit
+        self.slots: list[GradSlot] = grad_slots(unit, root) if error_feedback else []
+        self.offsets = [0]
+        for s in self.slots:
+            self.offsets.append(self.offsets[-1] + s.numel)
+        self.residual: torch.Tensor | None = None  # (W * offsets[-1],) fp32, allocated at the first call or a load
+
+    def new_residual(self, device=None) -> torch.Tensor:
+        """A zero residual for this unit (``W`` rows of every slot)."""
+        world = reduce_scatter_world(self.unit)
+        return torch.zeros(world * self.offsets[-1], dtype=torch.float32, device=device)
+
+    def param_residual(self, i: int) -> torch.Tensor:
+        """Parameter i's block of ``residual``: ``(W, slots[i].numel)``, a view (row r: what this rank's sends of
+        rank r's chunk lost)."""
+        rows = self.residual.view(-1, self.offsets[-1])
+        return rows[:, self.offsets[i]:self.offsets[i + 1]]
+
+    def _carried(self, input_tensor: torch.Tensor) -> list[int]:
+        carried = [i for i, on in enumerate(reduced_now(self.unit)) if on]
+        world = self.residual.numel() // self.offsets[-1]
+        n = sum(self.slots[i].numel for i in carried)
+        if input_tensor.numel() != world * n:  # never guess which residual belongs to which gradient
+            raise RuntimeError(f"error feedback: the reduce-scatter input has {input_tensor.numel()} elements but the "
+                               f"parameters it should carry ({[self.slots[i].fqn for i in carried]}) make "
+                               f"{world} x {n}; FSDP2's rule for which parameters it reduces differs from "
+                               "fsdp_api.reduced_now (torch upgraded, or a parameter frozen mid-accumulation)")
+        return carried
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        if self.error_feedback and (self.residual is None or self.residual.numel() != input_tensor.numel()):
-            self.residual = torch.zeros(input_tensor.numel(), dtype=torch.float32, device=input_tensor.device)
+        residual = None
+        carried = []
+        if self.error_feedback:
+            if self.residual is None:
+                self.residual = self.new_residual(input_tensor.device)
+            carried = self._carried(input_tensor)
+            if len(carried) == len(self.slots):
+                residual = self.residual
+            else:  # a subset: its parameters' blocks, in input order, written back below
+                W = self.residual.numel() // self.offsets[-1]
+                residual = torch.cat([self.param_residual(i) for i in carried], dim=1).reshape(-1) if carried \
+                    else torch.zeros(0, dtype=torch.float32, device=input_tensor.device)
+                assert residual.numel() == W * sum(self.slots[i].numel for i in carried)
         with self.meter.blocking():
             quantized_reduce_scatter(output_tensor, input_tensor, group, op, bits=self.bits, block=self.block,
-                                     hierarchy=self.hierarchy, residual=self.residual,
+                                     hierarchy=self.hierarchy, residual=residual,
                                      traffic=self.meter.active_traffic, topology=self.meter.topology)
+        if residual is not None and residual is not self.residual:
+            W, start = self.residual.numel() // self.offsets[-1], 0
+            rows = residual.view(W, -1)
+            for i in carried:
+                n = self.slots[i].numel
+                self.param_residual(i).copy_(rows[:, start:start + n])
+                start += n
         return None
 
 

@@ -38,8 +38,10 @@ residual slots of the chunks this rank forwarded in hop 2 (which it sends to its
 telescoping holds. A block that held a NaN or an infinity contributes nothing to the residual (its error is
 not a number): one bad gradient poisons one call's output, never the calls after it.
 
-The residual is training state like the optimizer's: ``trainer/parallel/residuals.py`` saves it in every
-checkpoint, restores it on resume and rollback, and drops it on a world-size change.
+The residual is training state like the optimizer's: ``comm.QuantReduceScatter`` keeps it per parameter (the
+``residual`` passed here is the carried parameters' blocks, in the input's layout) and
+``trainer/parallel/residuals.py`` saves it by parameter name, restores it on resume and rollback, and
+redistributes it on a world-size change.
 """
 
 from __future__ import annotations

@@ -106,8 +106,8 @@ class Checkpointer:
     def _arm(self, strategy, optimizer) -> None:
         """Asynchronous saves copy the state while training goes on, so whatever changes it must wait for the
         copy: the optimizer step (parameters and optimizer state), and forward too when the model has buffers
-        (e.g. running statistics, updated in forward) or error-feedback residuals (updated by the reduce-scatter
-        in the backward that follows)."""
+        (e.g. running statistics, updated in forward). Error-feedback residuals need no wait: the save takes them
+        as copies in their parameters' shapes (residuals.state_dict)."""
         if self._hooks is not None or not self.c.async_save:
             return
 
@@ -117,7 +117,7 @@ class Checkpointer:
             return hook
 
         self._hooks = [optimizer.register_step_pre_hook(waiter("optimizer"))]
-        if any(True for _ in strategy.module.buffers()) or residuals.holders(strategy):
+        if any(True for _ in strategy.module.buffers()):
             self._hooks.append(strategy.model.register_forward_pre_hook(waiter("forward_backward")))
 
     def _committed(self, commit: Commit | None) -> None:
@@ -266,7 +266,8 @@ class Checkpointer:
 
 def training_tensors(strategy, optimizer, rank: int) -> dict:
     """The tensors a checkpoint holds: the model's and the optimizer's (sharded as the strategy holds them) and
-    this rank's error-feedback residuals. The live tensors, not copies."""
+    this rank's error-feedback residuals. The live tensors, not copies (the residuals aside: copies in their
+    parameters' shapes)."""
     model_sd, optim_sd = sharded_state_dict(strategy, optimizer)
     return {"model": model_sd, "optim": optim_sd, **residuals.state_dict(strategy, rank)}
 

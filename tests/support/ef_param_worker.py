@@ -56,13 +56,24 @@ def _set_step(model: nn.Module, step: int) -> None:
     model.late.requires_grad_(step >= FROZEN_UNTIL)
 
 
-def _build(rank: int, world: int, error_feedback: bool):
+class BlocksOnly(nn.Module):
+    """Every parameter inside ``blocks``: the root unit has none of its own (and no reduce-scatter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def _build(rank: int, world: int, error_feedback: bool, model_fn=Branchy):
     from dutycycle.trainer.cluster.world import World
     from dutycycle.trainer.config import ParallelSection
     from dutycycle.trainer.parallel.apply import parallelize
 
     torch.manual_seed(0)
-    model = Branchy().double()
+    model = model_fn().double()
     parallel = ParallelSection(zero_stage=3, quant_grads="int4", quant_block=16, error_feedback=error_feedback)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -135,7 +146,10 @@ def changing_params(rank: int, world: int, ckpt: str) -> dict:
                                           for h in residuals.holders(runs["ef"])
                                           for i, s in enumerate(h.slots) if s.fqn.startswith("late.")]
     pending = _pending(runs["ef"], world)
-    out = {"late_residual_while_frozen": late_residual_while_frozen, "params": {}}
+    blocks_only = _build(rank, world, True, BlocksOnly)
+    blocks_only.model(batches[0][0]).sum().backward()
+    out = {"late_residual_while_frozen": late_residual_while_frozen, "params": {},
+           "blocks_only": sorted(residuals.layout(blocks_only, world)["params"])}
     for n, total in exact_sum.items():
         out["params"][n] = {
             "norm": float(total.norm()), "scale": scale[n],

@@ -53,6 +53,8 @@ def test_the_accumulated_error_is_exactly_the_pending_correction_of_each_paramet
             assert p["pending"] > 0, name
     # the frozen layer is out of the reduce-scatter while frozen: its residual stays zero until it trains
     assert changing[0]["late_residual_while_frozen"] == [0.0, 0.0]
+    # a root unit without parameters of its own holds no residual (and error feedback still builds)
+    assert changing[0]["blocks_only"] == ["blocks.0.bias", "blocks.0.weight", "blocks.1.bias", "blocks.1.weight"]
 
 
 @pytest.mark.timeout(300)

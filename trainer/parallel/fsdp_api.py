@@ -101,7 +101,10 @@ def _param_group(module: FSDPModule):
 
 def grad_slots(module: FSDPModule, root: torch.nn.Module) -> list[GradSlot]:
     """Every parameter of ``module``'s unit in reduce-scatter order, named as in ``root`` (call right after
-    ``fully_shard``, while the registered parameters are the sharded ones)."""
+    ``fully_shard``, while the registered parameters are the sharded ones). A unit without parameters of its own
+    (a root whose blocks hold them all) has none and never reduce-scatters."""
+    if not module._get_fsdp_state()._fsdp_param_groups:
+        return []
     names: dict[int, str] = {}
     for n, p in root.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), clean_fqn(n))  # a tied parameter: its first name, as named_parameters() gives it

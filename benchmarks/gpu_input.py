@@ -1,5 +1,5 @@
 """The GPU input path: bytes a batch sends host -> device and the step time, normalized on the host against on
-the device (issue 37, finding 8).
+the device.
 
 One cache (``--samples`` random 64x64x3 uint8 samples, batch 256), read by the trainer's loader configuration
 on ``--device`` (``step.data.delivery``: on CUDA the prefetch thread pins each batch and copies it on a side

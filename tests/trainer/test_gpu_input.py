@@ -1,6 +1,6 @@
-"""The GPU input path, checked on a CPU (issue 37, finding 8): batches that cross to the device as uint8 and are
+"""The GPU input path, checked on a CPU: batches that cross to the device as uint8 and are
 normalized there (``normalize_on = "device"``) hold the very values the host's float32 path made, bit for bit,
-in the loader and in a trainer's losses (fp32 and fp64); the prefetch thread that would issue the next batch's
+in the loader and in a trainer's losses (fp32 and fp64); the prefetch thread that would start the next batch's
 copy hands out every batch once, in order, the last one included, also after a resume mid-epoch; a batch sends
 a quarter of the image bytes; and the optimizer takes torch's fused kernel only where it is supported.
 
@@ -50,7 +50,7 @@ def _same(a: list[dict], b: list[dict]) -> None:
 def test_device_normalization_matches_the_host_bit_for_bit_in_order_and_on_resume(tmp_path, layout, shape):
     uri = str(tmp_path / "cache")
     make_cache(uri, 70, shape=shape, shards=3, layout=layout)  # 70 = 4 batches of 16 and a last one of 6
-    # a prefetch thread collating two batches ahead (what would issue the next copies), crop and flip, and the
+    # a prefetch thread collating two batches ahead (what would start the next copies), crop and flip, and the
     # cache's own per-channel statistics as mean and std (not round numbers)
     host_cfg = LoaderConfig(global_batch_size=16, drop_last=False, mode="thread", prefetch=2, seed=3,
                             augment=AugmentConfig(crop_padding=2, flip=True), normalize_on="host")

@@ -194,3 +194,25 @@ def test_fused_optimizer_only_where_supported(monkeypatch):
     before = model.weight.detach().clone()
     fused.step()
     assert not torch.equal(before, model.weight)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the pinned side-stream copy runs there only")
+def test_on_cuda_uint8_crosses_pinned_on_a_side_stream_and_matches_the_host(tmp_path):
+    """On a GPU machine: the trainer's loader configuration pins, copies ahead on a side stream and normalizes
+    on the device, every batch the host's bits moved to the device; AdamW is fused there."""
+    uri = str(tmp_path / "cache")
+    make_cache(uri, 70, shape=(8, 8, 3), shards=3)
+    device = torch.device("cuda", torch.cuda.current_device())
+    host_cfg = LoaderConfig(global_batch_size=16, drop_last=False, mode="thread", prefetch=2, normalize_on="host",
+                            augment=AugmentConfig(crop_padding=2, flip=True))
+    dev = CacheLoader(uri, "train", config=dataclasses.replace(host_cfg, normalize_on="auto", **delivery(device)))
+    assert dev.delivery | {"bytes_per_batch": 0} == {
+        "normalize_on": "device", "device": str(device), "pinned": True, "side_stream": True, "copy_ahead": True,
+        "bytes_per_batch": 0}
+    want = _pass(CacheLoader(uri, "train", config=host_cfg))
+    got = _pass(dev)
+    assert all(b["image"].device == device for b in got)
+    _same(want, [{**b, "image": b["image"].cpu(), "label": b["label"].cpu()} for b in got])
+    model = torch.nn.Linear(4, 3).to(device)
+    opt = O.make_optimizer(model.parameters(), load_config(None, ["data.source=synthetic"]).optim)
+    assert O.implementation(opt) == "fused"

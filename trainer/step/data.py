@@ -123,8 +123,12 @@ class ArraySource(LoaderSource):
     def __init__(self, images: np.ndarray, labels: np.ndarray, global_batch_size: int, rank: int,
                  world_size: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True, flip: bool = False,
                  fingerprint: str = "arrays", device=None):
+        to_device = delivery(device)
+        # on CUDA a prefetch thread, so the next batches' copies start while a step trains; otherwise the
+        # caller's thread (a gather from RAM costs less than a hand-over between threads)
+        mode = "thread" if to_device["device"] is not None else "sync"
         config = LoaderConfig(global_batch_size=global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-                              mode="sync", augment=AugmentConfig(flip=flip, normalize=False), **delivery(device))
+                              mode=mode, augment=AugmentConfig(flip=flip, normalize=False), **to_device)
         super().__init__(ArrayLoader(images, labels, rank, world_size, config, fingerprint=fingerprint))
 
 

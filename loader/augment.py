@@ -106,15 +106,13 @@ def to_tensor(images: np.ndarray, config: AugmentConfig, layout: str = "HWC"):
 
     if config.normalize:
         chw = images[:, None] if images.ndim == 3 else images.transpose(0, 3, 1, 2) if layout == "HWC" else images
-        c = chw.shape[1]
-        std = np.asarray(_per_channel(config.std, c, "std"), np.float32).reshape(1, c, 1, 1)
-        mean = np.asarray(_per_channel(config.mean, c, "mean"), np.float32).reshape(1, c, 1, 1)
+        scale, shift = normalize_constants(config, chw.shape[1])
         # (x / 255 - mean) / std folded into one multiply and one add, written straight into a contiguous NCHW
         # float32 array. NumPy, not torch: its loops release the GIL and do not compete with the trainer's
-        # intra-op thread pool.
+        # intra-op thread pool. (device.Normalizer does the same two float32 operations on a device.)
         out = np.empty(chw.shape, np.float32)
-        np.multiply(chw, np.float32(1.0 / 255.0) / std, out=out)
-        np.add(out, -mean / std, out=out)
+        np.multiply(chw, scale, out=out)
+        np.add(out, shift, out=out)
         return torch.from_numpy(out)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only (object store) arrays: never written through
@@ -124,6 +122,15 @@ def to_tensor(images: np.ndarray, config: AugmentConfig, layout: str = "HWC"):
     if layout == "HWC":
         return x.permute(0, 3, 1, 2)  # zero-copy: an NCHW tensor in channels_last memory format
     return x
+
+
+def normalize_constants(config: AugmentConfig, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(scale, shift)``, float32 ``[1, C, 1, 1]``: ``(x / 255 - mean) / std`` is ``x * scale + shift``, each
+    operation rounded once in float32. The one place they are computed, so that normalizing on the host
+    (``to_tensor``) and on a device (``device.Normalizer``) gives the same bits."""
+    std = np.asarray(_per_channel(config.std, channels, "std"), np.float32).reshape(1, channels, 1, 1)
+    mean = np.asarray(_per_channel(config.mean, channels, "mean"), np.float32).reshape(1, channels, 1, 1)
+    return np.float32(1.0 / 255.0) / std, -mean / std
 
 
 def apply_augment(images: np.ndarray, config: AugmentConfig, seed: int, epoch: int, sample_ids, layout="HWC"):

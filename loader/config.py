@@ -11,6 +11,7 @@ from dutycycle.engine.cache.shards import ReadConfig
 from dutycycle.engine.errors import ConfigError
 
 MODES = ("auto", "sync", "thread", "ray", "memory")
+NORMALIZE_ON = ("auto", "host", "device")  # LoaderConfig.normalize_on
 DEFAULT_BLOCK_SIZE = 64  # the plan's shuffle blocks (see plan.py)
 DEFAULT_WINDOW = 2048  # the plan's shuffle window (see plan.py)
 
@@ -98,6 +99,11 @@ class LoaderConfig:
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     pin_memory: bool = False
     device: Any = None  # e.g. "cuda:0": batches arrive on it, copied on a side stream
+    # Where augment.normalize's (x / 255 - mean) / std runs: "host" (NumPy, in the collating thread: float32
+    # crosses to the device), "device" (torch, after the copy, on the consumer's thread: uint8 crosses, a
+    # quarter of the bytes), "auto" (device when ``device`` is a CUDA device, host otherwise). The values are
+    # bit for bit the same either way (device.Normalizer).
+    normalize_on: str = "auto"
     # Canonical partitions of the plan (see plan.py): global batches draw from each of them, and a node reads only
     # its own when the node count divides this number and the global batch. A plan input: fixed for a run.
     partitions: int = 1
@@ -113,6 +119,9 @@ class LoaderConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ConfigError(f"LoaderConfig.mode={self.mode!r} is invalid; use one of {', '.join(MODES)}")
+        if self.normalize_on not in NORMALIZE_ON:
+            raise ConfigError(f"LoaderConfig.normalize_on={self.normalize_on!r} is invalid; use one of "
+                              f"{', '.join(NORMALIZE_ON)}")
         for name in ("global_batch_size", "prefetch", "partitions", "block_size", "window", "raw_threads"):
             v = getattr(self, name)
             least = 0 if name == "block_size" else 1

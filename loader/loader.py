@@ -27,7 +27,7 @@ from dutycycle.engine.errors import ConfigError, CorruptArtifactError
 from . import plan
 from .augment import apply_augment, resolve_normalization
 from .config import LoaderConfig
-from .device import DeviceMover
+from .device import DeviceMover, Normalizer, batch_bytes
 from .executor import executor_for, prefetched
 from .parts import Executor, Source
 from .source import RawBatch
@@ -44,6 +44,15 @@ class LoaderStats(ReadStats):
     count: int = 0
     last_wait_s: float = 0.0
     max_wait_s: float = 0.0
+    # what collated batches carry to the device (the tensors' bytes after collate, before any copy; counted on
+    # a CPU too, as what a copy would send): uint8 images with normalize_on = "device", float32 ones otherwise
+    sent_bytes: int = 0
+    sent_batches: int = 0
+
+    @property
+    def bytes_per_batch(self) -> float:
+        """Mean bytes a batch sends host -> device (0 before the first batch)."""
+        return self.sent_bytes / self.sent_batches if self.sent_batches else 0.0
 
     def record(self, seconds: float) -> None:
         self.total_wait_s += seconds
@@ -54,6 +63,17 @@ class LoaderStats(ReadStats):
     def reset(self) -> None:
         for f in fields(self):
             setattr(self, f.name, f.default)
+
+
+def normalize_where(config: LoaderConfig) -> str:
+    """Where a loader with ``config`` normalizes: "host" or "device" (``LoaderConfig.normalize_on`` with "auto"
+    resolved: the device when batches go to a CUDA device), or "off" when it does not normalize."""
+    if not config.augment.normalize:
+        return "off"
+    if config.normalize_on == "auto":
+        device = str(config.device) if config.device is not None else ""
+        return "device" if device.startswith("cuda") else "host"
+    return config.normalize_on
 
 
 def source_channels(source: Source) -> int:
@@ -116,6 +136,14 @@ class Loader:
         self._plan_cache: tuple[int, plan.RankPlan] | None = None  # (epoch, this rank's plan for it)
         moves = config.pin_memory or config.device is not None
         self._mover = DeviceMover(config.pin_memory, config.device) if moves else None
+        # normalization after the copy (normalize_on): batches are collated as uint8 and normalized on the
+        # consumer's thread where the copy put them (``_deliver``)
+        self.normalize_on = normalize_where(config)
+        self._normalizer = None
+        self._collate_augment = config.augment
+        if self.normalize_on == "device":
+            self._normalizer = Normalizer(augment.mean, augment.std, source_channels(source))
+            self._collate_augment = dataclasses.replace(augment, normalize=False)
         self._block_starts()  # block_size = 0 without a cache's chunks is refused here, not at the first batch
 
     # ---------------------------------------------------------------- what the source holds
@@ -152,6 +180,18 @@ class Loader:
     @property
     def background(self) -> bool:
         return self.executor.background
+
+    @property
+    def delivery(self) -> dict[str, Any]:
+        """How batches reach the consumer, for a run's log: where they are normalized (``normalize_on``),
+        whether they are pinned and copied to a device on a side stream (ahead of the consumer when a prefetch
+        thread collates), and the mean bytes a batch sends host -> device (``LoaderStats.bytes_per_batch``:
+        what a copy would send, on a CPU too)."""
+        m = self._mover
+        return {"normalize_on": self.normalize_on, "device": None if m is None or m.device is None else str(m.device),
+                "pinned": bool(m is not None and m.pin), "side_stream": bool(m is not None and m.stream is not None),
+                "copy_ahead": bool(m is not None and m.active and self.background),
+                "bytes_per_batch": self.stats.bytes_per_batch}
 
     @property
     def execution(self) -> str:
@@ -298,9 +338,7 @@ class Loader:
         try:
             for step in range(start, len(self)):
                 t0 = time.perf_counter()
-                batch = next(produced)
-                if self._mover is not None:
-                    batch = self._mover.wait(batch)
+                batch = self._deliver(next(produced))
                 self.stats.record(time.perf_counter() - t0)
                 self._handed_out(token, epoch, step)  # from here on a saved state resumes after this batch
                 yield batch
@@ -333,7 +371,7 @@ class Loader:
         produced = self._produce(epoch, steps)
         try:
             for batch in produced:
-                yield self._mover.wait(batch) if self._mover is not None else batch
+                yield self._deliver(batch)
         finally:
             produced.close()
 
@@ -354,7 +392,7 @@ class Loader:
         import torch
 
         images = raw.images
-        aug = self.config.augment
+        aug = self._collate_augment
         if images.flags.writeable and images.ndim == 4 and not aug.random and not aug.normalize:
             # uint8 out, nothing to compute: the zero-copy view apply_augment would return, minus its overhead
             # (a warnings guard for read-only arrays, which a fresh batch array is not)
@@ -369,7 +407,18 @@ class Loader:
             "label": torch.from_numpy(np.array(raw.labels, dtype=np.int64)),  # tiny; a writable copy
             "sample_id": raw.sample_ids,  # a list from every source (``RawBatch``)
         }
+        self.stats.sent_bytes += batch_bytes(batch)  # the producer thread's own counters (the consumer reads)
+        self.stats.sent_batches += 1
         return self._mover.move(batch) if self._mover is not None else batch
+
+    def _deliver(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """On the consumer's thread: wait for the batch's copy (its stream), then normalize it where it is when
+        ``normalize_on`` is "device"."""
+        if self._mover is not None:
+            batch = self._mover.wait(batch)
+        if self._normalizer is not None:
+            batch["image"] = self._normalizer(batch["image"])
+        return batch
 
     def close(self) -> None:
         """Release what the source holds between epochs (thread pools); iterating again reopens them."""

@@ -48,8 +48,9 @@ from .step.optim import OPTIMIZERS, check_optimizer
 # run.seed); a test checks that each one is reachable from a key, so a new loader option cannot be forgotten.
 LOADER_SET_BY_TRAINER = {
     "shuffle": "training batches are shuffled; validation reads every sample once in cache order (for_eval)",
-    "pin_memory": "batches stay on the host: the step loop copies them to its device and times the copy (h2d)",
-    "device": "batches stay on the host: the step loop copies them to its device and times the copy (h2d)",
+    "pin_memory": "on CUDA the loader pins each batch in its prefetch thread (step/data.py); off on CPU",
+    "device": "on CUDA the loader's prefetch thread copies each batch there on a side stream while the step "
+              "before it trains (step/data.py); on CPU batches stay where they are",
 }
 
 
@@ -77,7 +78,9 @@ class DataSection:
     slow_ms: float = 0.0  # add this much sleep per batch (to show what a slow loader costs)
     # The training loader's own config (dutycycle.loader.config.LoaderConfig), its fields keys of this table:
     # global_batch_size (samples per optimizer step, over all ranks and micro-batches; 128 here), prefetch (2
-    # here), drop_last, augmentation ([data.augment]: crop_padding, flip, normalize, mean, std), how shards are
+    # here), drop_last, augmentation ([data.augment]: crop_padding, flip, normalize, mean, std), normalize_on
+    # (where the normalization runs: "auto" = on the device after a uint8 copy on CUDA, on the host on CPU;
+    # "host"; "device"; the values are the same bits either way), how shards are
     # reached ([data.read]), the shuffle's block and window, partitions (canonical partitions of the training
     # plan; docs: the data path), Ray task retries, raw-path decode threads, the in-RAM share of "memory" mode.
     loader: LoaderConfig = flat(_training_loader, hidden=LOADER_HIDDEN)
@@ -161,6 +164,10 @@ class OptimSection:
     schedule: str = "cosine"  # "cosine" or "constant" after warmup
     min_lr_ratio: float = 0.05  # cosine floor as a fraction of lr
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
+    # torch's fused kernel (adamw, adam, sgd: one launch per step, not one per tensor) where it is supported:
+    # parameters on CUDA, floating point (step/optim.py: fused_choice); otherwise, or false, torch's default
+    # (foreach on CUDA, a per-tensor loop on CPU). The summary's "optimizer" says which ran, and why.
+    fused: bool = True
 
     def check(self, where: str) -> None:
         one_of(f"{where}.name", self.name, tuple(OPTIMIZERS))

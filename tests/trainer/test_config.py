@@ -93,7 +93,7 @@ def test_every_loader_option_is_reachable_from_a_config_key():
     keys = {  # a value other than the loader's default for every key that reaches it
         "run.seed": 7, "data.global_batch_size": 64, "data.drop_last": "false", "data.loader_mode": "thread",
         "data.prefetch": 3, "data.block_size": 16, "data.window": 512, "data.partitions": 4, "data.ray_max_retries": 5,
-        "data.raw_threads": 2, "data.memory_fraction": 0.25,
+        "data.raw_threads": 2, "data.memory_fraction": 0.25, "data.normalize_on": "device",
         "data.augment.crop_padding": 4, "data.augment.flip": "true", "data.augment.normalize": "false",
         "data.augment.mean": "[0.4, 0.5, 0.6]", "data.augment.std": "[0.2, 0.3, 0.4]",
         "data.read.verify": "always", "data.read.remote": "range", "data.read.node_dir": "/tmp/node",

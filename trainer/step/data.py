@@ -11,6 +11,13 @@ Sources:
 - ``ArraySource``: arrays in memory through the loader's ``ArrayLoader`` (the same plan, flip and state as a
   cache), used for synthetic shapes in tests and smoke runs.
 - ``LoaderSource``: adapts the real ``dutycycle.loader`` CacheLoader / RawLoader.
+
+The input path to a GPU (``delivery``): the loader's prefetch thread collates each batch as uint8 (as the cache
+stores it), pins it and copies it with ``non_blocking=True`` on a side stream while the step before it trains;
+handing it out, the loader makes the compute stream wait for that copy (``record_stream`` keeps the allocator off
+its memory) and normalizes it there (``data.normalize_on = "auto"``: on the device, a quarter of float32's bytes
+on the wire, the same bits as the host's NumPy). On a CPU nothing is pinned or copied and the loader normalizes
+in its thread, as it always did. ``LoaderSource.delivery()`` says which ran and what a batch sends.
 """
 
 from __future__ import annotations
@@ -62,7 +69,8 @@ def same_normalization(config: LoaderConfig, loader) -> LoaderConfig:
 
 
 class LoaderSource:
-    """Adapts a ``dutycycle.loader`` loader: images to float [B, C, H, W] whatever the cache layout. ``delay_s``
+    """Adapts a ``dutycycle.loader`` loader: images to float [B, C, H, W] whatever the cache layout (uint8 ones,
+    normalization off, become x / 255 where the loader put them: on the device after its copy). ``delay_s``
     sleeps that long before every batch: a deliberately slow loader (``data.slow_ms``)."""
 
     def __init__(self, loader, delay_s: float = 0.0):
@@ -82,6 +90,11 @@ class LoaderSource:
 
     def position(self) -> tuple[int, int]:
         return self.loader.epoch, self.loader.step
+
+    def delivery(self) -> dict:
+        """How batches reach the model (``Loader.delivery``): where they are normalized, pinned or not, copied
+        on a side stream or not, and the mean bytes a batch sends host -> device."""
+        return self.loader.delivery
 
     def reads(self) -> dict | None:
         """The shards this rank's loader opened and the bytes it fetched (a cache loader's; None otherwise)."""
@@ -109,9 +122,13 @@ class ArraySource(LoaderSource):
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, global_batch_size: int, rank: int,
                  world_size: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True, flip: bool = False,
-                 fingerprint: str = "arrays"):
+                 fingerprint: str = "arrays", device=None):
+        to_device = delivery(device)
+        # on CUDA a prefetch thread, so the next batches' copies start while a step trains; otherwise the
+        # caller's thread (a gather from RAM costs less than a hand-over between threads)
+        mode = "thread" if to_device["device"] is not None else "sync"
         config = LoaderConfig(global_batch_size=global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-                              mode="sync", augment=AugmentConfig(flip=flip, normalize=False))
+                              mode=mode, augment=AugmentConfig(flip=flip, normalize=False), **to_device)
         super().__init__(ArrayLoader(images, labels, rank, world_size, config, fingerprint=fingerprint))
 
 
@@ -131,11 +148,23 @@ def take(it, source, skip: set[tuple[int, int]]):
 # ---------------------------------------------------------------------------------------------- factories
 
 
-def make_sources(cfg, world, dims: ParallelDims | None = None):
+def delivery(device) -> dict:
+    """The ``LoaderConfig`` fields for batches bound for ``device`` (a torch device or None: the CPU). On CUDA the
+    loader pins each batch in its prefetch thread and copies it there on a side stream (``non_blocking``) while
+    the step before it trains; elsewhere batches stay where they are, unpinned (pinning raises without an
+    accelerator), as they always did."""
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        return {"device": torch.device(device), "pin_memory": True}
+    return {"device": None, "pin_memory": False}
+
+
+def make_sources(cfg, world, dims: ParallelDims | None = None, device=None):
     """Build ``(train_source, val_source, DataInfo)`` for one rank of ``world`` (a ``cluster.world.World``) from
     the config's data section. ``dims``: the run's parallel degrees; under tensor parallelism the batch is split
     over the data-parallel ranks (a tensor-parallel group's ranks read the same samples). None: every rank is a
-    data-parallel rank."""
+    data-parallel rank. ``device``: where the model is (``delivery``); None: the CPU."""
     d = cfg.data
     rank, world_size = dims.data_ranks(world.rank) if dims is not None else (world.rank, world.size)
     if d.source == "synthetic":
@@ -145,23 +174,25 @@ def make_sources(cfg, world, dims: ParallelDims | None = None):
         # the fingerprint names the data, so a resume with another seed or size is refused, not reordered
         fingerprint = f"synthetic-{n_train}-{d.size}-{cfg.run.seed}"
         train = ArraySource(images[:n_train], labels[:n_train], d.global_batch_size, rank, world_size,
-                            seed=cfg.run.seed, drop_last=d.drop_last, flip=d.augment.flip, fingerprint=fingerprint)
+                            seed=cfg.run.seed, drop_last=d.drop_last, flip=d.augment.flip, fingerprint=fingerprint,
+                            device=device)
         val = ArraySource(images[n_train:], labels[n_train:], d.eval_batch_size * world_size, rank, world_size,
-                          shuffle=False, drop_last=False, fingerprint=fingerprint)
+                          shuffle=False, drop_last=False, fingerprint=fingerprint, device=device)
         info = DataInfo(len(CLASSES), 3, d.size, n_train, n_val, fingerprint=fingerprint,
                         lineage={"synthetic": {"samples": n_train, "size": d.size, "seed": cfg.run.seed + 1000}},
                         classes=list(CLASSES), normalize=None)
     elif d.source in ("cache", "raw"):
-        train, val, info = _loader_sources(cfg, rank, world_size)
+        train, val, info = _loader_sources(cfg, rank, world_size, device)
     else:  # validated in config
         raise AssertionError(d.source)
     train.delay_s = d.slow_ms / 1000.0
     return train, val, info
 
 
-def _loader_sources(cfg, rank: int, world_size: int):
+def _loader_sources(cfg, rank: int, world_size: int, device=None):
     d = cfg.data
-    train_cfg, val_cfg = d.loader_configs(cfg.run.seed, world_size)
+    to_device = delivery(device)
+    train_cfg, val_cfg = (dataclasses.replace(c, **to_device) for c in d.loader_configs(cfg.run.seed, world_size))
     if d.source == "cache":
         train = CacheLoader(d.cache, "train", rank, world_size, config=train_cfg)
         val = CacheLoader(d.cache, "val", rank, world_size, config=same_normalization(val_cfg, train))

@@ -47,7 +47,7 @@ from .loop import (
     validation_pass,
 )
 from .models import build_model, count_parameters
-from .optim import make_optimizer, optimizer_state_tensors
+from .optim import fused_choice, implementation, make_optimizer, optimizer_state_tensors
 from .steplog import StepLog
 from .summary import summarize_run
 from .timing import TimeAccount
@@ -98,7 +98,7 @@ class Trainer:
         import torch
 
         torch.manual_seed(self.config.run.seed)
-        self.train_src, self.val_src, self.info = make_sources(self.config, self.world, self.dims)
+        self.train_src, self.val_src, self.info = make_sources(self.config, self.world, self.dims, self.device)
         self.account.setup_done("data_open")
 
     def _build_model(self) -> None:
@@ -126,6 +126,10 @@ class Trainer:
     def _build_optimizer(self) -> None:
         cfg = self.config
         self.optimizer = make_optimizer(self.strategy.module.parameters(), cfg.optim)
+        trainable = [p for p in self.strategy.module.parameters() if p.requires_grad]
+        # which optimizer kernel runs and why, for the run's log and summary (``optim.fused``)
+        self.optimizer_info = {"name": cfg.optim.name, "implementation": implementation(self.optimizer),
+                               "why": fused_choice(trainable, cfg.optim)[1]}
         self.offload_store = None
         self.offload_stats = None
         if self.dims.nvme:  # the optimizer state in files on local disk (parallel/nvme.py)
@@ -160,11 +164,13 @@ class Trainer:
         with self.account.span("restore"):
             restored = self.checkpointer.restore(self.strategy, self.optimizer, self.train_src)
         # every attempt's record, kept across restarts (its step is where it began): the job's account reads them
-        self.writer.log({"step": restored.step if restored else 0, "event": "attempt", **attempt})
+        self.writer.log({"step": restored.step if restored else 0, "event": "attempt", **attempt,
+                         "input": self.train_src.delivery(), "optimizer": self.optimizer_info})
         self.step, self.epoch = (restored.step, restored.epoch) if restored else (0, 0)
         self.first_step = self.step
         self.log.event("start", step=self.step, epoch=self.epoch, total=self.total, world_size=self.world.size,
                        global_batch=self.config.data.global_batch_size, resumed=restored is not None,
+                       input=self.train_src.delivery(), optimizer=self.optimizer_info,
                        data={"fingerprint": self.info.fingerprint, "lineage": self.info.lineage})
 
     # -------------------------------------------------------------------------------------------- steps
@@ -332,6 +338,10 @@ class Trainer:
         if self.offload_stats is not None:  # this rank's state files: their size, and what the steps wrote
             summary["parallel"]["offload_files"] = self.offload_stats
         summary["data_reads"] = all_gather(self.train_src.reads(), self.world.size)  # what locality gave
+        # how this rank's batches reached the model (normalized where, pinned, copied ahead on a side stream) and
+        # the mean bytes one sent host -> device; which optimizer kernel ran
+        summary["input"] = self.train_src.delivery()
+        summary["optimizer"] = self.optimizer_info
         self.writer.close()
         # after the loop: the summary gathered and the model written (the write of summary.json itself left out)
         summary["attempt"] = self.account.attempt()

@@ -123,13 +123,15 @@ def test_a_remote_or_network_offload_dir_is_refused():
 @pytest.mark.timeout(300)
 def test_resume_with_nvme_offload_is_bit_identical_and_leaves_no_files(tmp_path):
     """Crash at step 11 after the commit at step 8, start again: the weights equal the uninterrupted run's
-    (stage 3, 2 ranks; the state goes through DCP like any tensor, and the loaded state back into files)."""
+    (stage 3, 2 ranks; the state goes through DCP like any tensor, and the loaded state back into files). The
+    saves are asynchronous: their snapshot of the state (DTensor shards) is a copy of its files."""
     offload = tmp_path / "offload"
     extra = ["parallel.offload=nvme", f"parallel.offload_dir={offload}"]
     r = run_distributed(cw.resume_runs, 2, str(tmp_path), [3], extra, timeout=280)[0]["3"]
     assert r["crashed"] and r["resumed"]["step"] == 8
     assert r["b"] == r["a"] and r["loss_b"] == r["loss_a"]
     assert r["offload_files"]["state_bytes"] > 0 and r["offload_files"]["bytes_written"] > 0
+    assert r["snapshot_file_bytes"] == r["offload_files"]["state_bytes"]
     assert not os.listdir(offload)  # every attempt removed its files, the crashed one's at the restart
 
 

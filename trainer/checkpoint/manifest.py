@@ -181,8 +181,9 @@ def write_manifest(step_uri: str, manifest: Manifest) -> None:
     (the root's name, new at a run's first save). An object store has no directories to sync: a PUT is durable
     and visible once it returns."""
     local = io.protocol(step_uri) == "file"
-    _, path = io.filesystem(step_uri)
+    fs, path = io.filesystem(step_uri)
     if local:
+        fs.makedirs(path, exist_ok=True)  # (a save made it; a manifest written alone makes it here)
         fsync_dir(path)
     io.write_json_atomic(io.join(step_uri, MANIFEST), manifest.to_json())
     if local:

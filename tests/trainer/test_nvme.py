@@ -215,3 +215,38 @@ def test_saves_of_512_mib_of_state_in_files_hold_one_tensor_of_it_in_memory_and_
     assert r["async"]["values"] == {"0": [0.0, 0.0, 0.0], "15": [15.0, 15.0, 15.0]}
     assert r["sync"]["values"] == {"0": [100.0, 0.0, 0.0], "3": [103.0, 3.0, 3.0]}
     assert r["offload_files"] == sorted(f"state-{i}.bin" for i in range(16))
+
+
+def test_a_snapshot_that_runs_out_of_disk_fails_its_save_and_leaves_no_copy_and_no_waiter(tmp_path, monkeypatch):
+    """The copy of the offload files fails part-way (a full disk, injected: the copy writes a byte, then
+    ENOSPC): the optimizer's wait for the snapshot returns, the save is raised at the next wait naming the
+    checkpoint and the cause, no partial copy is left beside the state, and nothing is committed."""
+    import errno
+
+    from dutycycle.engine.errors import DestinationError
+    from dutycycle.trainer.checkpoint import find_latest
+    from dutycycle.trainer.checkpoint.saver import Saver
+    from dutycycle.trainer.checkpoint.state import TrainerState
+    from dutycycle.trainer.parallel import nvme
+
+    store = nvme.FileStore(str(tmp_path / "offload"), "full", 0)
+    t = torch.arange(4096.0)
+    store.back(t)
+    store.release([t])
+
+    def full_disk(source, dest, nbytes):
+        with open(dest, "wb") as f:
+            f.write(b"x")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(nvme, "_copy_file", full_disk)
+    saver = Saver(str(tmp_path / "ck"), rank=0, world_size=1, keep=2, async_save=True, keep_staging_buffers=False)
+    saver.save(1, {"model": {"w": torch.ones(4)}, "optim": {"m": t}},
+               TrainerState(step=1, epoch=0, loader={}, rng=[], world_size=1), {})
+    saver.wait_staged()
+    with pytest.raises(DestinationError, match=r"ck could not be saved \(OSError: \[Errno 28\] No space left"):
+        saver.wait()
+    saver.close()
+    assert os.listdir(store.dir) == ["state-0.bin"] and torch.equal(t, torch.arange(4096.0))
+    assert find_latest(str(tmp_path / "ck")) is None
+    store.close()

@@ -249,6 +249,10 @@ class FileSnapshot:
     drops them again. ``close()`` drops the pages and removes the files (a map still referenced stays valid: an
     unlinked file lives until it is unmapped).
 
+    The copies need as much free space as the files they copy (none with reflinks), for as long as the save
+    writes; on a disk without it the save fails (ENOSPC, raised as a ``DestinationError`` naming the checkpoint
+    at the next wait), and the earlier commits stay.
+
     The live files are current when the copy starts (``release`` wrote every chunk back, and a page written
     through a map since is the page cache's own page, which the copy reads), and must not change until it ends:
     the optimizer step waits for it, as it waits for the stager's copy of the rest of the state."""

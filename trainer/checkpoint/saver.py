@@ -132,7 +132,7 @@ class Saver:
             return time.perf_counter() - t0, commit
         t_snap = time.perf_counter()
         stager = self.stager if self.stager is not None else self._new_stager()
-        in_memory, in_files = split_file_backed(state)
+        in_memory, in_files = split_file_backed(state) if nvme.any_mapped() else (state, [])
         staging = stager.stage(in_memory)
         # state in offload files is snapshotted as copies of its files (nvme.FileSnapshot), by the background
         # thread once the stager is done: "staged" then means both

@@ -49,7 +49,8 @@ def resume_runs(rank: int, world: int, root: str, stages: list[int], more: tuple
         out[str(stage)] = {"a": a["weights_sha256"], "b": b["weights_sha256"], "crashed": crashed,
                            "resumed": b["checkpoint"]["resumed"], "strategy": b["parallel"]["strategy"],
                            "loss_a": a["final_loss"], "loss_b": b["final_loss"],
-                           "offload_files": b["parallel"].get("offload_files")}
+                           "offload_files": b["parallel"].get("offload_files"),
+                           "snapshot_file_bytes": b["checkpoint"]["snapshot_file_bytes_per_save"]}
     return out
 
 

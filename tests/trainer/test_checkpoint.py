@@ -290,6 +290,66 @@ def test_every_index_is_fsynced_with_all_its_bytes_before_write_state_returns(tm
             assert synced.get(name) == size
 
 
+def test_a_commit_is_durable_files_then_the_step_directory_then_the_manifest_then_the_root(tmp_path, monkeypatch):
+    """Durable commits on a local disk. A power cut cannot be simulated here (nor is strace installed), so the
+    test observes the calls that make a commit survive one, in the order the protocol needs them: os.fsync is
+    wrapped to record the path each descriptor names, and os.replace / os.rename / os.remove / os.unlink to place
+    renames and removals in the same sequence (each call goes on to the real one). Every file of a commit is
+    fsynced (under its name, or a temporary name renamed to it) and renamed before the step directory is
+    fsynced; that is before the manifest is renamed into place; after it, the step directory, the root and the
+    root's parent are fsynced. A retention removal syncs the step directory right after removing its manifest,
+    before any of its files goes."""
+    events: list[tuple] = []
+    real = {name: getattr(os, name) for name in ("fsync", "replace", "rename", "remove", "unlink")}
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real["fsync"](fd)
+
+    def moving(name):
+        def call(src, dst, *args, **kwargs):
+            events.append(("rename", os.fspath(src), os.fspath(dst)))
+            return real[name](src, dst, *args, **kwargs)
+        return call
+
+    def removing(name):
+        def call(path, *args, **kwargs):
+            events.append(("remove", os.fspath(path)))
+            return real[name](path, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    for name in ("replace", "rename"):
+        monkeypatch.setattr(os, name, moving(name))
+    for name in ("remove", "unlink"):
+        monkeypatch.setattr(os, name, removing(name))
+    save_steps(tmp_path, [1, 2], keep=1)  # the second save's retention removes the first
+    monkeypatch.undo()
+
+    root = os.path.realpath(tmp_path)
+    step = os.path.join(root, "step-00000002")
+    manifest = os.path.join(step, mf.MANIFEST)
+    ev = events[next(i for i, e in enumerate(events) if step in " ".join(e[1:])):]  # the second save's
+    commit = next(i for i, e in enumerate(ev) if e[0] == "rename" and e[2] == manifest)
+    synced = {e[1]: i for i, e in enumerate(ev[:commit]) if e[0] == "fsync"}  # path -> its last fsync before
+    renamed = {e[2]: (i, e[1]) for i, e in enumerate(ev[:commit]) if e[0] == "rename"}
+    assert step in synced, "the step directory is not fsynced before the manifest names its files"
+    for name in sorted(set(os.listdir(step)) - {mf.MANIFEST}):
+        path = os.path.join(step, name)
+        at, src = renamed.get(path, (-1, path))
+        assert src in synced, f"{name} is not fsynced before the commit"
+        assert max(synced[src], at) < synced[step], f"{name} is fsynced or renamed after its directory"
+    assert ev[commit][1] in synced, "the manifest's bytes are not fsynced before its rename"
+    after = [e[1] for e in ev[commit:] if e[0] == "fsync"]
+    for directory in (step, root, os.path.dirname(root)):  # the commit's name, the step's, the root's
+        assert directory in after, f"{directory} is not fsynced after the manifest's rename"
+
+    old = os.path.join(root, "step-00000001")
+    gone = next(i for i, e in enumerate(events) if e == ("remove", os.path.join(old, mf.MANIFEST)))
+    assert events[gone + 1] == ("fsync", old), events[gone:gone + 3]
+    assert not os.path.exists(old)
+
+
 def test_retention_keeps_the_newest_k_and_clears_torn_directories(tmp_path):
     (tmp_path / "step-00000002").mkdir(parents=True)  # torn, older than what comes
     (tmp_path / "step-00000099").mkdir()  # torn, newer: left alone

@@ -126,7 +126,8 @@ class Checkpointer:
         self.commits.append(commit)
         if self.writer is not None:
             self.writer.log({"step": commit.step, "checkpoint_committed": commit.uri, "bytes": commit.bytes,
-                             "snapshot_s": commit.snapshot_s, "write_s": commit.write_s, "commit_s": commit.commit_s})
+                             "snapshot_s": commit.snapshot_s, "write_s": commit.write_s, "commit_s": commit.commit_s,
+                             "snapshot_file_bytes": commit.snapshot_file_bytes})
         if self.on_commit is not None:  # every rank, in step order (Ray Train: a report is a barrier)
             t0 = time.perf_counter()
             self.on_commit(commit.step, commit.uri)
@@ -258,6 +259,8 @@ class Checkpointer:
             "write_s_mean": write_s / len(commits) if commits else 0.0, "write_s_total": write_s,
             "report_s": self.report_s,
             "bytes_per_save": written / len(commits) if commits else 0,
+            # offload = "nvme": state snapshotted as copies of its files on disk, not in host memory (saver.py)
+            "snapshot_file_bytes_per_save": max((c.snapshot_file_bytes for c in commits), default=0),
             "write_mb_per_s": written / write_s / 1e6 if write_s > 0 else None,
             "resumed": self.restored, "nonfinite": self.events,
             "skipped_batches": sorted([e, b] for e, b in self.skipped),

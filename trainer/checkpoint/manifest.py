@@ -25,7 +25,9 @@ cryptographic hash, so a checksum means what sha256 meant: the bytes are the one
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -171,8 +173,37 @@ def read_manifest(step_uri: str) -> Manifest | None:
 
 
 def write_manifest(step_uri: str, manifest: Manifest) -> None:
-    """The commit: one atomic write (rename on a local disk, a single PUT on an object store)."""
+    """The commit: one atomic write (rename on a local disk, a single PUT on an object store), durable when this
+    returns (saver.py says what survives a power cut). On a local disk: the step directory is fsynced first, so
+    the names of the files the manifest lists are on disk before it can be; the manifest's bytes are fsynced
+    before its rename (``io.write_json_atomic``); after the rename the step directory is fsynced again (the
+    manifest's name: the commit), then the checkpoint root (the step directory's own name) and the root's parent
+    (the root's name, new at a run's first save). An object store has no directories to sync: a PUT is durable
+    and visible once it returns."""
+    local = io.protocol(step_uri) == "file"
+    fs, path = io.filesystem(step_uri)
+    if local:
+        fs.makedirs(path, exist_ok=True)  # (a save made it; a manifest written alone makes it here)
+        fsync_dir(path)
     io.write_json_atomic(io.join(step_uri, MANIFEST), manifest.to_json())
+    if local:
+        root = os.path.dirname(path.rstrip("/"))
+        for directory in (path, root, os.path.dirname(root)):
+            fsync_dir(directory)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a local directory, so that the names created, renamed or removed in it survive a power cut. A file
+    system that cannot sync a directory (``EINVAL``) is let be; any other failure (an I/O error) raises: the
+    commit is then not durable, and the save must fail rather than report it."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------------- checksums
@@ -217,11 +248,16 @@ def verify_files(step_uri: str, manifest: Manifest, names: list[str]) -> list[st
 
 def remove(step_uri: str) -> None:
     """Delete a checkpoint directory, manifest first: an interrupted removal leaves an uncommitted (ignored)
-    directory, never a committed one with files missing."""
+    directory, never a committed one with files missing. On a local disk the step directory is fsynced once the
+    manifest is gone, so the uncommit is durable before any file goes (after a power cut the manifest cannot
+    come back without its files), and a rollback's uncommit of steps it distrusts is durable before training goes
+    on."""
     fs, path = io.filesystem(step_uri)
     manifest = f"{path.rstrip('/')}/{MANIFEST}"
     if fs.exists(manifest):
         fs.rm(manifest)
+        if io.protocol(step_uri) == "file":
+            fsync_dir(path)
     if fs.exists(path):
         fs.rm(path, recursive=True)
 

@@ -5,22 +5,46 @@
       snapshot: model + optimizer state -> host memory   DCP's DefaultStager (pinned and on a side stream on GPU);
                                                          asynchronous: a stager thread copies while the next
                                                          forward/backward runs, and the next optimizer step (and
-                                                         the next forward, for models with buffers) waits for it
+                                                         the next forward, for models with buffers) waits for it;
+                                                         state in offload files (offload = "nvme"): copies of
+                                                         its files on disk instead, made by the kernel
       ── background thread, its own gloo group ─────────────────────────────────────────────────────────────
-      write: dcp.save of the snapshot into step-N/       every rank its shard, hashed while written; rank 0
-                                                         writes DCP's index once every rank has written
-      commit: gather sizes + checksums (+ RNG) at 0;   rank 0 writes trainer_state.json, then manifest.json:
-                                                         the checkpoint exists from this moment
+      write: dcp.save of the snapshot into step-N/       every rank its shard, hashed while written and fsynced;
+                                                         rank 0 writes DCP's index once every rank has written
+      commit: gather sizes + checksums (+ RNG) at 0;   rank 0 writes trainer_state.json (fsynced), fsyncs
+                                                         step-N/, writes manifest.json (fsynced, renamed into
+                                                         place), fsyncs step-N/ and the root: the checkpoint
+                                                         exists from this moment, durably
       retention: rank 0 deletes commits beyond the newest K, and torn directories older than the commit
 
 Synchronous saves (``checkpoint.async_save = false``) run the same steps on the caller's thread from the live
 state (no snapshot copy), so the step blocks for all of it.
 
+**What survives a power cut** (local disks; ``manifest.write_manifest`` does the syncing). Every file's bytes
+are fsynced before the manifest is written (DCP's shards and ``.metadata``, ``metadata.json``,
+``trainer_state.json``), the step directory is fsynced before the manifest too (the files' names), and the
+manifest's bytes before its rename; after the rename the step directory, the root and the root's parent are
+fsynced. So once a save's commit is reported (the Commit returned, the metrics row, Ray Train's report) it
+survives a power cut with every file it names. A cut at any earlier moment leaves no ``step-N/``, or one without
+a manifest: ignored (resume takes the previous commit) and deleted by the next retention. Only a disk that
+acknowledges a flush it has not done (a volatile write cache without power-loss protection, which no fsync can
+fix) could leave a manifest whose files are short or stale; resume verifies every checksum before loading and
+falls back to the previous commit, loudly, so even then no wrong tensor is loaded. Removal is durable too: a
+removed manifest is synced away before any of its files go. A cut loses the saves not yet committed: training
+resumes from the last commit. Object stores (``s3://``) have no directories and no fsync: a PUT is durable and
+visible when it returns, and the manifest is one PUT made after every other object's PUT has returned.
+
 The snapshot's host buffers are reused from one save to the next (DCP's stager caches them), which is one reason
-a save waits for the previous one to finish. Background collectives go through a gloo group of their own, so
-they never interleave with training's collectives. DCP's ``CheckpointException`` derives from ``BaseException``:
-the background thread catches ``BaseException`` and the error is raised, as a ``DestinationError`` naming the
-checkpoint, on the training thread at the next wait.
+a save waits for the previous one to finish. With the optimizer state in offload files (``parallel.offload =
+"nvme"``) nothing of that state is copied into memory: the snapshot copies its files on disk
+(``nvme.FileSnapshot``), the write reads them through maps and drops each tensor's pages once written
+(storage.py), and the rest of the state gets a stager of its own per save, freed when the save is written. Peak
+host memory of an asynchronous save is then the rest of the state's copy plus one offloaded state tensor (this
+rank's shard of one parameter's moment), and a synchronous save's one offloaded tensor; none of it stays
+resident after the save. Background collectives go through a gloo group of their own, so they never interleave
+with training's collectives. DCP's ``CheckpointException`` derives from ``BaseException``: the background
+thread catches ``BaseException`` and the error is raised, as a ``DestinationError`` naming the checkpoint, on
+the training thread at the next wait.
 """
 
 from __future__ import annotations
@@ -35,6 +59,7 @@ from dataclasses import dataclass, field
 from dutycycle.engine import io
 from dutycycle.engine.errors import DestinationError
 from dutycycle.trainer.cluster.world import broadcast
+from dutycycle.trainer.parallel import nvme
 
 from . import manifest as mf
 from .state import TrainerState
@@ -48,11 +73,12 @@ class Commit:
     step: int
     uri: str
     bytes: int  # all ranks' files
-    snapshot_s: float  # copy into host memory (asynchronous saves: on the stager thread)
+    snapshot_s: float  # copy into host memory (asynchronous saves: on the stager thread), and of offload files
     write_s: float  # dcp.save, from the first rank starting to every rank done
     commit_s: float  # checksums gathered, trainer state and manifest written
     retention_s: float = 0.0
     deleted: list[int] = field(default_factory=list)
+    snapshot_file_bytes: int = 0  # offloaded state (parallel.offload = "nvme") snapshotted as file copies on disk
 
 
 class Saver:
@@ -106,9 +132,14 @@ class Saver:
             return time.perf_counter() - t0, commit
         t_snap = time.perf_counter()
         stager = self.stager if self.stager is not None else self._new_stager()
-        self.staging = stager.stage(state)
-        self.inflight = self.pool.submit(self._background, step, self.staging, trainer_state, rng, t_snap,
-                                         None if stager is self.stager else stager)
+        in_memory, in_files = split_file_backed(state) if nvme.any_mapped() else (state, [])
+        staging = stager.stage(in_memory)
+        # state in offload files is snapshotted as copies of its files (nvme.FileSnapshot), by the background
+        # thread once the stager is done: "staged" then means both
+        ready = Future() if in_files else None
+        self.staging = ready or staging
+        self.inflight = self.pool.submit(self._background, step, staging, ready, in_files, trainer_state, rng,
+                                         t_snap, None if stager is self.stager else stager)
         return time.perf_counter() - t0, previous
 
     def wait_staged(self) -> float:
@@ -156,17 +187,32 @@ class Saver:
 
     # ------------------------------------------------------------------------------------ background thread
 
-    def _background(self, step, staging: Future, trainer_state, rng, t_snap, own_stager=None) -> Commit:
+    def _background(self, step, staging: Future, ready: Future | None, in_files, trainer_state, rng, t_snap,
+                    own_stager=None) -> Commit:
+        snapshot = None
         try:
-            staged = staging.result()
+            try:
+                staged = staging.result()
+                if in_files:
+                    snapshot = nvme.FileSnapshot([t for _, t in in_files])
+                    put_file_backed(staged, in_files, snapshot)
+            except BaseException as e:  # noqa: BLE001 - the training thread waits on ready: it must complete
+                if ready is not None:
+                    ready.set_exception(e)
+                raise
+            if ready is not None:
+                ready.set_result(None)
             snapshot_s = time.perf_counter() - t_snap
-            return self._write_and_commit(step, staged, trainer_state, rng, snapshot_s)
+            return self._write_and_commit(step, staged, trainer_state, rng, snapshot_s,
+                                          snapshot.bytes if snapshot is not None else 0)
         finally:
             if own_stager is not None:  # this save's stager: its host copies go with it
                 own_stager.close()
+            if snapshot is not None:  # the copies of the offload files
+                snapshot.close()
 
     def _write_and_commit(self, step: int, state: dict, trainer_state: TrainerState, rng: dict,
-                          snapshot_s: float) -> Commit:
+                          snapshot_s: float, snapshot_file_bytes: int = 0) -> Commit:
         uri = io.join(self.root, mf.step_name(step))
         self.on_phase("write")
         t0 = time.perf_counter()
@@ -209,7 +255,7 @@ class Saver:
         deleted = mf.retention(self.root, self.keep, step) if self.rank == 0 else []
         self.on_phase("done")
         return Commit(step=step, uri=uri, bytes=total, snapshot_s=snapshot_s, write_s=t1 - t0, commit_s=t2 - t1,
-                      retention_s=time.perf_counter() - t2, deleted=deleted)
+                      retention_s=time.perf_counter() - t2, deleted=deleted, snapshot_file_bytes=snapshot_file_bytes)
 
     # ------------------------------------------------------------------------ collectives on the save group
 
@@ -224,6 +270,33 @@ class Saver:
         out = [None] * self.world if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=self.group)
         return out or []
+
+
+def split_file_backed(state: dict) -> tuple[dict, list[tuple[tuple, object]]]:
+    """``state`` without the tensors that live in offload files (``nvme.mapped``), each replaced by None, and
+    those tensors with their paths (keys and list indexes) in it."""
+    found = []
+
+    def walk(obj, path):
+        if isinstance(obj, dict):
+            return {k: walk(v, (*path, k)) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v, (*path, i)) for i, v in enumerate(obj)]
+        if nvme.mapped(obj):
+            found.append((path, obj))
+            return None
+        return obj
+
+    return walk(state, ()), found
+
+
+def put_file_backed(staged: dict, found: list, snapshot) -> None:
+    """Put each tensor ``split_file_backed`` took out back into the staged copy, as its snapshot."""
+    for path, tensor in found:
+        parent = staged
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = snapshot.copy(tensor)
 
 
 def _lower_priority(nice: int) -> None:

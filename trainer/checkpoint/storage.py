@@ -7,6 +7,12 @@ needs. Added here, each at a public seam of DCP's storage classes:
 - **Checksums while writing.** Every stream DCP writes through is hashed as it goes, so when ``dcp.save`` returns
   each rank knows the size and checksum of its own files without reading them back (on an object store a read-back
   would download the checkpoint again).
+- **State in offload files stays out of memory.** A tensor that lives in a file map (``parallel.offload =
+  "nvme"``: the optimizer state, or an asynchronous save's snapshot of it) has its pages dropped from the process
+  as soon as DCP has written it (``_SavePlanner``), so a save holds one such tensor in memory at a time, not the
+  whole state. Such saves use DCP's serial loader (``per_thread_copy_ahead = 0``), which resolves each tensor
+  just before writing it; the state is in host memory anyway under that offload, so overlapping device copies
+  would gain nothing.
 - **Loads run no pickle.** DCP's ``.metadata`` is a pickle, and DCP's default load planner unpickles non-tensor
   values (optimizer hyperparameters) with the weights-only guard off. Rank 0 also writes the index as JSON
   (``metadata.json``); loads read that one, and load non-tensor values with ``weights_only=True`` (tensors and
@@ -31,8 +37,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from dutycycle.engine import io
 from dutycycle.engine.errors import CorruptArtifactError
+from dutycycle.trainer.parallel import nvme
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -114,14 +121,42 @@ class _HashingFileSystem(FileSystem):
             self.records[os.path.basename(os.fspath(new_path))] = rec
 
 
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's save planner, dropping a file-mapped tensor's pages (``nvme.drop_pages``) once it is written.
+
+    DCP's serial loader resolves the write items of a file one at a time and writes each before resolving the
+    next, so when an item is resolved the previous one is on its way to storage: its pages go then, and the
+    last one's in ``finish_writing``. (With DCP's overlapping loader, used on CUDA machines unless
+    ``per_thread_copy_ahead`` is 0, items are resolved ahead of writing: ``_Writer`` turns it off when maps
+    exist.) A dropped page that is read again comes back from its file: only memory is at stake, never values."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._written = None
+
+    def resolve_data(self, write_item):
+        self.finish_writing()
+        data = super().resolve_data(write_item)
+        if isinstance(data, torch.Tensor) and nvme.mapped(data):
+            self._written = data
+        return data
+
+    def finish_writing(self) -> None:
+        if self._written is not None:
+            nvme.drop_pages(self._written)
+            self._written = None
+
+
 class _Writer(FsspecWriter):
     """FsspecWriter that records checksums of what it writes and adds the JSON index beside ``.metadata``."""
 
     def __init__(self, uri: str):
         local = io.protocol(uri) == "file"
         # fsync each file on a local disk; an object store's PUT is durable when it returns (DCP would call
-        # os.sync() for the whole machine on streams without a file descriptor)
-        super().__init__(uri, sync_files=local, **io.storage_options(uri))
+        # os.sync() for the whole machine on streams without a file descriptor). With file-mapped state in
+        # this process, DCP's serial loader (see _SavePlanner).
+        copy_ahead = {"per_thread_copy_ahead": 0} if nvme.any_mapped() else {}
+        super().__init__(uri, sync_files=local, **copy_ahead, **io.storage_options(uri))
         self.records: dict[str, FileRecord] = {}
         self.fs = _HashingFileSystem(self.records)
         self.path = self.fs.init_path(uri, **io.storage_options(uri))
@@ -149,14 +184,15 @@ def write_state(state: dict, uri: str, process_group=None, plan_cache: str | Non
     lock (measured with py-spy). A changed layout is detected by DCP (the plans are compared) and planned anew.
     DCP keeps the cache in class-level dicts, keyed per planner class unless told otherwise; ``drop_plan_cache``
     frees a key."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    planner = DefaultSavePlanner(enable_plan_caching=plan_cache is not None)
+    planner = _SavePlanner(enable_plan_caching=plan_cache is not None)
     if plan_cache is not None:
         planner._cached_plans_key = plan_cache  # one cache per Saver: another run in this process plans its own
     writer = _Writer(uri)
-    with _no_zip_crc32():
-        dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
+    try:
+        with _no_zip_crc32():
+            dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
+    finally:
+        planner.finish_writing()
     return dict(writer.records)
 
 

@@ -15,6 +15,13 @@ update is the optimizer's own, elementwise, on the same tensors: training is bit
 "optimizer"`` (tested), and checkpoints save and load the state through DCP as they would any tensor (a state
 loaded from a checkpoint arrives in host memory; the next step moves it back into files).
 
+Checkpoints read the state from its files without bringing it back into memory (``FileSnapshot``,
+``drop_pages``): an asynchronous save's snapshot of it is a copy of its files on the same disk, made by the kernel
+(``copy_file_range``: no pages in this process; a reflink where the file system has them), which the save's writer
+reads through read-only maps; a save, asynchronous or not, drops each tensor's pages once DCP has written it. So
+a save holds at most one state tensor (this rank's shard of one parameter's moment) of it in memory at a time,
+never more than a step holds (a step's chunk is at least one parameter's state), and none once it is written.
+
 The files are this run's scratch, not a checkpoint: ``<offload_dir>/dutycycle-offload-<run>/rank<r>-<attempt>``,
 removed when the rank ends; a rank that starts removes its earlier attempts' (a crash leaves them). A directory
 on a network or shared file system is refused: every step rewrites the state, and another node's rank of the same
@@ -46,6 +53,9 @@ NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "9p", "ceph", "gl
               "virtiofs", "davfs", "fuse.davfs2"}
 # storages that live in an offload file: data pointer -> bytes (memory.py counts them apart from host memory)
 FILE_BACKED: dict[int, int] = {}
+# every map of a file this module made, the live state's and snapshots': storage data pointer -> (map, path)
+_MAPPED: dict[int, tuple[mmap.mmap, str]] = {}
+COPY_BYTES = 64 * 2**20  # one copy_file_range call of a snapshot (the kernel copies; no pages in this process)
 
 
 def mount_table() -> str:
@@ -142,7 +152,7 @@ class FileStore:
             mapped.copy_(local.view(-1).view(torch.uint8))
             local.set_(mapped.untyped_storage(), 0, local.size(), local.stride())
         ptr = local.untyped_storage().data_ptr()
-        self._maps[ptr] = (mm, path)
+        self._maps[ptr] = _MAPPED[ptr] = (mm, path)
         FILE_BACKED[ptr] = nbytes
 
     def _entries(self, tensors):
@@ -161,18 +171,14 @@ class FileStore:
         for mm, path in self._entries(tensors):
             mm.flush()
             self.bytes_written += len(mm)
-            mm.madvise(mmap.MADV_DONTNEED)
-            fd = os.open(path, os.O_RDONLY)  # written back and unmapped: now the page cache may drop them too
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            _drop(mm, path)
 
     def forget_unused(self, live: set[int]) -> None:
         """Drop the files of storages no state tensor uses any more (a checkpoint load replaced them)."""
         for ptr in [p for p in self._maps if p not in live]:
             _, path = self._maps.pop(ptr)
             FILE_BACKED.pop(ptr, None)
+            _MAPPED.pop(ptr, None)
             os.unlink(path)  # the map itself goes with its last tensor
 
     def file_bytes(self) -> int:
@@ -188,12 +194,158 @@ class FileStore:
         atexit.unregister(self.close)
         for ptr in self._maps:
             FILE_BACKED.pop(ptr, None)
+            _MAPPED.pop(ptr, None)
         self._maps.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
         try:
             os.rmdir(os.path.dirname(self.dir))
         except OSError:  # another rank's directory is still there (it removes the parent when it ends)
             pass
+
+
+def _drop(mm: mmap.mmap, path: str) -> None:
+    """Drop a map's pages from this process (a file's map: they are read again from the file if touched) and its
+    clean pages from the page cache."""
+    mm.madvise(mmap.MADV_DONTNEED)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # a snapshot already removed: its pages leave the cache with the file
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def mapped(t) -> bool:
+    """Whether ``t`` is a tensor (or a DTensor whose shard is one) that lives in a file map of this module (the
+    state's or a snapshot's)."""
+    return isinstance(t, torch.Tensor) and _local(t).untyped_storage().data_ptr() in _MAPPED
+
+
+def any_mapped() -> bool:
+    return bool(_MAPPED)
+
+
+def drop_pages(t: torch.Tensor) -> bool:
+    """Drop the pages of ``t``'s file map from this process (and the page cache); the values stay, in the file.
+    False (nothing done) for a tensor in ordinary memory, where dropping pages would lose it."""
+    entry = _MAPPED.get(_local(t).untyped_storage().data_ptr())
+    if entry is None:
+        return False
+    _drop(*entry)
+    return True
+
+
+class FileSnapshot:
+    """A point-in-time copy of some state tensors' files, for a checkpoint to read while training goes on.
+
+    ``FileSnapshot(tensors)`` copies each tensor's file (all of them in offload files: ``mapped``) to a new
+    file beside it (this rank's scratch directory, the same file system) with ``copy_file_range``: the kernel
+    moves the bytes, ``COPY_BYTES`` per call, through the page cache (both files' clean pages dropped after each
+    file), never through this process, so the copy costs no host memory however large the state; on a file
+    system with reflinks (XFS, Btrfs) it shares the blocks instead. ``copy(t)`` is a tensor like ``t`` (a DTensor
+    too) over a private map of its copy that nothing writes to: it holds no pages until read, and ``drop_pages``
+    drops them again. ``close()`` drops the pages and removes the files (a map still referenced stays valid: an
+    unlinked file lives until it is unmapped).
+
+    The copies need as much free space as the files they copy (none with reflinks), for as long as the save
+    writes; on a disk without it the save fails (ENOSPC, raised as a ``DestinationError`` naming the checkpoint
+    at the next wait), and the earlier commits stay.
+
+    The live files are current when the copy starts (``release`` wrote every chunk back, and a page written
+    through a map since is the page cache's own page, which the copy reads), and must not change until it ends:
+    the optimizer step waits for it, as it waits for the stager's copy of the rest of the state."""
+
+    _ids = itertools.count()
+
+    def __init__(self, tensors):
+        self.files: list[str] = []
+        self._copies: dict[int, torch.Tensor] = {}  # live storage pointer -> the copy's tensor (local shard)
+        tag = f"snapshot-{os.getpid()}-{next(self._ids)}"
+        try:
+            for t in tensors:
+                local = _local(t)
+                ptr = local.untyped_storage().data_ptr()
+                if ptr in self._copies:
+                    continue
+                mm_live, source = _MAPPED[ptr]
+                path = os.path.join(os.path.dirname(source), f"{tag}-{len(self.files)}.bin")
+                self.files.append(path)
+                _copy_file(source, path, len(mm_live))
+                self._copies[ptr] = self._map(path, local)
+        except BaseException:
+            self.close()
+            raise
+        self.bytes = sum(os.path.getsize(p) for p in self.files)
+
+    @staticmethod
+    def _map(path: str, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.untyped_storage().nbytes()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            # private and writable only so that torch takes the buffer without a warning; nothing writes to it
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+        out = torch.empty(0, dtype=like.dtype).set_(raw.untyped_storage(), 0, like.size(), like.stride())
+        _MAPPED[out.untyped_storage().data_ptr()] = (mm, path)
+        return out
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """The snapshot of ``t`` (one of the tensors it was taken of), as ``t`` is: a DTensor keeps its mesh,
+        placements and global shape."""
+        local = self._copies[_local(t).untyped_storage().data_ptr()]
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                      stride=t.stride())
+        return local
+
+    def close(self) -> None:
+        for local in self._copies.values():
+            entry = _MAPPED.pop(local.untyped_storage().data_ptr(), None)
+            if entry is not None:
+                entry[0].madvise(mmap.MADV_DONTNEED)
+        self._copies.clear()
+        for path in self.files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.files = []
+
+
+def _copy_file(source: str, dest: str, nbytes: int) -> None:
+    """Copy ``nbytes`` of ``source`` into the new file ``dest`` inside the kernel, then drop both files' clean
+    pages from the page cache."""
+    src = os.open(source, os.O_RDONLY)
+    try:
+        dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            done = 0
+            while done < nbytes:
+                try:
+                    n = os.copy_file_range(src, dst, min(COPY_BYTES, nbytes - done), done, done)
+                except OSError:  # not supported here (an old kernel, another system): bounded reads and writes
+                    n = _copy_chunk(src, dst, min(COPY_BYTES, nbytes - done), done)
+                if n == 0:
+                    raise OSError(f"{source} ended at byte {done} of {nbytes} while it was copied for a checkpoint")
+                done += n
+            os.posix_fadvise(dst, 0, 0, os.POSIX_FADV_DONTNEED)  # starts writing it back; clean pages go
+        finally:
+            os.close(dst)
+        os.posix_fadvise(src, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(src)
+
+
+def _copy_chunk(src: int, dst: int, n: int, offset: int) -> int:
+    data = os.pread(src, n, offset)
+    os.pwrite(dst, data, offset)
+    return len(data)
 
 
 def _allow_open_files() -> None:

@@ -53,7 +53,8 @@ from dutycycle.engine.errors import ParityCheckFailed
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .fsdp_api import ReduceScatter, custom_reduce_scatters, fsdp_modules
+from .apply import shard_units
+from .fsdp_api import ReduceScatter, fsdp_modules, own_reduce_scatters
 from .quant import QMAX
 
 MAX_UNITS = 8  # parameters sampled (one per unit): the check's cost is theirs, not the model's
@@ -210,7 +211,9 @@ class ParityCheck:
     def __init__(self, strategy, every: int, *, micro_batches: int, describe: str = ""):
         self.strategy, self.every, self.micro = strategy, every, micro_batches
         self.describe = describe  # the configuration in words, for the error message
-        self.unit_names = list(strategy.units) if strategy.name == "fsdp2" else []
+        # FSDP2's units; under DDP (one bucketed all-reduce) the same blocks (apply.shard_units), so each is sampled
+        self.unit_names = list(strategy.units) if strategy.name == "fsdp2" else \
+            [name for name, _ in shard_units(strategy.module)[0]]
         self.names = sample_parameters(strategy.module, self.unit_names)
         self.results: list[CheckResult] = []  # this attempt's checks, in order (``record`` adds them)
 
@@ -284,12 +287,14 @@ class StepCheck:
                     handles.append(t.register_hook(lambda g, cap=cap: cap.add(g)))
 
             handles.append(owner.register_forward_pre_hook(pre_hook))
-        if s.name == "fsdp2":  # the quantizer's inputs, per unit (FSDP2 modules in fsdp_modules order)
-            by_module = dict(zip(fsdp_modules(s.model), custom_reduce_scatters(s.model), strict=True))
+        if s.name == "fsdp2":  # the quantizer's inputs, per unit: each unit's reduce-scatter wrapped for this step
             names = {m: n for n, m in s.model.named_modules()}
-            for m, inner in by_module.items():
-                seam = self.seams[names[m]] = _SeamStats(inner)
-                m.set_custom_reduce_scatter(seam)
+            for m in fsdp_modules(s.model):
+                own = own_reduce_scatters(m)
+                if own:  # FSDP2 gives a unit one parameter group (none without parameters)
+                    assert len(own) == 1, (names[m], own)
+                    seam = self.seams[names[m]] = _SeamStats(own[0])
+                    m.set_custom_reduce_scatter(seam)
         self.seconds += time.perf_counter() - t0
         return handles
 
@@ -297,9 +302,9 @@ class StepCheck:
         for h in handles:
             h.remove()
         s = self.parity.strategy
-        if s.name == "fsdp2":
-            for m in fsdp_modules(s.model):
-                name = next(n for n, mm in s.model.named_modules() if mm is m)
+        names = {m: n for n, m in s.model.named_modules()} if s.name == "fsdp2" else {}
+        for m, name in names.items():
+            if name in self.seams:
                 m.set_custom_reduce_scatter(self.seams[name].inner)
 
     # ------------------------------------------------------------------------------------------- verify
@@ -346,6 +351,11 @@ class StepCheck:
             amax, residual, calls = unit_stats.get(unit_of(name, parity.unit_names), (0.0, 0.0, 0))
             bound = element_bound(sum_abs=sum_abs, dp=dp, micro=parity.micro, acc_dtype=_acc_dtype(p),
                                   bits=bits, two_hop=quant.two_hop, amax=amax, residual=residual, calls=calls)
+            if not bool(torch.isfinite(ref).all()):
+                # a NaN or infinite gradient out of backward itself (the same on every rank: ref is all-reduced):
+                # nothing to compare; the loop's non-finite check handles the step (rollback or stop)
+                rows[name] = {"nonfinite_gradient": True, "numel": ref.numel()}
+                continue
             err = (applied - ref).abs()
             scale = float(ref.abs().max()) if ref.numel() else 0.0
             ratio = float((err / bound.clamp_min(1e-300)).max()) if err.numel() else 0.0
@@ -374,7 +384,7 @@ class StepCheck:
         return result
 
     def failure(self, result: CheckResult) -> ParityCheckFailed:
-        name = next((n for n, r in result.params.items() if r["error_over_bound"] > 1), result.worst)
+        name = next((n for n, r in result.params.items() if r.get("error_over_bound", 0) > 1), result.worst)
         r = result.params.get(name, {})
         return ParityCheckFailed(
             f"parity check failed at step {result.step}: the gradient applied to {name!r} differs from a plain "

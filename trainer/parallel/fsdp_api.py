@@ -10,7 +10,7 @@
   gradient sync is off (accumulation), and the padded flat shard behind each sharded parameter. Memory
   accounting (memory.py) reads them; nothing writes them.
 - ``custom_reduce_scatters``: the reduce-scatter object each module calls (the tests read error feedback's
-  residuals from them).
+  residuals from them); ``own_reduce_scatters``: one module's (the parity check wraps them for its step).
 - ``set_unshard_async``: ``FSDPModule._set_unshard_async_op`` (private): pre-forward/backward unshards and
   prefetches ask the all-gather for ``async_op=True`` (FSDP2 then waits on the returned ``dist.Work`` at
   copy-out). Without it, on CPU every unshard, prefetched or not, blocks where it is issued.
@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 __all__ = ["AllGather", "ReduceScatter", "FSDPModule", "custom_reduce_scatters", "fsdp_modules",
-           "held_tensors", "reshard_to_secondary", "set_unshard_async"]
+           "held_tensors", "own_reduce_scatters", "reshard_to_secondary", "set_unshard_async"]
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -65,6 +65,12 @@ def custom_reduce_scatters(model: torch.nn.Module) -> list[ReduceScatter]:
     ``fsdp_modules`` order."""
     return [group._reduce_scatter_comm for module in fsdp_modules(model)
             for group in module._get_fsdp_state()._fsdp_param_groups]
+
+
+def own_reduce_scatters(module: FSDPModule) -> list[ReduceScatter]:
+    """The reduce-scatter objects of ``module``'s own parameter groups (none for a unit without parameters), not
+    its children's: what the parity check (check.py) wraps for one step and puts back."""
+    return [group._reduce_scatter_comm for group in module._get_fsdp_state()._fsdp_param_groups]
 
 
 def set_unshard_async(model: torch.nn.Module) -> None:

@@ -278,13 +278,16 @@ class StepCheck:
             owner = module.get_submodule(owner_name)
             cap = self.captures[name]
 
-            def pre_hook(mod, args, leaf=leaf, cap=cap):
-                t = mod._parameters.get(leaf)
-                if t is None:
-                    t = getattr(mod, leaf)
+            def on_grad(g, cap=cap):
+                t = time.perf_counter()
+                cap.add(g)
+                self.seconds += time.perf_counter() - t  # the capture's part of backward counts as the check's
+
+            def pre_hook(mod, args, leaf=leaf, on_grad=on_grad):
+                t = getattr(mod, leaf)  # under FSDP2, the unsharded parameter it registered for forward
                 if id(t) not in seen and t.requires_grad:
                     seen.add(id(t))
-                    handles.append(t.register_hook(lambda g, cap=cap: cap.add(g)))
+                    handles.append(t.register_hook(on_grad))
 
             handles.append(owner.register_forward_pre_hook(pre_hook))
         if s.name == "fsdp2":  # the quantizer's inputs, per unit: each unit's reduce-scatter wrapped for this step

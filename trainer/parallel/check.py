@@ -176,9 +176,10 @@ class _Capture:
         self.grad = local.clone() if self.grad is None else self.grad.add_(local)
         self.abs = local.abs() if self.abs is None else self.abs.add_(local.abs())
 
-    def whole(self, t: torch.Tensor | None, shape) -> torch.Tensor:
+    def whole(self, t: torch.Tensor | None, shape, device) -> torch.Tensor:
         if t is None:
-            return torch.zeros(shape, dtype=torch.float64)
+            return torch.zeros(shape, dtype=torch.float64, device=device)
+        t = t.to(device)
         if self.mesh is None:
             return t
         return DTensor.from_local(t, self.mesh, self.placements, run_check=False).full_tensor()
@@ -208,8 +209,10 @@ class ParityCheck:
     """``parallel.check_every`` for one strategy (parallel/apply.py's). ``at(step)`` is a ``StepCheck`` on
     check steps (every ``every``-th optimizer step, counted from 1) and None otherwise."""
 
-    def __init__(self, strategy, every: int, *, micro_batches: int, describe: str = ""):
+    def __init__(self, strategy, every: int, *, micro_batches: int, describe: str = "", device=None):
         self.strategy, self.every, self.micro = strategy, every, micro_batches
+        # where the check's collectives run: the training device (NCCL wants CUDA tensors, also under CPU offload)
+        self.device = device if device is not None else torch.device("cpu")
         self.describe = describe  # the configuration in words, for the error message
         # FSDP2's units; under DDP (one bucketed all-reduce) the same blocks (apply.shard_units), so each is sampled
         self.unit_names = list(strategy.units) if strategy.name == "fsdp2" else \
@@ -328,7 +331,7 @@ class StepCheck:
         # the quantizer's maxima over every rank: one all-reduce of every unit's figures
         units = sorted(self.seams)
         stats = torch.tensor([[self.seams[u].amax, self.seams[u].residual_max] for u in units] or [[0.0, 0.0]],
-                             dtype=torch.float64)
+                             dtype=torch.float64, device=parity.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         unit_stats = {u: (float(stats[i, 0]), float(stats[i, 1]), self.seams[u].calls) for i, u in enumerate(units)}
@@ -340,14 +343,14 @@ class StepCheck:
             cap = self.captures[name]
             group = _dp_group(p, s)
             dp = dist.get_world_size(group) if dist.is_initialized() else 1
-            ref = cap.whole(cap.grad, p.shape)
-            sum_abs = cap.whole(cap.abs, p.shape)
+            ref = cap.whole(cap.grad, p.shape, parity.device)
+            sum_abs = cap.whole(cap.abs, p.shape, parity.device)
             if dp > 1:
                 both = torch.stack([ref, sum_abs])
                 dist.all_reduce(both, group=group)  # the plain float64 all-reduce
                 ref, sum_abs = both[0], both[1]
             ref = ref / dp
-            applied = _whole(p.grad)
+            applied = _whole(p.grad, parity.device)
             if applied is None:
                 applied = torch.zeros_like(ref)
             applied = applied.to(torch.float64)
@@ -375,7 +378,7 @@ class StepCheck:
                 worst, worst_ratio = name, ratio
                 worst_rel = row["max_error"] / scale if scale else row["max_error"]
                 worst_bound = float(bound.max()) / scale if scale else float(bound.max())
-        failed = torch.tensor([1.0 if fails else 0.0])
+        failed = torch.tensor([1.0 if fails else 0.0], device=parity.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # one verdict: every rank stops, or none
         self.seconds += time.perf_counter() - t0
@@ -424,10 +427,12 @@ def _dp_group(p, strategy):
     return None
 
 
-def _whole(t):
+def _whole(t, device):
+    """The whole gradient on ``device`` (a sharded one gathered; under CPU offload it is moved first)."""
     if t is None:
         return None
-    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
+    t = t.detach().to(device)
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _acc_dtype(p) -> torch.dtype:

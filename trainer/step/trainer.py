@@ -126,7 +126,7 @@ class Trainer:
         self.parity = None  # parallel.check_every: the parity check of the gradient exchange (parallel/check.py)
         if cfg.parallel.check_every:
             self.parity = ParityCheck(self.strategy, cfg.parallel.check_every, micro_batches=cfg.data.micro_batches,
-                                      describe=_describe_path(cfg.parallel, self.precision))
+                                      describe=_describe_path(cfg.parallel, self.precision), device=self.device)
 
     def _build_optimizer(self) -> None:
         cfg = self.config

@@ -101,3 +101,19 @@ def test_the_sample_and_the_bound():
 def test_check_every_must_not_be_negative():
     with pytest.raises(ConfigError, match="parallel.check_every = -1"):
         ParallelSection(check_every=-1).check("parallel")
+
+
+def test_a_check_is_a_progress_line():
+    import io
+
+    from dutycycle.trainer.launch.progress import ProgressDisplay
+
+    out = io.StringIO()
+    display = ProgressDisplay(10, out=out, bar=False, label="demo")
+    display({"event": "start", "step": 0, "epoch": 0, "total": 16, "world_size": 2, "global_batch": 32,
+             "resumed": False, "time": 1000.0})
+    display({"event": "parity_check", "step": 12, "passed": True, "max_rel_error": 0.0047, "bound": 0.0048,
+             "seconds": 0.08, "time": 1001.0})
+    display.close()
+    assert "step 12/16: parity check passed, largest error 4.70e-03 of the gradient (bound 4.80e-03, 0.08 s)" \
+        in out.getvalue().splitlines()

@@ -365,7 +365,9 @@ class StepCheck:
             err = (applied - ref).abs()
             scale = float(ref.abs().max()) if ref.numel() else 0.0
             ratio = float((err / bound.clamp_min(1e-300)).max()) if err.numel() else 0.0
-            over = bool((err > bound).any()) or not bool(torch.isfinite(applied).all())
+            if not bool(torch.isfinite(applied).all()):  # a finite gradient made NaN or infinite by the exchange
+                ratio = float("inf")
+            over = bool((err > bound).any()) or ratio == float("inf")
             i = int((err - bound).argmax()) if err.numel() else 0
             row = {"max_error": float(err.max()) if err.numel() else 0.0,
                    "bound": float(bound.flatten()[i]) if err.numel() else 0.0,
@@ -386,7 +388,6 @@ class StepCheck:
         result = CheckResult(step=self.step, max_rel_error=worst_rel, bound=worst_bound,
                              passed=not bool(failed.item()), seconds=self.seconds, params=rows, wire=wire,
                              worst=worst)
-        self.result = result
         return result
 
     def failure(self, result: CheckResult) -> ParityCheckFailed:
@@ -398,9 +399,9 @@ class StepCheck:
             f"element, beyond the bound {r.get('bound', float('nan')):.3e} derived for this path "
             f"({self.parity.describe}; largest error {r.get('max_error', float('nan')):.3e} against a largest "
             f"gradient element of {r.get('max_abs_grad', float('nan')):.3e}). The sharded/quantized gradient "
-            "exchange is wrong, and training on would apply wrong updates: stop here, rerun the same step with "
-            "parallel.quant_grads = \"none\" and parallel.reduce_scatter = \"native\" (then zero_stage = 0) to "
-            "find the path at fault, and report it with this message; the metrics row of this step records "
+            "exchange is wrong, and training on would apply wrong updates: the step was not applied. Resume from "
+            "the last commit with parallel.quant_grads = \"none\" and parallel.reduce_scatter = \"native\" (then "
+            "zero_stage = 0) to find the path at fault, and report it with this message; the metrics row of this step records "
             "every sampled parameter's error and the step's collectives", step=result.step, parameter=name,
             error=r.get("error_at_worst", float("nan")), bound=r.get("bound", float("nan")))
 

@@ -54,3 +54,19 @@ def _rebuild_diverged(message, step, epoch, batch, sample_ids):
 
 class FormatError(CorruptArtifactError):
     """An artifact whose ``format`` field is missing or names a version this dutycycle does not read."""
+
+
+class ParityCheckFailed(DutycycleError):
+    """``parallel.check_every``'s check found the gradient a step applied to ``parameter`` farther than ``bound``
+    from a plain float64 all-reduce of every rank's gradient (``error``, in one element) at ``step``."""
+
+    def __init__(self, message: str, *, step: int = 0, parameter: str = "", error: float = 0.0, bound: float = 0.0):
+        super().__init__(message)
+        self.step, self.parameter, self.error, self.bound = step, parameter, error, bound
+
+    def __reduce__(self):  # keep the fields when Ray ships the error to the driver
+        return (_rebuild_parity, (str(self), self.step, self.parameter, self.error, self.bound))
+
+
+def _rebuild_parity(message, step, parameter, error, bound):
+    return ParityCheckFailed(message, step=step, parameter=parameter, error=error, bound=bound)

@@ -73,6 +73,12 @@ class ParallelSection:
     # fault injection (to test the diagnosis, as data.slow_ms does for the loader): every optimizer step's gradient
     # exchange waits this much longer, as on a slower link; counted as exposed communication, at any world size
     inject_comm_ms: float = 0.0
+    # the parity check (trainer/parallel/check.py): every this many optimizer steps, the gradient the sharded,
+    # quantized path applied to a sample of parameters (the largest of each sharded unit) is compared with a
+    # plain float64 all-reduce of every rank's gradient, within a bound derived from the path's quantization and
+    # rounding; beyond it the run stops (ParityCheckFailed). Each check is a metrics row (error, bound, seconds,
+    # the step's collectives with their bytes and wire dtypes). 0 = off: nothing installed, nothing computed
+    check_every: int = 0
 
     @property
     def grads_all_to_all(self) -> bool:
@@ -91,7 +97,7 @@ class ParallelSection:
                               f"= {self.quant_grads!r} is exchanged by all-to-all); use \"auto\" or quant_grads = "
                               "\"none\"")
         positive(where, self, "num_workers")
-        not_negative(where, self, "cpus_per_worker", "inject_comm_ms")
+        not_negative(where, self, "cpus_per_worker", "inject_comm_ms", "check_every")
         one_of(f"{where}.zero_stage", self.zero_stage, (0, 1, 2, 3))
         if self.reduce_every_micro_step and self.zero_stage == 1:
             raise ConfigError(f"{where}.reduce_every_micro_step = true contradicts {where}.zero_stage = 1, which holds "

@@ -53,11 +53,13 @@ SMALL = {
     "images": 300,
     "size": 32,
     # a quick run: smaller batches, a narrower CNN, 16 steps (run.max_steps wins over the file's epochs),
-    # commits every 4 steps so the killed worker still has one to resume from, and no random flips
+    # commits every 4 steps so the killed worker still has one to resume from, no random flips, and the parity
+    # check once
     "train": {
         "data.global_batch_size": 32, "data.eval_batch_size": 64, "data.augment.flip": False,
         "model.width": 8, "optim.lr": 0.003, "optim.warmup_steps": 2, "checkpoint.every": 4,
         "run.max_steps": 16, "run.eval_every": 8, "run.log_every": 2,
+        "parallel.check_every": 12,  # the parity check once, as the full demo's 250 of its ~290 steps
     },
     "kill_after_step": 6,
     # a cap, not a duration: the experiments take ~40 s on a quiet machine; on a busy one the end-to-end run's

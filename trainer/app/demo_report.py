@@ -90,6 +90,16 @@ def checkpoint_rows(s: dict) -> list[tuple[str, str]]:
             ("final save and its wait", f"{final:.2f} s")]
 
 
+def parity_line(pc: dict) -> str:
+    """The run's parity checks in words (trainer/parallel/check.py's summary)."""
+    if not pc.get("checks"):
+        return f"every {pc['every']} steps: no step reached it"
+    verdict = "passed" if pc["passed"] else "FAILED"
+    return (f"{verdict} at step{'s' if pc['checks'] > 1 else ''} {', '.join(map(str, pc['steps']))}: largest error "
+            f"{pc['max_rel_error']:.2%} of the gradient against a bound of {pc['bound']:.2%}, "
+            f"{pc['seconds_per_check']:.2f} s per check")
+
+
 def time_tables(s: dict) -> str:
     """Where the time went: from launch to exit when the job's account is there (per step apart from once),
     else the training loop's (mean per rank)."""
@@ -139,6 +149,7 @@ def write(out: str, result: dict) -> str:
         ("bytes sent per step per rank", f"{sum(par.get('traffic_per_step', {}).values()) / 2**20:.2f} MB"),
         ("checkpoints committed", e(readable("committed", ck.get("committed")))),
         *checkpoint_rows(s),
+        *([("parity check (parallel.check_every)", e(parity_line(s["parity_check"])))] if s.get("parity_check") else []),
         *(([("goodput, launch to exit", f"{s['launch']['goodput']:.0%}"),
             ("lost to failures", e(_lost(s["launch"])))]) if s.get("launch") else []),
     ])

@@ -22,6 +22,8 @@ Rows are dicts; ``event`` names the kind:
     step   one optimizer step: step, epoch, loss, lr, samples (this attempt's global samples so far), step_s,
            grad_norm, data_wait; the last row of a flush carries samples_per_s (the interval's training rate)
     eval   a validation pass: step, val_accuracy, val_loss, val_samples, eval_s
+    parity_check  parallel.check_every's check (trainer/parallel/check.py): step, passed, max_rel_error, bound,
+           seconds
     end    the loop is done: step
 
 Every row carries ``time`` (rank 0's wall clock).
@@ -315,6 +317,10 @@ class ProgressDisplay:
         elif kind == "eval":
             self._write(f"step {row['step']}/{self.total}: val accuracy {row['val_accuracy']:.3f}, "
                         f"val loss {row['val_loss']:.4f} ({row.get('eval_s', 0.0):.1f} s)")
+        elif kind == "parity_check":
+            self._write(f"step {row['step']}/{self.total}: parity check {'passed' if row['passed'] else 'FAILED'}, "
+                        f"largest error {row['max_rel_error']:.2e} of the gradient (bound {row['bound']:.2e}, "
+                        f"{row.get('seconds', 0.0):.2f} s)")
         elif kind == "end":
             self._advance(row)
             self._close_bar()

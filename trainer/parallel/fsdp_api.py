@@ -10,7 +10,7 @@
   gradient sync is off (accumulation), and the padded flat shard behind each sharded parameter. Memory
   accounting (memory.py) reads them; nothing writes them.
 - ``custom_reduce_scatters``: the reduce-scatter object each module calls (the tests read error feedback's
-  residuals from them).
+  residuals from them); ``own_reduce_scatters``: one module's (the parity check wraps them for its step).
 - ``grad_slots`` / ``reduced_now`` / ``predivide_factor`` / ``reduce_scatter_world``: where each parameter's
   gradient sits in its unit's reduce-scatter input, which parameters a reduce-scatter carries, and what FSDP2
   divides the gradients by before it (error feedback's per-parameter residuals, residuals.py). Read from torch
@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 __all__ = ["AllGather", "ReduceScatter", "FSDPModule", "GradSlot", "custom_reduce_scatters", "fsdp_modules",
-           "grad_slots", "held_tensors", "predivide_factor", "reduce_scatter_world", "reduced_now",
+           "grad_slots", "held_tensors", "own_reduce_scatters", "predivide_factor", "reduce_scatter_world", "reduced_now",
            "reshard_to_secondary", "set_unshard_async"]
 
 
@@ -144,6 +144,12 @@ def predivide_factor(module: FSDPModule) -> float:
                                                 group.device.type, group.gradient_divide_factor,
                                                 group.force_sum_reduction_for_comms)
     return float(pre or 1.0)
+
+
+def own_reduce_scatters(module: FSDPModule) -> list[ReduceScatter]:
+    """The reduce-scatter objects of ``module``'s own parameter groups (none for a unit without parameters), not
+    its children's: what the parity check (check.py) wraps for one step and puts back."""
+    return [group._reduce_scatter_comm for group in module._get_fsdp_state()._fsdp_param_groups]
 
 
 def set_unshard_async(model: torch.nn.Module) -> None:

@@ -173,17 +173,24 @@ def grad_norm(strategy):
 
 
 def optimizer_step(strategy, optimizer, x, y, *, micro_batches: int, timer, autocast, grad_clip: float,
-                   lr: float, sampler=None, inject_comm_s: float = 0.0):
+                   lr: float, sampler=None, inject_comm_s: float = 0.0, check=None):
     """One full optimizer step on this rank's batch. Returns ``(loss, grad_norm)``: the rank's mean loss and the
     global gradient norm before clipping (device tensors). The norm is computed without clipping too
     (``grad_clip`` = 0), so that the step log's non-finite check catches an infinite or NaN gradient at the step
-    that made it, not at the next step's NaN loss (which would blame, and skip, the wrong batch)."""
-    with timer.phase("forward_backward"):
+    that made it, not at the next step's NaN loss (which would blame, and skip, the wrong batch).
+
+    ``check`` (a ``parallel.check.StepCheck`` on a ``parallel.check_every`` step): forward and backward run with
+    its capture installed, and it verifies the reduced gradients before clipping and the optimizer step (its
+    own time falls in the step's "other"); a failed check raises ``ParityCheckFailed`` before anything is
+    applied, after ``on_check`` has recorded its result."""
+    with timer.phase("forward_backward"), check.capture() if check is not None else contextlib.nullcontext():
         loss = forward_backward(strategy, x, y, micro_batches, autocast, sampler)
         if inject_comm_s:  # parallel.inject_comm_ms: a slower link, on purpose
             time.sleep(inject_comm_s)
             strategy.meter.add_blocked(inject_comm_s)
     timer.move("forward_backward", "comm", strategy.meter.take_blocked())
+    if check is not None:
+        check.run()
     with timer.phase("optimizer"):
         norm = strategy.clip_grad_norm_(grad_clip) if grad_clip > 0 else grad_norm(strategy)
         for group in optimizer.param_groups:

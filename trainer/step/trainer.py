@@ -31,6 +31,7 @@ from dutycycle.trainer.cluster.topology import observe
 from dutycycle.trainer.cluster.world import all_gather
 from dutycycle.trainer.parallel import nvme
 from dutycycle.trainer.parallel.apply import parallelize
+from dutycycle.trainer.parallel.check import ParityCheck
 from dutycycle.trainer.parallel.dims import ParallelDims
 from dutycycle.trainer.parallel.memory import MemorySampler, host_memory
 
@@ -122,6 +123,10 @@ class Trainer:
                                        sync_batchnorm=cfg.model.sync_batchnorm)
         del self._model
         self.autocast = autocast_for(self.device, self.precision, fsdp=self.strategy.plan.fsdp)
+        self.parity = None  # parallel.check_every: the parity check of the gradient exchange (parallel/check.py)
+        if cfg.parallel.check_every:
+            self.parity = ParityCheck(self.strategy, cfg.parallel.check_every, micro_batches=cfg.data.micro_batches,
+                                      describe=_describe_path(cfg.parallel, self.precision), device=self.device)
 
     def _build_optimizer(self) -> None:
         cfg = self.config
@@ -202,7 +207,8 @@ class Trainer:
         loss, grad_norm = optimizer_step(self.strategy, self.optimizer, x, y, micro_batches=cfg.data.micro_batches,
                                          timer=timer, autocast=self.autocast, grad_clip=cfg.optim.grad_clip, lr=lr,
                                          sampler=self.sampler if self.step == self.first_step else None,
-                                         inject_comm_s=cfg.parallel.inject_comm_ms / 1000.0)
+                                         inject_comm_s=cfg.parallel.inject_comm_ms / 1000.0,
+                                         check=self.parity.at(self.step + 1, self._record_check) if self.parity else None)
         self.checkpointer.account(timer)
         self.step += 1
         # samples weigh each rank's loss in the global one: a tensor-parallel group's are counted once
@@ -210,6 +216,15 @@ class Trainer:
         self.log.add(self.step, self.epoch, lr, loss, own, self.account.end_step(), grad_norm, batch=index,
                      sample_ids=batch.get("sample_id"))
         return loss
+
+    def _record_check(self, result) -> None:
+        """A parity check's row in the metrics (rank 0 writes it) and the step log's event; flushed at once, so a
+        failed check's row is on disk before the run stops."""
+        self.parity.record(result)
+        self.writer.log(result.row())
+        self.writer.flush()
+        self.log.event("parity_check", step=result.step, passed=result.passed, max_rel_error=result.max_rel_error,
+                       bound=result.bound, seconds=result.seconds)
 
     def _after_step(self) -> None:
         """A save when one is due, an evaluation when one is scheduled."""
@@ -337,6 +352,9 @@ class Trainer:
         summary["memory"]["host_after_steps"] = host
         if self.offload_stats is not None:  # this rank's state files: their size, and what the steps wrote
             summary["parallel"]["offload_files"] = self.offload_stats
+        if self.parity is not None:  # parallel.check_every: this attempt's parity checks (parallel/check.py)
+            timer = self.account.timer
+            summary["parity_check"] = self.parity.summary(timer.totals["step"] / timer.steps if timer.steps else None)
         summary["data_reads"] = all_gather(self.train_src.reads(), self.world.size)  # what locality gave
         # how this rank's batches reached the model (normalized where, pinned, copied ahead on a side stream) and
         # the mean bytes one sent host -> device; which optimizer kernel ran
@@ -351,3 +369,10 @@ class Trainer:
             io.write_json_atomic(io.join(ctx.run_dir, "summary.json"), summary)
         ctx.state = {"strategy": self.strategy, "model": self.strategy.module, "optimizer": self.optimizer}
         return summary
+
+
+def _describe_path(parallel, precision: str) -> str:
+    """The gradient path in config words, for a failed parity check's message."""
+    return (f"parallel.zero_stage = {parallel.zero_stage}, quant_grads = {parallel.quant_grads!r}, error_feedback "
+            f"= {str(parallel.error_feedback).lower()}, reduce_scatter = {parallel.reduce_scatter!r}, replicate = "
+            f"{parallel.replicate}, tensor = {parallel.tensor}, precision {precision}")

@@ -73,12 +73,14 @@ def _quiet():
 def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload: bool | str = False,
           reduce_every: bool = False, find_unused: bool = False, dtype=torch.float64, grad_clip: float = 0.05,
           model_fn=Quirky, strategy_cls=None, optim_name: str = "adamw", optim_kwargs: dict | None = None,
-          steps: int = STEPS, node_ids: tuple = (), nvme_chunk_bytes: int = 4096, **parallel_kwargs):
+          steps: int = STEPS, node_ids: tuple = (), nvme_chunk_bytes: int = 4096, precision: str | None = None,
+          **parallel_kwargs):
     """Train STEPS AdamW steps on rank ``rank``'s slice of each global batch; returns the strategy and optimizer.
     ``world == 1`` with no process group is the single-process reference on the full batch. ``parallel_kwargs``
     are further parallel config keys (``node_size``, ``hpz``, ``quant_grads``, ``replicate``, ...); ``node_ids``
     each rank's node, as ranks would report it (default: ``node_size`` consecutive ranks per node). ``offload``:
-    True (host memory) or a ``parallel.offload`` value ("nvme": state files stepped in ``nvme_chunk_bytes``)."""
+    True (host memory) or a ``parallel.offload`` value ("nvme": state files stepped in ``nvme_chunk_bytes``).
+    ``precision``: parallelize's (default "fp64" for float64, else "fp32"; "bf16" with ``dtype`` float32)."""
     from dutycycle.trainer.cluster.world import World
     from dutycycle.trainer.config import OptimSection, ParallelSection
     from dutycycle.trainer.parallel.apply import parallelize
@@ -96,7 +98,8 @@ def train(rank: int, world: int, *, stage: int, micro_batches: int = 1, offload:
     placed = World(rank, world, parallel.node_size, node_ids=tuple(node_ids))
     with _quiet():
         strategy = parallelize(model, parallel, placed, device=torch.device("cpu"),
-                               precision="fp64" if dtype == torch.float64 else "fp32", micro_batches=micro_batches)
+                               precision=precision or ("fp64" if dtype == torch.float64 else "fp32"),
+                               micro_batches=micro_batches)
     if strategy_cls is not None:
         strategy.__class__ = strategy_cls
     optimizer = make_optimizer(strategy.module.parameters(),

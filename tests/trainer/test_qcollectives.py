@@ -24,14 +24,15 @@ E = {8: 1 / 254, 4: 1 / 14}  # per-quantization error over the block's absmax
 TOL = 1 + 2e-4
 
 
-def rank_input(r: int, world: int) -> torch.Tensor:
+def rank_input(r: int, world: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rank r's reduce-scatter input (world x N), deterministic so every rank can rebuild everyone's: normal
-    values whose magnitude spans 10^-3..10^1 across blocks, with a few heavy-tailed outliers."""
+    values whose magnitude spans 10^-3..10^1 across blocks, with a few heavy-tailed outliers. In float64 the
+    values use all 53 bits (an fp32 cast changes every one of them)."""
     gen = torch.Generator().manual_seed(1000 + r)
     x = torch.randn(world * N, generator=gen, dtype=torch.float64)
     x *= 10 ** torch.empty(world * N // 64 + 1, dtype=torch.float64).uniform_(-3, 1, generator=gen).repeat_interleave(64)[: world * N]
     x[torch.randint(0, world * N, (5,), generator=gen)] *= 100.0
-    return x.float()
+    return x.to(dtype)
 
 
 def blockwise_absmax(t: torch.Tensor, block: int = 256) -> torch.Tensor:
@@ -87,6 +88,33 @@ def _collective_checks(rank: int, world: int) -> dict:
     for mode in ["flat", *hierarchies]:
         err = (reduce_scatter(32, SUM, mode).double() - exact).abs()
         out["ratios"][f"fp32_{mode}"] = _max_ratio(err, 2 * world * 2.0**-24 * sum_abs)
+
+    # --- float64 stays float64: unquantized (bits=32) sends a float64 input as float64, flat, in two hops and
+    # gathered, and sums it in float64. Any order of summing W float64 terms is within (W-1) u sum|v| of the exact
+    # sum (u = 2^-53, first order), so this path and the reference sum differ by at most 2 (W-1) u sum|v|; AVG
+    # divides by a power of two (exact). An fp32 wire errs by ~2^-24 |v|: ~10^8 times that bound.
+    inputs64 = [rank_input(r, world, torch.float64) for r in range(world)]
+    chunks64 = torch.stack([x.view(world, N)[rank] for x in inputs64])
+    exact64, bound64 = chunks64.sum(0), 2 * (world - 1) * 2.0**-53 * chunks64.abs().sum(0)
+    for mode in ["flat", *hierarchies]:
+        h, t = hierarchies.get(mode), Traffic()
+        for op, scale in ((SUM, 1), (AVG, world)):
+            o = torch.empty(N, dtype=torch.float64)
+            quantized_reduce_scatter(o, inputs64[rank], None, op, bits=32, hierarchy=h, traffic=t,
+                                     topology=h.topology if h else topo)
+            out["ratios"][f"fp64_{mode}_{'sum' if scale == 1 else 'avg'}"] = _max_ratio(
+                (o - exact64 / scale).abs(), bound64 / scale)
+            if world == 2:  # a + b is one correctly rounded addition in either order: bit for bit
+                out["checks"][f"fp64_{mode}_{'sum' if scale == 1 else 'avg'}_bitwise"] = bool(
+                    torch.equal(o, exact64 / scale))
+        out["checks"][f"fp64_{mode}_wire_is_float64"] = t.wire()["reduce_scatter"]["dtypes"] == ["float64"]
+    t, g64 = Traffic(), torch.empty(world * N, dtype=torch.float64)
+    quantized_all_gather(g64, inputs64[rank][:N], bits=32, traffic=t, topology=topo)
+    out["checks"]["fp64_all_gather_exact"] = bool(torch.equal(g64.view(world, N),
+                                                              torch.stack([x[:N] for x in inputs64])))
+    out["checks"]["fp64_all_gather_wire"] = t.wire()["all_gather"] == {
+        "dtypes": ["float64"], "bytes": (world - 1) * 8 * N, "calls": 1,
+        "intra_node_bytes": (node_size - 1) * 8 * N, "inter_node_bytes": (world - node_size) * 8 * N}
 
     # --- quantized paths against the exact sum, SUM and AVG; flat against hierarchical
     for bits in (8, 4):
@@ -228,6 +256,9 @@ def _check(results: list[dict], world: int) -> None:
     assert len({r["ag_sha256"] for r in results}) == 1
 
 
+WIRE_DTYPES = {32: "float32", 16: "bfloat16", 8: "int8+fp32 scales", 4: "int4+fp32 scales"}
+
+
 def _check_bytes(b: dict, world: int, node_size: int) -> None:
     nodes = world // node_size
     fp32 = b["rs_32_flat"]
@@ -247,6 +278,9 @@ def _check_bytes(b: dict, world: int, node_size: int) -> None:
         assert hier["bytes"] - hier["inter_node_bytes"] == (node_size - 1) * nodes * _wire(N, bits)  # hop 1
         assert hier["inter_node_bytes"] * node_size <= flat["inter_node_bytes"]
         ag = b[f"ag_{bits}"]["per_kind"]["all_gather"]
+        # what each format puts on the wire, recorded per kind (fp32 inputs: bits=32 keeps fp32)
+        for kind in (flat["per_kind"]["reduce_scatter"], hier["per_kind"]["reduce_scatter"], ag):
+            assert kind["wire_dtypes"] == [WIRE_DTYPES[bits]], (bits, kind)
         assert ag["intra_node_bytes"] == (node_size - 1) * _wire(N, bits)
         assert ag["inter_node_bytes"] == (world - node_size) * _wire(N, bits)
 

@@ -18,7 +18,10 @@ from dutycycle.trainer.parallel.quant import (
     pack,
     packed_nbytes,
     quantize,
+    sum_dtype,
     unpack,
+    unquantized_bits,
+    wire_dtype,
 )
 
 SIZES = (1, 255, 256, 257, 1000, 4099)  # most do not divide the block size
@@ -142,6 +145,24 @@ def test_wire_formats_fp32_and_bf16():
     assert torch.equal(decode(encode(x, 32), 300, 32), x)
     assert encode(x, 16).shape == (5, 600) and torch.equal(decode(encode(x, 16), 300, 16), x.bfloat16().float())
     assert packed_nbytes(300, 32) == 1200 and packed_nbytes(300, 16) == 600
+
+
+def test_float64_wire_format_keeps_float64():
+    """Format 64 sends float64 bytes and decodes and sums them in float64 (an fp32 step anywhere would change
+    these 53-bit values); "unquantized" resolves to the input's own dtype, and each format names its wire dtype."""
+    x = torch.randn(3, 2, 300, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    assert not torch.equal(x.float().double(), x)  # the values need all of float64
+    buf = encode(x, 64)
+    assert buf.shape == (3, 2, 2400) and packed_nbytes(300, 64) == 2400
+    assert decode(buf, 300, 64).dtype == torch.float64 and torch.equal(decode(buf, 300, 64), x)
+    assert decode_sum(buf, 300, 64).dtype == torch.float64 and torch.equal(decode_sum(buf, 300, 64), x.sum(0))
+    assert torch.equal(decode(buf, 300, 64, out=torch.empty_like(x)), x)
+    assert encode(x, 32).shape == (3, 2, 1200)  # format 32 is fp32: a cast, which is why collectives resolve
+    assert [unquantized_bits(d) for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)] == \
+        [64, 32, 16, 32]
+    assert [wire_dtype(b) for b in (64, 32, 16, 8, 4)] == \
+        ["float64", "float32", "bfloat16", "int8+fp32 scales", "int4+fp32 scales"]
+    assert sum_dtype(64) == torch.float64 and all(sum_dtype(b) == torch.float32 for b in (32, 16, 8, 4))
 
 
 def test_non_finite_values_poison_their_block_only():

@@ -77,6 +77,7 @@ def _four_rank_worker(rank, world):
             "hpz_calls": t.calls.get("all_gather_hpz", 0), "ag_calls": t.calls.get("all_gather", 0),
             "async_started": strategy.meter.async_started,
             "residuals": _residuals(strategy),
+            "wire": {k: v["dtypes"] for k, v in strategy.meter.wire("train").items()},
         }
     return out
 
@@ -124,6 +125,21 @@ def test_the_fp32_all_to_all_reduce_scatter_is_the_same_sum(four):
     r = four[0]
     assert 0 <= _relative_update_error(r, "fp32-a2a") < 1e-5
     assert 0 < r["fp32-a2a"]["rs_inter"] <= r["fp32"]["rs_inter"] / NODE
+
+
+@pytest.mark.slow
+def test_each_collective_records_its_wire_dtype(four):
+    """Each kind records what it sent at 4 ranks as 2 nodes (fp32 runs): hpZ's node gathers the plain weights,
+    even beside qwZ; the two-hop and flat quantized reduce-scatters their packed format; the unquantized
+    all-to-all fp32. (Per precision, at 2 ranks: test_wire.py.)"""
+    for r in four:
+        for name, cfg in CONFIGS.items():
+            grads = cfg.get("quant_grads")
+            wire = {"all_gather": ["int8+fp32 scales" if cfg.get("quant_weights") else "float32"],
+                    "reduce_scatter": [f"{grads}+fp32 scales" if grads else "float32"]}
+            if cfg.get("hpz"):
+                wire["all_gather_hpz"] = ["float32"]
+            assert r[name]["wire"] == wire, (name, r[name]["wire"])
 
 
 @pytest.mark.slow

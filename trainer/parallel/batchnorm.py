@@ -221,7 +221,7 @@ def _counted(meter, kind: str, full: torch.Tensor, group, factor: int = 1):
     if meter is None:
         yield
         return
-    meter.count(kind, full.numel() * full.element_size(), group, factor=factor)
+    meter.count_tensor(kind, full, group, factor=factor)
     with meter.blocking():
         yield
 

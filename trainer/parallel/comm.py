@@ -6,17 +6,18 @@ and (ZeRO++: ``QuantAllGather``, ``QuantReduceScatter`` over qcollectives.py) re
   recurse).
 - DDP: ``DistributedDataParallel.register_comm_hook`` takes a function of each gradient bucket.
 
-Every call counts logical bytes into a ``Traffic`` (traffic.py) and, when collectives block the calling thread
-(CPU/gloo: FSDP2 calls them from its hooks), the seconds the thread was blocked. That blocked time is the
+Every call counts logical bytes and the dtype it puts on the wire into a ``Traffic`` (traffic.py; read them with
+``CommMeter.wire``) and, when collectives block the calling thread (CPU/gloo: FSDP2 calls them from its hooks), the
+seconds the thread was blocked. That blocked time is the
 step's *exposed* communication: the loop moves it out of forward/backward into ``comm``.
 
 Overlap. With ``parallel.overlap`` (apply.py) FSDP2 prefetches the next unit's all-gather and asks for it with
 ``async_op=True``: the all-gathers here then start the transfer and return a ``TimedWork`` at once (the quantized
 one encodes first and decodes when FSDP2 waits), so the transfer runs on gloo's threads while this thread computes
-the current unit; only the time FSDP2 later spends in ``wait()`` is exposed. FSDP2 issues its reduce-scatter
-without ``async_op`` (on an accelerator it runs on a side stream; on CPU it blocks), so the reduce-scatters here
-stay synchronous. DDP's
-all-reduce runs on gloo's own threads while backward goes on; its exposed part is the time from the moment the
+the current unit; only the time FSDP2 later spends in ``wait()`` is exposed. FSDP2 (torch 2.13) issues its reduce-scatter
+without ``async_op`` (on an accelerator it runs on a side stream; on CPU it blocks); a caller that passes
+``async_op=True`` gets a ``TimedWork`` from the quantized reduce-scatter too (the all-to-all in flight, the decode
+and sum when it is waited on), as the seam's contract says. DDP's all-reduce runs on gloo's own threads while backward goes on; its exposed part is the time from the moment the
 last gradient bucket is handed over (all gradients computed) until backward returns. On GPU, collectives run on
 side streams and the host does not wait for them, so host time cannot separate them from compute there:
 ``CommMeter.host_timing`` is off and the summary says so.
@@ -31,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .fsdp_api import AllGather, GradSlot, ReduceScatter, grad_slots, reduce_scatter_world, reduced_now
-from .qcollectives import quantized_reduce_scatter, start_quantized_all_gather
+from .qcollectives import start_quantized_all_gather, start_quantized_reduce_scatter
+from .quant import dtype_name
 from .traffic import Topology, Traffic
 
 
@@ -45,7 +47,7 @@ class CommMeter:
         self._active = "train"
         self._blocked = 0.0
         self.last_ready: float | None = None  # DDP: when the last bucket of the step was handed to gloo
-        self.async_started = 0  # all-gathers started asynchronously (overlapped with compute until waited on)
+        self.async_started = 0  # collectives started asynchronously (overlapped with compute until waited on)
         self.reduce_done: float | None = None  # when the last reduce-scatter returned (HSDP's all-reduce follows)
         self._group_ranks: dict[int, list[int]] = {}
 
@@ -69,12 +71,23 @@ class CommMeter:
                 list(range(dist.get_world_size()))
         return self._group_ranks[key]
 
-    def count(self, kind: str, full_bytes: int, group, factor: int = 1) -> None:
+    def count(self, kind: str, full_bytes: int, group, factor: int = 1, dtype: torch.dtype | None = None) -> None:
         """One collective over ``full_bytes`` of full payload (an all-gather's output, a reduce-scatter's or
-        all-to-all's input, an all-reduce's buffer): this rank sends ``full_bytes / W`` to each peer."""
+        all-to-all's input, an all-reduce's buffer): this rank sends ``full_bytes / W`` to each peer, in
+        ``dtype`` (recorded as the kind's wire dtype)."""
         ranks = self.group_ranks(group)
         per_peer = full_bytes // len(ranks)
-        self.traffic[self._active].count(kind, per_peer, self.rank, ranks, self.topology, factor=factor)
+        self.traffic[self._active].count(kind, per_peer, self.rank, ranks, self.topology, factor=factor,
+                                         dtype=dtype_name(dtype) if dtype is not None else None)
+
+    def count_tensor(self, kind: str, full: torch.Tensor, group, factor: int = 1) -> None:
+        """``count`` for a collective whose full payload is the tensor ``full``, sent in its own dtype."""
+        self.count(kind, _nbytes(full), group, factor=factor, dtype=full.dtype)
+
+    def wire(self, phase: str = "train") -> dict[str, dict]:
+        """Per collective kind of ``phase``: the dtypes it sent (``"float64"``, ``"int8+fp32 scales"``, ...),
+        bytes and calls; a fresh copy (``Traffic.wire``)."""
+        return self.traffic[phase].wire()
 
     @contextmanager
     def blocking(self, enabled: bool = True):
@@ -104,10 +117,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class TimedWork(dist.Work):
     """The work handle of a collective started with ``async_op=True``: ``wait()`` waits for the transfer (those
-    seconds are exposed communication, counted in ``meter``), then runs ``finish`` (the quantized all-gather's
-    decode: compute, not communication). FSDP2 recognizes a handle as asynchronous by its type, ``dist.Work``."""
+    seconds are exposed communication, counted in ``meter``), then runs ``finish`` (the quantized collectives'
+    decode: compute, not communication). ``inner`` None: nothing in flight, ``wait`` only finishes. FSDP2 recognizes a handle as asynchronous by its type, ``dist.Work``."""
 
-    def __init__(self, inner: dist.Work, meter: CommMeter, finish=None):
+    def __init__(self, inner: dist.Work | None, meter: CommMeter, finish=None):
         super().__init__()
         self.inner, self.meter, self.finish = inner, meter, finish
         self._done = False
@@ -115,9 +128,10 @@ class TimedWork(dist.Work):
 
     def wait(self, timeout=None) -> bool:
         if not self._done:
-            t0 = time.perf_counter()
-            self.inner.wait()
-            self.meter.add_blocked(time.perf_counter() - t0)
+            if self.inner is not None:
+                t0 = time.perf_counter()
+                self.inner.wait()
+                self.meter.add_blocked(time.perf_counter() - t0)
             if self.finish is not None:
                 self.finish()
             self._done = True
@@ -143,7 +157,7 @@ class CountingAllGather(AllGather):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self.meter.count("all_gather_hpz" if self.secondary(group) else "all_gather", _nbytes(output_tensor), group)
+        self.meter.count_tensor("all_gather_hpz" if self.secondary(group) else "all_gather", output_tensor, group)
         if async_op:
             return TimedWork(dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True),
                              self.meter)
@@ -161,7 +175,7 @@ class CountingReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.meter.count("reduce_scatter", _nbytes(input_tensor), group)
+        self.meter.count_tensor("reduce_scatter", input_tensor, group)
         with self.meter.blocking(enabled=not async_op):
             out = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         self.meter.reduce_done = time.perf_counter()
@@ -252,18 +266,38 @@ class QuantReduceScatter(CountingReduceScatter):
                 residual = torch.cat([self.param_residual(i) for i in carried], dim=1).reshape(-1) if carried \
                     else torch.zeros(0, dtype=torch.float32, device=input_tensor.device)
                 assert residual.numel() == W * sum(self.slots[i].numel for i in carried)
+        # encode and start the all-to-all (blocking only while encoding), then, now or when waited on, the decode
+        # and sum (with two hops: hop 2, which sends hop 1's sums, and so blocks) and the residual's write-back
+        with self.meter.blocking(enabled=not async_op):
+            work, finish = start_quantized_reduce_scatter(
+                output_tensor, input_tensor, group, op, bits=self.bits, block=self.block, hierarchy=self.hierarchy,
+                residual=residual, traffic=self.meter.active_traffic, topology=self.meter.topology)
+
+        def done():
+            finish()  # the residual is complete only now (two hops fold hop 2's error in here)
+            if residual is not None and residual is not self.residual:
+                W, start = self.residual.numel() // self.offsets[-1], 0
+                rows = residual.view(W, -1)
+                for i in carried:
+                    n = self.slots[i].numel
+                    self.param_residual(i).copy_(rows[:, start:start + n])
+                    start += n
+
+        if async_op:
+            return TimedWork(work, self.meter, self._blocking(done) if self.hierarchy is not None else done)
         with self.meter.blocking():
-            quantized_reduce_scatter(output_tensor, input_tensor, group, op, bits=self.bits, block=self.block,
-                                     hierarchy=self.hierarchy, residual=residual,
-                                     traffic=self.meter.active_traffic, topology=self.meter.topology)
-        if residual is not None and residual is not self.residual:
-            W, start = self.residual.numel() // self.offsets[-1], 0
-            rows = residual.view(W, -1)
-            for i in carried:
-                n = self.slots[i].numel
-                self.param_residual(i).copy_(rows[:, start:start + n])
-                start += n
+            if work is not None:
+                work.wait()
+            done()
+        self.meter.reduce_done = time.perf_counter()
         return None
+
+    def _blocking(self, finish):
+        """``finish`` timed as exposed communication (two hops: it sends hop 2)."""
+        def run():
+            with self.meter.blocking():
+                finish()
+        return run
 
 
 def counting_hsdp_hook(meter: CommMeter, replicate_group):
@@ -274,7 +308,7 @@ def counting_hsdp_hook(meter: CommMeter, replicate_group):
     return to this call, which on CPU is the all-reduce alone."""
 
     def hook(reduce_output: torch.Tensor) -> None:
-        meter.count("all_reduce", _nbytes(reduce_output), replicate_group, factor=2)
+        meter.count_tensor("all_reduce", reduce_output, replicate_group, factor=2)
         if meter.reduce_done is not None:
             meter.add_blocked(time.perf_counter() - meter.reduce_done)
             meter.reduce_done = None
@@ -292,7 +326,7 @@ def counting_allreduce_hook(meter: CommMeter):
         buf = bucket.buffer()
         world = dist.get_world_size(group)
         meter.last_ready = time.perf_counter()
-        meter.count("all_reduce", _nbytes(buf), group, factor=2)
+        meter.count_tensor("all_reduce", buf, group, factor=2)
         buf.div_(world)
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])

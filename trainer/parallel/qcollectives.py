@@ -14,12 +14,15 @@ ZeRO++ (arXiv 2306.10209) in three functions:
   instead of ``(world - node_size)``: 1/node_size of the flat path's inter-node bytes.
 - ``make_hierarchy``: the intra-node and inter-node process groups, created once.
 
-``bits`` picks the wire format (``quant.encode``): 8 or 4 are blockwise int8/int4, 16 is bf16 and 32 is fp32.
-The fp32 and bf16 forms run the very same algorithm unquantized: the fair baseline for the quantized ones.
-Every function counts the bytes it puts on the wire (packed codes and scales, nothing sent to itself) into an
-optional ``Traffic``, split intra/inter-node by the global ranks of the peers and the given ``Topology``.
-The functions are synchronous (FSDP2 accepts a ``None`` work handle) and run on any backend with
-``all_to_all_single`` and ``all_gather_single`` (gloo on CPU, NCCL on GPU).
+``bits`` picks the wire format (``quant.encode``): 8 or 4 are blockwise int8/int4, 16 is bf16, 64 is float64,
+and 32 means *unquantized*: the input's own dtype, uncast (fp32 as fp32, float64 as float64, bf16 as bf16:
+``quant.unquantized_bits``), so a float64 reduction configured unquantized is float64 on the wire and in the sum.
+The unquantized forms run the very same algorithm: the fair baseline for the quantized ones. Every function
+counts the bytes it puts on the wire (packed codes and scales, nothing sent to itself) and their dtype
+(``quant.wire_dtype``) into an optional ``Traffic``, split intra/inter-node by the global ranks of the peers and
+the given ``Topology``. ``quantized_all_gather`` and ``quantized_reduce_scatter`` are synchronous (FSDP2 accepts a
+``None`` work handle); their ``start_`` forms start the transfer and return ``(work, finish)`` for overlap. They
+run on any backend with ``all_to_all_single`` and ``all_gather_single`` (gloo on CPU, NCCL on GPU).
 
 Error bounds, per output element, with ``A`` the largest magnitude in that element's block over the ranks'
 inputs and ``e = 1/(2*qmax)`` (1/254 for int8, 1/14 for int4; see ``quant``):
@@ -28,7 +31,8 @@ inputs and ``e = 1/(2*qmax)`` (1/254 for int8, 1/14 for int4; see ``quant``):
 - flat reduce-scatter, SUM: ``|out - sum| <= W * e * A`` (one quantization per contribution).
 - two-hop reduce-scatter, SUM: ``<= W * e * A * (2 + e)``: hop 1 as above, then each node's partial sum
   (``|p| <= L * A * (1 + e)``) is quantized once more, ``N`` of them.
-- AVG divides the fp32 sum by the group size, explicitly, after the exchange: the bounds divide by W too.
+- AVG divides the sum (fp32; float64 for a float64 wire) by the group size, explicitly, after the exchange: the
+  bounds divide by W too.
 
 Error feedback (``residual``): the residual (one per rank, the input's size, zero at first) is added to the
 input before quantizing, and afterwards holds what this rank's quantization lost, so the next call sends it
@@ -47,7 +51,7 @@ redistributes it on a world-size change.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -55,7 +59,16 @@ import torch
 import torch.distributed as dist
 from dutycycle.engine.errors import ConfigError
 
-from .quant import DEFAULT_BLOCK, check_format, decode, decode_sum, encode
+from .quant import (
+    DEFAULT_BLOCK,
+    check_format,
+    decode,
+    decode_sum,
+    encode,
+    sum_dtype,
+    unquantized_bits,
+    wire_dtype,
+)
 from .traffic import Topology, Traffic
 
 
@@ -73,9 +86,10 @@ class _Meter:
             raise ValueError("counting traffic needs the node layout: pass topology=Topology.uniform(world, "
                              "node_size) (or the Hierarchy's) along with traffic=")
 
-    def hop(self, per_peer_bytes: int, group_ranks: Sequence[int]) -> None:
+    def hop(self, per_peer_bytes: int, group_ranks: Sequence[int], bits: int) -> None:
         if self.traffic is not None:
-            self.traffic.count(self.kind, per_peer_bytes, self.rank, group_ranks, self.topology, calls=0)
+            self.traffic.count(self.kind, per_peer_bytes, self.rank, group_ranks, self.topology, calls=0,
+                               dtype=wire_dtype(bits))
 
     def call(self) -> None:
         if self.traffic is not None:
@@ -178,20 +192,33 @@ def make_hierarchy(topology: Topology, backend: str | None = None,
 # --------------------------------------------------------------------------------------------- the exchange
 
 
+def resolve_bits(bits: int, dtype: torch.dtype) -> int:
+    """The wire format a collective of ``bits`` sends for an input of ``dtype``: 32 (unquantized) keeps the
+    input's dtype (``quant.unquantized_bits``), every other format is what it says."""
+    return unquantized_bits(dtype) if bits == 32 else bits
+
+
 def _encode(x: torch.Tensor, bits: int, block: int, keep_error: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows of ``x`` (``(R, n)``) in wire format ``bits`` and, if asked, what encoding lost (``(R, n)`` fp32)."""
     buf = encode(x, bits, block)
     return buf, (x.to(torch.float32) - decode(buf, x.shape[-1], bits, block) if keep_error else None)
 
 
-def _all_to_all_sum(buf: torch.Tensor, group, group_ranks: Sequence[int], n: int, bits: int, block: int,
-                    meter: _Meter) -> torch.Tensor:
-    """Send ``buf[g]`` (``k`` encoded rows of ``n`` elements) to group rank g; return the fp32 sum of the k rows
-    that arrived from every group rank (``(k, n)``)."""
+def _start_all_to_all(buf: torch.Tensor, group, group_ranks: Sequence[int], meter: _Meter, bits: int):
+    """Start sending ``buf[g]`` (``k`` encoded rows) to group rank g; returns ``(work, recv)``."""
     G, k, _ = buf.shape
     recv = torch.empty_like(buf)
-    dist.all_to_all_single(recv.view(-1), buf.reshape(-1), group=group)
-    meter.hop(k * buf.shape[-1], group_ranks)
+    work = dist.all_to_all_single(recv.view(-1), buf.reshape(-1), group=group, async_op=True)
+    meter.hop(k * buf.shape[-1], group_ranks, bits)
+    return work, recv
+
+
+def _all_to_all_sum(buf: torch.Tensor, group, group_ranks: Sequence[int], n: int, bits: int, block: int,
+                    meter: _Meter) -> torch.Tensor:
+    """Send ``buf[g]`` (``k`` encoded rows of ``n`` elements) to group rank g; return the sum (``sum_dtype``) of
+    the k rows that arrived from every group rank (``(k, n)``)."""
+    work, recv = _start_all_to_all(buf, group, group_ranks, meter, bits)
+    work.wait()
     return decode_sum(recv, n, bits, block)
 
 
@@ -208,12 +235,33 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
                              residual: torch.Tensor | None = None, traffic: Traffic | None = None,
                              topology: Topology | None = None, kind: str = "reduce_scatter") -> None:
     """``output`` (n elements) = SUM or AVG over the group of each rank's chunk ``input[i*n:(i+1)*n]`` for
-    group rank i, exchanged in wire format ``bits`` by all-to-all and summed in fp32.
+    group rank i, exchanged in wire format ``bits`` by all-to-all and summed in fp32 (float64 when the wire is
+    float64: ``bits`` = 32 on a float64 input, or 64).
 
     ``hierarchy``: two hops (inside the node, then across nodes) instead of one; ``group`` must then be the
     whole world. ``residual``: an fp32 tensor of the input's size for error feedback (see the module
     docstring), updated in place. ``traffic``/``topology``: where to count the bytes sent, as ``kind``."""
+    work, finish = start_quantized_reduce_scatter(output, input, group, op, bits=bits, block=block,
+                                                  hierarchy=hierarchy, residual=residual, traffic=traffic,
+                                                  topology=topology, kind=kind)
+    if work is not None:
+        work.wait()
+    finish()
+
+
+def start_quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=dist.ReduceOp.AVG,
+                                   *, bits: int = 8, block: int = DEFAULT_BLOCK, hierarchy: Hierarchy | None = None,
+                                   residual: torch.Tensor | None = None, traffic: Traffic | None = None,
+                                   topology: Topology | None = None, kind: str = "reduce_scatter"
+                                   ) -> tuple[dist.Work | None, Callable[[], None]]:
+    """``quantized_reduce_scatter`` in two halves, for overlap: encode and start the all-to-all now, return
+    ``(work, finish)``; after ``work.wait()``, ``finish()`` decodes, sums and writes ``output`` (and the
+    residual's hop-2 share). ``work`` is None when nothing is in flight (a group of one; two hops with one rank
+    per node). With ``hierarchy`` only hop 1 is started here: hop 2 sends hop 1's sums, so ``finish`` runs it,
+    blocking. Until ``finish`` returns, ``input`` must stay unchanged (an unquantized wire sends its bytes) and
+    ``output`` is not written."""
     check_format(bits, block, wire=True)
+    bits = resolve_bits(bits, input.dtype)
     ranks = _group_ranks(group)
     W, n = len(ranks), output.numel()
     avg = _is_avg(op)
@@ -230,32 +278,36 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
         x = x.to(torch.float32) + residual.view(W, n)
     keep = residual is not None
 
-    if hierarchy is None:
-        if W == 1:  # a group of one: nothing to send, nothing lost
-            total, err = x[0].to(torch.float32, copy=True), None  # a copy: AVG divides it in place
-        else:
-            buf, err = _encode(x, bits, block, keep)
-            total = _all_to_all_sum(buf.view(W, 1, -1), group, ranks, n, bits, block, meter)[0]
-        if keep and err is None:
+    def done(total: torch.Tensor) -> None:
+        if keep:
+            # a block holding a NaN or an infinity dequantizes to NaN (quant.py), so its error is NaN: kept, it
+            # would be sent again at every later call and poison the sum long after the bad gradient was dealt
+            # with (the step skipped or rolled back). What a non-finite block lost is dropped instead; the output
+            # still carries the NaN this time, so the loop's non-finite check fires at the step that produced it.
+            residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        if avg:
+            total.div_(W)  # AVG is the sum divided by the group size, here and nowhere else
+        output.copy_(total.view(output.shape))
+
+    if hierarchy is not None:
+        work, finish_two_hop = _start_two_hop(x, hierarchy, ranks, bits, block, residual, meter)
+        return work, lambda: done(finish_two_hop())
+    if W == 1:  # a group of one: nothing to send, nothing lost
+        if keep:
             residual.zero_()
-        elif keep:
-            residual.view(W, n).copy_(err)
-    else:
-        total = _two_hop(x, hierarchy, ranks, bits, block, residual, meter)
+        total = x[0].clone()  # a copy in the input's own dtype: AVG divides it in place
+        return None, lambda: done(total)
+    buf, err = _encode(x, bits, block, keep)
     if keep:
-        # a block holding a NaN or an infinity dequantizes to NaN (quant.py), so its error is NaN: kept, it would
-        # be sent again at every later call and poison the sum long after the bad gradient was dealt with (the
-        # step skipped or rolled back). What a non-finite block lost is dropped instead; the output still
-        # carries the NaN this time, so the loop's non-finite check fires at the step that produced it.
-        residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    if avg:
-        total.div_(W)  # AVG is the fp32 sum divided by the group size, here and nowhere else
-    output.copy_(total.view(output.shape))
+        residual.view(W, n).copy_(err)
+    work, recv = _start_all_to_all(buf.view(W, 1, -1), group, ranks, meter, bits)
+    return work, lambda: done(decode_sum(recv, n, bits, block)[0])
 
 
-def _two_hop(x: torch.Tensor, h: Hierarchy, ranks: Sequence[int], bits: int, block: int,
-             residual: torch.Tensor | None, meter: _Meter) -> torch.Tensor:
-    """Two-hop reduce-scatter of ``x`` (``(W, n)``, row r for global rank r); returns this rank's fp32 sum."""
+def _start_two_hop(x: torch.Tensor, h: Hierarchy, ranks: Sequence[int], bits: int, block: int,
+                   residual: torch.Tensor | None, meter: _Meter):
+    """Two-hop reduce-scatter of ``x`` (``(W, n)``, row r for global rank r): start hop 1 and return ``(work,
+    finish)``; ``finish()`` runs hop 2 and returns this rank's sum (``sum_dtype(bits)``)."""
     if list(ranks) != list(range(h.topology.world_size)):
         raise ValueError(f"hierarchical reduce-scatter runs over the whole world (ranks 0..{h.topology.world_size - 1}),"
                          f" got a group of ranks {list(ranks)}; pass hierarchy=None for a subgroup")
@@ -265,33 +317,38 @@ def _two_hop(x: torch.Tensor, h: Hierarchy, ranks: Sequence[int], bits: int, blo
     # hop 1, inside the node: local peer p gets the chunks of every rank with local index p (N of them), so
     # each rank ends with its node's partial sums of the chunks of h.inter_ranks (N, n), in that order
     order = h.order.to(x.device)  # built once by make_hierarchy; a no-op on its device
+    work = recv = None
     if L == 1:  # one rank per node: hop 1 is a no-op
-        partial, err1 = x.index_select(0, order).to(torch.float32), None
+        partial = x.index_select(0, order).to(sum_dtype(bits))
+        if keep:
+            residual.zero_()
     else:  # encode in rank order, then reorder the (smaller) encoded rows
         buf, err1 = _encode(x, bits, block, keep)
-        partial = _all_to_all_sum(buf.index_select(0, order).view(L, N, -1), h.intra, h.intra_ranks, n, bits,
-                                  block, meter)
-    # hop 2, across nodes among ranks with this local index: re-quantize the partial sums
-    if N == 1:
-        total, err2 = partial[0], None
-    else:
-        buf, err2 = _encode(partial, bits, block, keep)
-        total = _all_to_all_sum(buf.view(N, 1, -1), h.inter, h.inter_ranks, n, bits, block, meter)[0]
-    if keep:
-        if err1 is None:
-            residual.zero_()
-        else:
+        if keep:
             residual.view(W, n).copy_(err1)
-        if err2 is not None:  # this rank sends itself the chunks of h.inter_ranks in hop 1: fold hop 2's error in
+        work, recv = _start_all_to_all(buf.index_select(0, order).view(L, N, -1), h.intra, h.intra_ranks, meter,
+                                       bits)
+
+    def finish() -> torch.Tensor:
+        part = partial if recv is None else decode_sum(recv, n, bits, block)
+        # hop 2, across nodes among ranks with this local index: re-quantize the partial sums
+        if N == 1:
+            return part[0]
+        buf2, err2 = _encode(part, bits, block, keep)
+        total = _all_to_all_sum(buf2.view(N, 1, -1), h.inter, h.inter_ranks, n, bits, block, meter)[0]
+        if keep:  # this rank sends itself the chunks of h.inter_ranks in hop 1: fold hop 2's error in
             residual.view(W, n).index_add_(0, h.inter_index.to(x.device), err2)
-    return total
+        return total
+
+    return work, finish
 
 
 def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, bits: int = 8,
                          block: int = DEFAULT_BLOCK, traffic: Traffic | None = None,
                          topology: Topology | None = None, kind: str = "all_gather") -> None:
     """``output`` (W x n elements, flat) = every group rank's ``input`` (n elements) in group-rank order, sent in
-    wire format ``bits`` and dequantized on arrival, this rank's own slot included.
+    wire format ``bits`` (32: unquantized, the input's own dtype) and decoded on arrival, this rank's own slot
+    included.
 
     ``input`` may be a view into ``output`` (FSDP2 gathers in place): it is encoded before ``output`` is written.
     ``input`` itself is never modified."""
@@ -306,8 +363,10 @@ def start_quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group=
                                topology: Topology | None = None, kind: str = "all_gather"):
     """``quantized_all_gather`` in two halves, for overlap: encode and start the transfer now, return ``(work,
     finish)``; after ``work.wait()``, ``finish()`` decodes into ``output``. The encoded copy is taken before this
-    returns (for 8/4/16 bits; fp32 sends ``input`` itself), and ``output`` is written only by ``finish``."""
+    returns when the format changes the dtype (an unquantized wire sends ``input`` itself), and ``output`` is
+    written only by ``finish``."""
     check_format(bits, block, wire=True)
+    bits = resolve_bits(bits, input.dtype)
     ranks = _group_ranks(group)
     W, n = len(ranks), input.numel()
     if output.numel() != W * n:
@@ -315,12 +374,12 @@ def start_quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group=
                          "input size)")
     meter = _Meter(traffic, topology, kind, dist.get_rank())
     meter.call()
-    # a fresh buffer for 8/4/16 bits; fp32 may alias the input, which is safe: the output (holding the input, for
-    # FSDP2) is written only by finish(), after the transfer has been waited on
+    # a fresh buffer when the format changes the dtype; otherwise the input's own bytes, which is safe: the output
+    # (holding the input, for FSDP2) is written only by finish(), after the transfer has been waited on
     buf = encode(input.reshape(n), bits, block)
     gathered = torch.empty(W * buf.numel(), dtype=torch.uint8, device=buf.device)
     work = dist.all_gather_single(gathered, buf, group=group, async_op=True)  # gloo wants flat 1-D tensors
-    meter.hop(buf.numel(), ranks)
+    meter.hop(buf.numel(), ranks, bits)
 
     def finish() -> None:
         decode(gathered.view(W, -1), n, bits, block, out=output.view(W, n))

@@ -36,9 +36,13 @@ Edge cases, decided here:
   keeps a training loop's non-finite check firing, as the fp32 sum would. Values beyond fp32's range in a
   float64 input become infinities when cast, and so NaN blocks too.
 
-Wire formats (``bits``): 32 = fp32 (unquantized, the baseline), 16 = bf16 (a cast), 8 and 4 = the blockwise
+Wire formats (``bits``): 64 = float64 and 32 = fp32 (unquantized), 16 = bf16 (a cast), 8 and 4 = the blockwise
 formats above, packed with their scales into one uint8 buffer per row (``encode`` / ``decode``), so one
-``all_to_all_single`` or ``all_gather_single`` moves data and scales together.
+``all_to_all_single`` or ``all_gather_single`` moves data and scales together. Each format has one fixed dtype on
+the wire (``wire_dtype``): ``encode(x, 32)`` casts a float64 ``x`` to fp32. A collective configured
+"unquantized" must not do that silently, so it asks ``unquantized_bits(x.dtype)``: the format that sends the
+input's own dtype uncast (float64 as 64, fp32 as 32, bf16 as 16). Decoding and summing run in fp32, float64 for
+format 64 (``sum_dtype``), so a float64 reduction stays float64 end to end.
 
 Everything is vectorized over blocks (torch ops, no Python loop per block) and runs on the input's device. On
 CPU the blocks go through in slabs of ``SLAB`` elements so that the fp32 temporaries stay in cache; on an
@@ -55,7 +59,9 @@ from dutycycle.engine.errors import ConfigError
 
 DEFAULT_BLOCK = 256
 QMAX = {8: 127, 4: 7}
-WIRE_BITS = (32, 16, 8, 4)
+WIRE_BITS = (64, 32, 16, 8, 4)
+# the unquantized formats and their dtype on the wire (a plain cast; 8 and 4 pack codes with fp32 scales)
+_FLOAT_FORMATS = {64: torch.float64, 32: torch.float32, 16: torch.bfloat16}
 SLAB = 1 << 18  # elements a CPU pass works on at once (1 MiB of fp32: cache-sized temporaries)
 # the smallest positive fp32 (subnormal): the floor of a non-zero block's scale, so that absmax/qmax
 # underflowing to 0 cannot turn a non-zero block into zeros
@@ -94,16 +100,42 @@ def check_format(bits: int, block: int, *, wire: bool = False) -> None:
         raise ConfigError(f"quantization block={block!r} must be an even integer >= 2 (default {DEFAULT_BLOCK})")
 
 
+def unquantized_bits(dtype: torch.dtype) -> int:
+    """The unquantized wire format that sends ``dtype`` as it is: 64 for float64, 16 for bf16, 32 for fp32. A
+    float16 input goes as fp32 (exact; there is no fp16 format)."""
+    if dtype == torch.float64:
+        return 64
+    return 16 if dtype == torch.bfloat16 else 32
+
+
+def wire_dtype(bits: int) -> str:
+    """What format ``bits`` puts on the wire, as collectives record it (``Traffic.dtypes``): ``"float64"``,
+    ``"float32"``, ``"bfloat16"``, ``"int8+fp32 scales"`` or ``"int4+fp32 scales"``."""
+    if bits in _FLOAT_FORMATS:
+        return dtype_name(_FLOAT_FORMATS[bits])
+    return f"int{bits}+fp32 scales"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float64`` -> ``"float64"``: how a plain tensor's wire dtype is recorded."""
+    return str(dtype).removeprefix("torch.")
+
+
+def sum_dtype(bits: int) -> torch.dtype:
+    """The dtype ``decode`` and ``decode_sum`` return for format ``bits``: float64 for 64 (a float64 reduction
+    loses nothing to the decode), fp32 for every other format (bf16 and the quantized ones sum exactly enough
+    in fp32: their own error is orders larger)."""
+    return torch.float64 if bits == 64 else torch.float32
+
+
 def num_blocks(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
 def packed_nbytes(numel: int, bits: int, block: int = DEFAULT_BLOCK) -> int:
     """Bytes one row of ``numel`` elements takes on the wire in format ``bits`` (codes plus fp32 scales)."""
-    if bits == 32:
-        return 4 * numel
-    if bits == 16:
-        return 2 * numel
+    if bits in _FLOAT_FORMATS:
+        return _FLOAT_FORMATS[bits].itemsize * numel
     return _data_nbytes(numel, bits) + 4 * num_blocks(numel, block)
 
 
@@ -230,10 +262,8 @@ def encode(x: torch.Tensor, bits: int, block: int = DEFAULT_BLOCK) -> torch.Tens
     """``x`` in wire format ``bits`` as uint8 rows (last dimension ``packed_nbytes(x.shape[-1], ...)``).
     int8/int4 rows are written in place as ``pack(quantize(x))`` lays them out, without the extra copy."""
     check_format(bits, block, wire=True)
-    if bits == 32:
-        return x.to(torch.float32).contiguous().view(torch.uint8)
-    if bits == 16:
-        return x.to(torch.bfloat16).contiguous().view(torch.uint8)
+    if bits in _FLOAT_FORMATS:  # a cast (none when x already has the format's dtype: then x's own bytes)
+        return x.to(_FLOAT_FORMATS[bits]).contiguous().view(torch.uint8)
     x = x.reshape(1) if x.dim() == 0 else x
     rows, n = tuple(x.shape[:-1]), x.shape[-1]
     x2 = x.reshape(-1, n)
@@ -247,11 +277,11 @@ def encode(x: torch.Tensor, bits: int, block: int = DEFAULT_BLOCK) -> torch.Tens
 
 def decode(buf: torch.Tensor, numel: int, bits: int, block: int = DEFAULT_BLOCK,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 values of uint8 rows written by ``encode`` (shape ``buf.shape[:-1] + (numel,)``), or written into
-    ``out`` (that shape, any floating dtype) and returned."""
-    if bits in (32, 16):
-        values = buf.contiguous().view(torch.float32 if bits == 32 else torch.bfloat16)
-        return values.to(torch.float32) if out is None else out.copy_(values)
+    """Values of uint8 rows written by ``encode`` (shape ``buf.shape[:-1] + (numel,)``) as ``sum_dtype(bits)``
+    (fp32; float64 for format 64), or written into ``out`` (that shape, any floating dtype) and returned."""
+    if bits in _FLOAT_FORMATS:
+        values = buf.contiguous().view(_FLOAT_FORMATS[bits])
+        return values.to(sum_dtype(bits)) if out is None else out.copy_(values)
     if out is None or out.dtype != torch.float32 or not out.is_contiguous():
         values = dequantize(unpack(buf, numel, bits, block))
         return values if out is None else out.copy_(values)
@@ -261,16 +291,18 @@ def decode(buf: torch.Tensor, numel: int, bits: int, block: int = DEFAULT_BLOCK,
 
 
 def decode_sum(buf: torch.Tensor, numel: int, bits: int, block: int = DEFAULT_BLOCK) -> torch.Tensor:
-    """``decode(buf, ...).sum(0)`` in fp32, in slabs, without materializing every decoded row: the summation
-    after an all-to-all (``buf``: ``(senders, ..., packed row)``; result ``buf.shape[1:-1] + (numel,)``)."""
+    """``decode(buf, ...).sum(0)`` in ``sum_dtype(bits)`` (fp32; float64 for format 64), in slabs, without
+    materializing every decoded row: the summation after an all-to-all (``buf``: ``(senders, ..., packed row)``;
+    result ``buf.shape[1:-1] + (numel,)``)."""
     G, rest = buf.shape[0], tuple(buf.shape[1:-1])
     rows = buf.reshape(-1, buf.shape[-1])
-    out = torch.empty(math.prod(rest), numel, dtype=torch.float32, device=buf.device)
-    if bits in (32, 16):  # the unquantized formats sum in the same slabs: a baseline as careful as the rest
-        values = rows.contiguous().view(torch.float32 if bits == 32 else torch.bfloat16).view(G, -1, numel)
+    acc = sum_dtype(bits)
+    out = torch.empty(math.prod(rest), numel, dtype=acc, device=buf.device)
+    if bits in _FLOAT_FORMATS:  # the unquantized formats sum in the same slabs: a baseline as careful as the rest
+        values = rows.contiguous().view(_FLOAT_FORMATS[bits]).view(G, -1, numel)
         for i, j in _slabs(G * out.shape[0], num_blocks(numel, block), block, buf.device):
             a, b = i * block, min(j * block, numel)
-            torch.sum(values[:, :, a:b].to(torch.float32), dim=0, out=out[:, a:b])
+            torch.sum(values[:, :, a:b].to(acc), dim=0, out=out[:, a:b])
     else:
         q = unpack(rows, numel, bits, block)
         _dequantize_rows(q.data, q.scales, numel, bits, block, out, groups=G)

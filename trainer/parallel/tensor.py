@@ -110,6 +110,7 @@ class TensorTraffic(TorchDispatchMode):
                       ops.all_reduce.default: "tp_all_reduce"}
         self.bytes: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.dtypes: dict[str, set[str]] = {}  # per kind, the dtypes it sent (as traffic.Traffic.dtypes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = self.kinds.get(func)
@@ -121,7 +122,13 @@ class TensorTraffic(TorchDispatchMode):
                     "tp_all_reduce": 2 * nbytes * (n - 1) / n}[kind]
             self.bytes[kind] = self.bytes.get(kind, 0.0) + sent
             self.calls[kind] = self.calls.get(kind, 0) + 1
+            self.dtypes.setdefault(kind, set()).add(str(t.dtype).removeprefix("torch."))
         return func(*args, **(kwargs or {}))
+
+    def wire(self) -> dict[str, dict]:
+        """Per kind: ``{"dtypes": sorted names, "bytes", "calls"}``, a fresh copy (as ``Traffic.wire``)."""
+        return {k: {"dtypes": sorted(self.dtypes.get(k, ())), "bytes": self.bytes[k], "calls": self.calls[k]}
+                for k in sorted(self.calls)}
 
 
 def _group_size(group_name: str) -> int:

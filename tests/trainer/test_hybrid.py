@@ -36,6 +36,7 @@ def _cnn():
 
 def _worker(rank, world):
     from dutycycle.trainer.cluster.world import World
+    from dutycycle.trainer.parallel.apply import root_parameters
     from dutycycle.trainer.parallel.plan import expected_held, expected_traffic
 
     from ..support.zero_worker import STEPS, full_params, train
@@ -55,11 +56,12 @@ def _worker(rank, world):
                                               model_fn=_cnn, grad_clip=0.0, dtype=torch.float32)
         plan = model_strategy.plan
         numel = sum(p.numel() for p in _cnn().parameters())
+        root = sum(p.numel() for p in root_parameters(_cnn()))  # the root unit: not resharded after forward
         traffic = model_strategy.meter.traffic["train"]
         out["configs"][name].update(
             numel=numel, traffic=traffic.to_dict(), steps=STEPS,
-            expected_sent=expected_traffic(plan, numel * 4, numel * 4), held=sampler.peak,
-            expected_held=expected_held(plan, numel, 4, 4, 4, 8),
+            expected_sent=expected_traffic(plan, numel * 4, numel * 4, root * 4), held=sampler.peak,
+            expected_held=expected_held(plan, numel, 4, 4, 4, 8, root_numel=root),
             world_nodes=World(rank, world, node_ids=nodes).nodes if nodes else [list(range(world))])
     out["observed"] = _through_the_loop(rank, world)
     return out

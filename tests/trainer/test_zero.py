@@ -107,6 +107,7 @@ def _accounting(rank, world):
     parameter rows divide by 2 and 4 (width 8: no FSDP2 padding) and one where they do not (width 6)."""
     import math
 
+    from dutycycle.trainer.parallel.apply import root_parameters
     from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, make_plan
 
     from ..support.zero_worker import STEPS, train
@@ -118,6 +119,9 @@ def _accounting(rank, world):
         # FSDP2 pads each parameter's first dimension to a multiple of W: what every rank's shard really holds
         padded = sum(math.ceil(p.shape[0] / world) * world * p[0].numel() for p in model.parameters())
         rows = sum(p[0].numel() for p in model.parameters())  # one row of every parameter: the padding bound
+        root = root_parameters(model)  # the root unit's: stage 3 gathers them once per micro-batch
+        root_numel = sum(p.numel() for p in root)
+        root_padded = sum(math.ceil(p.shape[0] / world) * world * p[0].numel() for p in root)
         for stage, micro, every in ACCOUNTING:
             if world == 4 and (stage, micro, every) not in ACCOUNTING_FOUR_RANKS:
                 continue
@@ -128,8 +132,9 @@ def _accounting(rank, world):
             sent = {k: v / STEPS for k, v in traffic.per_kind_bytes().items()}
             payload = (padded if plan.fsdp else numel) * 4
             out[f"{width}-{stage}-{micro}-{every}"] = {
-                "sent": sent, "expected_sent": expected_traffic(plan, payload, payload),
-                "held": sampler.peak, "expected_held": expected_held(plan, numel, 4, 4, 4, 8),
+                "sent": sent, "expected_sent": expected_traffic(plan, payload, payload, root_padded * 4),
+                "held": sampler.peak,
+                "expected_held": expected_held(plan, numel, 4, 4, 4, 8, root_numel=root_numel),
                 "pad_bytes": (padded - numel) / world * 4 + rows * 4, "numel": numel,
             }
     return out

@@ -87,3 +87,10 @@ def local_tensor(t):
     """A DTensor's shard on this rank (its private ``_local_tensor``, without ``to_local()``'s autograd view); any
     other tensor itself."""
     return getattr(t, "_local_tensor", t)
+
+
+def unshard_async(model: torch.nn.Module) -> list[bool]:
+    """Whether each FSDP module's unshards ask for ``async_op=True`` (what ``set_unshard_async`` sets), in
+    ``fsdp_modules`` order."""
+    return [group.unshard_async_op for module in fsdp_modules(model)
+            for group in module._get_fsdp_state()._fsdp_param_groups]

@@ -48,7 +48,8 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
     memory = {
         "held_per_rank": [dict(zip(held_keys, r.tolist(), strict=True)) for r in held],
         "expected": expected_held(plan, numel, master, compute, master, optim_bytes or 0,
-                                  residual_bytes=4 if plan.fsdp and strategy.quant.error_feedback else 0),
+                                  residual_bytes=4 if plan.fsdp and strategy.quant.error_feedback else 0,
+                                  root_numel=strategy.root_numel),
         # the paper's formula over the ranks that share the state (a replica group under hybrid sharding, the
         # data-parallel ranks under tensor parallelism, each holding one tensor-parallel rank's share)
         "zero_formula": zero_formula(plan.zero_stage, numel, plan.shard_size, compute, master, optim_bytes or 0),
@@ -93,6 +94,7 @@ def _parallel(cfg, strategy, precision: str, *, numel: int, compute: int, master
         "comm_exposed_measured": strategy.meter.host_timing,
         "traffic": traffic.to_dict(),
         "traffic_per_step": {k: v / max(1, steps) for k, v in traffic.per_kind_bytes().items()},
-        "expected_traffic_per_step": expected_traffic(plan, gathered_bytes, reduced_bytes),
+        "expected_traffic_per_step": expected_traffic(plan, gathered_bytes, reduced_bytes,
+                                                      root_param_bytes=strategy.root_numel * compute),
         "eval_traffic": strategy.meter.traffic["eval"].to_dict(),
     }

@@ -25,7 +25,8 @@ import math
 
 import torch
 from dutycycle.engine.errors import ConfigError
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .fsdp_api import TorchDispatchMode, functional_collectives, group_size
 
 
 def apply_tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool) -> int:
@@ -104,10 +105,7 @@ class TensorTraffic(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        ops = torch.ops._c10d_functional
-        self.kinds = {ops.all_gather_into_tensor.default: "tp_all_gather",
-                      ops.reduce_scatter_tensor.default: "tp_reduce_scatter",
-                      ops.all_reduce.default: "tp_all_reduce"}
+        self.kinds = functional_collectives()
         self.bytes: dict[str, float] = {}
         self.calls: dict[str, int] = {}
 
@@ -115,16 +113,10 @@ class TensorTraffic(TorchDispatchMode):
         kind = self.kinds.get(func)
         if kind is not None:
             t = args[0]
-            n = _group_size(args[-1])
+            n = group_size(args[-1])
             nbytes = t.numel() * t.element_size()
             sent = {"tp_all_gather": nbytes * (n - 1), "tp_reduce_scatter": nbytes * (n - 1) / n,
                     "tp_all_reduce": 2 * nbytes * (n - 1) / n}[kind]
             self.bytes[kind] = self.bytes.get(kind, 0.0) + sent
             self.calls[kind] = self.calls.get(kind, 0) + 1
         return func(*args, **(kwargs or {}))
-
-
-def _group_size(group_name: str) -> int:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name).size()

@@ -81,6 +81,8 @@ def _parallel(cfg, strategy, precision: str, *, numel: int, compute: int, master
         "zero_stage": plan.zero_stage, "strategy": strategy.name, "offload": cfg.parallel.offload,
         "micro_batches": plan.micro_batches, "reduce_every_micro_step": plan.reduce_every_micro_step,
         "reshard_after_forward": plan.reshard_after_forward, "units": strategy.units, "precision": precision,
+        # the root unit's parameter elements: never resharded after forward (parallel/apply.py)
+        "root_numel": strategy.root_numel,
         # hybrid sharding: replica groups, and the ranks each parameter is sharded over (the world when flat)
         "replicate": plan.replicate, "shard_size": plan.shard_size,
         # tensor parallelism: ranks per group, the token split, and its activation exchanges (measured on the

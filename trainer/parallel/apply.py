@@ -276,8 +276,9 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
         fully_shard(block, reshard_after_forward=plan.reshard_after_forward, **kwargs)
     root = root_parameters(model)
     # the root is never resharded after forward (as torchtitan sets it): backward needs its parameters first, so
-    # resharding them would only gather them again; it reshards after backward with the blocks (plan.py)
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+    # resharding them would only gather them again; it reshards after backward with the blocks (plan.py). A model
+    # without blocks is one unit, which reshards as the stage says (or stage 3 would hold all its parameters)
+    fully_shard(model, reshard_after_forward=False if units else plan.reshard_after_forward, **kwargs)
     hierarchy = None
     if quant.two_hop:
         # collective: every rank creates every node group, in one order
@@ -346,10 +347,12 @@ def unshard_async_wanted(device: torch.device) -> bool:
 
 
 def root_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters ``parallelize`` leaves to the root FSDP2 unit: those in no block of ``shard_units`` (the
-    stem, the head, tied weights), each once."""
-    inside = {id(q) for _, block in shard_units(model)[0] for q in block.parameters()}
-    return [q for q in model.parameters() if id(q) not in inside]
+    """The parameters ``parallelize`` leaves to the root FSDP2 unit, which is not resharded after forward: those
+    in no block of ``shard_units`` (the stem, the head, tied weights), each once. None for a model without
+    blocks: its one unit reshards after forward as the stage says."""
+    units = shard_units(model)[0]
+    inside = {id(q) for _, block in units for q in block.parameters()}
+    return [q for q in model.parameters() if id(q) not in inside] if units else []
 
 
 def _local_numel(t: torch.Tensor) -> int:

@@ -25,7 +25,8 @@ too (DeepSpeed's style): less memory (no full gradients kept), M times the gradi
 
 The root unit (the parameters in no block) is never resharded after forward, as torchtitan sets it: backward
 needs its parameters first, so resharding them would only gather them again (an all-gather per micro-batch for
-nothing). It is resharded after backward with the blocks.
+nothing). It is resharded after backward with the blocks. (A model without blocks is one unit, which reshards as
+its stage says.)
 
 Hybrid sharding (``replicate`` = R > 1, FSDP2's HSDP): the W ranks form R replica groups of S = W / R ranks, each
 group on one node (``hybrid_groups``). The stage applies inside each group, on the mesh's ``shard`` dimension:

@@ -14,10 +14,11 @@ Micro-batches: the stage 1 and stage 2 rows accumulate over ``--micro-batches`` 
 (default 4, ``--quick`` 2; the global batch must divide by ranks x micro-batches), the other rows take one. At one
 micro-batch stages 1 and 2 produce the same torch settings (FSDP2 without reshard after forward), so a gap between
 them there is noise. With accumulation they differ as trainer/parallel/plan.py maps them: stage 1 keeps parameters
-(and the full gradients) unsharded across the whole accumulation window and gathers them once per step, stage 2
-reshards after every micro-batch's backward and gathers again for the next forward (one gather per micro-batch);
-both reduce-scatter once, at the window's end. Each row records its ``micro_batches``; the ratio
-``stage1_bytes_sent_vs_stage2_{W}ranks`` is the traffic the window saves (2/(M+1) in fp32).
+(and the full gradients) unsharded across the whole accumulation window, gathers them once per step and
+reduce-scatters once, at the window's end; stage 2 reshards after every micro-batch's backward and gathers again
+for the next forward, and reduce-scatters every micro-batch's gradients into their owners' shards (DeepSpeed's
+stage 2: 1/W of the gradients held). Each row records its ``micro_batches``; the ratio
+``stage1_bytes_sent_vs_stage2_{W}ranks`` is the traffic stage 1's window saves (1/M in fp32).
 
 Offload (``stage3-offload``, ``parallel.offload = "optimizer"``: FSDP2's ``CPUOffloadPolicy``, sharded parameters,
 gradients and optimizer state kept in host memory and the optimizer step run there): this benchmark runs on the
@@ -252,6 +253,12 @@ def run(args) -> dict:
     if old:
         measured = {(r["name"], r["world_size"]) for r in rows}
         rows = [r for r in old.get("rows", []) if (r["name"], r["world_size"]) not in measured] + rows
+        order = [name for name, *_ in ROWS]  # merged rows in the table's order: by ranks, then as ROWS lists them
+        rows.sort(key=lambda r: (r["world_size"], order.index(r["name"]) if r["name"] in order else len(order)))
+        # which rows this run measured (the others are the earlier run's): their speeds are not comparable
+        settings["remeasured_rows"] = sorted({name for name, _ in measured}, key=order.index)
+        settings["rows"] = [n for n in order if any(r["name"] == n for r in rows)] + \
+            [n for n in settings.get("rows", []) if n not in order]
     result = {
         "benchmark": "zero",
         "machine": measured_on,
@@ -312,11 +319,17 @@ def render(d: dict) -> str:
     if micro and micro > 1:
         caption += (f" The stage 1 and 2 rows accumulate {micro} micro-batches per optimizer step, where the two "
                     "differ: stage 1 gathers the parameters once per step and keeps them (and the full gradients) "
-                    "unsharded across the window, stage 2 gathers them again for every micro-batch; the other rows "
-                    "take one micro-batch.")
+                    "unsharded across the window, stage 2 gathers them again for every micro-batch and "
+                    "reduce-scatters every micro-batch's gradients into their owners' shards (1/W of the gradients "
+                    "held); the other rows take one micro-batch.")
     else:
         caption += (" Every row takes one micro-batch per step, where stages 1 and 2 run the same torch settings: "
                     "the gap between them is noise.")
+    again = s.get("remeasured_rows")
+    if again:
+        caption += (f" The {', '.join(ZERO_LABELS.get(n, n) for n in again)} rows were measured again in a later run "
+                    "(`--merge`) on the same machine under other load: compare their bytes and memory with the other "
+                    "rows, not their speed.")
     rows = [[str(r["world_size"]), ZERO_LABELS.get(r["name"], r["name"]), str(r.get("micro_batches", 1)),
              f"{r['samples_per_s']:.1f}", fmt.pct(r["exposed_comm_share"]), fmt.nbytes(sum(r["bytes_sent_per_step"].values())),
              _held_text(r["held_per_rank"][0]), _held_text(r["zero_formula"])] for r in d["rows"]]

@@ -25,8 +25,9 @@ class ParallelSection:
     # under offload_dir (trainer/parallel/nvme.py). Both serve fitting a model, not speed.
     offload: str = "none"
     offload_dir: str = ""  # "nvme": a local directory (an NVMe mount); "" = the system's temporary directory
-    # exchange gradients after every micro-batch (DeepSpeed style: less memory, M x the gradient traffic) instead
-    # of once at the accumulation boundary
+    # stages 0 and 3: exchange gradients after every micro-batch (DeepSpeed style: less memory, M x the gradient
+    # traffic) instead of once at the accumulation boundary. Stage 2 always does (it holds 1/W of the gradients:
+    # trainer/parallel/plan.py); stage 1 never does (refused)
     reduce_every_micro_step: bool = False
     find_unused_parameters: bool = False  # parameters that get no gradient in some step (DDP's flag)
     # ranks per node for the byte accounting, hpZ and two-hop qgZ: 0 = as observed (every rank reports its node:
@@ -61,8 +62,8 @@ class ParallelSection:
     # them; each all-reduce becomes a reduce-scatter and an all-gather); false: replicated, all-reduced
     sequence_parallel: bool = True
     # stages 1-3: each unit prefetches the next unit's all-gather (forward) and the previous one's (backward),
-    # asynchronously, so the transfer overlaps compute (trainer/parallel/comm.py); false: FSDP2's defaults (on
-    # CPU every all-gather then blocks where it is issued)
+    # so the transfer overlaps compute (trainer/parallel/comm.py; on CPU asked for asynchronously, on a GPU on
+    # FSDP2's own streams); false: FSDP2's defaults (on CPU every all-gather then blocks where it is issued)
     overlap: bool = True
     bucket_mb: float = 25.0  # DDP gradient bucket size (stage 0)
     # recompute each block of model.blocks in backward instead of keeping its activations (any stage;

@@ -72,7 +72,7 @@ def test_ingest_benchmark_quick(tmp_path):
 def test_zero_benchmark_quick(tmp_path):
     """benchmarks/zero.py runs its rows through torchrun at a tiny size; bytes are exact, so they are checked. Stages
     1 and 2 run with gradient accumulation (--quick: 2 micro-batches), where they differ: stage 1 gathers the
-    parameters once per step, stage 2 once per micro-batch."""
+    parameters and reduce-scatters the gradients once per step, stage 2 both once per micro-batch."""
     out = tmp_path / "zero.json"
     proc = subprocess.run([sys.executable, str(BENCH.parent / "zero.py"), "--quick", "--worlds", "2", "--rows",
                            "allreduce-manual", "stage0-ddp", "stage1", "stage2", "stage3", "--out", str(out)],
@@ -84,13 +84,14 @@ def test_zero_benchmark_quick(tmp_path):
     assert data["settings"]["micro_batches"] == 2
     assert {n: r["micro_batches"] for n, r in rows.items()} == {
         "allreduce-manual": 1, "stage0-ddp": 1, "stage1": 2, "stage2": 2, "stage3": 1}
-    # one gather and one reduce-scatter per step against two gathers and one: 2/(M+1) in fp32
-    assert data["ratios"]["stage1_bytes_sent_vs_stage2_2ranks"] == pytest.approx(2 / 3, rel=0.01)
+    # one gather and one reduce-scatter per step against one of each per micro-batch: 1/M in fp32
+    assert data["ratios"]["stage1_bytes_sent_vs_stage2_2ranks"] == pytest.approx(1 / 2, rel=0.01)
     for r in rows.values():
         assert r["samples_per_s"] > 0 and r["bytes_sent_per_step"], r
-    # the baseline and DDP send the same all-reduce; stage 3 sends 1.5x (up to FSDP2's row padding)
+    # the baseline and DDP send the same all-reduce; stage 3 sends 1.5x (up to FSDP2's row padding) less the root
+    # unit's backward gather (not resharded after forward: the ViT's embeddings and head, much of a tiny model)
     assert rows["allreduce-manual"]["bytes_sent_per_step"] == rows["stage0-ddp"]["bytes_sent_per_step"]
-    assert 1.5 <= data["ratios"]["stage3_bytes_sent_vs_stage0_2ranks"] < 1.6
+    assert 1.0 < data["ratios"]["stage3_bytes_sent_vs_stage0_2ranks"] < 1.6
     assert 1.0 <= data["ratios"]["stage3_optimizer_bytes_vs_stage0_over_N_2ranks"] < 1.05
     assert "| 2 | stage3 |" in proc.stdout
 

@@ -93,7 +93,8 @@ def _parity_worker(rank, world):
             "wrapped": type(ac_s.module.blocks[0]).__name__, "units": ac_s.units,
         }
     # the control: recomputation that does not restore the RNG draws other dropout masks
-    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+    # (activation.py's own name for torch's wrapper, which it takes from fsdp_api.py)
+    from dutycycle.trainer.parallel import activation as cw
 
     original = cw.checkpoint_wrapper
     cw.checkpoint_wrapper = lambda m, **kw: original(m, **{**kw, "preserve_rng_state": False})

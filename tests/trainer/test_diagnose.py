@@ -47,6 +47,8 @@ def test_verdict_names_the_largest_wait_with_its_number_and_fix():
         "workers": 2, "speedup": 0.9, "zero_stage": 2, "many": {"comm_share": 0.3, "bytes_per_step": 235_714,
                                                                 "samples_per_s": 100.0}}})
     assert "230 KB sent per step" in v.headline, v.headline
+    # stage 2 reduce-scatters every micro-batch: more accumulation would not cut its exchanges, stage 1 would
+    assert "ZeRO stage 1" in v.fix and "data.micro_batches" not in v.fix, v.fix
     # without the scaling experiment (the --small demo skips it) the fix still knows the run's own settings:
     # never "quantized collectives" to a run already exchanging int8
     v = decide({"end_to_end": _e2e(comm=0.35)}, {"quant_grads": "int8"})

@@ -36,6 +36,7 @@ def _cnn():
 
 def _worker(rank, world):
     from dutycycle.trainer.cluster.world import World
+    from dutycycle.trainer.parallel.apply import root_parameters
     from dutycycle.trainer.parallel.plan import expected_held, expected_traffic
 
     from ..support.zero_worker import STEPS, full_params, train
@@ -55,11 +56,12 @@ def _worker(rank, world):
                                               model_fn=_cnn, grad_clip=0.0, dtype=torch.float32)
         plan = model_strategy.plan
         numel = sum(p.numel() for p in _cnn().parameters())
+        root = sum(p.numel() for p in root_parameters(_cnn()))  # the root unit: not resharded after forward
         traffic = model_strategy.meter.traffic["train"]
         out["configs"][name].update(
-            numel=numel, traffic=traffic.to_dict(), steps=STEPS,
-            expected_sent=expected_traffic(plan, numel * 4, numel * 4), held=sampler.peak,
-            expected_held=expected_held(plan, numel, 4, 4, 4, 8),
+            numel=numel, root_numel=root, traffic=traffic.to_dict(), steps=STEPS,
+            expected_sent=expected_traffic(plan, numel * 4, numel * 4, root * 4), held=sampler.peak,
+            expected_held=expected_held(plan, numel, 4, 4, 4, 8, root_numel=root),
             world_nodes=World(rank, world, node_ids=nodes).nodes if nodes else [list(range(world))])
     out["observed"] = _through_the_loop(rank, world)
     return out
@@ -136,10 +138,12 @@ def test_bytes_per_step_match_the_formula_and_only_the_all_reduce_crosses_nodes(
             if c["world_nodes"] != [[0, 1, 2, 3]]:  # two nodes: gathers and reduce-scatter stay inside
                 assert kinds["all_gather"]["inter_node_bytes"] == kinds["reduce_scatter"]["inter_node_bytes"] == 0
                 assert kinds["all_reduce"]["intra_node_bytes"] == 0 and kinds["all_reduce"]["inter_node_bytes"] > 0
-    # the formula itself: stage 3, one micro-batch, 2 x 2: the all-reduce carries half a gradient shard's worth
+    # the formula itself: stage 3, one micro-batch, 2 x 2: the all-reduce carries half a gradient shard's worth;
+    # the blocks are gathered twice, the root unit once (not resharded after forward)
     c = four_ranks[0]["configs"]["stage3 two nodes"]
-    grads = c["numel"] * 4
-    assert c["expected_sent"] == {"reduce_scatter": grads / 2, "all_gather": 2 * grads / 2, "all_reduce": grads / 2}
+    grads, root = c["numel"] * 4, c["root_numel"] * 4
+    assert c["expected_sent"] == {"reduce_scatter": grads / 2, "all_gather": (2 * grads - root) / 2,
+                                  "all_reduce": grads / 2}
 
 
 @pytest.mark.slow

@@ -46,40 +46,43 @@ def _worker(rank, world, configs):
             "groups": [torch.distributed.get_process_group_ranks(mesh.get_group(d)) for d in ("data", "tensor")],
             "numel": numel, "full_numel": sum(v.numel() for v in ref.values()), "steps": STEPS,
             "traffic": strategy.meter.traffic["train"].to_dict(),
-            "padded": padded, "expected_sent": expected_traffic(plan, padded * 8, padded * 8),
+            "padded": padded,
+            "expected_sent": expected_traffic(plan, padded * 8, padded * 8, _padded_numel(strategy, root=True) * 8),
             "tensor_sent": dict(strategy.tensor_traffic.bytes),
             "expected_tensor": tensor_traffic(blocks=2, batch=GLOBAL_BATCH // plan.shard_size, tokens=17, width=16,
                                               tensor=2, elem_bytes=8, syncs=1,
                                               sequence_parallel=keys.get("sequence_parallel", True)),
-            "held": sampler.peak, "expected_held": _held_formula(plan, numel, padded),
+            "held": sampler.peak,
+            "expected_held": _held_formula(plan, numel, padded, _padded_numel(strategy, root=True)),
             "local": sum(p.to_local().numel() for p in strategy.module.parameters()),
             "share": tensor_share(tw.vit(), 2, keys.get("sequence_parallel", True)),  # from the plan alone
         }
     return out
 
 
-def _held_formula(plan, numel: int, padded: int) -> dict:
+def _held_formula(plan, numel: int, padded: int, root_padded: int) -> dict:
     """plan.expected_held in float64 over the padded elements FSDP2 holds (its shards, and the all-gather output
     stages 1-2 keep), except gradients accumulated across micro-batches: those are the parameters' own unsharded
     gradients, without padding. (AdamW's state is the unpadded shard's: the test counts it exactly.)"""
     from dutycycle.trainer.parallel.plan import expected_held
 
-    sharded = expected_held(plan, padded, 8, 8, 8, 16)
+    sharded = expected_held(plan, padded, 8, 8, 8, 16, root_numel=root_padded)
     accumulates = plan.micro_batches > 1 and not plan.reduce_every_micro_step
     grads = numel * 8 if accumulates else sharded["grads"]
     return {"params": sharded["params"], "grads": grads}
 
 
-def _padded_numel(strategy) -> int:
+def _padded_numel(strategy, root: bool = False) -> int:
     """One tensor-parallel rank's parameter elements as FSDP2 shards them: each parameter's first dimension padded
     to a multiple of the data ranks (the ViT's class token and position table have a first dimension of 1). The
-    formulas count elements; FSDP2 moves and holds the padded ones."""
+    formulas count elements; FSDP2 moves and holds the padded ones. ``root``: the root unit's parameters only."""
     import math
 
+    from dutycycle.trainer.parallel.apply import root_parameters
     from torch.distributed.tensor import Shard
 
     dp, total = strategy.plan.shard_size, 0
-    for p in strategy.module.parameters():
+    for p in root_parameters(strategy.module) if root else strategy.module.parameters():
         shape = list(p.shape)
         if p.device_mesh.ndim == 2 and isinstance(p.placements[1], Shard):  # split over the tensor dimension too
             shape[p.placements[1].dim] //= strategy.plan.tensor

@@ -19,10 +19,9 @@ needs. Added here, each at a public seam of DCP's storage classes:
   plain Python values only). Tensors are loaded by DCP with ``weights_only=True`` already. Every file a load
   touches is named in the manifest, and the manifest's checksums were verified first (resume.py).
 
-This module touches two private parts of torch, the places to look at on a torch upgrade:
-``torch.distributed.checkpoint._fsspec_filesystem.FileSystem`` (the stream factory FsspecWriter writes through),
-and the save planner's plan cache key and class-level caches (``DefaultSavePlanner._cached_plans_key``,
-``SavePlanner._cached_*``), which DCP exposes only as one cache per planner class.
+The private parts of DCP it builds on (the fsspec file system, reader and writer, the storage record, the save
+planner's plan cache, the nested-dict setter) are reached through trainer/parallel/fsdp_api.py, which lists the
+torch versions they were checked against.
 """
 
 from __future__ import annotations
@@ -38,9 +37,7 @@ import torch.distributed.checkpoint as dcp
 from dutycycle.engine import io
 from dutycycle.engine.errors import CorruptArtifactError
 from dutycycle.trainer.parallel import nvme
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -51,6 +48,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..parallel.fsdp_api import (
+    FileSystem,
+    FsspecReader,
+    FsspecWriter,
+    drop_save_plan_cache,
+    set_element,
+    set_plan_cache_key,
+    storage_info,
+)
 from .manifest import METADATA_JSON, FileRecord, check_name, hasher, read_json_bounded
 
 # dcp.save/load in one process with no process group say so on every call; that is the intended use here
@@ -186,7 +192,7 @@ def write_state(state: dict, uri: str, process_group=None, plan_cache: str | Non
     frees a key."""
     planner = _SavePlanner(enable_plan_caching=plan_cache is not None)
     if plan_cache is not None:
-        planner._cached_plans_key = plan_cache  # one cache per Saver: another run in this process plans its own
+        set_plan_cache_key(planner, plan_cache)  # one cache per Saver: another run in this process plans its own
     writer = _Writer(uri)
     try:
         with _no_zip_crc32():
@@ -198,11 +204,7 @@ def write_state(state: dict, uri: str, process_group=None, plan_cache: str | Non
 
 def drop_plan_cache(key: str) -> None:
     """Forget the plans DCP cached under ``key`` (a closed Saver's)."""
-    from torch.distributed.checkpoint.planner import SavePlanner
-
-    for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_final_save_plan, SavePlanner._cached_all_plans,
-                  SavePlanner._cached_global_plan, SavePlanner._cached_metadata):
-        cache.pop(key, None)
+    drop_save_plan_cache(key)
 
 
 @contextmanager
@@ -247,8 +249,6 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
@@ -319,7 +319,7 @@ def metadata_from_json(d, where: str) -> Metadata:
         for s in d["storage"]:
             key = MetadataIndex(str(s["fqn"]), None if s["offset"] is None else [int(x) for x in s["offset"]],
                                 None if s["index"] is None else int(s["index"]))
-            storage[key] = _StorageInfo(str(s["file"]), int(s["start"]), int(s["length"]),
+            storage[key] = storage_info(str(s["file"]), int(s["start"]), int(s["length"]),
                                         [str(t) for t in s["transforms"]] or None)
         planner = {str(k): tuple(v) for k, v in d["planner"].items()}
         for key in storage:  # DCP would fail deep in its planner on an entry it cannot place

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from dutycycle.loader.budget import node_memory_limit
+from dutycycle.trainer.parallel.apply import root_parameters
 from dutycycle.trainer.parallel.dims import ParallelDims
 from dutycycle.trainer.parallel.plan import expected_held, expected_traffic, inter_node_bytes, make_plan
 from dutycycle.trainer.parallel.tensor import expected_for, tensor_share
@@ -84,8 +85,12 @@ def _layout_row(stage, offload, replicate: int, tensor: int, share: int, ctx, mo
     cfg = ctx.cfg
     plan = make_plan(stage, w, cfg.data.micro_batches, cfg.parallel.reduce_every_micro_step, bool(offload),
                      replicate=replicate, optimizer_on_disk=offload == "nvme", tensor=tensor)
-    held = expected_held(plan, share, master, compute if stage else master, master, optim_bytes)
-    traffic = expected_traffic(plan, share * (compute if stage else master), share * master)
+    # the root unit's parameters (stage 3 keeps them unsharded through a micro-batch); under tensor parallelism
+    # the model's plan splits the blocks only, so every rank holds the whole root
+    root = sum(q.numel() for q in root_parameters(model))
+    held = expected_held(plan, share, master, compute if stage else master, master, optim_bytes, root_numel=root)
+    traffic = expected_traffic(plan, share * (compute if stage else master), share * master,
+                               root_param_bytes=root * (compute if stage else master))
     data_plan = make_plan(stage, w // tensor, cfg.data.micro_batches, cfg.parallel.reduce_every_micro_step)
     across = inter_node_bytes(data_plan if tensor > 1 else plan, traffic, node_size // tensor)
     traffic = {**traffic, **(expected_for(model, plan, cfg.data.global_batch_size, compute,

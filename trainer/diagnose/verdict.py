@@ -385,6 +385,9 @@ def _comm(share, shares, scaling) -> Verdict:
     else:  # remedies the run does not already use
         fix = ("accumulate more micro-batches per exchange (data.micro_batches) or use a lower ZeRO stage if memory "
                "allows")
+        if scaling.get("zero_stage") == 2:  # stage 2 reduce-scatters every micro-batch: accumulating does not help
+            fix = ("use ZeRO stage 1 if memory allows (it exchanges gradients once per step; stage 2 reduce-scatters "
+                   "every micro-batch to hold 1/W of them)")
         now = scaling.get("quant_grads", "none")
         if now == "none":
             fix += ", or quantized collectives (parallel.quant_grads = 'int8')"

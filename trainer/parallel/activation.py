@@ -25,19 +25,14 @@ import functools
 
 from dutycycle.engine.errors import ConfigError
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from .fsdp_api import BatchNormBase, CheckpointImpl, CheckpointWrapper, checkpoint_wrapper
 
 
 def checkpoint_blocks(model: nn.Module) -> list[str]:
     """Wrap every block of ``model.blocks`` in place for non-reentrant activation checkpointing; return the
     wrapped names (``blocks.0``, ...). Raises ConfigError for a model without blocks: the option would do nothing,
     and a user who asked for it would otherwise believe activation memory was saved."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        CheckpointWrapper,
-        checkpoint_wrapper,
-    )
-
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
         raise ConfigError(f"parallel.activation_checkpointing = true checkpoints each block of `model.blocks`, and "
@@ -71,7 +66,7 @@ def _running_stats_held(block: nn.Module):
     The layers still receive their running statistics, so the recomputation saves the tensors the forward saved
     (torch's checkpoint checks that); nothing the backward reads is modified in place."""
     layers = [(m, m.momentum, m.num_batches_tracked.clone()) for m in block.modules()
-              if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+              if isinstance(m, BatchNormBase) and m.training and m.track_running_stats]
     for m, _, _ in layers:
         m.momentum = 0.0
     try:

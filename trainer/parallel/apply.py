@@ -78,6 +78,9 @@ class Strategy:
     tensor_traffic: object = None  # tensor.TensorTraffic of the first step, once it ran
     sequence_parallel: bool = False
     dims: ParallelDims | None = None  # the degrees it was built for (dims.py)
+    # elements of the root unit's parameters as this rank holds them before ZeRO shards them (root_parameters;
+    # stage 3 keeps them unsharded from forward to the end of backward: plan.expected_held's ``root_numel``)
+    root_numel: int = 0
     synced_batchnorm: list[str] = field(default_factory=list)  # BatchNorm layers synchronized (batchnorm.py)
 
     @contextlib.contextmanager
@@ -268,10 +271,14 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     units, warns = shard_units(model)
     for w in warns:
         warnings.warn(w, ShardingWarning, stacklevel=2)
-    kwargs = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mp, offload_policy=off)
+    kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=off)
     for _, block in units:  # bottom-up: each block its own unit, then the root takes what is left
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, reshard_after_forward=plan.reshard_after_forward, **kwargs)
+    root = root_parameters(model)
+    # the root is never resharded after forward (as torchtitan sets it): backward needs its parameters first, so
+    # resharding them would only gather them again; it reshards after backward with the blocks (plan.py). A model
+    # without blocks is one unit, which reshards as the stage says (or stage 3 would hold all its parameters)
+    fully_shard(model, reshard_after_forward=False if units else plan.reshard_after_forward, **kwargs)
     hierarchy = None
     if quant.two_hop:
         # collective: every rank creates every node group, in one order
@@ -279,7 +286,7 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
     gather = QuantAllGather(meter, quant.weights_bits, quant.block, hpz=p.hpz) if quant.weights_bits < 32 \
         else CountingAllGather(meter, hpz=p.hpz)
     if p.overlap:
-        _prefetch(model, [block for _, block in units])
+        _prefetch(model, [block for _, block in units], device)
     for m in fsdp_modules(model):  # the setters are per module, not recursive
         m.set_custom_all_gather(gather)
         m.set_custom_reduce_scatter(
@@ -296,7 +303,7 @@ def parallelize(model: nn.Module, parallel, world: World, *, device: torch.devic
                         compute_dtype=compute_dtype, units=[n for n, _ in units], quant=quant,
                         tensor_rank=tensor_rank or 0, tensor_numel=tensor_numel,
                         sequence_parallel=dims.tp_enabled and p.sequence_parallel, dims=dims,
-                        synced_batchnorm=synced)
+                        synced_batchnorm=synced, root_numel=sum(_local_numel(q) for q in root))
 
 
 def _batchnorm(model: nn.Module, dims: ParallelDims, rank: int, device: torch.device, tp_mesh, meter: CommMeter,
@@ -316,11 +323,14 @@ def _batchnorm(model: nn.Module, dims: ParallelDims, rank: int, device: torch.de
     return convert_batchnorm(model, device=device, group=group, meter=meter), layers
 
 
-def _prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:
+def _prefetch(model: nn.Module, blocks: list[nn.Module], device: torch.device) -> None:
     """Explicit prefetch, as torchtitan sets it: in forward each block issues the next block's all-gather once its
     own is copied out, in backward the previous block's; the root (the first unit forward runs) prefetches the
-    first block. Issued with ``async_op=True`` (fsdp_api.set_unshard_async) so the transfer runs while this
-    block computes; FSDP2 waits for it when the prefetched block starts."""
+    first block. On a GPU, FSDP2 issues every unshard on its own all-gather streams, so the transfer overlaps the
+    block's compute already; on CPU there are no streams and every unshard would block where it is issued, so
+    there the unshards ask for ``async_op=True`` (fsdp_api.set_unshard_async) and FSDP2 waits for the prefetched
+    gather when its block starts. Forcing async_op on a GPU would replace those streams with the process
+    group's, so it is applied on CPU only (``unshard_async_wanted``)."""
 
     if blocks:
         model.set_modules_to_forward_prefetch([blocks[0]])
@@ -329,7 +339,28 @@ def _prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:
             block.set_modules_to_forward_prefetch([blocks[i + 1]])
         if i > 0:
             block.set_modules_to_backward_prefetch([blocks[i - 1]])
-    set_unshard_async(model)
+    if unshard_async_wanted(device):
+        set_unshard_async(model)
+
+
+def unshard_async_wanted(device: torch.device) -> bool:
+    """Whether FSDP2's unshards should ask the all-gather for ``async_op=True``: only without an accelerator
+    (CPU, gloo), where FSDP2 has no all-gather stream to overlap on (``_prefetch``)."""
+    return device.type == "cpu"
+
+
+def root_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters ``parallelize`` leaves to the root FSDP2 unit, which is not resharded after forward: those
+    in no block of ``shard_units`` (the stem, the head, tied weights), each once. None for a model without
+    blocks: its one unit reshards after forward as the stage says."""
+    units = shard_units(model)[0]
+    inside = {id(q) for _, block in units for q in block.parameters()}
+    return [q for q in model.parameters() if id(q) not in inside] if units else []
+
+
+def _local_numel(t: torch.Tensor) -> int:
+    """A tensor-parallel DTensor's elements on this rank; a plain tensor's elements."""
+    return t.to_local().numel() if hasattr(t, "to_local") else t.numel()
 
 
 def ensure_process_group(device: torch.device) -> None:

@@ -46,8 +46,9 @@ import torch
 import torch.distributed as dist
 from dutycycle.engine.errors import ConfigError
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
+
+from .fsdp_api import BatchNormBase
 
 
 class BatchNormWarning(UserWarning):
@@ -55,11 +56,11 @@ class BatchNormWarning(UserWarning):
 
 
 def batchnorm_layers(model: nn.Module, *, per_rank: bool = False) -> list[str]:
-    """Names of the model's BatchNorm layers (any ``_BatchNorm``: 1d/2d/3d, lazy, SyncBatchNorm, subclasses);
+    """Names of the model's BatchNorm layers (any ``BatchNormBase``: 1d/2d/3d, lazy, SyncBatchNorm, subclasses);
     ``per_rank``: only those that normalize with this rank's batch alone (not synchronized already)."""
     synced = (nn.SyncBatchNorm, CollectiveBatchNorm) if per_rank else ()
     return [name or type(model).__name__ for name, m in model.named_modules()
-            if isinstance(m, _BatchNorm) and not isinstance(m, synced)]
+            if isinstance(m, BatchNormBase) and not isinstance(m, synced)]
 
 
 def unsynced_warning(model: nn.Module, layers: list[str], dp_size: int) -> str:
@@ -87,7 +88,7 @@ def convert_batchnorm(model: nn.Module, *, device: torch.device, group=None, met
     ``comm.CommMeter``, counts its collectives). Converts in place and returns the model (a new module only when
     ``model`` itself is a BatchNorm, as torch's converter does)."""
     for name, m in model.named_modules():
-        if isinstance(m, _BatchNorm) and isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+        if isinstance(m, BatchNormBase) and isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
             raise ConfigError(f"model.sync_batchnorm = true: {name or type(m).__name__} is a lazy BatchNorm whose "
                               "size is not known before its first forward; give it num_features (nn.BatchNorm2d) "
                               "or run one forward in the model factory")
@@ -99,7 +100,7 @@ def convert_batchnorm(model: nn.Module, *, device: torch.device, group=None, met
 def _convert(module: nn.Module, group, meter) -> nn.Module:
     out = module
     # torch's SyncBatchNorm too: it raises on CPU tensors once a process group exists
-    if isinstance(module, _BatchNorm) and not isinstance(module, CollectiveBatchNorm):
+    if isinstance(module, BatchNormBase) and not isinstance(module, CollectiveBatchNorm):
         out = CollectiveBatchNorm.like(module, group=group, meter=meter)
     for name, child in module.named_children():
         out.add_module(name, _convert(child, group, meter))
@@ -109,7 +110,7 @@ def _convert(module: nn.Module, group, meter) -> nn.Module:
 # ------------------------------------------------------------------------------------------------ the layer
 
 
-class CollectiveBatchNorm(_BatchNorm):
+class CollectiveBatchNorm(BatchNormBase):
     """BatchNorm whose training-mode statistics are taken over a process group (module docstring). Made from a
     BatchNorm by ``CollectiveBatchNorm.like(bn, group=...)``; keeps the original's input-rank check (1d: 2-D or
     3-D input, 2d: 4-D, 3d: 5-D)."""
@@ -121,7 +122,7 @@ class CollectiveBatchNorm(_BatchNorm):
         self.group, self.meter, self.input_ranks = group, meter, input_ranks
 
     @classmethod
-    def like(cls, bn: _BatchNorm, *, group=None, meter=None) -> CollectiveBatchNorm:
+    def like(cls, bn: BatchNormBase, *, group=None, meter=None) -> CollectiveBatchNorm:
         """A CollectiveBatchNorm holding ``bn``'s own parameters and buffers (the same tensors) and settings."""
         out = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, group=group, meter=meter,
                   input_ranks=_input_ranks(bn), bias=bn.bias is not None, device="meta")
@@ -226,7 +227,7 @@ def _counted(meter, kind: str, full: torch.Tensor, group, factor: int = 1):
         yield
 
 
-def _input_ranks(bn: _BatchNorm) -> tuple[int, ...]:
+def _input_ranks(bn: BatchNormBase) -> tuple[int, ...]:
     """The input ranks ``bn`` accepts (its own ``_check_input_dim``); () when its class says nothing we know."""
     for kinds, ranks in (((nn.BatchNorm1d, nn.LazyBatchNorm1d), (2, 3)), ((nn.BatchNorm2d, nn.LazyBatchNorm2d), (4,)),
                          ((nn.BatchNorm3d, nn.LazyBatchNorm3d), (5,))):

@@ -14,11 +14,19 @@ machinery:
   window. Stage 1 has no exact FSDP2 equivalent: ZeRO-1 keeps parameters replicated between steps, FSDP2 does
   not; what it holds is measured and reported beside the ZeRO formula.
 
-Gradients are exchanged once per optimizer step, at the accumulation boundary, by default (synchronizing
-inside the accumulation window multiplies gradient traffic by the micro-batch count, enough to make a cluster
-slower than one GPU). With
-``reduce_every_micro_step`` they are reduce-scattered after every micro-batch (DeepSpeed's ZeRO-2 style): less
-memory (no full gradients kept), M times the gradient traffic.
+Stage 2 reduce-scatters every micro-batch's gradients into their owners' shards, as DeepSpeed's stage 2 does
+(FSDP2 accumulates each reduced shard into the sharded gradient): a rank never holds more than 1/W of the
+gradients, at any number of micro-batches, for M times the gradient traffic. That is what stage 2 is for: kept
+unsharded across the window, its gradients would be stage 1's, and stage 1 holds less.
+The other stages exchange gradients once per optimizer step, at the accumulation boundary, by default
+(synchronizing inside the accumulation window multiplies gradient traffic by the micro-batch count, enough to make
+a cluster slower than one GPU). With ``reduce_every_micro_step`` stages 0 and 3 reduce after every micro-batch
+too (DeepSpeed's style): less memory (no full gradients kept), M times the gradient traffic.
+
+The root unit (the parameters in no block) is never resharded after forward, as torchtitan sets it: backward
+needs its parameters first, so resharding them would only gather them again (an all-gather per micro-batch for
+nothing). It is resharded after backward with the blocks. (A model without blocks is one unit, which reshards as
+its stage says.)
 
 Hybrid sharding (``replicate`` = R > 1, FSDP2's HSDP): the W ranks form R replica groups of S = W / R ranks, each
 group on one node (``hybrid_groups``). The stage applies inside each group, on the mesh's ``shard`` dimension:
@@ -43,7 +51,7 @@ class ShardingPlan:
     zero_stage: int
     world_size: int
     micro_batches: int
-    reduce_every_micro_step: bool
+    reduce_every_micro_step: bool  # resolved: the config's key at stages 0 and 3, always at 2, never at 1
     offload: bool
     fsdp: bool  # FSDP2 (stages 1-3) or DDP / a plain module (stage 0)
     reshard_after_forward: bool | int  # FSDP2 only
@@ -122,8 +130,9 @@ def make_plan(zero_stage: int, world_size: int, micro_batches: int = 1, reduce_e
         reshard = reshard_group
     return ShardingPlan(
         zero_stage=zero_stage, world_size=world_size, micro_batches=micro_batches,
-        # stage 1 is defined by holding full gradients across the window: it always reduces at the boundary
-        reduce_every_micro_step=reduce_every_micro_step and zero_stage != 1,
+        # stage 1 is defined by holding full gradients across the window: it always reduces at the boundary;
+        # stage 2 by holding 1/W of them: it always reduces every micro-batch (module doc)
+        reduce_every_micro_step=(reduce_every_micro_step and zero_stage != 1) or zero_stage == 2,
         offload=offload, fsdp=zero_stage >= 1, reshard_after_forward=reshard,
         keep_unsharded_across_micro_batches=zero_stage == 1, replicate=replicate,
         optimizer_on_disk=optimizer_on_disk and zero_stage >= 1, tensor=tensor,
@@ -189,7 +198,7 @@ def zero_formula(stage: int, numel: int, world: int, param_bytes: int, grad_byte
 
 
 def expected_held(plan: ShardingPlan, numel: int, master_bytes: int, compute_bytes: int, grad_bytes: int,
-                  optim_bytes: int, residual_bytes: int = 0) -> dict:
+                  optim_bytes: int, residual_bytes: int = 0, root_numel: int = 0) -> dict:
     """Peak bytes one rank holds at the step's phase boundaries (after each forward, after each backward, after
     the optimizer step) under dutycycle's mapping: what memory.py measures. Padding excluded (FSDP2 pads each
     parameter's first dimension to a multiple of W).
@@ -198,7 +207,9 @@ def expected_held(plan: ShardingPlan, numel: int, master_bytes: int, compute_byt
     (2 with bf16 mixed precision), ``grad_bytes`` the reduction dtype. ``optimizer_file``: the optimizer state
     kept in files under offload = "nvme" (then not in ``optimizer``). ``residual_bytes``: 4 with ZeRO++ error
     feedback, whose residual is an fp32 copy of every unit's *unsharded* gradient on every rank (more than the
-    sharded model state at stage 3); 0 without.
+    sharded model state at stage 3); 0 without. ``root_numel``: the elements of the root unit's parameters (those
+    in no block: apply.root_parameters), which stay unsharded from forward to the end of backward at stage 3 too
+    (module doc); 0 counts them as sharded.
     """
     residuals = numel * residual_bytes
     w = plan.shard_size
@@ -209,8 +220,10 @@ def expected_held(plan: ShardingPlan, numel: int, master_bytes: int, compute_byt
     params = shard * master_bytes
     if plan.reshard_after_forward is False:  # stages 1-2: the unsharded compute copy beside the shard
         params += numel * compute_bytes
-    elif plan.reshard_after_forward is not True:  # hpZ: a secondary shard over the node-sized group
-        params += numel * compute_bytes / plan.reshard_after_forward
+    else:  # stage 3: the root unit's unsharded copy after forward, and under hpZ the blocks' secondary shard
+        params += root_numel * compute_bytes
+        if plan.reshard_after_forward is not True:
+            params += (numel - root_numel) * compute_bytes / plan.reshard_after_forward
     # without a per-micro-batch reduce-scatter, unsharded gradients accumulate across the window
     accumulates = plan.micro_batches > 1 and not plan.reduce_every_micro_step
     grads = numel * grad_bytes if accumulates else shard * grad_bytes
@@ -224,13 +237,16 @@ def expected_held(plan: ShardingPlan, numel: int, master_bytes: int, compute_byt
 # ------------------------------------------------------------------------------------------------ traffic
 
 
-def expected_traffic(plan: ShardingPlan, param_bytes_total: int, grad_bytes_total: int) -> dict:
+def expected_traffic(plan: ShardingPlan, param_bytes_total: int, grad_bytes_total: int,
+                     root_param_bytes: float = 0) -> dict:
     """Logical bytes one rank sends per optimizer step (traffic.py's accounting), by collective kind, unquantized
     (quantized collectives send their packed bytes: quant.packed_nbytes). ``param_bytes_total``: all parameters
     in the dtype the all-gathers move (FSDP2's ``param_dtype``: bf16 under mixed precision, 2 bytes each);
     ``grad_bytes_total``: all gradients in the dtype they are reduced in (``reduce_dtype``: fp32 there).
     Under hybrid sharding the gathers and the reduce-scatter run over the S ranks of a replica group and
-    ``all_reduce`` is the exchange of each rank's 1/S gradient shard among the R groups."""
+    ``all_reduce`` is the exchange of each rank's 1/S gradient shard among the R groups. ``root_param_bytes``:
+    of ``param_bytes_total``, the root unit's (apply.root_parameters), which stage 3 gathers once per micro-batch
+    (never resharded after forward) and hpZ once per step (kept unsharded across micro-batches)."""
     w, m, r = plan.shard_size, plan.micro_batches, plan.replicate
     if plan.world_size == 1:
         return {}
@@ -243,13 +259,15 @@ def expected_traffic(plan: ShardingPlan, param_bytes_total: int, grad_bytes_tota
         out["all_reduce"] = syncs * 2 * grad_bytes_total / w * (r - 1) / r
     if plan.zero_stage == 1:
         out["all_gather"] = param_bytes_total * per
-    elif plan.zero_stage == 2 or plan.reshard_after_forward is True:
-        out["all_gather"] = (m if plan.zero_stage == 2 else 2 * m) * param_bytes_total * per
-    else:  # hpZ: the first forward gathers over all ranks; the backwards, and the forwards of later micro-batches
-        # (the secondary shard is kept between them), over the node's ranks
+    elif plan.zero_stage == 2:
+        out["all_gather"] = m * param_bytes_total * per
+    elif plan.reshard_after_forward is True:  # blocks in forward and again in backward, the root in forward
+        out["all_gather"] = m * (2 * param_bytes_total - root_param_bytes) * per
+    else:  # hpZ: the first forward gathers over all ranks; the blocks' backwards, and their forwards of later
+        # micro-batches (the secondary shard is kept between them), over the node's ranks
         group = plan.reshard_after_forward
         out["all_gather"] = param_bytes_total * per
-        out["all_gather_hpz"] = (2 * m - 1) * param_bytes_total * (group - 1) / group
+        out["all_gather_hpz"] = (2 * m - 1) * (param_bytes_total - root_param_bytes) * (group - 1) / group
     return out
 
 

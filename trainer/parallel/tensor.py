@@ -25,7 +25,8 @@ import math
 
 import torch
 from dutycycle.engine.errors import ConfigError
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .fsdp_api import TorchDispatchMode, functional_collectives, group_size
 
 
 def apply_tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool) -> int:
@@ -104,10 +105,7 @@ class TensorTraffic(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        ops = torch.ops._c10d_functional
-        self.kinds = {ops.all_gather_into_tensor.default: "tp_all_gather",
-                      ops.reduce_scatter_tensor.default: "tp_reduce_scatter",
-                      ops.all_reduce.default: "tp_all_reduce"}
+        self.kinds = functional_collectives()
         self.bytes: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.dtypes: dict[str, set[str]] = {}  # per kind, the dtypes it sent (as traffic.Traffic.dtypes)
@@ -116,7 +114,7 @@ class TensorTraffic(TorchDispatchMode):
         kind = self.kinds.get(func)
         if kind is not None:
             t = args[0]
-            n = _group_size(args[-1])
+            n = group_size(args[-1])
             nbytes = t.numel() * t.element_size()
             sent = {"tp_all_gather": nbytes * (n - 1), "tp_reduce_scatter": nbytes * (n - 1) / n,
                     "tp_all_reduce": 2 * nbytes * (n - 1) / n}[kind]
@@ -129,9 +127,3 @@ class TensorTraffic(TorchDispatchMode):
         """Per kind: ``{"dtypes": sorted names, "bytes", "calls"}``, a fresh copy (as ``Traffic.wire``)."""
         return {k: {"dtypes": sorted(self.dtypes.get(k, ())), "bytes": self.bytes[k], "calls": self.calls[k]}
                 for k in sorted(self.calls)}
-
-
-def _group_size(group_name: str) -> int:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name).size()

@@ -48,7 +48,8 @@ def summarize_run(cfg, ctx, strategy, optimizer, sampler, timer, log, M, *, info
     memory = {
         "held_per_rank": [dict(zip(held_keys, r.tolist(), strict=True)) for r in held],
         "expected": expected_held(plan, numel, master, compute, master, optim_bytes or 0,
-                                  residual_bytes=4 if plan.fsdp and strategy.quant.error_feedback else 0),
+                                  residual_bytes=4 if plan.fsdp and strategy.quant.error_feedback else 0,
+                                  root_numel=strategy.root_numel),
         # the paper's formula over the ranks that share the state (a replica group under hybrid sharding, the
         # data-parallel ranks under tensor parallelism, each holding one tensor-parallel rank's share)
         "zero_formula": zero_formula(plan.zero_stage, numel, plan.shard_size, compute, master, optim_bytes or 0),
@@ -80,6 +81,8 @@ def _parallel(cfg, strategy, precision: str, *, numel: int, compute: int, master
         "zero_stage": plan.zero_stage, "strategy": strategy.name, "offload": cfg.parallel.offload,
         "micro_batches": plan.micro_batches, "reduce_every_micro_step": plan.reduce_every_micro_step,
         "reshard_after_forward": plan.reshard_after_forward, "units": strategy.units, "precision": precision,
+        # the root unit's parameter elements: never resharded after forward (parallel/apply.py)
+        "root_numel": strategy.root_numel,
         # hybrid sharding: replica groups, and the ranks each parameter is sharded over (the world when flat)
         "replicate": plan.replicate, "shard_size": plan.shard_size,
         # tensor parallelism: ranks per group, the token split, and its activation exchanges (measured on the
@@ -93,6 +96,7 @@ def _parallel(cfg, strategy, precision: str, *, numel: int, compute: int, master
         "comm_exposed_measured": strategy.meter.host_timing,
         "traffic": traffic.to_dict(),
         "traffic_per_step": {k: v / max(1, steps) for k, v in traffic.per_kind_bytes().items()},
-        "expected_traffic_per_step": expected_traffic(plan, gathered_bytes, reduced_bytes),
+        "expected_traffic_per_step": expected_traffic(plan, gathered_bytes, reduced_bytes,
+                                                      root_param_bytes=strategy.root_numel * compute),
         "eval_traffic": strategy.meter.traffic["eval"].to_dict(),
     }

@@ -12,8 +12,8 @@ with dropout, asynchronous saves every 2 steps, 8 steps), with one fault per att
 
 - attempt 0: rank 1 SIGKILLed during the backward of step 5 (its peers inside the step's collectives; the save of
   step 4 may still be in flight on the background threads): mid-step;
-- attempt 1: rank 1 SIGKILLed in the asynchronous save of step 6 once its shard is written (DCP's write is done,
-  every rank's file is there) and before the commit's gather: a save half written, with no manifest;
+- attempt 1: rank 1 SIGKILLed in the asynchronous save of step 6 once its shard is written (its part of DCP's
+  write is done: every rank's file is there) and before the commit's gather: a save half written, no manifest;
 - attempt 2 resumes from the newest commit and finishes.
 
 Before anything else, rank 0 of every attempt records what the checkpoint root holds (each ``step-*`` directory's

@@ -23,6 +23,7 @@ itself leaves ``killed-K`` there (the agent logs only the first failure it notic
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -78,6 +79,8 @@ def rank_main(config: str, run_dir: str, sets: list[str], kills: dict) -> None:
     """One rank of one attempt (forked by the agent, which set RANK, WORLD_SIZE, TORCHELASTIC_RESTART_COUNT...)."""
     from dutycycle.trainer.launch import torchrun
 
+    # die with the driver (a test's timeout kills it): a rank left behind would wait in gloo for good
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
     os.environ["DUTYCYCLE_TEST_RUN_DIR"] = run_dir
     if rank == 0:

@@ -5,7 +5,10 @@ process through ``FAULTS``:
 
 - ``crash_at``: the n-th training forward raises ``InjectedCrash`` (a worker dying mid-run, after its last commit);
 - ``nan_at``: the n-th training forward returns NaN once (a transient fault);
-- ``poison``: any batch holding this image returns NaN (a bad sample: every batch that contains it diverges).
+- ``poison``: any batch holding this image returns NaN (a bad sample: every batch that contains it diverges);
+- ``kill_at``: the n-th training forward's output gets a hook that SIGKILLs the process during the backward (a
+  rank dying mid-step, its peers inside the step's collectives; tests/support/kill_launch.py), after calling
+  ``on_kill`` if set.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from dutycycle.trainer.step.models import SmallCNN, TinyViT
 
-FAULTS: dict = {"crash_at": None, "nan_at": None, "poison": None}
+FAULTS: dict = {"crash_at": None, "nan_at": None, "poison": None, "kill_at": None, "on_kill": None}
 
 
 class InjectedCrash(RuntimeError):
@@ -27,6 +30,21 @@ def _count_forward(model) -> None:
         model.forwards += 1
         if FAULTS["crash_at"] == model.forwards:
             raise InjectedCrash(f"injected crash at training forward {model.forwards}")
+
+
+def _maybe_kill(model, out):
+    """At the ``kill_at``-th training forward: SIGKILL this process when the backward reaches the output."""
+    if model.training and FAULTS["kill_at"] == model.forwards and out.requires_grad:
+        import os
+        import signal
+
+        def kill(grad):
+            if FAULTS["on_kill"] is not None:
+                FAULTS["on_kill"]()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        out.register_hook(kill)
+    return out
 
 
 class RiskyCNN(SmallCNN):
@@ -42,7 +60,7 @@ class RiskyCNN(SmallCNN):
         if self.training and (FAULTS["nan_at"] == self.forwards or (
                 poison is not None and bool((x == poison.to(x.dtype)).flatten(1).all(1).any()))):
             out = out * float("nan")
-        return out
+        return _maybe_kill(self, out)
 
 
 def risky_cnn(cfg, in_channels, num_classes, image_size):
@@ -50,7 +68,7 @@ def risky_cnn(cfg, in_channels, num_classes, image_size):
 
 
 def reset() -> None:
-    FAULTS.update(crash_at=None, nan_at=None, poison=None)
+    FAULTS.update(crash_at=None, nan_at=None, poison=None, kill_at=None, on_kill=None)
 
 
 class RiskyViT(TinyViT):

@@ -12,11 +12,15 @@ import torch
 def small_cfg(run_dir: str, *extra: str):
     from dutycycle.trainer.config import load_config
 
-    return load_config(None, [
-        "data.source=synthetic", "data.size=16", "data.global_batch_size=32", "data.synthetic_samples=192",
-        "model.name=tests.support.ckpt_models:risky_cnn", "model.width=8", "run.max_steps=14", "run.eval_every=0",
-        f"run.dir={run_dir}", "run.log_every=1", "checkpoint.every=4", "run.report=false", "optim.warmup_steps=2",
-        "parallel.threads_per_worker=1", *extra])
+    return load_config(None, small_overrides(run_dir, *extra))
+
+
+def small_overrides(run_dir: str, *extra: str) -> list[str]:
+    """``small_cfg``'s ``--set`` overrides (for a launcher started as a command)."""
+    return ["data.source=synthetic", "data.size=16", "data.global_batch_size=32", "data.synthetic_samples=192",
+            "model.name=tests.support.ckpt_models:risky_cnn", "model.width=8", "run.max_steps=14",
+            "run.eval_every=0", f"run.dir={run_dir}", "run.log_every=1", "checkpoint.every=4", "run.report=false",
+            "optim.warmup_steps=2", "parallel.threads_per_worker=1", *extra]
 
 
 def train(cfg, rank: int = 0, world: int = 1) -> dict:

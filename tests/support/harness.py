@@ -84,3 +84,35 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0):
         if errors:
             raise AssertionError("\n".join(errors))
         return results
+
+
+# ---------------------------------------------------------------------------------------------------------
+# several workloads on one set of ranks
+
+
+def _calls(rank, world_size, calls):
+    """Each ``(name, "module:function", args)`` in turn on these ranks, with the environment restored after each
+    (a workload that names its node through DUTYCYCLE_NODE_ID must not place the next one)."""
+    import importlib
+
+    out = {}
+    for name, ref, args in calls:
+        module, fn = ref.split(":")
+        saved = dict(os.environ)
+        try:
+            out[name] = getattr(importlib.import_module(module), fn)(rank, world_size, *args)
+        except BaseException as e:
+            raise RuntimeError(f"workload {name!r} ({ref}) failed on rank {rank}") from e
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return out
+
+
+def run_calls(world_size: int, calls: list[tuple[str, str, tuple]], timeout: float = 120.0) -> dict[str, list]:
+    """Several ``run_distributed`` workloads in one set of ``world_size`` spawned gloo ranks: starting the ranks
+    (a Python with torch each, and the process group) costs more than many a workload on a 2-core machine.
+    ``calls``: ``(name, "module:function", args)``, each called as ``function(rank, world_size, *args)`` in
+    order; returns ``{name: per-rank results}``. A workload that fails fails them all, naming it."""
+    per_rank = run_distributed(_calls, world_size, calls, timeout=timeout)
+    return {name: [r[name] for r in per_rank] for name, _, _ in calls}

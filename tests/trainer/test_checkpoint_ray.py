@@ -1,6 +1,7 @@
 """Recovery under Ray Train: a worker process SIGKILLed mid-run (by its PID, from the test) makes Ray Train restart
 the worker group (``ray.max_failures``); the new workers resume from the last commit by themselves, and the run
-ends with the same weights as one that was never interrupted."""
+ends with the same weights as one that was never interrupted; continued after its Ray Train record was damaged, it
+resumes from its newest commit."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def _reference(rank, world, run_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_a_killed_worker_restarts_the_group_and_the_run_finishes_with_the_same_weights(ray_cluster, tmp_path):
+@pytest.mark.timeout(500)
+def test_a_killed_worker_restarts_the_group_and_a_damaged_ray_train_record_is_set_aside(ray_cluster, tmp_path):
     from dutycycle.trainer.launch.train import train
 
     # the uninterrupted reference: the same 2-rank run on spawned gloo ranks, alongside (mostly the Ray run waits)
@@ -93,22 +94,14 @@ def test_a_killed_worker_restarts_the_group_and_the_run_finishes_with_the_same_w
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 41))  # lost steps replaced, none twice
     assert time.time() - killed_at < 300
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_a_damaged_ray_train_record_is_set_aside_and_the_run_resumes_from_the_newest_commit(ray_cluster, tmp_path):
-    """64 bytes flipped in Ray Train's record of its pointer checkpoints stopped the next start inside Ray Train's
-    controller (UnicodeDecodeError) although every dutycycle commit verified. The record is set aside with a
-    warning, and the run resumes from the newest verified commit."""
+    # The same run continued after its Ray Train record was damaged (one launch more instead of a run of its own):
+    # 64 bytes flipped in Ray Train's record of its pointer checkpoints stopped the next start inside Ray Train's
+    # controller (UnicodeDecodeError) although every dutycycle commit verified. The record is set aside with a
+    # warning, and the run resumes from the newest verified commit.
     from dutycycle.trainer.checkpoint.raytrain import RUN_STATE, run_state_problem
-    from dutycycle.trainer.launch.train import train
 
-    run = tmp_path / "run"
-    extra = ["parallel.num_workers=1", "checkpoint.every=2", "run.log_every=0"]
-    first = train(cw.small_cfg(run, *extra, "run.max_steps=4"), quiet=True)
-    assert first["steps"] == 4
     storage = run / "ray" / "dutycycle"
-    assert run_state_problem(str(storage)) is None  # what Ray Train wrote is sound
+    assert run_state_problem(str(storage)) is None  # what Ray Train wrote, across its group restart, is sound
     snapshot = storage / RUN_STATE
     data = bytearray(snapshot.read_bytes())
     mid = len(data) // 2
@@ -116,8 +109,9 @@ def test_a_damaged_ray_train_record_is_set_aside_and_the_run_resumes_from_the_ne
     snapshot.write_bytes(bytes(data))
     assert "cannot be read as JSON" in run_state_problem(str(storage))
     with pytest.warns(UserWarning, match=r"Ray Train's record of run 'dutycycle' .* is damaged"):
-        second = train(cw.small_cfg(run, *extra, "run.max_steps=6"), quiet=True, resume=True)
-    assert second["checkpoint"]["resumed"]["step"] == 4 and second["steps"] == 6
+        second = train(cw.small_cfg(run, *EXTRA, "ray.max_failures=1", "run.max_steps=42"), quiet=True,
+                       resume=True)
+    assert second["checkpoint"]["resumed"]["step"] == 40 and second["steps"] == 42
     assert len(list(storage.glob(f"{RUN_STATE}.damaged-*"))) == 1
     assert run_state_problem(str(storage)) is None  # Ray Train wrote a new, sound record
 

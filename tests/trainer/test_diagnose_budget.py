@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from dutycycle.engine.errors import ConfigError
@@ -174,22 +175,36 @@ def _wait_for(proc: subprocess.Popen, text: str, timeout: float = 120) -> str:
     raise AssertionError(f"never printed {text!r}: {''.join(seen)[-2000:]}")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_stops_the_diagnosis_and_writes_what_was_measured(tmp_path, sig, code):
-    # the loader sleeps 2 s per batch: the end-to-end run is in flight when the signal comes
-    proc = _cli(tmp_path, 300, "data.slow_ms=2000")
-    _wait_for(proc, "2/2 end to end ...")
+def _signal_when(proc: subprocess.Popen, text: str, sig: int) -> None:
+    _wait_for(proc, text)
     proc.send_signal(sig)
+
+
+@pytest.mark.slow
+def test_a_signal_stops_the_diagnosis_and_writes_what_was_measured(tmp_path):
+    """SIGINT and SIGTERM, each to its own diagnosis; the two run side by side (each mostly waits on its slow
+    loader or starts Python: on 2 cores one after the other left a core idle most of the time)."""
+    procs = {}
     try:
-        rest, _ = proc.communicate(timeout=60)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            (tmp_path / sig.name).mkdir()
+            # the loader sleeps 2 s per batch: the end-to-end run is in flight when the signal comes
+            procs[sig] = _cli(tmp_path / sig.name, 300, "data.slow_ms=2000")
+        # each signalled as soon as its own end-to-end run is in flight (the two need not get there together)
+        with ThreadPoolExecutor(2) as pool:
+            seen = [pool.submit(_signal_when, procs[sig], "2/2 end to end ...", sig) for sig in procs]
+            for f in seen:
+                f.result()
+        rest = {sig: proc.communicate(timeout=60)[0] for sig, proc in procs.items()}
     finally:
-        proc.kill()
-    assert proc.returncode == code, rest[-3000:]
-    saved = json.loads((tmp_path / "d" / "diagnosis.json").read_text())
-    assert saved["interrupted"] == signal.Signals(sig).name
-    assert "samples_per_s" in saved["findings"]["compute"]  # measured before the signal, kept
-    assert "interrupted by" in saved["findings"]["end_to_end"]["error"]
+        for proc in procs.values():
+            proc.kill()
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        assert procs[sig].returncode == code, rest[sig][-3000:]
+        saved = json.loads((tmp_path / sig.name / "d" / "diagnosis.json").read_text())
+        assert saved["interrupted"] == signal.Signals(sig).name
+        assert "samples_per_s" in saved["findings"]["compute"]  # measured before the signal, kept
+        assert "interrupted by" in saved["findings"]["end_to_end"]["error"]
 
 
 @pytest.mark.slow

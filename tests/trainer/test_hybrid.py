@@ -15,7 +15,6 @@ from dutycycle.engine.errors import ConfigError
 from dutycycle.trainer.checkpoint.weights import model_state_dict, select_commit
 
 from ..support import ckpt_worker as cw
-from ..support.harness import run_distributed
 
 TOLERANCE = 1e-10
 STRIDED = ("a", "b", "a", "b")  # PACK-like placement where a node's ranks are not consecutive
@@ -93,12 +92,13 @@ def _groups(strategy):
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    return run_distributed(_worker, 4, timeout=400)
+def four_ranks(four_ranks_shared):
+    """``_worker`` at 4 ranks (in the session's shared spawn: tests/trainer/conftest.py)."""
+    return four_ranks_shared[1]["hybrid"]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(450)
+@pytest.mark.timeout(900)  # the first to ask sets up the shared 4-rank spawn
 def test_hybrid_sharding_equals_one_process_in_float64(four_ranks):
     for name, c in four_ranks[0]["configs"].items():
         assert c["diff"] <= TOLERANCE, f"{name}: max |w - w_ref| = {c['diff']:.3g}"
@@ -158,11 +158,13 @@ def test_memory_held_matches_the_formula_over_the_replica_group(four_ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(450)
-def test_checkpoints_load_across_hybrid_and_flat_layouts(tmp_path):
+@pytest.mark.timeout(900)  # the first to ask sets up the shared 4-rank spawn
+def test_checkpoints_load_across_hybrid_and_flat_layouts(four_ranks_shared):
     """Saved hybrid (2 groups of 2), loaded into flat stage 3 over 4 ranks, saved there and loaded hybrid again:
     model and optimizer state bit-identical each time, and one more step matches within the float64 tolerance."""
-    r = run_distributed(cw.hybrid_round_trip, 4, str(tmp_path), timeout=400)[0]
+    root, runs = four_ranks_shared
+    tmp_path = root / "hybrid"
+    r = runs["hybrid round trip"][0]  # cw.hybrid_round_trip at 4 ranks under tmp_path
     saved = r["saved"]
     assert saved["shard_size"] == 2
     # the hybrid commit's model weights loaded unsharded into this one process, as `dutycycle evaluate` loads them

@@ -15,7 +15,7 @@ from dutycycle.engine.errors import ConfigError
 from dutycycle.trainer.checkpoint.weights import model_state_dict, select_commit
 
 from ..support import tensor_worker as tw
-from ..support.harness import run_distributed
+from ..support.harness import run_calls
 
 TOLERANCE = 1e-10
 # name -> (stage, micro_batches, parallel keys); the ViT's 17 tokens split 9 + 8 over a group of 2
@@ -26,7 +26,7 @@ CONFIGS = {
 }
 
 
-def _worker(rank, world, configs):
+def _worker(rank, world, configs=None):
     from dutycycle.trainer.parallel.plan import expected_traffic
     from dutycycle.trainer.parallel.tensor import expected_traffic as tensor_traffic
     from dutycycle.trainer.parallel.tensor import tensor_share
@@ -35,7 +35,7 @@ def _worker(rank, world, configs):
 
     ref = full_params(train(0, 1, stage=0, model_fn=tw.vit)[0])
     out = {}
-    for name in configs:
+    for name in configs or CONFIGS:
         stage, micro, keys = CONFIGS[name]
         strategy, _, sampler, _ = train(rank, world, stage=stage, micro_batches=micro, model_fn=tw.vit, **keys)
         got = full_params(strategy)
@@ -91,22 +91,32 @@ def _padded_numel(strategy, root: bool = False) -> int:
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    return run_distributed(_worker, 4, list(CONFIGS), timeout=400)
+def four_ranks(four_ranks_shared):
+    """``_worker`` over every config at 4 ranks (in the session's shared spawn: tests/trainer/conftest.py)."""
+    return four_ranks_shared[1]["tensor"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The 2-rank workloads in one spawn: ``_worker`` on one config, and ``cw.resume_runs`` of the ViT at stage 3."""
+    root = tmp_path_factory.mktemp("tensor-two")
+    return run_calls(2, [("alone", "tests.trainer.test_tensor:_worker", (["stage3 sequence parallel"],)),
+                         ("resume", "tests.support.ckpt_worker:resume_runs",
+                          (str(root), [3], (*VIT, "parallel.tensor=2")))], timeout=500)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(450)
+@pytest.mark.timeout(900)  # the first to ask sets up the shared 4-rank spawn
 def test_tensor_2_by_data_2_equals_one_process_in_float64(four_ranks):
     for name, c in four_ranks[0].items():
         assert c["diff"] <= TOLERANCE, f"{name}: max |w - w_ref| = {c['diff']:.3g}"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_tensor_2_alone_equals_one_process_at_2_ranks():
+@pytest.mark.timeout(600)
+def test_tensor_2_alone_equals_one_process_at_2_ranks(two_ranks):
     """Two ranks, one tensor-parallel group: every layer split, no data parallelism left (FSDP2 over one rank)."""
-    got = run_distributed(_worker, 2, ["stage3 sequence parallel"], timeout=250)
+    got = two_ranks["alone"]
     c = got[0]["stage3 sequence parallel"]
     assert c["diff"] <= TOLERANCE, c["diff"]
     assert [r["stage3 sequence parallel"]["groups"] for r in got] == [[[0], [0, 1]], [[1], [0, 1]]]
@@ -159,15 +169,16 @@ def test_memory_held_matches_the_formula_on_one_tensor_share(four_ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(450)
-def test_checkpoints_load_across_tensor_and_data_layouts(tmp_path):
+@pytest.mark.timeout(900)  # the first to ask sets up the shared 4-rank spawn
+def test_checkpoints_load_across_tensor_and_data_layouts(four_ranks_shared):
     """Saved tensor 2 x data 2, loaded into data 4, saved there and loaded back: model and optimizer state
     bit-identical each time, and one more step matches within the float64 tolerance."""
-    r = run_distributed(tw.round_trip, 4, str(tmp_path), timeout=400)[0]
+    root, runs = four_ranks_shared
+    r = runs["tensor round trip"][0]  # tw.round_trip at 4 ranks
     saved = r["saved"]
     # the tensor 2 x data 2 commit's model weights gathered into this one process, as `dutycycle evaluate` loads
     # them (checkpoint/weights.py)
-    state = model_state_dict(select_commit(str(tmp_path / "tensor")))
+    state = model_state_dict(select_commit(str(root / "tensor" / "tensor")))
     assert tw._digest(state) == saved["model_digest"]
     for name, tensor in (("tensor to data", 1), ("data back to tensor", 2)):
         got = r[name]
@@ -204,12 +215,12 @@ def _through_the_loop(rank, world):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(450)
-def test_the_trainer_runs_tensor_parallel_on_the_observed_nodes():
+@pytest.mark.timeout(900)  # the first to ask sets up the shared 4-rank spawn
+def test_the_trainer_runs_tensor_parallel_on_the_observed_nodes(four_ranks_shared):
     """Through the Trainer: the tensor-parallel groups are {0, 2} and {1, 3} (one per node), each group reads one
     batch (3 steps of 32 samples counted once), the loss matches data parallelism over 4 ranks in float64, and
     the summary's measured activation exchanges equal its formula."""
-    r = run_distributed(_through_the_loop, 4, timeout=400)[0]
+    r = four_ranks_shared[1]["tensor loop"][0]  # _through_the_loop at 4 ranks
     tp, dp = r["tensor"], r["data"]
     assert tp["node_ids"] == ["node-a", "node-b", "node-a", "node-b"]
     assert (tp["tensor"], tp["shard_size"], dp["tensor"], dp["shard_size"]) == (2, 2, 1, 4)
@@ -225,13 +236,11 @@ def test_the_trainer_runs_tensor_parallel_on_the_observed_nodes():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_tensor_parallel_resume_after_a_crash_is_bit_identical(tmp_path):
+@pytest.mark.timeout(600)
+def test_a_tensor_parallel_resume_after_a_crash_is_bit_identical(two_ranks):
     """Two ranks, one tensor-parallel group, stage 3: a run crashed at step 11 resumes from its step-8 commit (model,
     optimizer, RNG for the head's dropout, loader position) and ends with the uninterrupted run's weights."""
-    from ..support import ckpt_worker as cw
-
-    r = run_distributed(cw.resume_runs, 2, str(tmp_path), [3], (*VIT, "parallel.tensor=2"), timeout=280)[0]["3"]
+    r = two_ranks["resume"][0]["3"]  # cw.resume_runs
     assert r["crashed"] and r["resumed"]["step"] == 8, r
     assert r["b"] == r["a"] and r["loss_b"] == r["loss_a"]
 

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if gpu:
             torch.cuda.set_device(device)
         if world > 1:
-            dist.init_process_group("nccl" if gpu else "gloo")
+            init_group("nccl" if gpu else "gloo", restarts)
         set_threads(cfg, local_world)
         tracker = open_tracking(cfg, "torchrun") if rank == 0 else None
         stream = progress_stream(cfg, tracker) if rank == 0 else None
@@ -92,6 +92,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dutycycle torchrun: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def init_group(backend: str, restarts: int) -> None:
+    """The default process group, its keys under this attempt's own prefix in the rendezvous store.
+
+    torchrun's agent keeps one TCPStore across its restarts (static and c10d rendezvous alike), and every
+    process group leaves its ranks' addresses there under the same keys each attempt. A restarted rank that reads
+    a key before its peer has rewritten it connects to the dead attempt's process: gloo's ``connectFullMesh``
+    fails with "Connection refused" (seen here on the checkpoint saver's group, in every restart). Groups made
+    later (``new_group``) take their keys under the default group's store, so the prefix covers them too."""
+    import torch.distributed as dist
+
+    store, rank, world = next(dist.rendezvous("env://"))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"dutycycle/attempt-{restarts}", store), rank=rank,
+                            world_size=world)
 
 
 if __name__ == "__main__":

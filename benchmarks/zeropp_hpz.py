@@ -39,6 +39,13 @@ def parts(r: dict) -> dict:
     return out
 
 
+def control(pair: dict) -> float:
+    """How far apart the two rows' optimizer steps were (the larger over the smaller): hpZ does not change the
+    optimizer's work, so this is the run's own noise, the scale below which a difference says nothing."""
+    a, b = (q["optimizer_s"] for q in pair["parts"])
+    return max(a, b) / min(a, b)
+
+
 def hpz_pairs(by: dict[str, dict]) -> list[dict]:
     """Each measured pair: both rows' parts, hpZ's speed-up (means of the same steps), the backward gathers'
     inter-node bytes, hpZ's fixed costs (its secondary copy per step, start-up, parameters held, peak RSS)."""
@@ -87,7 +94,9 @@ def render(d: dict, labels: dict[str, str]) -> str:
                      f"{fmt.secs(a['backward_gathers_s'])} without hpZ and {fmt.secs(b['backward_gathers_s'])} with "
                      f"it: {fmt.secs(p['backward_gathers_saved_s'])} saved, all hpZ can save; the reduce-scatter "
                      f"{fmt.secs(a['reduce_scatter_s'])} to {fmt.secs(b['reduce_scatter_s'])}, backward compute and "
-                     f"the rest {fmt.secs(a['rest_s'])} to {fmt.secs(b['rest_s'])}.")
+                     f"the rest {fmt.secs(a['rest_s'])} to {fmt.secs(b['rest_s'])}; the optimizer step, which "
+                     f"hpZ does not change, {fmt.secs(a['optimizer_s'])} to {fmt.secs(b['optimizer_s'])} "
+                     f"({fmt.times(control(p))} apart: differences of that size are the machine's, not hpZ's).")
     first = pairs[0]
     (ia, ib), (ma, mb), (ra, rb) = first["init_s"], first["params_held"], first["peak_rss"]
     (xa, xb) = first["inter_node_bytes_per_step"]

@@ -93,6 +93,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {  # block -> (the result
     "zero-ratios": ("zero", zero.render_ratios),
     "zero-offload": ("zero", zero_offload.render),
     "zeropp": ("zeropp", zeropp.render),
+    "zeropp-hpz": ("zeropp", zeropp.render_hpz),
     "zeropp-convergence": ("zeropp", zeropp.render_convergence),
     "layouts": ("zeropp", zeropp.render_layouts),
     "collectives": ("collectives", collectives.render),

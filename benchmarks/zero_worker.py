@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 if __name__ == "__main__":  # run as `python benchmarks/zero_worker.py`: the siblings import as `benchmarks.*`
@@ -94,6 +95,8 @@ def worker(args) -> None:
     from dutycycle.trainer.step.metrics import read_metrics
     from dutycycle.trainer.step.trainer import Trainer
 
+    from benchmarks.zeropp_probe import CommProbe, secondary_copy_seconds  # torch (heavy): drivers import us
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     model = [f"model.name={args.model}", f"model.width={args.width}", f"model.depth={args.depth}"]
@@ -116,7 +119,11 @@ def worker(args) -> None:
     ])
     set_threads(cfg, world)
     fn = manual_allreduce_parallelize if args.baseline else None
+    dist.barrier()
+    t0 = time.perf_counter()
     with Trainer(cfg, WorkerContext(rank=rank, world_size=world, run_dir=args.run_dir), parallelize_fn=fn) as t:
+        init_s = time.perf_counter() - t0  # the model built, sharded (hpZ: its node groups created), restored
+        probe = CommProbe(t, args.hpz) if args.breakdown else None
         summary = t.train()
     if rank == 0:
         rows = [r for r in read_metrics(args.run_dir) if "loss" in r][args.skip:]
@@ -143,7 +150,13 @@ def worker(args) -> None:
             "threads_per_worker": summary["threads_per_worker"],
             "host_after_steps": summary["memory"]["host_after_steps"],
             "offload_files": summary["parallel"].get("offload_files"),
+            "init_s": init_s,
         }
+        if probe is not None:  # where the step goes, per collective and phase (benchmarks/zeropp_probe.py)
+            out["breakdown"] = {**probe.summary(args.skip), "step_s_mean": step_s / len(rows),
+                                "optimizer_s_mean": sum(r["optimizer"] for r in rows) / len(rows)}
+            if args.hpz:
+                out["breakdown"]["secondary_copy_s"] = secondary_copy_seconds(t.strategy, args.node_size)
         print(RESULT_PREFIX + json.dumps(out), flush=True)
     dist.barrier()  # nobody tears down while a peer is still communicating
     dist.destroy_process_group()
@@ -167,6 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--error-feedback", action="store_true")
     p.add_argument("--reduce-scatter", default="auto")
     p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--breakdown", action="store_true",
+                   help="time each collective kind per phase (benchmarks/zeropp_probe.py)")
     p.add_argument("--node-size", type=int, default=0)
     p.add_argument("--samples", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=1)

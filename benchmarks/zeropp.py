@@ -10,12 +10,20 @@
    fp32 all-to-all that qgZ uses (``parallel.reduce_scatter = "all_to_all"``, two hops: qgZ's algorithm without
    its quantization); qwZ (int8 weight gathers), qgZ (int8 gradients, two hops), hpZ (backward gathers inside
    the node), and all three. Every row overlaps its all-gathers with compute (``parallel.overlap``, the
-   default); the ``no overlap`` rows run stage 3 and all three with FSDP2's blocking gathers, the same work.
+   default); the ``no overlap`` rows run stage 3, hpZ and all three with FSDP2's blocking gathers, the same work.
    Figures: steady-state step time and samples/s, exposed communication, bytes per step inside and across
-   nodes. Headline: each row's speed-up over the *better* of the two fp32 rows, so that quantization's own gain
-   is not credited with the algorithm change (``..._vs_stage3`` keeps the ratio against gloo's reduce-scatter).
-   Targets: qwZ + int8 qgZ + hpZ at least 2x faster than stage 3 alone; overlap's exposed communication share at
-   most 0.7x of the blocking gathers' at equal step work. The ``stage3 hybrid`` row is the fp32 alternative to
+   nodes. Headline: each row's speed-up over stage 3 with the *same reduce-scatter algorithm* (``<row>_speedup``,
+   its baseline in ``baseline_of``): gloo's reduce-scatter for stage 3, qwZ, hpZ, hybrid and tensor parallelism,
+   the fp32 all-to-all for qgZ's rows, so that no remedy is credited with the change of algorithm. The swap
+   itself, the fp32 all-to-all against gloo's reduce-scatter with no quantization in either, is its own figure
+   (``reduce_scatter_swap_speedup``); ``<row>_speedup_vs_stage3`` is the two together, against stage 3 as it
+   runs by default. Targets: qwZ + int8 qgZ + hpZ at least 2x faster than stage 3 alone; overlap's exposed
+   communication share at most 0.7x of the blocking gathers' at equal step work. hpZ's cost, measured: every row
+   also times its collectives per kind and phase (benchmarks/zeropp_probe.py, rank 0: the seconds each held the
+   training thread), and ``ratios.hpz`` (benchmarks/zeropp_hpz.py) sets each pair of rows that differ only by
+   hpZ side by side: the step split into forward gathers and compute, backward gathers (stage 3's across nodes,
+   hpZ's ``all_gather_hpz`` inside), the reduce-scatter, the optimizer and the rest, with hpZ's secondary copy
+   per forward, its start-up (process groups) and memory. The ``stage3 hybrid`` row is the fp32 alternative to
    quantization: hybrid sharding (``parallel.replicate = 2``: stage 3 inside each node, one all-reduce of the
    gradient shards across), against which the figures set memory held per rank beside step time. The
    ``stage3 tensor 2`` row splits every block over the 2 ranks of each node (``parallel.tensor = 2``, sequence
@@ -44,6 +52,7 @@ if __name__ == "__main__":  # run as `python benchmarks/zeropp.py`: the siblings
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import docs_format as fmt  # noqa: E402
+from benchmarks import zeropp_hpz  # noqa: E402
 from benchmarks._common import default_out, machine, read_result, write_result  # noqa: E402
 from benchmarks.netns import launch, two_nodes, unavailable  # noqa: E402
 from benchmarks.zero_worker import RESULT_PREFIX, VIT_DEFAULTS, VIT_QUICK, WORKER  # noqa: E402
@@ -58,11 +67,44 @@ SPEED_ROWS = {  # name -> worker flags (all at stage 3, node size 2)
     "stage3+qwZ+qgZ-int8": ["--quant-weights", "int8", "--quant-grads", "int8"],
     "stage3+qwZ+qgZ-int8+hpZ": ALL_THREE,
     "stage3 no overlap": ["--no-overlap"],
+    "stage3+hpZ no overlap": ["--hpz", "--no-overlap"],
     "stage3+qwZ+qgZ-int8+hpZ no overlap": [*ALL_THREE, "--no-overlap"],
     "stage3 hybrid": ["--replicate", "2"],
     "stage3 tensor 2": ["--tensor", "2"],
 }
-FP32_ROWS = ("stage3", "stage3 fp32 all-to-all")
+# every row's speed-up is against stage 3 with the same reduce-scatter algorithm, so that no remedy is credited
+# with the change of algorithm: gloo's reduce-scatter (an all-reduce underneath) or qgZ's all-to-all (two hops;
+# in fp32 for the baseline). The swap between the two baselines is its own figure.
+BASELINES = {"gloo": "stage3", "all_to_all": "stage3 fp32 all-to-all"}
+
+
+def reduce_scatter_of(name: str) -> str:
+    """The reduce-scatter algorithm a speed row runs: ``"all_to_all"`` (qgZ, or ``parallel.reduce_scatter =
+    "all_to_all"``) or ``"gloo"`` (FSDP2's own, over gloo; hybrid sharding's too, inside each group)."""
+    flags = SPEED_ROWS[name]
+    return "all_to_all" if "--quant-grads" in flags or "all_to_all" in flags else "gloo"
+
+
+def speedups(by: dict[str, dict]) -> dict:
+    """Each measured row's speed-up against the baseline with its own reduce-scatter algorithm
+    (``<row>_speedup``, the baseline named in ``baseline_of``), the algorithm swap alone (``reduce_scatter_swap_
+    speedup``: the fp32 all-to-all baseline against gloo's, no quantization in either) and, for reference,
+    against stage 3 as it runs by default (``<row>_speedup_vs_stage3``: the swap and the remedy together)."""
+    ratios: dict = {"baseline_of": {}}
+    for name, r in by.items():
+        base = by.get(BASELINES[reduce_scatter_of(name)])
+        if base is not None:
+            ratios["baseline_of"][name] = base["name"]
+            ratios[f"{name}_speedup"] = base["step_s_median"] / r["step_s_median"]
+    gloo, a2a = (by.get(BASELINES[k]) for k in ("gloo", "all_to_all"))
+    if gloo and a2a:
+        ratios["reduce_scatter_swap_speedup"] = gloo["step_s_median"] / a2a["step_s_median"]
+    if gloo:
+        for name, r in by.items():
+            ratios[f"{name}_speedup_vs_stage3"] = gloo["step_s_median"] / r["step_s_median"]
+    return ratios
+
+
 CONVERGENCE_ROWS = {
     "fp32": [],
     "qwZ+qgZ-int8": ["--quant-weights", "int8", "--quant-grads", "int8"],
@@ -80,40 +122,38 @@ def _run(net, world: int, flags: list[str], run_dir: str, timeout: float) -> dic
     return json.loads(line.removeprefix(RESULT_PREFIX))
 
 
+def _vit_shape(args) -> list[str]:
+    return ["--model", "vit", "--width", str(args.width), "--depth", str(args.depth), "--heads", str(args.heads),
+            "--size", str(args.size), "--batch", str(args.batch), "--steps", str(args.steps), "--skip",
+            str(args.skip), "--node-size", "2", "--breakdown"]
+
+
+def _speed_rows(net, names: list[str], args, workdir: str, tag: str = "") -> list[dict]:
+    """Run the named speed rows over ``net`` (4 ranks, two nodes), each in fresh processes."""
+    rows = []
+    for name in names:
+        r = _run(net, 4, _vit_shape(args) + SPEED_ROWS[name], os.path.join(workdir, tag + name), args.timeout)
+        r["name"] = name
+        rows.append(r)
+        if "error" in r:
+            print(f"{name}: error\n{r['error']}", flush=True)
+            continue
+        r["inter_node_bytes_per_step"] = r["traffic"]["inter_node_bytes"] / args.steps
+        r["bytes_per_step"] = r["traffic"]["bytes"] / args.steps
+        print(f"{tag}{name:26s} step {r['step_s_median']:6.2f} s, {r['samples_per_s']:6.1f} samples/s, exposed "
+              f"comm {r['exposed_comm_share']:.0%}, inter-node {r['inter_node_bytes_per_step'] / 2**20:.0f} MB per "
+              "step per rank", flush=True)
+    return rows
+
+
 def speed(args, workdir: str) -> dict:
     why = unavailable()
     if why:
         return {"skipped": why}
-    shape = ["--model", "vit", "--width", str(args.width), "--depth", str(args.depth), "--heads", str(args.heads),
-             "--size", str(args.size), "--batch", str(args.batch), "--steps", str(args.steps), "--skip",
-             str(args.skip), "--node-size", "2"]
-    rows = []
     with two_nodes(args.rate) as net:
-        for name, flags in SPEED_ROWS.items():
-            if args.rows and name not in args.rows:
-                continue
-            r = _run(net, 4, shape + flags, os.path.join(workdir, name), args.timeout)
-            r["name"] = name
-            rows.append(r)
-            if "error" in r:
-                print(f"{name}: error\n{r['error']}", flush=True)
-                continue
-            r["inter_node_bytes_per_step"] = r["traffic"]["inter_node_bytes"] / args.steps
-            r["bytes_per_step"] = r["traffic"]["bytes"] / args.steps
-            print(f"{name:26s} step {r['step_s_median']:6.2f} s, {r['samples_per_s']:6.1f} samples/s, exposed comm "
-                  f"{r['exposed_comm_share']:.0%}, inter-node {r['inter_node_bytes_per_step'] / 2**20:.0f} MB per "
-                  "step per rank", flush=True)
+        rows = _speed_rows(net, [n for n in SPEED_ROWS if not args.rows or n in args.rows], args, workdir)
     by = {r["name"]: r for r in rows if "error" not in r}
-    ratios = {}
-    fp32 = [by[n] for n in FP32_ROWS if n in by]
-    if fp32:
-        best = min(fp32, key=lambda r: r["step_s_median"])
-        ratios["best_fp32_row"] = best["name"]
-        for name, r in by.items():
-            ratios[f"{name}_speedup_vs_best_fp32"] = best["step_s_median"] / r["step_s_median"]
-    if "stage3" in by:
-        for name, r in by.items():
-            ratios[f"{name}_speedup_vs_stage3"] = by["stage3"]["step_s_median"] / r["step_s_median"]
+    ratios = speedups(by)
     for name in ("stage3", "stage3+qwZ+qgZ-int8+hpZ"):  # overlap: exposed share against the blocking gathers'
         on, off = by.get(name), by.get(f"{name} no overlap")
         if on and off and off["exposed_comm_share"] > 0:
@@ -126,6 +166,9 @@ def speed(args, workdir: str) -> dict:
             hybrid["inter_node_bytes_per_step"] / quant["inter_node_bytes_per_step"]
         ratios["hybrid_held_per_rank_vs_stage3"] = _held(hybrid) / _held(flat)
         ratios["qwZ+qgZ-int8+hpZ_held_per_rank_vs_stage3"] = _held(quant) / _held(flat)
+    hpz = zeropp_hpz.hpz_pairs(by)
+    if hpz:
+        ratios["hpz"] = hpz
     prediction = comm_prediction(by.get("stage3"), by.get("stage3+qwZ+qgZ-int8"))
     if prediction:
         ratios["diagnose_comm_prediction"] = prediction
@@ -138,6 +181,25 @@ def speed(args, workdir: str) -> dict:
         if hybrid:
             ratios["tensor_step_vs_hybrid"] = tensor["step_s_median"] / hybrid["step_s_median"]
     return {"rate_gbit": args.rate, "rows": rows, "ratios": ratios}
+
+
+HPZ_PAIR = ("stage3", "stage3+hpZ")
+
+
+def hpz_rates(args, workdir: str) -> dict:
+    """hpZ against stage 3 over other links between the nodes (``--hpz-rates``, Gbit/s; 0: no rate limit, the
+    veth pair as fast as each node's loopback): where hpZ starts to pay, with both rows' steps split per
+    collective (zeropp_hpz.hpz_pairs)."""
+    why = unavailable()
+    if why:
+        return {"skipped": why}
+    out = []
+    for rate in args.hpz_rates:
+        with two_nodes(rate or None) as net:
+            rows = _speed_rows(net, list(HPZ_PAIR), args, workdir, tag=f"{rate:g} Gbit/s: " if rate else "no limit: ")
+        by = {r["name"]: r for r in rows if "error" not in r}
+        out.append({"rate_gbit": rate or None, "rows": rows, "pairs": zeropp_hpz.hpz_pairs(by)})
+    return {"rates": out}
 
 
 def comm_prediction(fp32: dict | None, quantized: dict | None) -> dict | None:
@@ -202,6 +264,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--cnn-steps", type=int, default=300)
     p.add_argument("--cnn-samples", type=int, default=8000)
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--hpz-rates", type=float, nargs="*", default=None,
+                   help="also run stage 3 and hpZ over these inter-node links, Gbit/s (0: no limit; default 0, "
+                        "none in --quick; with no value, none)")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-convergence", action="store_true")
     p.add_argument("--quick", action="store_true")
@@ -209,11 +274,14 @@ def parse_args(argv: list[str] | None = None):
                    help="run only these rows (default: all)")
     p.add_argument("--out", default=default_out("zeropp"))
     p.add_argument("--merge", action="store_true",
-                   help="keep the part skipped (speed or convergence) from the existing --out file")
+                   help="keep the parts skipped (speed, hpz_rates, convergence) from the existing --out file")
     args = p.parse_args(argv)
+    if args.hpz_rates is None:  # not in --quick: the smoke test's time
+        args.hpz_rates = [] if args.quick else [0.0]
     if args.quick:
         vars(args).update(VIT_QUICK)
         args.cnn_width, args.cnn_size, args.cnn_batch, args.cnn_steps, args.cnn_samples = 8, 16, 32, 6, 256
+
     return args
 
 
@@ -223,10 +291,12 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         if not args.skip_speed:
             result["speed"] = speed(args, workdir)
+        if args.hpz_rates and not (args.rows and not set(HPZ_PAIR) <= set(args.rows)):
+            result["hpz_rates"] = hpz_rates(args, workdir)
         if not args.skip_convergence:
             result["convergence"] = convergence(args, workdir)
     old = read_result(args.out) if args.merge else {}
-    for part in ("speed", "convergence"):
+    for part in ("speed", "hpz_rates", "convergence"):
         if part not in result and part in old:
             result[part] = old[part]
     return result
@@ -245,36 +315,50 @@ ZEROPP_LABELS = {"stage3": "nothing (gloo's reduce-scatter)",
                  "stage3 hybrid": "hybrid sharding: 2 replica groups of 2, fp32 (`parallel.replicate = 2`)",
                  "stage3 tensor 2": "tensor parallelism in each node, stage 3 over 2 data ranks (`parallel.tensor = 2`)",
                  "stage3 no overlap": "nothing, blocking all-gathers",
+                 "stage3+hpZ no overlap": "hpZ, blocking all-gathers",
                  "stage3+qwZ+qgZ-int8+hpZ no overlap": "qwZ + int8 qgZ + hpZ, blocking all-gathers"}
 
 
 ZEROPP_ALL = "stage3+qwZ+qgZ-int8+hpZ"
+RS_LABELS = {"gloo": "gloo's", "all_to_all": "all-to-all"}
 
 
 def render(d: dict) -> str:
     s, speed = d["settings"], d["speed"]
-    rows, ratios = speed["rows"], speed["ratios"]
+    rows = speed["rows"]
     by = {r["name"]: r for r in rows}
-    # the headline is against the better fp32 row when the results have both (older results: stage 3 alone)
-    key = "speedup_vs_best_fp32" if "best_fp32_row" in ratios else "speedup_vs_stage3"
-    base = by[ratios.get("best_fp32_row", "stage3")]
+    # from the rows, not the recorded ratios: results recorded before the baselines were split render right too
+    ratios = {**speed["ratios"], **speedups(by)}
+    gloo, a2a = by[BASELINES["gloo"]], by[BASELINES["all_to_all"]]
     caption = (f"The ViT of the ZeRO benchmark ({rows[0]['num_params'] / 1e6:.1f}M parameters) at stage 3, 4 ranks "
                f"as two nodes of 2 joined by a {fmt.gbit(speed['rate_gbit'])} link, {s['steps']} steps (median step "
-               f"of the last {s['steps'] - s['skip']}). Speed-up against the faster of the unquantized rows "
-               f"(stage 3 with {ZEROPP_LABELS.get(base['name'], base['name'])}), so that quantization is not "
-               "credited with the change of algorithm.")
-    body = [[ZEROPP_LABELS.get(r["name"], r["name"]), fmt.secs(r["step_s_median"]), f"{r['samples_per_s']:.1f}",
-             fmt.pct(r["exposed_comm_share"]), fmt.nbytes(r["inter_node_bytes_per_step"]),
-             fmt.times(ratios[f"{r['name']}_{key}"])] for r in rows]
-    headers = ["stage 3 with", "step", "samples/s", "exposed comm", "inter-node bytes per step per rank", "speedup"]
+               f"of the last {s['steps'] - s['skip']}). Each speed-up is against stage 3 with the same "
+               "reduce-scatter: gloo's (an all-reduce underneath, twice the bytes) or the all-to-all in two hops "
+               "that qgZ runs (in fp32 for its baseline), so that no remedy is credited with the change of "
+               "algorithm; the change itself is the row between the two groups.")
+
+    def row(r: dict) -> list[str]:
+        return [ZEROPP_LABELS.get(r["name"], r["name"]), RS_LABELS[reduce_scatter_of(r["name"])],
+                fmt.secs(r["step_s_median"]), f"{r['samples_per_s']:.1f}", fmt.pct(r["exposed_comm_share"]),
+                fmt.nbytes(r["inter_node_bytes_per_step"]), fmt.times(ratios[f"{r['name']}_speedup"])]
+
+    def arrow(f, key: str) -> str:
+        return f"{f(gloo[key])} to {f(a2a[key])}"
+
+    groups = {k: [r for r in rows if reduce_scatter_of(r["name"]) == k] for k in ("gloo", "all_to_all")}
+    swap = ["**the swap alone:** gloo's reduce-scatter to the fp32 all-to-all, no quantization", "both",
+            arrow(fmt.secs, "step_s_median"), arrow(lambda x: f"{x:.1f}", "samples_per_s"),
+            arrow(fmt.pct, "exposed_comm_share"), arrow(fmt.nbytes, "inter_node_bytes_per_step"),
+            fmt.times(ratios["reduce_scatter_swap_speedup"])]
+    body = [*map(row, groups["gloo"]), swap, *map(row, groups["all_to_all"])]
+    headers = ["stage 3 with", "reduce-scatter", "step", "samples/s", "exposed comm",
+               "inter-node bytes per step per rank", "speed-up (same reduce-scatter)"]
     last = by[ZEROPP_ALL]
-    cut = (f"{ZEROPP_LABELS[ZEROPP_ALL]} against that row: inter-node bytes "
-           f"{fmt.times(base['inter_node_bytes_per_step'] / last['inter_node_bytes_per_step'])} fewer, step "
-           f"{fmt.times(base['step_s_median'] / last['step_s_median'])} shorter")
-    if "stage3" in by and key != "speedup_vs_stage3":
-        cut += (f" (against gloo's reduce-scatter, an all-reduce underneath: "
-                f"{fmt.times(ratios[f'{ZEROPP_ALL}_speedup_vs_stage3'])})")
-    cut += "."
+    cut = (f"{ZEROPP_LABELS[ZEROPP_ALL]} against stage 3 as it runs by default (gloo's reduce-scatter): inter-node "
+           f"bytes {fmt.times(gloo['inter_node_bytes_per_step'] / last['inter_node_bytes_per_step'])} fewer, step "
+           f"{fmt.times(ratios[f'{ZEROPP_ALL}_speedup_vs_stage3'])} shorter, of which "
+           f"{fmt.times(ratios['reduce_scatter_swap_speedup'])} is the swap of algorithm and "
+           f"{fmt.times(ratios[f'{ZEROPP_ALL}_speedup'])} the remedies.")
     overlap = ratios.get(f"{ZEROPP_ALL}_exposed_comm_share_overlap_vs_blocking")
     if overlap is not None:
         cut += (f" Overlapping the all-gathers (prefetched and asynchronous, the default) against blocking ones: "
@@ -282,6 +366,11 @@ def render(d: dict) -> str:
                 f"{fmt.times(ratios['stage3_exposed_comm_share_overlap_vs_blocking'])} at stage 3 alone.")
     conditions = fmt.para(f"Conditions recorded with the results: {d['notes'].strip().rstrip('.')}.")
     return "\n\n".join([fmt.para(caption), fmt.table(headers, body), fmt.para(cut), conditions, fmt.source("zeropp")])
+
+
+def render_hpz(d: dict) -> str:
+    """hpZ's cost, measured: benchmarks/zeropp_hpz.py's block."""
+    return zeropp_hpz.render(d, ZEROPP_LABELS)
 
 
 def render_comm_prediction(d: dict) -> str:
@@ -324,9 +413,10 @@ def render_layouts(d: dict) -> str:
     speed = d["speed"]
     by = {r["name"]: r for r in speed["rows"]}
     flat = by["stage3"]
+    ratios = speedups(by)
     body = [[label, serves, fmt.nbytes(_held(by[name])), fmt.times(_held(by[name]) / _held(flat)),
              fmt.nbytes(by[name]["inter_node_bytes_per_step"]), fmt.secs(by[name]["step_s_median"]),
-             fmt.times(flat["step_s_median"] / by[name]["step_s_median"])]
+             fmt.times(ratios[f"{name}_speedup"]), RS_LABELS[reduce_scatter_of(name)]]
             for name, (label, serves) in LAYOUT_ROWS.items() if name in by]
     tp = by.get("stage3 tensor 2")
     inside = "" if tp is None else (
@@ -334,11 +424,13 @@ def render_layouts(d: dict) -> str:
         f"{fmt.nbytes(sum(tp['tensor_bytes_per_step'].values()))} per step per rank (counted on the first step).")
     caption = (f"Measured in the ZeRO++ run below ({by['stage3']['num_params'] / 1e6:.1f}M-parameter ViT, 4 ranks "
                f"as two nodes of 2, a {fmt.gbit(speed['rate_gbit'])} link): model state held per rank (parameters, "
-               "gradients, optimizer state; the largest rank) and bytes each rank sends across nodes per step. "
+               "gradients, optimizer state; the largest rank) and bytes each rank sends across nodes per step; "
+               "speed-ups against flat stage 3 with the same reduce-scatter algorithm (as in benchmarks.md's ZeRO++ "
+               "table). "
                "Offload (`parallel.offload`) serves fitting on a GPU only, moving state to host memory: its rows "
                "are the ZeRO benchmark's (one node).")
     parts = [fmt.para(caption), fmt.table(["layout", "serves", "state per rank", "vs flat", "across nodes per step", "step",
-                                   "speed-up"], body)]
+                                           "speed-up", "against stage 3 with the reduce-scatter"], body)]
     return "\n\n".join([*parts, *([fmt.para(inside)] if inside else []), fmt.source("zeropp")])
 
 

@@ -207,8 +207,51 @@ def test_zeropp_benchmark_quick(tmp_path):
         assert q["all_gather_hpz"]["inter_node_bytes"] == 0 and q["all_gather_hpz"]["calls"] > 0
         assert speed["stage3"]["traffic"]["inter_node_bytes"] > 3 * speed["stage3+qwZ+qgZ-int8+hpZ"]["traffic"][
             "inter_node_bytes"]
+        # speed-ups only against stage 3 with the same reduce-scatter: the quantized rows' all-to-all baseline
+        # did not run here, so they have none (never one against gloo's reduce-scatter)
+        ratios = data["speed"]["ratios"]
+        assert ratios["baseline_of"] == {n: "stage3" for n in ("stage3", "stage3 hybrid", "stage3 tensor 2")}
+        assert "stage3+qwZ+qgZ-int8_speedup" not in ratios and "reduce_scatter_swap_speedup" not in ratios
+        # hpZ's breakdown (benchmarks/zeropp_probe.py) sees every collective: per step, hpZ's backward gathers
+        # as many as the traffic counted, and the row without hpZ gathers across nodes in backward instead
+        steps = data["settings"]["steps"]
+        pair = next(p for p in ratios["hpz"] if p["with"] == "stage3+qwZ+qgZ-int8+hpZ")
+        assert pair["without"] == "stage3+qwZ+qgZ-int8" and pair["secondary_copy_s"] > 0
+        probed = speed["stage3+qwZ+qgZ-int8+hpZ"]["breakdown"]["collectives"]
+        assert probed["backward all_gather_hpz"]["calls"] == q["all_gather_hpz"]["calls"] / steps
+        assert "backward all_gather_hpz" not in speed["stage3+qwZ+qgZ-int8"]["breakdown"]["collectives"]
+        assert speed["stage3+qwZ+qgZ-int8"]["breakdown"]["collectives"]["backward all_gather"]["calls"] > 0
+        assert pair["params_held"][1] > pair["params_held"][0]  # the secondary shard
     else:
         assert "root" in data["speed"]["skipped"]
+
+
+def test_zeropp_speedups_are_against_stage3_with_the_same_reduce_scatter():
+    """The ZeRO++ table (rendered from the committed results): every speed-up is the step of stage 3 with the
+    row's own reduce-scatter algorithm over the row's step (qgZ's rows and the fp32 all-to-all run the all-to-all,
+    the others gloo's reduce-scatter), and the swap between the two baselines is a row of its own."""
+    out = json.loads(_in_benchmarks(
+        "import json\nfrom benchmarks import zeropp\nfrom benchmarks._common import read_result\n"
+        f"d = read_result({str(REPO / 'benchmarks' / 'results' / 'zeropp.json')!r})\n"
+        "print(json.dumps({'table': zeropp.render(d), 'labels': zeropp.ZEROPP_LABELS, 'speed': d['speed']}))"))
+    step = {r["name"]: r["step_s_median"] for r in out["speed"]["rows"]}
+    names = {label: name for name, label in out["labels"].items()}
+    cells = {}
+    for line in out["table"].splitlines():
+        parts = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and parts[0] in names:
+            cells[names[parts[0]]] = parts[-1]
+        elif line.startswith("| **the swap alone"):
+            cells["swap"] = parts[-1]
+    assert set(cells) == {*step, "swap"}
+
+    def shown(x: float) -> str:  # dutycycle.engine.numbers.ratio, three figures
+        return f"{x:.2f}x" if x < 10 else f"{x:.1f}x"
+
+    for name, s in step.items():
+        base = "stage3 fp32 all-to-all" if "qgZ" in name or "all-to-all" in name else "stage3"
+        assert cells[name] == shown(step[base] / s), (name, base)
+    assert cells["swap"] == shown(step["stage3"] / step["stage3 fp32 all-to-all"])
 
 
 @pytest.mark.slow

@@ -16,6 +16,10 @@ def test_wire_formats_read_as_phrases():
         "int4 gradients in blocks of 64, int8 weight gathers, error feedback, two hops (inside the node, then across)"
     assert wire_formats({"grads_bits": 32, "weights_bits": 32, "grads_all_to_all": True}) == \
         "fp32 gradients, exchanged by all-to-all"
+    # unquantized, an fp64 run sends float64 (qcollectives keeps the input's dtype), a bf16 run reduces in fp32
+    assert wire_formats({"grads_bits": 32, "weights_bits": 32, "grads_all_to_all": True}, "fp64") == \
+        "fp64 gradients, exchanged by all-to-all"
+    assert wire_formats({"grads_bits": 32, "weights_bits": 32}, "bf16") == "fp32 gradients"
 
 
 def test_recorded_values_read_with_units():

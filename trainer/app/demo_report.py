@@ -32,9 +32,11 @@ def _link(uri: str | None, text: str, base: str = "") -> str:
     return f"<a href='{html.escape(uri)}'>{html.escape(text)}</a>"
 
 
-def wire_formats(q: dict) -> str:
-    """A run's collective wire formats as a phrase ("int8 gradients in blocks of 256, no error feedback")."""
-    names = {32: "fp32", 8: "int8", 4: "int4"}
+def wire_formats(q: dict, precision: str = "fp32") -> str:
+    """A run's collective wire formats as a phrase ("int8 gradients in blocks of 256, no error feedback").
+    ``precision``: the run's; unquantized collectives send its reduction dtype (fp64 runs float64, fp32 and bf16
+    runs float32: FSDP2 reduces bf16 gradients in fp32)."""
+    names = {32: "fp64" if precision == "fp64" else "fp32", 8: "int8", 4: "int4"}
     grads, weights = q.get("grads_bits", 32), q.get("weights_bits", 32)
     parts = [f"{names.get(grads, grads)} gradients" + (f" in blocks of {q.get('block')}" if grads < 32 else "")]
     if weights < 32:
@@ -145,7 +147,7 @@ def write(out: str, result: dict) -> str:
         ("validation accuracy", f"{s['val_accuracy']:.1%}"),
         ("steps, samples/s", f"{s['steps']}, {s['samples_per_s']:.0f}"),
         ("workers, ZeRO stage", f"{s['world_size']}, {par.get('zero_stage')}"),
-        ("gradient exchange", e(wire_formats(par.get("quantization", {})))),
+        ("gradient exchange", e(wire_formats(par.get("quantization", {}), par.get("precision", "fp32")))),
         ("bytes sent per step per rank", f"{sum(par.get('traffic_per_step', {}).values()) / 2**20:.2f} MB"),
         ("checkpoints committed", e(readable("committed", ck.get("committed")))),
         *checkpoint_rows(s),

@@ -376,7 +376,7 @@ def test_a_tensor_parallel_config_is_diagnosed_as_configured(tmp_path):
 @pytest.mark.ray
 def test_on_two_nodes_the_memory_verdict_names_the_least_communicating_layout_that_fits(tmp_path):
     """4 workers as 2 nodes of 2, a budget of 7 MB: flat stage 3 (3.2 MB a rank) fits, and so does hybrid stage 3
-    in 2 replica groups (6.4 MB), whose only traffic across nodes is the all-reduce of a gradient shard (a third
+    in 2 replica groups (6.4 MB), whose only traffic across nodes is the all-reduce of a gradient shard (about a third
     of flat stage 3's): the verdict names hybrid. Rows are ordered by bytes across nodes, NVMe offload last
     (stage 1 hybrid with the optimizer state on disk would fit too, and sends less)."""
     cfg = _cfg(tmp_path / "run", "data.source=synthetic", "data.size=16", "model.name=vit", "model.width=128",
@@ -388,7 +388,12 @@ def test_on_two_nodes_the_memory_verdict_names_the_least_communicating_layout_th
     best = next(r for r in mem["rows"] if r["fits"])
     flat3 = next(r for r in mem["rows"] if (r["zero_stage"], r["offload"], r["replicate"], r["tensor"]) == (3, False, 1, 1))
     assert (best["zero_stage"], best["replicate"], best["tensor"]) == (3, 2, 1) and flat3["fits"]
-    assert best["inter_node_bytes"] == pytest.approx(flat3["inter_node_bytes"] / 3)
+    # per rank across nodes (fp32, P parameter bytes, 2 nodes of 2): hybrid all-reduces half its gradient shard, P/2;
+    # flat stage 3 gathers the blocks twice and the root once (never resharded after forward) and reduce-scatters
+    # once, two of three peers across: (2P - root)/2 + P/2. So 3 x hybrid - flat = root/2: positive, and small (the
+    # ViT's embeddings, position table, norm and head are under 2% of its parameters)
+    gap = 3 * best["inter_node_bytes"] - flat3["inter_node_bytes"]
+    assert 0 < gap < 0.01 * flat3["inter_node_bytes"]
     assert "parallel.zero_stage = 3 and parallel.replicate = 2" in v["fix"], v
     nvme = next(r for r in mem["rows"] if (r["zero_stage"], r["offload"], r["replicate"]) == (1, "nvme", 2))
     assert nvme["fits"] and nvme["optimizer"] == 0 and nvme["optimizer_file"] > 0

@@ -63,7 +63,8 @@ def test_demo_small_runs_end_to_end_from_the_built_wheel(tmp_path, wheel):
              if '"loss"' in ln]
     assert steps == list(range(1, 17))  # lost steps trained again, none twice
     assert demo["diagnosis"]["verdict"]["kind"] in ("compute-bound", "data-bound", "communication-bound", "balanced",
-                                                    "checkpoint-bound", "layout-bound", "inconclusive")
+                                                    "checkpoint-bound", "layout-bound", "inconclusive",
+                                                    "unexplained")  # a busy machine's gap can be mostly unmeasured
     assert (out / "diagnose" / "diagnosis.html").exists()
     page = (out / "demo.html").read_text()
     assert "Failure and recovery" in page and demo["diagnosis"]["verdict"]["kind"] in page

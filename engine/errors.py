@@ -36,6 +36,17 @@ class CorruptArtifactError(DutycycleError):
     """A committed artifact (table, cache shard, checkpoint) failed its integrity check."""
 
 
+def _keep_fields(self):
+    """``__reduce__`` for an error whose keyword fields are its public attributes: kept when Ray (or any pickler)
+    ships the error to the driver, where ``Exception``'s own reduce passes the message alone."""
+    fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+    return (_rebuild, (type(self), str(self), fields))
+
+
+def _rebuild(cls, message, fields):
+    return cls(message, **fields)
+
+
 class TrainingDiverged(DutycycleError):
     """The loss (or the gradient norm) became NaN or infinite at ``step``, whose global batch was ``batch`` of
     ``epoch``; ``sample_ids`` are this rank's samples of it (all ranks' once the checkpointer has gathered them)."""
@@ -44,12 +55,7 @@ class TrainingDiverged(DutycycleError):
         super().__init__(message)
         self.step, self.epoch, self.batch, self.sample_ids = step, epoch, batch, sample_ids
 
-    def __reduce__(self):  # keep the fields when Ray ships the error to the driver
-        return (_rebuild_diverged, (str(self), self.step, self.epoch, self.batch, self.sample_ids))
-
-
-def _rebuild_diverged(message, step, epoch, batch, sample_ids):
-    return TrainingDiverged(message, step=step, epoch=epoch, batch=batch, sample_ids=sample_ids)
+    __reduce__ = _keep_fields
 
 
 class FormatError(CorruptArtifactError):
@@ -64,9 +70,4 @@ class ParityCheckFailed(DutycycleError):
         super().__init__(message)
         self.step, self.parameter, self.error, self.bound = step, parameter, error, bound
 
-    def __reduce__(self):  # keep the fields when Ray ships the error to the driver
-        return (_rebuild_parity, (str(self), self.step, self.parameter, self.error, self.bound))
-
-
-def _rebuild_parity(message, step, parameter, error, bound):
-    return ParityCheckFailed(message, step=step, parameter=parameter, error=error, bound=bound)
+    __reduce__ = _keep_fields

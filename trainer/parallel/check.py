@@ -139,26 +139,14 @@ class _SeamStats(ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         x = input_tensor.detach()
-        res = _residuals(self.inner)
-        r_max = max((float(r.abs().max()) for r in res if r.numel()), default=0.0)
+        r = getattr(self.inner, "residual", None)  # comm.QuantReduceScatter's, with error feedback (None before use)
+        r_max = float(r.abs().max()) if r is not None and r.numel() else 0.0
         self.residual_max = max(self.residual_max, r_max)
         if x.numel():
             # A over x + r_old: |x + r| <= |x| + |r| elementwise, whatever layout the residual is kept in
             self.amax = max(self.amax, float(x.abs().max()) + r_max)
         self.calls += 1
         return self.inner(output_tensor, input_tensor, group, op, async_op=async_op)
-
-
-def _residuals(rs) -> list[torch.Tensor]:
-    """Error feedback's residual tensors held by a reduce-scatter object (``comm.QuantReduceScatter.residual``,
-    or any attribute whose name says residual: a tensor, or a dict or list of them), read before the call."""
-    out = []
-    for key, value in vars(rs).items():
-        if "resid" not in key:
-            continue
-        values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
-        out.extend(v for v in values if isinstance(v, torch.Tensor))
-    return out
 
 
 @dataclass

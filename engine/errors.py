@@ -47,6 +47,17 @@ def _rebuild(cls, message, fields):
     return cls(message, **fields)
 
 
+class NoSpaceError(DestinationError):
+    """A write that ran out of room (ENOSPC, or EDQUOT: a quota): names the device, the path and, where known, the
+    bytes the write needed. Build one with ``io.no_space(exc, path, needed)``."""
+
+    def __init__(self, message: str, *, device: str = "", path: str = "", needed: int | None = None):
+        super().__init__(message)
+        self.device, self.path, self.needed = device, path, needed
+
+    __reduce__ = _keep_fields
+
+
 class TrainingDiverged(DutycycleError):
     """The loss (or the gradient norm) became NaN or infinite at ``step``, whose global batch was ``batch`` of
     ``epoch``; ``sample_ids`` are this rank's samples of it (all ranks' once the checkpointer has gathered them)."""

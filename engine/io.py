@@ -18,7 +18,7 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
-from .errors import CorruptArtifactError, DestinationError, SourceError
+from .errors import CorruptArtifactError, DestinationError, NoSpaceError, SourceError
 
 # Schemes Daft's own readers understand (its Parquet scans and URL downloads, hf:// included); others
 # (memory://, ...) are read in-process through fsspec. One list, so ingest, tables and caches agree.
@@ -123,6 +123,48 @@ def _write_local_fsynced(path: str, write) -> None:
         os.fsync(f.fileno())
 
 
+def _device_of(path: str) -> str:
+    """The mount point (and its device) holding local ``path``, from ``/proc/self/mounts``: what a user frees room
+    on. ``path`` itself may not exist yet, so its nearest existing ancestor is asked."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and p != os.path.dirname(p):
+        p = os.path.dirname(p)
+    best, device = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                dev, mount = line.split()[:2]
+                mount = mount.replace("\\040", " ")
+                inside = p == mount or p.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, device = mount, dev
+    except OSError:
+        pass
+    return f"{best} ({device})" if best else p
+
+
+def no_space(exc: BaseException, path: str, needed: int | None = None) -> NoSpaceError | None:
+    """A ``NoSpaceError`` naming the device, ``path`` and the bytes ``needed`` when ``exc`` (or its cause) is ENOSPC
+    or EDQUOT; None for any other error, which the caller handles as before. Use as
+    ``except OSError as e: raise (io.no_space(e, path, n) or e) from e``, after removing what the write left."""
+    import errno
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            local = "://" not in path or path.startswith("file://")
+            where = path[len("file://"):] if path.startswith("file://") else path
+            device = _device_of(where) if local else path.split("://", 1)[0] + " storage"
+            what = "quota exceeded" if e.errno == errno.EDQUOT else "no space left"
+            size = f"; the write needed {needed:,} bytes" if needed is not None else ""
+            return NoSpaceError(f"{what} on {device} at {path!r}{size}: free room there or choose another "
+                                f"location", device=device, path=path, needed=needed)
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def write_bytes_atomic(uri: str, data: bytes) -> None:
     """Write ``data`` so that a reader sees either the old object or the whole new one, never part of it.
 
@@ -131,11 +173,11 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
     """
     fs, path = filesystem(uri)
     parent = posixpath.dirname(path)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     try:
         if parent:
             fs.makedirs(parent, exist_ok=True)
         if protocol_of(fs) == "file":
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
             _write_local_fsynced(tmp, lambda f: f.write(data))
             os.replace(tmp, path)
         else:
@@ -144,7 +186,10 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
     except PermissionError as e:
         raise DestinationError(f"cannot write {uri!r}: permission denied; choose a writable location") from e
     except OSError as e:
-        raise DestinationError(f"cannot write {uri!r}: {e}; choose a writable location") from e
+        if protocol_of(fs) == "file" and os.path.lexists(tmp):  # nothing half-written stays behind
+            os.unlink(tmp)
+        raise (no_space(e, uri, len(data)) or
+               DestinationError(f"cannot write {uri!r}: {e}; choose a writable location")) from e
 
 
 def write_fsynced(uri: str, write) -> None:

@@ -74,8 +74,13 @@ def register(subparsers) -> None:
     p.add_argument(
         "--grace-seconds", type=float, default=3600.0,
         help="leave a file alone until this long after it left the table (so readers of older versions keep "
-        "their files), or, for a file no version named, after it was written: an ingest still running owns "
-        "it (default 3600)",
+        "their files), or, for a file no version named, after it was written (default 3600, at least 600: "
+        "clocks of different machines disagree by minutes); vacuum refuses to run while a write is in progress",
+    )
+    p.add_argument(
+        "--allow-short-grace", action="store_true",
+        help="accept --grace-seconds below 600, when no one reads older versions of the table (a write in "
+        "progress is still refused)",
     )
     p.add_argument("--keep-versions", type=int, default=None, help="expire all but the newest K versions first")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")

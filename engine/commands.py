@@ -62,7 +62,8 @@ def cmd_ingest(args) -> int:
 
 
 def cmd_vacuum(args) -> int:
-    r = vacuum(args.table, grace_seconds=args.grace_seconds, keep_versions=args.keep_versions, dry_run=args.dry_run)
+    r = vacuum(args.table, grace_seconds=args.grace_seconds, keep_versions=args.keep_versions, dry_run=args.dry_run,
+               allow_short_grace=args.allow_short_grace)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0

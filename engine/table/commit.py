@@ -66,8 +66,11 @@ def _discard(table_uri: str, folder: str) -> None:
 
 
 def try_commit(table_uri: str, folder: str, manifest: tf.TableManifest) -> bool:
-    """Commit ``manifest``, whose data files this writer wrote under ``folder``. False when another writer took
-    that version first: the folder is discarded and the caller retries against the newer version."""
+    """Commit ``manifest``, whose new data files this writer wrote under ``folder`` (``tf.data_dir`` of its
+    version). False when another writer took that version first, or when the files under ``folder`` were removed
+    before the commit (a vacuum took this write for a killed one: it went longer than
+    ``vacuum.MIN_GRACE_SECONDS`` without writing there): the folder is discarded and the caller writes again
+    against the newest version, so no version is ever committed naming a file that is gone."""
     try:
         tf.commit(table_uri, manifest)  # the commit point: the data files are invisible until it succeeds
     except tf.CommitConflict:

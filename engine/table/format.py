@@ -65,7 +65,8 @@ from ..errors import CorruptArtifactError, DestinationError, SourceError
 LATEST_READ_ATTEMPTS = 3  # the newest manifest can be expired between listing and reading it: list again
 MANIFEST = "_manifest.json"
 MANIFEST_DIR = "_manifests"
-_VERSION_FILE = re.compile(r"^v(\d+)\.json$")
+_VERSION_FILE = re.compile(r"^v(\d{5,})\.json$")  # as ``version_dir`` names them (checked again: no "v01.json")
+_DATA_FOLDER = re.compile(r"^v(\d{5,})(-[0-9a-f]+)?$")  # a version's data folder, as ``data_dir`` names them
 DIGEST = sealed.MANIFEST_DIGEST  # a manifest's checksum of its own content (every other field)
 # the fields every readable manifest has, with their JSON types (a bool is no number here)
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
@@ -109,6 +110,8 @@ class TableManifest:
     writer: str = field(default_factory=lambda: uuid.uuid4().hex)  # who committed it (tells a retry its own)
     # data files earlier versions named and this one does not: {"path", "version" (that dropped it), "at"}
     removed: list[dict[str, Any]] = field(default_factory=list)
+    # the previous version's ``manifest_sha256`` when this one was committed (None for version 1): the chain
+    previous_sha256: str | None = None
 
     @classmethod
     def from_json(cls, d: Any, where: str = "table manifest") -> TableManifest:
@@ -131,6 +134,14 @@ class TableManifest:
         removed = body["removed"]
         if not isinstance(removed, list) or not all(_is_removal(e) for e in removed):
             raise CorruptArtifactError(f"{where}: `removed` must be a list of {{path, version, at}}; {fix}")
+        if body["version"] < 1:
+            raise CorruptArtifactError(f"{where}: `version` is {body['version']}; versions count from 1; {fix}")
+        previous = body["previous_sha256"]
+        if (previous is None) != (body["version"] == 1) or not (previous is None or _is_sha256(previous)):
+            raise CorruptArtifactError(
+                f"{where}: `previous_sha256` is {previous!r} at version {body['version']}: version 1 has none and "
+                f"every later version the sha256 of the version before it; {fix}"
+            )
         try:
             return cls(**body)
         except TypeError as e:  # a field this format does not have (a damaged key)
@@ -140,6 +151,10 @@ class TableManifest:
 def encode(d: dict[str, Any]) -> bytes:
     """A manifest's file bytes, as ``commit`` writes them: ``d`` sealed, indented, keys sorted."""
     return json.dumps(sealed.seal(d), indent=1, sort_keys=True).encode()
+
+
+def _is_sha256(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
 
 
 def _is_removal(e: Any) -> bool:
@@ -177,21 +192,40 @@ def committed_versions(table_uri: str) -> list[int]:
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)]
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(int(m.group(1)) for m in map(_VERSION_FILE.match, names) if m)
+    found = (int(m.group(1)) for m in map(_VERSION_FILE.match, names) if m)
+    # only the names ``manifest_path`` gives: "v000003.json" beside "v00003.json" is not a second version 3
+    return sorted({v for v in found if f"{version_dir(v)}.json" in names})
+
+
+def folder_version(rel: str) -> int | None:
+    """The version whose data folder holds ``rel`` (a path relative to the table), or None outside any."""
+    m = _DATA_FOLDER.match(rel.split("/", 1)[0])
+    return int(m.group(1)) if m else None
 
 
 def commit(table_uri: str, manifest: TableManifest) -> None:
     """Create version ``manifest.version``'s manifest if no writer has: the commit point. Data files must be
-    durable before this call. Raises ``CommitConflict`` when another writer committed that version first.
+    durable before this call. Raises ``CommitConflict`` when another writer committed that version first, or
+    when this writer's own new files are gone (a vacuum that took it for a killed writer): the caller writes
+    them again against the newest version.
 
-    Fills in what only the commit knows: ``created_at`` (the commit time) and ``removed`` (the files the
-    previous version named that this one drops, stamped with that time, plus the earlier records whose files
-    vacuum has not deleted yet)."""
+    Fills in what only the commit knows: ``created_at`` (the commit time), ``previous_sha256`` (the chain) and
+    ``removed`` (the files the previous version named that this one drops, stamped with that time, plus the
+    earlier records whose files vacuum has not deleted yet)."""
     _check_paths(table_uri, manifest)
+    previous, previous_sha256 = _previous(table_uri, manifest.version)
+    new = _check_new_files(table_uri, manifest, previous)
     manifest.format = formats.FORMAT
     manifest.created_at = time.time()  # vacuum's grace for the files this version drops counts from here
-    manifest.removed = _removals(table_uri, manifest)
+    manifest.previous_sha256 = previous_sha256
+    manifest.removed = _removals(table_uri, manifest, previous)
     data = encode(asdict(manifest))
+    gone = missing(table_uri, new)  # listed last before the commit: a vacuum may have judged this writer dead
+    if gone:
+        raise CommitConflict(
+            f"table {table_uri!r}: {len(gone)} of the data files of version {manifest.version} were removed before "
+            f"its commit (e.g. {gone[0]!r}: a vacuum took this write for a killed one); they are written again"
+        )
     if not io.create_exclusive(io.join(table_uri, manifest_path(manifest.version)), data, store=table_uri):
         try:  # a retried request may have committed our own manifest already (e.g. a PUT retried by the client)
             if read_manifest(table_uri, manifest.version).writer == manifest.writer:
@@ -231,21 +265,43 @@ def publish_pointer(table_uri: str, version: int, data: bytes) -> bool:
     return io.replace_if(io.join(table_uri, MANIFEST), data, lambda current: _pointer_version(current) < version)
 
 
-def _removals(table_uri: str, manifest: TableManifest) -> list[dict[str, Any]]:
-    """``manifest``'s ``removed`` records: the previous version's, less those whose files are gone (vacuum
-    deleted them) or that this version names again, plus one per file the previous version named and this one
-    does not."""
-    if manifest.version <= 1:
-        return []
+def _previous(table_uri: str, version: int) -> tuple[TableManifest | None, str | None]:
+    """The manifest ``version`` is committed on (None for version 1) and its ``manifest_sha256``."""
+    if version <= 1:
+        return None, None
     try:
-        previous = read_manifest(table_uri, manifest.version - 1)
+        return _load(table_uri, version - 1)
     except SourceError as e:
         # Only vacuum removes manifests, and never the newest one: the version this one was prepared on is no
         # longer the newest, so another writer has committed this version.
         raise CommitConflict(
-            f"table {table_uri!r}: version {manifest.version - 1} is gone, so version {manifest.version} was "
+            f"table {table_uri!r}: version {version - 1} is gone, so version {version} was "
             "committed by another writer first"
         ) from e
+
+
+def _check_new_files(table_uri: str, manifest: TableManifest, previous: TableManifest | None) -> list[str]:
+    """The files ``manifest`` names that its previous version does not, after checking that each lies in a
+    data folder of ``manifest``'s version: the rule that lets vacuum tell a write in progress (a folder above
+    the newest version) from files no version can commit any more."""
+    kept = set(previous.files) if previous else set()
+    new = [f for f in manifest.files if f not in kept]
+    for rel in new:
+        if folder_version(rel) != manifest.version:
+            raise DestinationError(
+                f"table {table_uri!r}: version {manifest.version} would name the data file {rel!r}, which its "
+                f"previous version does not name and which is not in a folder of version {manifest.version}; a "
+                f"writer writes a version's new files under format.data_dir({manifest.version})"
+            )
+    return new
+
+
+def _removals(table_uri: str, manifest: TableManifest, previous: TableManifest | None) -> list[dict[str, Any]]:
+    """``manifest``'s ``removed`` records: the previous version's, less those whose files are gone (vacuum
+    deleted them) or that this version names again, plus one per file the previous version named and this one
+    does not."""
+    if previous is None:
+        return []
     names = set(manifest.files)
     carried = [e for e in previous.removed if e["path"] not in names]
     if carried:
@@ -258,6 +314,13 @@ def _removals(table_uri: str, manifest: TableManifest) -> list[dict[str, Any]]:
         if f not in names
     ]
     return carried + dropped
+
+
+def missing(table_uri: str, paths: list[str]) -> list[str]:
+    """Which of ``paths`` (relative to the table) do not exist, by listing their folders; none when the store
+    cannot list them."""
+    present = _present(table_uri, paths) if paths else None
+    return [] if present is None else [p for p in paths if p not in present]
 
 
 def _present(table_uri: str, paths: list[str]) -> set[str] | None:
@@ -280,13 +343,14 @@ def _present(table_uri: str, paths: list[str]) -> set[str] | None:
 
 
 def read_manifest(table_uri: str, version: int | None = None) -> TableManifest:
-    """The newest committed manifest (or ``version``'s), with every file path checked to lie inside the table."""
+    """The newest committed manifest (or ``version``'s), checked: every file path inside the table, its version
+    the one its file name says, and its chain to the version before it (while that manifest exists)."""
     if version is not None:
-        return _read_manifest(table_uri, version)
+        return _read_checked(table_uri, version)
     for attempt in range(LATEST_READ_ATTEMPTS):
         versions = committed_versions(table_uri)
         try:
-            return _read_manifest(table_uri, versions[-1] if versions else None)
+            return _read_checked(table_uri, versions[-1]) if versions else _load(table_uri, None)[0]
         except SourceError:
             # vacuum expires a manifest only once a newer one exists: list again to find it
             if not versions or attempt == LATEST_READ_ATTEMPTS - 1:
@@ -294,7 +358,48 @@ def read_manifest(table_uri: str, version: int | None = None) -> TableManifest:
     raise AssertionError("unreachable")
 
 
-def _read_manifest(table_uri: str, version: int | None) -> TableManifest:
+def read_pointer(table_uri: str) -> TableManifest | None:
+    """The ``_manifest.json`` copy for plain readers; None when absent or damaged (dutycycle reads the versioned
+    manifests; vacuum keeps the copy's files too, since plain readers read them)."""
+    try:
+        return _load(table_uri, None)[0]
+    except (SourceError, CorruptArtifactError):
+        return None
+
+
+def _read_checked(table_uri: str, version: int) -> TableManifest:
+    """Version ``version``'s manifest, refused unless it chains to the manifest of the version before it."""
+    manifest, _ = _load(table_uri, version)
+    if version > 1:
+        check_chain(table_uri, manifest, _previous_sha256(table_uri, version - 1))
+    return manifest
+
+
+def _previous_sha256(table_uri: str, version: int) -> str | None:
+    """``version``'s ``manifest_sha256`` as its file holds it; None when vacuum has expired that manifest."""
+    try:
+        return _load(table_uri, version)[1]
+    except SourceError:
+        return None
+
+
+def check_chain(table_uri: str, manifest: TableManifest, previous_sha256: str | None) -> None:
+    """Refuse ``manifest`` unless it records ``previous_sha256``, the digest of the version before it as it
+    is on disk now (None: that manifest was expired, nothing to check against)."""
+    if previous_sha256 is None or manifest.previous_sha256 == previous_sha256:
+        return
+    v = manifest.version
+    raise CorruptArtifactError(
+        f"table {table_uri!r}: {manifest_path(v)} does not chain to {manifest_path(v - 1)} (it was committed on "
+        f"a version {v - 1} whose manifest_sha256 was {manifest.previous_sha256}, the file there now has "
+        f"{previous_sha256}): one of them was replaced after its commit, e.g. by an older copy or by another "
+        "table's; restore the original manifests, or ingest the source again into a new table"
+    )
+
+
+def _load(table_uri: str, version: int | None) -> tuple[TableManifest, str]:
+    """Version ``version``'s manifest (None: the ``_manifest.json`` copy) and its ``manifest_sha256``, checked
+    on its own: format, checksum, fields, paths, and the version its file name says."""
     uri = io.join(table_uri, manifest_path(version)) if version is not None else io.join(table_uri, MANIFEST)
     if not io.exists(uri):
         raise SourceError(
@@ -303,8 +408,14 @@ def _read_manifest(table_uri: str, version: int | None) -> TableManifest:
         )
     d = io.read_json(uri, "ingest the source again")  # expired meanwhile: SourceError, read_manifest lists again
     manifest = TableManifest.from_json(d, f"table manifest {uri!r}")
+    if version is not None and manifest.version != version:
+        raise CorruptArtifactError(
+            f"table manifest {uri!r} holds version {manifest.version}, not the version {version} its name says: a "
+            f"manifest was copied over another (an older version restored?); restore the original "
+            f"{manifest_path(version)}, or ingest the source again into a new table"
+        )
     _check_paths(table_uri, manifest)
-    return manifest
+    return manifest, d[DIGEST]
 
 
 def _check_paths(table_uri: str, manifest: TableManifest) -> None:

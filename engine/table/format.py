@@ -266,11 +266,12 @@ def publish_pointer(table_uri: str, version: int, data: bytes) -> bool:
 
 
 def _previous(table_uri: str, version: int) -> tuple[TableManifest | None, str | None]:
-    """The manifest ``version`` is committed on (None for version 1) and its ``manifest_sha256``."""
+    """The manifest ``version`` is committed on (None for version 1) and its ``manifest_sha256``, checked against
+    the version before it too: a commit never chains onto a manifest copied over another."""
     if version <= 1:
         return None, None
     try:
-        return _load(table_uri, version - 1)
+        previous, digest = _load(table_uri, version - 1)
     except SourceError as e:
         # Only vacuum removes manifests, and never the newest one: the version this one was prepared on is no
         # longer the newest, so another writer has committed this version.
@@ -278,6 +279,9 @@ def _previous(table_uri: str, version: int) -> tuple[TableManifest | None, str |
             f"table {table_uri!r}: version {version - 1} is gone, so version {version} was "
             "committed by another writer first"
         ) from e
+    if version > 2:
+        check_chain(table_uri, previous, _previous_sha256(table_uri, version - 2))
+    return previous, digest
 
 
 def _check_new_files(table_uri: str, manifest: TableManifest, previous: TableManifest | None) -> list[str]:
@@ -381,6 +385,12 @@ def _previous_sha256(table_uri: str, version: int) -> str | None:
         return _load(table_uri, version)[1]
     except SourceError:
         return None
+    except CorruptArtifactError as e:
+        raise CorruptArtifactError(
+            f"table {table_uri!r}: version {version + 1} cannot be checked against the version before it, whose "
+            f"manifest is damaged ({e}); restore {manifest_path(version)}, or delete it to expire version {version} "
+            f"(version {version + 1}'s own files are unaffected)"
+        ) from None
 
 
 def check_chain(table_uri: str, manifest: TableManifest, previous_sha256: str | None) -> None:

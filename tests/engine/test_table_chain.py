@@ -73,7 +73,7 @@ def test_an_older_manifest_copied_over_the_newest_is_refused_and_vacuum_keeps_th
 
 def test_a_manifest_from_another_table_breaks_the_chain(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    _, a2, a3 = _table(a, 3)
+    *_, a3 = _table(a, 3)
     _, b2 = _table(b, 2)
     # The chain is recorded at the commit: each version carries the digest of the one before.
     assert a3.previous_sha256 == json.loads(open(os.path.join(a, tf.manifest_path(2))).read())["manifest_sha256"]
@@ -89,6 +89,14 @@ def test_a_manifest_from_another_table_breaks_the_chain(tmp_path):
             read()
         assert "replaced after its commit" in str(e.value) and a in str(e.value)
     open(target, "wb").write(original)
+    # Nor does a commit chain onto one: b's newest replaced by a's version 2, the next commit to b is refused.
+    b_newest = os.path.join(b, tf.manifest_path(2))
+    b_original = open(b_newest, "rb").read()
+    shutil.copy(target, b_newest)
+    with pytest.raises(CorruptArtifactError, match="v00002.json does not chain to _manifests/v00001.json"):
+        tf.commit(b, tf.TableManifest(version=3, files=b2.files, num_rows=4, classes=["a"]))
+    open(b_newest, "wb").write(b_original)
+    assert tf.committed_versions(b) == [1, 2]
     assert tf.read_manifest(a).version == 3 and read_arrow(a).num_rows == 6
 
     # Expired by vacuum, the parent is no longer there to check against: the version still reads.
@@ -100,7 +108,16 @@ def test_a_manifest_from_another_table_breaks_the_chain(tmp_path):
     open(os.path.join(a, tf.manifest_path(3)), "w").write(json.dumps(sealed.seal(d)))
     with pytest.raises(CorruptArtifactError, match="`previous_sha256` is None at version 3"):
         tf.read_manifest(a)
-    assert b2.version == 2
+
+    # A damaged manifest before the newest leaves the chain unchecked: refused, saying how to go on.
+    first = os.path.join(b, tf.manifest_path(1))
+    damaged = open(first).read().replace('"num_rows": 2', '"num_rows": 3')
+    open(first, "w").write(damaged)
+    with pytest.raises(CorruptArtifactError, match=r"version 2 cannot be checked against the version before it.*"
+                                                   r"fails its own checksum.*delete it to expire version 1"):
+        tf.read_manifest(b)
+    os.remove(first)
+    assert tf.read_manifest(b) == b2 and read_arrow(b).num_rows == 4
 
 
 def test_a_table_with_only_its_manifest_copy_keeps_its_files(tmp_path):

@@ -11,11 +11,12 @@ import threading
 import time
 
 import pytest
+from dutycycle.engine import io
 from dutycycle.engine.errors import ConfigError
 from dutycycle.engine.synth import synthesize
 from dutycycle.engine.table import format as tf
 from dutycycle.engine.table.catalog import ingest
-from dutycycle.engine.table.commit import try_commit, write_rows
+from dutycycle.engine.table.commit import try_commit, write_rows, write_version
 from dutycycle.engine.table.table import Table, read_arrow
 from dutycycle.engine.table.vacuum import MIN_GRACE_SECONDS, WriteInProgress, vacuum
 from dutycycle.trainer.app.cli import main
@@ -246,3 +247,21 @@ def test_a_folder_above_the_newest_version_is_a_write_in_progress_until_silent(s
         vacuum(uri)
     _backdate(os.path.join(uri, tf.MANIFEST_DIR), TWO_HOURS)
     assert vacuum(uri)["removed_files"] == ["_manifests/v00003.json.tmp-" + "ab" * 16]
+
+
+def test_a_write_in_progress_on_s3(s3):
+    """The same rules on an object store: the in-progress folder is seen through the objects' LastModified, and
+    a commit whose objects are gone is refused rather than committed."""
+    uri = f"{s3}/table"
+    rows = tf.SCHEMA.empty_table()
+    v1 = write_version(uri, rows, classes=[])
+    folder = tf.data_dir(2)
+    files = write_rows(uri, folder, [rows])
+    with pytest.raises(WriteInProgress, match=rf"{folder}/ holds files no version has committed, written \d+ s ago"):
+        vacuum(uri, grace_seconds=0, allow_short_grace=True)
+    fs, path = io.filesystem(io.join(uri, folder))
+    fs.rm(path, recursive=True)  # as a vacuum that took the writer for a killed one would
+    assert not try_commit(uri, folder, tf.TableManifest(version=2, files=files, num_rows=0, classes=[]))
+    assert tf.committed_versions(uri) == [1] and tf.read_manifest(uri) == v1
+    assert vacuum(uri, grace_seconds=0, allow_short_grace=True)["removed_files"] == []
+    assert read_arrow(uri).num_rows == 0

@@ -125,8 +125,8 @@ def vacuum(
 
     A file's grace counts from when it left the table, or, for a file no version named, from its last write.
     Raises ``WriteInProgress`` (and changes nothing) while a writer is writing or committing a version."""
-    if grace_seconds < 0:
-        raise ConfigError(f"--grace-seconds {grace_seconds} must be >= 0 (seconds a file is left alone)")
+    if not grace_seconds >= 0:  # NaN compares false both ways: as a grace it would remove everything at once
+        raise ConfigError(f"--grace-seconds {grace_seconds} must be a number >= 0 (seconds a file is left alone)")
     if grace_seconds < MIN_GRACE_SECONDS and not allow_short_grace:
         raise ConfigError(
             f"--grace-seconds {grace_seconds:g} is below the minimum of {MIN_GRACE_SECONDS:g}: a reader that opened "

@@ -171,6 +171,8 @@ def test_a_grace_under_the_minimum_needs_allow_short_grace(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"--grace-seconds 0 is below the minimum of 600: .*--allow-short-grace"):
         vacuum(uri, grace_seconds=0)  # refused before the table is even looked at
     assert MIN_GRACE_SECONDS == 600
+    with pytest.raises(ConfigError, match="--grace-seconds nan must be a number >= 0"):
+        vacuum(uri, grace_seconds=float("nan"), allow_short_grace=True)
     assert main(["vacuum", uri, "--grace-seconds", "599.5"]) == 2
     assert "599.5 is below the minimum of 600" in capsys.readouterr().err
 

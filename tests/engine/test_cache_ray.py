@@ -71,6 +71,6 @@ def test_two_node_ray_cluster_builds_the_same_bytes_as_native(tmp_path):
         assert a == b  # path, rows, bytes, sha256
         assert (Path(out["uri"]) / a.path).read_bytes() == (Path(native.uri) / b.path).read_bytes()
     # the planned selection was staged under the cache root for the workers, and removed after the build
-    assert (tmp_path / "ray" / ".plan").is_dir() and not list((tmp_path / "ray" / ".plan").glob("*"))
+    assert not (tmp_path / "ray" / ".plan").exists()
     # Shards were built in Ray tasks on both nodes (each record names the node that wrote its shard).
     assert out["alive"] == 2 and len(out["nodes"]) == 10 and len(set(out["nodes"])) == 2, out["nodes"]

@@ -14,6 +14,7 @@ import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -212,4 +213,16 @@ def test_a_full_file_system_during_materialize_and_reads(tmp_path, tiny_tmpfs, c
         reader = CacheReader(uri, read=ReadConfig(node_dir=str(node_dir)))
         assert sum(int(np.asarray(reader.images(i)).sum() >= 0) for i in range(reader.num_shards)) == 2
     assert reader.stats.shards_hashed == 2 and "could not record that" in caplog.text
+    # a remote cache's node copy that does not fit: the node disk named, not a corrupt cache
+    remote = "memory://zpp-full/cache"
+    info = make_cache(remote, 20, shape=(16, 16, 3), shards=1).shards[0]
+    # the disk budget as sized while there was room (by default half the free space, here none left)
+    reader = CacheReader(remote, read=ReadConfig(remote="disk", node_dir=str(node_dir), disk_cache_bytes=1 << 20))
+    try:
+        with pytest.raises(NoSpaceError) as got:
+            reader.images(0)
+    finally:
+        fsspec.filesystem("memory").rm("/zpp-full", recursive=True)
+    assert got.value.path == os.path.join(str(node_dir), "shards", f"{info.sha256}.arrow")
+    assert got.value.needed == info.bytes and str(tiny_tmpfs) in got.value.device
     assert not [n for n in listing(node_dir) if ".tmp-" in n]

@@ -205,10 +205,11 @@ def _no_space_error(path: str, needed: int | None, quota: bool) -> NoSpaceError:
 
 
 def _unlink_quietly(path: str) -> None:
-    """Remove a local file this process was writing, if it is there (after a failed write)."""
+    """Remove a local file this process was writing, if it is there (after a failed write, whose error is the one
+    to report: a parent that is a file, or is gone, leaves nothing to remove)."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:
         pass
 
 

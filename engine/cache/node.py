@@ -140,7 +140,7 @@ def write_file_atomic(path: str, data: bytes) -> None:
     except BaseException as e:
         try:
             os.unlink(tmp)
-        except FileNotFoundError:
+        except OSError:  # never created (no folder, no room for the name): the write's own error is the news
             pass
         if isinstance(e, OSError):
             raise (io.no_space(e, path, len(data)) or e) from e

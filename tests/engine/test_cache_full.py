@@ -134,6 +134,17 @@ def test_a_failed_write_at_each_step_of_materialize_commits_nothing_and_leaves_n
     assert open_cache(str(root)).fingerprint == res.manifest.fingerprint  # `latest` still names the last commit
 
 
+def test_a_failed_write_cache_leaves_nothing(tmp_path, monkeypatch):
+    from dutycycle.engine.cache.write import write_cache
+
+    images = np.zeros((6, 2, 2, 3), np.uint8)
+    for pattern in (r"/shards/shard-00002\.arrow\.tmp-", rf"/{cf.MANIFEST}\.tmp-"):
+        with failing_write(monkeypatch, pattern) as failed, pytest.raises(NoSpaceError):
+            write_cache(str(tmp_path / "c"), list("abcdef"), [0] * 6, ["train"] * 6, images, classes=["x"],
+                        rows_per_shard=2)
+        assert failed and not (tmp_path / "c").exists()
+
+
 def _rows(n: int) -> pa.Table:
     cols = {name: [None] * n for name in tf.SCHEMA.names}
     cols["sample_id"] = [f"{i:032x}" for i in range(n)]

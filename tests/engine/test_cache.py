@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -389,7 +390,6 @@ def test_a_fingerprint_folder_swapped_for_another_valid_cache_is_refused(tmp_pat
     renamed) passed every check before, since its manifest and shards agree with each other: materialize reused
     it and readers opened it, serving another transform's samples under the first one's fingerprint. Its name
     must be the fingerprint its manifest records, wherever the folder is reached from."""
-    import shutil
 
     table, _ = make_shapes_table(str(tmp_path / "data"), n=6)
     root = tmp_path / "cache"

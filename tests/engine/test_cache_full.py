@@ -9,8 +9,6 @@ import errno
 import logging
 import os
 import re
-import shutil
-import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,12 +21,14 @@ from dutycycle.engine.cache import format as cf
 from dutycycle.engine.cache.materialize import materialize, open_cache
 from dutycycle.engine.cache.reader import CacheReader
 from dutycycle.engine.cache.shards import ReadConfig
+from dutycycle.engine.cache.write import write_cache
 from dutycycle.engine.errors import NoSpaceError
 from dutycycle.engine.table import format as tf
 from dutycycle.engine.table.commit import write_version
 from dutycycle.engine.transform import TransformSpec
 
 from ..support.cachemaker import make_cache
+from ..support.fullfs import fill, tmpfs
 from ..support.tablemaker import make_shapes_table
 
 SPEC = TransformSpec(size=8)
@@ -135,8 +135,6 @@ def test_a_failed_write_at_each_step_of_materialize_commits_nothing_and_leaves_n
 
 
 def test_a_failed_write_cache_leaves_nothing(tmp_path, monkeypatch):
-    from dutycycle.engine.cache.write import write_cache
-
     images = np.zeros((6, 2, 2, 3), np.uint8)
     for pattern in (r"/shards/shard-00002\.arrow\.tmp-", rf"/{cf.MANIFEST}\.tmp-"):
         with failing_write(monkeypatch, pattern) as failed, pytest.raises(NoSpaceError):
@@ -172,25 +170,8 @@ def test_a_failed_table_write_commits_nothing_and_leaves_nothing(tmp_path, monke
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """A 256 KiB tmpfs, mounted for the test and unmounted after (root only)."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mnt)], check=True,
-                       capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"mounting a tmpfs is not permitted here ({e}); the injected failures cover each write")
-    try:
+    with tmpfs(tmp_path / "tmpfs") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True, timeout=30)
-
-
-def _fill(mnt: Path, leave: int) -> Path:
-    """A file taking all but about ``leave`` bytes of the file system's free space."""
-    filler = mnt / "filler"
-    free = shutil.disk_usage(mnt).free
-    filler.write_bytes(b"\0" * max(0, free - leave))
-    return filler
 
 
 def test_a_full_file_system_during_materialize_and_reads(tmp_path, tiny_tmpfs, caplog):
@@ -199,7 +180,7 @@ def test_a_full_file_system_during_materialize_and_reads(tmp_path, tiny_tmpfs, c
     verified shard still reads the cache."""
     table, rows = make_shapes_table(str(tmp_path / "data"), n=12)
     root = tiny_tmpfs / "cache"
-    filler = _fill(tiny_tmpfs, 20 << 10)  # room for five 4 KiB pages: two shards and their records, not six
+    filler = fill(tiny_tmpfs, 20 << 10)  # room for five 4 KiB pages: two shards and their records, not six
     with pytest.raises(NoSpaceError) as got:
         materialize(table, str(root), TransformSpec(size=16), rows_per_shard=2)
     assert str(got.value).startswith(f"no space left on {tiny_tmpfs} (tmpfs) at '{root}/")
@@ -219,7 +200,7 @@ def test_a_full_file_system_during_materialize_and_reads(tmp_path, tiny_tmpfs, c
     make_cache(uri, 20, shape=(4, 4, 3), shards=2)
     node_dir = tiny_tmpfs / "node"
     node_dir.mkdir(mode=0o700)
-    _fill(tiny_tmpfs, 0)
+    fill(tiny_tmpfs, 0)
     with caplog.at_level(logging.WARNING, logger="dutycycle.engine.cache.node"):
         reader = CacheReader(uri, read=ReadConfig(node_dir=str(node_dir)))
         assert sum(int(np.asarray(reader.images(i)).sum() >= 0) for i in range(reader.num_shards)) == 2

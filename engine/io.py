@@ -7,9 +7,12 @@ same settings reach s3fs (for our own reads and writes) and Daft (for its scans)
 
 from __future__ import annotations
 
+import ast
+import errno
 import json
 import os
 import posixpath
+import re
 import stat
 import threading
 import uuid
@@ -143,68 +146,128 @@ def _device_of(path: str) -> str:
     return f"{best} ({device})" if best else p
 
 
+# How a full disk reads once it has crossed a process or language boundary as text (a Ray task error, an error
+# of Daft's Rust writers): Python's strerror, Rust's ``io::Error`` ("... (os error 28)"), and this module's own
+# message (a ``NoSpaceError`` raised in a worker, re-raised by Ray and Daft inside their own errors).
+_NO_SPACE_TEXT = re.compile(r"No space left on device|os error 28\b|Errno 28\b")
+_QUOTA_TEXT = re.compile(r"Disk quota exceeded|os error 122\b|Errno 122\b")
+_OURS = re.compile(r"(no space left|quota exceeded) on (.+?) at ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")"
+                   r"(?:; the write needed ([\d,]+) bytes)?: free room there or choose another location")
+
+
 def no_space(exc: BaseException, path: str, needed: int | None = None) -> NoSpaceError | None:
     """A ``NoSpaceError`` naming the device, ``path`` and the bytes ``needed`` when ``exc`` (or its cause) is ENOSPC
     or EDQUOT; None for any other error, which the caller handles as before. Use as
-    ``except OSError as e: raise (io.no_space(e, path, n) or e) from e``, after removing what the write left."""
-    import errno
+    ``except OSError as e: raise (io.no_space(e, path, n) or e) from e``, after removing what the write left.
 
+    An error that crossed a process boundary (a Ray task's, Daft's) carries no errno, only text: a
+    ``NoSpaceError`` raised in a worker is recovered from its message with the worker's device, path and bytes;
+    an OS error's text ("No space left on device", "os error 28") is named at ``path``, the location the
+    caller was writing under. A ``NoSpaceError`` in the chain is returned as it is."""
+    chain = _chain(exc)
+    for e in chain:
+        if isinstance(e, NoSpaceError):
+            return e
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return _no_space_error(path, needed, quota=e.errno == errno.EDQUOT)
+    text = "\n".join(str(e) for e in chain)
+    ours = _OURS.search(text)
+    if ours:
+        _, device, quoted, size = ours.groups()
+        return NoSpaceError(ours.group(0), device=device, path=ast.literal_eval(quoted),  # a repr: literals only
+                            needed=int(size.replace(",", "")) if size else None)
+    quota = bool(_QUOTA_TEXT.search(text))
+    if quota or _NO_SPACE_TEXT.search(text):
+        return _no_space_error(path, needed, quota=quota)
+    return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its causes (explicit, else implicit), each once."""
+    out: list[BaseException] = []
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            local = "://" not in path or path.startswith("file://")
-            where = path[len("file://"):] if path.startswith("file://") else path
-            device = _device_of(where) if local else path.split("://", 1)[0] + " storage"
-            what = "quota exceeded" if e.errno == errno.EDQUOT else "no space left"
-            size = f"; the write needed {needed:,} bytes" if needed is not None else ""
-            return NoSpaceError(f"{what} on {device} at {path!r}{size}: free room there or choose another "
-                                f"location", device=device, path=path, needed=needed)
+        out.append(e)
         e = e.__cause__ or e.__context__
-    return None
+    return out
+
+
+def _no_space_error(path: str, needed: int | None, quota: bool) -> NoSpaceError:
+    local = "://" not in path or path.startswith("file://")
+    where = path[len("file://"):] if path.startswith("file://") else path
+    device = _device_of(where) if local else path.split("://", 1)[0] + " storage"
+    what = "quota exceeded" if quota else "no space left"
+    size = f"; the write needed {needed:,} bytes" if needed is not None else ""
+    return NoSpaceError(f"{what} on {device} at {path!r}{size}: free room there or choose another location",
+                        device=device, path=path, needed=needed)
+
+
+def _unlink_quietly(path: str) -> None:
+    """Remove a local file this process was writing, if it is there (after a failed write, whose error is the one
+    to report: a parent that is a file, or is gone, leaves nothing to remove)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def write_bytes_atomic(uri: str, data: bytes) -> None:
     """Write ``data`` so that a reader sees either the old object or the whole new one, never part of it.
 
-    Local files: write a temporary sibling, fsync, rename (atomic on POSIX). Object stores: a single PUT is
-    already atomic. ``memory://``: the write is a single dict assignment.
+    Local files: write a temporary sibling, fsync, rename (atomic on POSIX); the temporary file is removed on
+    any failure (a full disk, an interrupt). Object stores: a single PUT is already atomic. ``memory://``: the
+    write is a single dict assignment. A full disk or quota is a ``NoSpaceError`` naming the device, ``uri`` and
+    the bytes.
     """
     fs, path = filesystem(uri)
     parent = posixpath.dirname(path)
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    local = protocol_of(fs) == "file"
     try:
         if parent:
             fs.makedirs(parent, exist_ok=True)
-        if protocol_of(fs) == "file":
+        if local:
             _write_local_fsynced(tmp, lambda f: f.write(data))
             os.replace(tmp, path)
         else:
             with fs.open(path, "wb") as f:
                 f.write(data)
-    except PermissionError as e:
-        raise DestinationError(f"cannot write {uri!r}: permission denied; choose a writable location") from e
-    except OSError as e:
-        if protocol_of(fs) == "file" and os.path.lexists(tmp):  # nothing half-written stays behind
-            os.unlink(tmp)
-        raise (no_space(e, uri, len(data)) or
-               DestinationError(f"cannot write {uri!r}: {e}; choose a writable location")) from e
+    except BaseException as e:
+        if local:  # nothing half-written stays behind, whatever stopped the write
+            _unlink_quietly(tmp)
+        if isinstance(e, PermissionError):
+            raise DestinationError(f"cannot write {uri!r}: permission denied; choose a writable location") from e
+        if isinstance(e, OSError):
+            raise (no_space(e, uri, len(data)) or
+                   DestinationError(f"cannot write {uri!r}: {e}; choose a writable location")) from e
+        raise
 
 
 def write_fsynced(uri: str, write) -> None:
     """Create ``uri`` with ``write(file)`` and make it durable before returning: a local file is fsynced (and its
-    folder, so the name survives a power cut); an object store's PUT is durable once it returns."""
+    folder, so the name survives a power cut); an object store's PUT is durable once it returns. A local file
+    that could not be written whole is removed (a full disk is a ``NoSpaceError`` naming the device and ``uri``)."""
     fs, path = filesystem(uri)
     parent = posixpath.dirname(path)
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
-    if protocol_of(fs) == "file":
-        _write_local_fsynced(path, write)
-        fsync_dir(parent)
-    else:
-        with fs.open(path, "wb") as f:
-            write(f)
+    local = protocol_of(fs) == "file"
+    try:
+        if parent:
+            fs.makedirs(parent, exist_ok=True)
+        if local:
+            _write_local_fsynced(path, write)
+            fsync_dir(parent)
+        else:
+            with fs.open(path, "wb") as f:
+                write(f)
+    except BaseException as e:
+        if local:
+            _unlink_quietly(path)
+        named = no_space(e, uri)
+        if named is not None and named is not e:
+            raise named from e
+        raise
 
 
 def fsync_dir(path: str) -> None:
@@ -323,7 +386,14 @@ def _create_exclusive(uri: str, data: bytes) -> bool:
     proto = protocol_of(fs)
     if proto == "file":
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        _write_local_fsynced(tmp, lambda f: f.write(data))
+        try:
+            _write_local_fsynced(tmp, lambda f: f.write(data))
+        except BaseException as e:
+            _unlink_quietly(tmp)  # nothing was created; nothing half-written stays behind
+            if isinstance(e, OSError):
+                raise (no_space(e, uri, len(data)) or
+                       DestinationError(f"cannot commit {uri!r}: {e}; choose a writable location")) from e
+            raise
         try:
             os.link(tmp, path)
         except FileExistsError:

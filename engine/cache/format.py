@@ -16,7 +16,12 @@ or transform never overwrites an older cache::
       latest                      names the fingerprint the latest materialize returned (written after commit)
       _index/<key>.json           (table manifest, filter, spec) -> fingerprint, for instant reuse
 
-``resolve`` (and so ``CacheReader``) accepts either a committed cache folder or a root.
+``resolve`` (and so ``CacheReader``) accepts either a committed cache folder or a root. A folder inside a cache
+root (a folder holding ``latest`` or ``_index``) must be named by the fingerprint its manifest records: a
+fingerprint folder swapped for, copied over by or renamed from another valid cache is refused (``read_manifest``),
+since whoever asks for that fingerprint (the reuse index, ``latest``, a user, a resumed run) would otherwise get
+another table's or another transform's samples. A cache written elsewhere (``write_cache``, a copy) may have
+any name.
 
 Each shard has plain Arrow columns that any Arrow reader understands without dutycycle:
 
@@ -36,6 +41,8 @@ node) is ``shards.py``, ``remote.py`` and ``node.py``.
 from __future__ import annotations
 
 import hashlib
+import os
+import posixpath
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -347,7 +354,35 @@ def read_manifest(cache_uri: str) -> CacheManifest:
         )
     d = io.read_json(uri, _FIX)
     manifest = CacheManifest.from_json(d, f"cache manifest {uri!r}")
+    check_folder(cache_uri, manifest)
     for shard in manifest.shards:  # a path in a manifest must stay inside the cache, or the cache is refused
         io.resolve_inside(cache_uri, shard.path, "cache")
     return manifest
 
+
+
+def is_cache_root(uri: str) -> bool:
+    """Whether ``uri`` is a cache root: materialize left its ``latest`` pointer or its ``_index`` there."""
+    return io.exists(io.join(uri, LATEST)) or io.exists(io.join(uri, INDEX_DIR))
+
+
+def _parent_and_name(uri: str) -> tuple[str, str]:
+    if "://" in uri:
+        scheme, rest = uri.split("://", 1)
+        parent, name = posixpath.split(rest.rstrip("/"))
+        return f"{scheme}://{parent}", name
+    return os.path.split(os.path.abspath(uri))
+
+
+def check_folder(cache_uri: str, manifest: CacheManifest) -> None:
+    """Refuse a fingerprint folder of a cache root whose manifest records another fingerprint (see the module
+    doc). The name is compared first, so a cache in its own folder costs no extra request."""
+    root, name = _parent_and_name(cache_uri)
+    if name == manifest.fingerprint or not is_cache_root(root):
+        return
+    raise CorruptArtifactError(
+        f"cache folder {cache_uri!r} holds the cache of fingerprint {manifest.fingerprint!r}, not {name!r}: in "
+        f"the cache root {root!r} a folder is named by the fingerprint of its cache, so this one was swapped, "
+        f"copied over or renamed, and whoever asks for {name!r} would get other samples; it is refused. Delete "
+        f"{cache_uri!r} and run `dutycycle materialize` again (a copy meant to be kept belongs outside the root)"
+    )

@@ -13,9 +13,17 @@ The work, top to bottom:
    threads decode batches of files and this process writes each shard as its rows stream in. Either way a
    shard is written atomically, then its completion record ``shards/shard-0000i.json``; a shard whose record
    exists and verifies is not built again, so a rerun after a crash resumes without rewriting committed shards.
-4. Commit: the manifest is written last, then ``ROOT/latest``. It records the dataset's per-channel mean and
-   standard deviation over the training split (``stats``), added up exactly from the integer pixel sums each
-   shard's completion record carries.
+4. Commit: the reuse index entry, then the manifest, then ``ROOT/latest``. The manifest records the dataset's
+   per-channel mean and standard deviation over the training split (``stats``), added up exactly from the
+   integer pixel sums each shard's completion record carries. The index entry goes first because an entry that
+   names an uncommitted fingerprint is only a miss; ``latest`` belongs to the commit (a root whose pointer still
+   names an older cache would open that one), so when it cannot be written the manifest is taken back.
+
+A write that fails (a full disk, a quota, a store that refuses it) commits nothing and leaves no temporary file:
+each write is atomic and removes its own temporary file, a shard whose completion record could not be written is
+removed with it, and folders the failed run left empty are removed. What stays are whole shards with their
+records, which a rerun keeps. A full disk or quota is a ``NoSpaceError`` naming the device, the path and the
+bytes the write needed, also when it happened in a Ray worker or in Daft's writer; never a corrupt cache.
 
 The driver holds O(number of shards) Python objects (records, block digests) plus, on the native runner, the
 rows of about one shard being assembled: never a list over all rows.
@@ -32,6 +40,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -41,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from .. import formats, io
-from ..errors import ConfigError, CorruptArtifactError, SourceError
+from ..errors import ConfigError, CorruptArtifactError, NoSpaceError, SourceError
 from ..limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
 from ..roots import OUTSIDE_ROOTS, SKIP_KEY, refusal, table_roots
 from ..runner import RUNNERS, configure
@@ -280,11 +289,25 @@ def materialize(
     if runner == "ray" and "memory" in (io.protocol(table), io.protocol(cache)):
         raise ConfigError("memory:// lives in one process; use --runner native or a shared location")
     df = mp.table_frame(table, tm, where)
-    # the selection is planned once (counts, numbering, digests) and kept on disk until the build is done
-    with selection.selected(df, roots=roots, classes=list(tm.classes), rows_per_shard=cfg.rows_per_shard, runner=runner,
-                            staging=io.join(cache, STAGING_DIR), table_uri=table, where=where,
-                            rows=tm.num_rows) as sel:
-        return _build(sel, table, tm, cache, index_uri, spec, settings, roots, cfg, runner, log, t0)
+    staging = io.join(cache, STAGING_DIR)
+    try:
+        # the selection is planned once (counts, numbering, digests) and kept on disk until the build is done
+        with selection.selected(df, roots=roots, classes=list(tm.classes), rows_per_shard=cfg.rows_per_shard,
+                                runner=runner, staging=staging, table_uri=table, where=where,
+                                rows=tm.num_rows) as sel:
+            return _build(sel, table, tm, cache, index_uri, spec, settings, roots, cfg, runner, log, t0)
+    except NoSpaceError:
+        raise
+    except Exception as e:
+        # A full disk that reached here without a name: the selection's staging files (a local temporary folder on
+        # the native runner, under the cache root on Ray's), or a write in a Ray worker or in Daft's Rust writer,
+        # which arrives as text inside their errors (``io.no_space`` reads it)
+        named = io.no_space(e, staging if runner == "ray" else tempfile.gettempdir())
+        if named is None:
+            raise
+        raise named from e
+    finally:
+        _remove_empty(staging)  # the Ray runner's staging folder, once no materialize stages there
 
 
 def _build(sel: selection.Selection, table: str, tm: tf.TableManifest, cache: str, index_uri: str,
@@ -318,11 +341,25 @@ def _build(sel: selection.Selection, table: str, tm: tf.TableManifest, cache: st
     out = io.join(cache, fp)
     num_shards = -(-selected // cfg.rows_per_shard)
     log(f"materialize: {selected} samples in {num_shards} shards -> {out} ({runner} runner)")
-    if runner == "ray":
-        records = build.build_on_ray(sel, out, spec, list(tm.classes), cfg, num_shards, log)
-    else:
-        records = build.build_native(sel, out, spec, list(tm.classes), cfg, num_shards, selected, log)
-    assert sorted(records) == list(range(num_shards)), "every shard must report exactly once"
+    try:
+        if runner == "ray":
+            records = build.build_on_ray(sel, out, spec, list(tm.classes), cfg, num_shards, log)
+        else:
+            records = build.build_native(sel, out, spec, list(tm.classes), cfg, num_shards, selected, log)
+        assert sorted(records) == list(range(num_shards)), "every shard must report exactly once"
+        return _commit(records, sel, fp, table, tm, cache, index_uri, spec, cfg, runner, roots, t0)
+    finally:
+        # whole shards and their records stay for a rerun; the folders of a run that wrote nothing go
+        _remove_empty(io.join(out, cf.SHARD_DIR))
+        _remove_empty(out)
+
+
+def _commit(records: dict[int, dict], sel: selection.Selection, fp: str, table: str, tm: tf.TableManifest,
+            cache: str, index_uri: str, spec: TransformSpec, cfg: MaterializeConfig, runner: str, roots: list[str],
+            t0: float) -> MaterializeResult:
+    """The manifest of the built shards, committed: the index entry, the manifest, ``latest`` (module doc, 4)."""
+    where, n, out = cfg.where, sel.counts, io.join(cache, fp)
+    num_shards, selected = len(records), sel.selected
 
     skipped: Counter[str] = Counter()
     if n["errors"]:
@@ -366,9 +403,18 @@ def _build(sel: selection.Selection, table: str, tm: tf.TableManifest, cache: st
         raise SourceError(
             f"no row of table {table!r} could be decoded (skipped: {dict(skipped)}); check the source images"
         )
-    cf.commit(out, manifest)
-    _point_latest(cache, fp)
-    io.write_json_atomic(index_uri, {"fingerprint": fp})
+    try:
+        io.write_json_atomic(index_uri, {"fingerprint": fp})
+        cf.commit(out, manifest)
+        try:
+            _point_latest(cache, fp)
+        except BaseException:
+            _take_back(out, manifest)
+            raise
+    except BaseException:
+        _remove_quietly(index_uri)  # written by this run for this fingerprint, which is not committed
+        _remove_empty(io.join(cache, cf.INDEX_DIR))
+        raise
     resumed = sum(rec["status"] == "resumed" for rec in records.values())
     return MaterializeResult(
         uri=out,
@@ -378,6 +424,35 @@ def _build(sel: selection.Selection, table: str, tm: tf.TableManifest, cache: st
         shards_written=num_shards - resumed,
         shards_resumed=resumed,
     )
+
+
+def _take_back(out: str, manifest: cf.CacheManifest) -> None:
+    """Remove the manifest this run committed at ``out`` (its ``latest`` could not be written), unless another
+    run's manifest has replaced it meanwhile (its commit time differs): the shards stay, and a rerun commits."""
+    uri = io.join(out, cf.MANIFEST)
+    try:
+        if io.read_json(uri) == manifest.to_json():
+            _remove_quietly(uri)
+    except (SourceError, CorruptArtifactError, OSError):
+        pass
+
+
+def _remove_quietly(uri: str) -> None:
+    fs, path = io.filesystem(uri)
+    try:
+        fs.rm(path)
+    except (FileNotFoundError, OSError):
+        pass
+
+
+def _remove_empty(uri: str) -> None:
+    """Remove the local folder ``uri`` if it exists and is empty (object stores have no folders to leave)."""
+    if io.protocol(uri) != "file":
+        return
+    try:
+        os.rmdir(uri[len("file://"):] if uri.startswith("file://") else uri)
+    except OSError:  # missing, or not empty: in use by a run, or holding whole shards for a rerun
+        pass
 
 
 def open_cache(uri: str, verify: bool = True) -> CacheReader:

@@ -4,8 +4,11 @@ A node runs many processes that read the same cache (a training job's ranks, Ray
 Work that depends only on a file's content is done once per node, not once per process: the first process
 takes a lock, does it, and leaves a record; the others find the record. Here:
 
-- ``verify_once``: a shard's sha256 is computed once per node per version of the file (its path, inode,
-  size and modification time); a changed file is hashed again, so a rewritten or damaged shard is still refused.
+- ``verify_once``: a shard's sha256 is computed once per node per version of the file (its path, device, inode,
+  size, modification time and status-change time); a changed file is hashed again, so a rewritten or damaged
+  shard is still refused. The status-change time (ctime) is there because the modification time is not proof:
+  a file rewritten in place keeps its inode, and ``touch -d``, ``cp -p`` or ``os.utime`` set its mtime back to
+  the recorded one, but no call sets ctime, which any such change moves to "now".
 - ``file_lock``: an exclusive ``flock`` on a file under the node folder (released by the kernel when its
   process dies, so a killed process never leaves a lock behind).
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import stat
 import tempfile
@@ -31,12 +35,14 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from .. import io
 from ..errors import DutycycleError
 from ..roots import under
 
 NODE_DIR_ENV = "DUTYCYCLE_NODE_DIR"
 _HASH_CHUNK = 8 * 1024 * 1024
 _PRIVATE = 0o077  # group and other permission bits: none allowed on the folder or a record
+_log = logging.getLogger(__name__)
 
 
 class NodeDirError(DutycycleError):
@@ -122,17 +128,34 @@ def sha256_file(path: str) -> str:
 
 def write_file_atomic(path: str, data: bytes) -> None:
     """Replace ``path`` atomically. Not fsynced, unlike ``io.write_bytes_atomic``: these are node-local records,
-    and one lost in a power cut only means the work it records is done again."""
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    and one lost in a power cut only means the work it records is done again. The temporary file is removed on
+    any failure; a full disk is a ``NoSpaceError`` naming the device and ``path``."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    # 0600 and O_EXCL: what ``trusted`` expects of a record, on a name nobody else can have prepared
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        # 0600 and O_EXCL: what ``trusted`` expects of a record, on a name nobody else can have prepared
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:  # never created (no folder, no room for the name): the write's own error is the news
+            pass
+        if isinstance(e, OSError):
+            raise (io.no_space(e, path, len(data)) or e) from e
+        raise
 
 
-def _version_key(path: str, st: os.stat_result, sha256: str) -> str:
-    ident = f"{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{sha256}"
+def _version_key(path: str, st: os.stat_result, sha256: str, root: str) -> str:
+    """The record name of ``path``'s current version (``st``) holding ``sha256``. A node copy of a remote shard
+    (a file inside the node folder ``root``) is keyed without its ctime: dutycycle moves that ctime itself, by
+    the rename that lands the copy and by the access-time touch of every use (eviction goes by access time), and
+    the copy lives in a folder only this user writes, where it is only ever replaced by a rename (a new inode),
+    never rewritten in place."""
+    real = os.path.realpath(path)
+    ctime = 0 if under(real, root) else st.st_ctime_ns
+    ident = f"{real}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{ctime}\0{sha256}"
     return hashlib.sha256(ident.encode()).hexdigest()
 
 
@@ -158,7 +181,7 @@ def verify_once(path: str, sha256: str, size: int, root: str) -> tuple[bool, boo
     st = os.stat(path)
     if st.st_size != size:
         return False, False
-    key = _version_key(path, st, sha256)
+    key = _version_key(path, st, sha256, root)
     marker = _marker(root, key)
     if _recorded(marker, path, root):
         return True, False
@@ -167,8 +190,12 @@ def verify_once(path: str, sha256: str, size: int, root: str) -> tuple[bool, boo
             return True, False
         ok = sha256_file(path) == sha256
         after = os.stat(path)
-        if ok and _version_key(path, after, sha256) == key:  # not rewritten while we read it
-            write_file_atomic(marker, path.encode())
+        if ok and _version_key(path, after, sha256, root) == key:  # not rewritten while we read it
+            try:
+                write_file_atomic(marker, path.encode())
+            except (OSError, DutycycleError) as e:  # a full node disk: the shard is good, only not remembered
+                _log.warning("could not record that %s was verified (%s); it is hashed again when next opened",
+                             path, e)
         return ok, True
 
 
@@ -178,4 +205,4 @@ def mark_verified(path: str, sha256: str, root: str, *, landing: str | None = No
     rename closes a window: a process that finds the file at ``path`` finds its record too, and does not hash
     it again (a rename keeps the inode, size and mtime the record names)."""
     st = os.stat(landing or path)
-    write_file_atomic(_marker(root, _version_key(path, st, sha256)), path.encode())
+    write_file_atomic(_marker(root, _version_key(path, st, sha256, root)), path.encode())

@@ -109,8 +109,11 @@ class CacheReader:
                 f"cache shard {uri!r} listed in the manifest is missing; materialize the cache again"
             ) from e
         except (pa.ArrowInvalid, OSError) as e:
-            raise CorruptArtifactError(f"cache shard {uri!r} cannot be read as Arrow IPC ({e}); "
-                                       "delete the cache folder and materialize it again") from e
+            # a node disk too full for the shard's copy (or a lock) is not a damaged cache: say which disk
+            full = io.no_space(e, self._disk.path_for(info.sha256) if self._disk else self.node_root(),
+                               info.bytes if self._disk else None)
+            raise (full or CorruptArtifactError(f"cache shard {uri!r} cannot be read as Arrow IPC ({e}); "
+                                                "delete the cache folder and materialize it again")) from e
 
     def reads(self) -> dict:
         """Which shards this reader opened (as runs of consecutive indices) and what it fetched: how local a

@@ -200,8 +200,19 @@ def finish_shard(
         "worker": worker_name(),
         "seconds": round(seconds, 3),
     }
-    # The record is written after the shard: a record always describes a complete shard.
-    write_record(cache_uri, index, rec)
+    # The record is written after the shard: a record always describes a complete shard. A shard left without
+    # its record would be rebuilt by a rerun anyway, so when the record cannot be written (a full disk) the shard
+    # goes too: a failed run leaves only shards a rerun keeps.
+    try:
+        write_record(cache_uri, index, rec)
+    except BaseException:
+        if info is not None:
+            fs, path = io.filesystem(io.join(cache_uri, info.path))
+            try:
+                fs.rm(path)
+            except (FileNotFoundError, OSError):
+                pass
+        raise
     return {**rec, "status": "written"}
 
 

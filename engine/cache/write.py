@@ -2,18 +2,21 @@
 for callers whose pixels are already decoded (synthetic data, tests, benchmark baselines).
 
 Rows are sorted by sample id, as every cache is; shards are written atomically, then the manifest, last, with
-the per-channel statistics of the training split (``stats``) as materialize records them.
+the per-channel statistics of the training split (``stats``) as materialize records them. A write that fails (a
+full disk: ``NoSpaceError``) commits nothing and removes the shards this call wrote.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections import Counter
 from typing import Any
 
 import numpy as np
 
+from .. import io
 from ..errors import ConfigError
 from ..transform import LAYOUTS
 from . import format as cf
@@ -55,11 +58,14 @@ def write_cache(
     labels = np.asarray(labels, np.int64)[order]
     splits = [str(splits[i]) for i in order]
     ids = [ids[i] for i in order]
-    shards = [
-        cf.write_shard(cache_uri, k, ids[lo : lo + rows_per_shard], labels[lo : lo + rows_per_shard],
-                       splits[lo : lo + rows_per_shard], images[order[lo : lo + rows_per_shard]])
-        for k, lo in enumerate(range(0, n, rows_per_shard))
-    ]
+    shards: list[cf.ShardInfo] = []
+    try:
+        for k, lo in enumerate(range(0, n, rows_per_shard)):
+            shards.append(cf.write_shard(cache_uri, k, ids[lo : lo + rows_per_shard], labels[lo : lo + rows_per_shard],
+                                         splits[lo : lo + rows_per_shard], images[order[lo : lo + rows_per_shard]]))
+    except BaseException:
+        _remove(cache_uri, [s.path for s in shards])  # a failed write (a full disk) leaves no uncommitted shards
+        raise
     if fingerprint is None:
         content = json.dumps([[s.sha256 for s in shards], list(classes)]).encode()
         fingerprint = hashlib.sha256(content).hexdigest()[:16]
@@ -77,5 +83,25 @@ def write_cache(
         options=dict(options or {}),
         channel_stats=stats.channel_stats(sums),
     )
-    cf.commit(cache_uri, manifest)
+    try:
+        cf.commit(cache_uri, manifest)
+    except BaseException:
+        _remove(cache_uri, [s.path for s in shards])
+        raise
     return manifest
+
+
+def _remove(cache_uri: str, paths: list[str]) -> None:
+    """Remove the shards this call wrote, and the folders they leave empty (local ones; stores have none)."""
+    fs, root = io.filesystem(cache_uri)
+    for rel in paths:
+        try:
+            fs.rm(io.filesystem(io.join(cache_uri, rel))[1])
+        except (FileNotFoundError, OSError):
+            pass
+    if io.protocol(cache_uri) == "file":
+        for folder in (os.path.join(root, cf.SHARD_DIR), root):
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty (other files were there before), or never made
+                pass

@@ -13,7 +13,7 @@ import uuid
 from typing import Any
 
 from .. import io
-from ..errors import DestinationError
+from ..errors import DestinationError, DutycycleError
 from . import format as tf
 
 ROWS_PER_FILE = 200_000
@@ -42,17 +42,20 @@ def write_rows(table_uri: str, folder: str, tables) -> list[str]:
     import pyarrow.parquet as pq
 
     files = []
-    for rows in tables:
-        for start in range(0, max(rows.num_rows, 1), ROWS_PER_FILE):
-            rel = f"{folder}/part-{len(files):05d}.parquet"
-            part = rows.slice(start, ROWS_PER_FILE).cast(tf.SCHEMA)
-            try:
+    try:
+        for rows in tables:
+            for start in range(0, max(rows.num_rows, 1), ROWS_PER_FILE):
+                rel = f"{folder}/part-{len(files):05d}.parquet"
+                part = rows.slice(start, ROWS_PER_FILE).cast(tf.SCHEMA)
                 io.write_fsynced(io.join(table_uri, rel), lambda f, t=part: pq.write_table(t, f, compression="zstd"))
-            except OSError as e:
-                raise DestinationError(
-                    f"cannot write table {table_uri!r}: {e}; choose a writable location"
-                ) from e
-            files.append(rel)
+                files.append(rel)
+    except BaseException as e:
+        # the folder is this writer's own and nothing references it yet: a failed write (a full disk: a
+        # NoSpaceError from write_fsynced) leaves none of its files behind
+        _discard(table_uri, folder)
+        if isinstance(e, OSError):
+            raise DestinationError(f"cannot write table {table_uri!r}: {e}; choose a writable location") from e
+        raise
     return files
 
 
@@ -76,7 +79,21 @@ def try_commit(table_uri: str, folder: str, manifest: tf.TableManifest) -> bool:
     except tf.CommitConflict:
         _discard(table_uri, folder)
         return False
+    except BaseException:
+        # a commit that failed (a full disk under the manifest) leaves no data files behind, unless the manifest
+        # did land and only a later step failed: then they are the committed version's
+        if not _committed_by(table_uri, manifest):
+            _discard(table_uri, folder)
+        raise
     return True
+
+
+def _committed_by(table_uri: str, manifest: tf.TableManifest) -> bool:
+    """Whether ``manifest``'s version is committed by this writer (its writer id)."""
+    try:
+        return tf.read_manifest(table_uri, manifest.version).writer == manifest.writer
+    except (DutycycleError, OSError):
+        return False
 
 
 def write_version(table_uri: str, rows, *, classes: list[str], source: str = "", lineage: dict[str, Any] | None = None,

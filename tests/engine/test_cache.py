@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -382,3 +383,30 @@ def test_a_damaged_reuse_index_entry_is_a_miss_not_a_crash(tmp_path, damage):
     entry.write_bytes(damage)
     again = materialize(table, root, SPEC)
     assert again.manifest.fingerprint == first.manifest.fingerprint
+
+
+def test_a_fingerprint_folder_swapped_for_another_valid_cache_is_refused(tmp_path):
+    """ROOT/<fp> holds the cache of fingerprint fp. A folder replaced by another valid cache (copied over, swapped,
+    renamed) passed every check before, since its manifest and shards agree with each other: materialize reused
+    it and readers opened it, serving another transform's samples under the first one's fingerprint. Its name
+    must be the fingerprint its manifest records, wherever the folder is reached from."""
+
+    table, _ = make_shapes_table(str(tmp_path / "data"), n=6)
+    root = tmp_path / "cache"
+    a = materialize(table, str(root), SPEC)
+    b = materialize(table, str(root), TransformSpec(size=16))
+    fa, fb = a.manifest.fingerprint, b.manifest.fingerprint
+    assert fa != fb
+    shutil.rmtree(root / fa)
+    shutil.copytree(root / fb, root / fa)  # a valid cache, in the wrong folder
+    swapped = rf"holds the cache of fingerprint '{fb}', not '{fa}'.*Delete"
+    with pytest.raises(CorruptArtifactError, match=swapped):
+        materialize(table, str(root), SPEC)  # through the reuse index
+    with pytest.raises(CorruptArtifactError, match=swapped):
+        open_cache(str(root / fa))  # named directly
+    cf.write_latest(str(root), fa)
+    with pytest.raises(CorruptArtifactError, match=swapped):
+        open_cache(str(root))  # through `latest`
+    assert open_cache(str(root / fb)).fingerprint == fb  # the real one is untouched
+    shutil.copytree(root / fb, tmp_path / "kept")  # a copy outside any cache root may have any name
+    assert open_cache(str(tmp_path / "kept")).fingerprint == fb

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from dutycycle.engine.errors import ConfigError
 from dutycycle.engine.synth import synthesize
+from dutycycle.engine.table import commit as table_commit
 from dutycycle.engine.table import format as tf
 from dutycycle.engine.table.catalog import assign_split, ingest, parse_split
 from dutycycle.engine.table.table import open_table, read_arrow
@@ -170,6 +171,10 @@ def test_crash_before_commit_leaves_previous_table(src, tmp_path, monkeypatch):
     monkeypatch.setattr(tf, "commit", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         ingest(str(work), uri, progress_every=0)
+    assert not glob.glob(os.path.join(uri, tf.version_dir(2) + "-*"))  # a commit that raised removes its data
+    monkeypatch.setattr(table_commit, "_discard", lambda *a: None)  # a writer killed there cannot
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        ingest(str(work), uri, progress_every=0)
     (leftover,) = glob.glob(os.path.join(uri, tf.version_dir(2) + "-*"))  # data was written ...
     assert read_arrow(uri).equals(before)  # ... but readers still see the committed table
     assert open_table(uri).count() == before.num_rows
@@ -209,6 +214,7 @@ def test_sigkill_during_commit_leaves_previous_table(src, tmp_path):
 # from version 1 before either commits: the second must lose the race, rebase and commit version 3.
 CONCURRENT_CHILD = """
 import json, os, sys, time
+from dutycycle.engine.table import commit as table_commit
 from dutycycle.engine.table import format as tf
 from dutycycle.engine.table.catalog import ingest
 

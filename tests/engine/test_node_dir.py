@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import time
 
 import fsspec
 import pytest
@@ -110,7 +111,7 @@ def _corrupt_in_place(path: str) -> None:
 
 def _planted_marker(root: str, path: str, sha256: str) -> str:
     """Where ``verify_once`` looks for the record of ``path`` at its current version."""
-    return node._marker(root, node._version_key(path, os.stat(path), sha256))
+    return node._marker(root, node._version_key(path, os.stat(path), sha256, root))
 
 
 @pytest.mark.parametrize("owner", ["other user", "loose mode", "symlink"])
@@ -142,6 +143,31 @@ def test_a_planted_verified_marker_does_not_vouch_for_a_corrupted_shard(tmp_path
     _plant(_planted_marker(root, path, good.sha256), path.encode(), mode=0o644)
     assert node.verify_once(path, good.sha256, good.bytes, root) == (True, True)
     assert node.verify_once(path, good.sha256, good.bytes, root) == (True, False)
+
+
+def test_a_shard_rewritten_in_place_with_its_mtime_set_back_is_hashed_again(tmp_path):
+    """A verified shard rewritten in place (same inode, same size) whose modification time is then set back, as
+    ``cp -p``, ``touch -d`` or ``os.utime`` do, kept its record when the key ignored ctime: the reader believed
+    it and served the new bytes. No call sets ctime back, so the record no longer matches and the shard is
+    hashed again, and refused."""
+    uri, root = str(tmp_path / "cache"), node.node_dir(str(tmp_path / "node"))
+    make_cache(uri, 90, shards=3)
+    info = cf.read_manifest(uri).shards[1]
+    shard = os.path.join(uri, info.path)
+    assert node.verify_once(shard, info.sha256, info.bytes, root) == (True, True)
+    assert node.verify_once(shard, info.sha256, info.bytes, root) == (True, False)  # recorded
+    before = os.stat(shard)
+    time.sleep(0.05)  # file times come from the kernel's coarse clock (a tick of up to 10 ms): let it move
+    _corrupt_in_place(shard)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(shard)
+    assert (after.st_dev, after.st_ino, after.st_size, after.st_mtime_ns) == \
+        (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns)
+    assert after.st_ctime_ns != before.st_ctime_ns
+    assert node.verify_once(shard, info.sha256, info.bytes, root) == (False, True)  # hashed again: refused
+    reader = CacheReader(uri, read=ReadConfig(node_dir=root))
+    with pytest.raises(CorruptArtifactError, match=r"shard-00001\.arrow.*fails its checksum"):
+        reader.images(1)
 
 
 @pytest.mark.parametrize("owner", ["other user", "loose mode"])

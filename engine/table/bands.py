@@ -22,12 +22,20 @@ import math
 import random
 from dataclasses import dataclass
 
+from ..errors import ConfigError
+
 HASH_BITS = 64
 DEFAULT_RECALL = 0.99  # the probability that the LSH plan compares a pair at exactly max_distance
 DEFAULT_BUCKET_CAP = 256  # rows of one bucket compared with each other in full; see ``near_pairs`` for the rest
 # Exact search while its expected comparisons stay under this many per distinct hash (uniform hashes): at
-# distance 4 that is up to about 87,000 distinct hashes; beyond it the pigeonhole cost grows as m**2.
+# distance 4 that is up to about 87,000 distinct hashes; beyond it the pigeonhole cost grows as m**2. Below
+# EXACT_FLOOR comparisons (a second or so) exact search is used whatever the distance.
 EXACT_BUDGET_PER_HASH = 32
+EXACT_FLOOR = 2_000_000
+# A plan whose work (keyed rows plus comparisons) passes this many per distinct hash, and 10 million in all, is
+# refused rather than run for hours: bit sampling needs thousands of tables near distance 16 at a million hashes.
+MAX_WORK_PER_HASH = 1024
+MIN_REFUSED_WORK = 10_000_000
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,12 @@ class BandPlan:
     masks: tuple[int, ...]  # one per table; a mask's set bits are the positions a bucket key keeps
     recall: float  # the probability a pair at max_distance is compared (1.0 for pigeonhole)
     expected_candidates: float  # pairs compared if hashes were uniform (without a bucket cap)
+    distinct: int  # the distinct hashes it was planned for
+
+    @property
+    def work(self) -> float:
+        """Rows keyed (one per hash and table) plus pairs compared, with uniform hashes."""
+        return self.tables * self.distinct + self.expected_candidates
 
     @property
     def tables(self) -> int:
@@ -103,16 +117,27 @@ def lsh_masks(bits: int, tables: int, seed: int) -> tuple[int, ...]:
 def plan_bands(distinct: int, max_distance: int, recall: float = DEFAULT_RECALL, seed: int = 0,
                method: str = "auto") -> BandPlan:
     """The search for ``distinct`` hashes: ``method`` "pigeonhole", "lsh", or "auto" (pigeonhole while its
-    expected comparisons per hash stay within ``EXACT_BUDGET_PER_HASH``, or where it costs no more than LSH)."""
-    exact = pigeonhole_masks(max_distance)
-    exact_pairs = _expected_pairs(distinct, exact)
-    if method == "pigeonhole":
-        return BandPlan("pigeonhole", max_distance, exact, 1.0, exact_pairs)
-    bits, tables = lsh_shape(max(distinct, 2), max_distance, recall)
-    masks = lsh_masks(bits, tables, seed)
-    lsh_pairs = _expected_pairs(distinct, masks)
-    if method == "auto" and (exact_pairs <= EXACT_BUDGET_PER_HASH * distinct
-                             or len(exact) * distinct + exact_pairs <= tables * distinct + lsh_pairs):
-        return BandPlan("pigeonhole", max_distance, exact, 1.0, exact_pairs)
-    p = collision_probability(max_distance, bits)
-    return BandPlan("lsh", max_distance, masks, 1 - (1 - p) ** tables, lsh_pairs)
+    expected comparisons stay within ``EXACT_BUDGET_PER_HASH`` per hash or ``EXACT_FLOOR``, or where it costs
+    no more than LSH).
+    A plan whose work passes ``MAX_WORK_PER_HASH`` per hash (and ``MIN_REFUSED_WORK``) is refused."""
+    exact = BandPlan("pigeonhole", max_distance, pigeonhole_masks(max_distance), 1.0,
+                     _expected_pairs(distinct, pigeonhole_masks(max_distance)), distinct)
+    plan = exact
+    if method != "pigeonhole":
+        bits, tables = lsh_shape(max(distinct, 2), max_distance, recall)
+        masks = lsh_masks(bits, tables, seed)
+        p = collision_probability(max_distance, bits)
+        lsh = BandPlan("lsh", max_distance, masks, 1 - (1 - p) ** tables, _expected_pairs(distinct, masks), distinct)
+        cheap = (exact.expected_candidates <= max(EXACT_BUDGET_PER_HASH * distinct, EXACT_FLOOR)
+                 or exact.work <= lsh.work)
+        plan = exact if method == "auto" and cheap else lsh
+    if plan.work > max(MAX_WORK_PER_HASH * distinct, MIN_REFUSED_WORK):
+        if plan.method == "pigeonhole":
+            what, fix = "pigeonhole bands, every pair", "use method 'auto' (LSH tables beyond a small table)"
+        else:
+            what = f"LSH: {plan.tables} tables of {plan.bits} bits for recall {recall}"
+            fix = f"lower max_distance (below {max_distance}) or the recall"
+        raise ConfigError(
+            f"near dedupe at max_distance {max_distance} over {distinct} distinct hashes needs about "
+            f"{plan.work:.3g} rows keyed and pairs compared ({what}); {fix}, or dedupe a filtered subset")
+    return plan

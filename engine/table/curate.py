@@ -91,7 +91,7 @@ def format_stats(s: dict[str, Any]) -> str:
 def dedupe(df, exact: bool = True, near: bool = True, max_distance: int = 4, **options):
     """``df`` without exact duplicates (same content hash) and near duplicates (perceptual-hash distance): the rows
     ``choose_unique`` keeps (while the near search is exact: ``dedupe.NearSearch.exact``), chosen by Daft queries
-    (``dedupe.py``). ``options``: the other fields of ``DedupeConfig`` (method, recall, bucket_cap, seed)."""
+    (``dedupe.py``). ``options``: the other fields of ``DedupeConfig`` (method, recall, bucket_cap, lsh_seed)."""
     kept, _ = dd.dedupe(df, DedupeConfig(exact=exact, near=near, max_distance=max_distance, **options))
     return kept
 

@@ -38,7 +38,7 @@ class DedupeConfig:
     method: str = "auto"  # "pigeonhole" (every pair within the distance compared), "lsh", or "auto" (bands.py)
     recall: float = DEFAULT_RECALL  # lsh: the probability that a pair at max_distance is compared
     bucket_cap: int = DEFAULT_BUCKET_CAP  # members of one bucket compared with each other in full
-    seed: int = 0  # lsh: the draw of the tables' bit positions
+    lsh_seed: int = 0  # lsh: the draw of the tables' bit positions
 
     def check(self) -> DedupeConfig:
         if not 0 <= self.max_distance <= MAX_NEAR_DISTANCE:
@@ -206,7 +206,7 @@ def _group_pairs(reps, masks: list[int], max_distance: int, cap: int, search: Ne
 def near_pairs(reps, cfg: DedupeConfig, distinct: int | None = None) -> tuple[dict[tuple[int, int], int], NearSearch]:
     """Every pair of distinct hashes within ``cfg.max_distance`` that the planned search compares."""
     m = reps.count_rows() if distinct is None else distinct
-    plan: BandPlan = plan_bands(m, cfg.max_distance, cfg.recall, cfg.seed, cfg.method)
+    plan: BandPlan = plan_bands(m, cfg.max_distance, cfg.recall, cfg.lsh_seed, cfg.method)
     search = NearSearch(plan.method, cfg.max_distance, plan.tables, plan.bits, plan.recall, cfg.bucket_cap,
                         distinct_hashes=m)
     pairs: dict[tuple[int, int], int] = {}
@@ -281,10 +281,11 @@ def run(df, cfg: DedupeConfig):
 
 
 def dedupe(df, cfg: DedupeConfig | None = None):
-    """``df`` without exact and near duplicates, and how the near pairs were found (None when ``near`` is off)."""
+    """``df`` without exact and near duplicates, and the run (``run``'s three parts: ``dedupe_stats`` counts
+    from it without searching again; ``[1].search`` says how the near pairs were found)."""
     cfg = cfg or DedupeConfig()
-    _, near, kept = run(df, cfg)
-    return kept.select(*df.column_names), (near.search if near else None)
+    result = run(df, cfg)
+    return result[2].select(*df.column_names), result
 
 
 # --------------------------------------------------------------------------------------------------- recall

@@ -67,6 +67,7 @@ class Table:
         self.df = df if df is not None else read_dataframe(uri, manifest)
         self.operations = tuple(operations)
         self.near_search = None  # set by dedupe: how its near-duplicate pairs were found
+        self.dedupe_run = None  # set by dedupe: (the parent's rows, the DedupeConfig, dedupe.run's parts)
 
     # -- views ---------------------------------------------------------------------------------------
     def _derive(self, df, operation: str) -> Table:
@@ -81,14 +82,15 @@ class Table:
 
     def dedupe(self, exact: bool = True, near: bool = True, max_distance: int = 4, **options) -> Table:
         """Drop exact duplicates (same content hash) and near duplicates (perceptual-hash Hamming distance).
-        ``options``: the other fields of ``dedupe.DedupeConfig`` (method, recall, bucket_cap, seed). The near
+        ``options``: the other fields of ``dedupe.DedupeConfig`` (method, recall, bucket_cap, lsh_seed). The near
         search runs now (its pairs decide the rows); how it went is the view's ``near_search`` (a
         ``dedupe.NearSearch``: exact or LSH, buckets over the cap), None without ``near``."""
         cfg = DedupeConfig(exact=exact, near=near, max_distance=max_distance, **options)
-        df, search = dedupe_rows(self.df, cfg)
+        df, run = dedupe_rows(self.df, cfg)
         extra = "".join(f", {k}={v!r}" for k, v in options.items())
         view = self._derive(df, f"dedupe(exact={exact}, near={near}, max_distance={max_distance}{extra})")
-        view.near_search = search
+        view.near_search = run[1].search if run[1] is not None else None
+        view.dedupe_run = (self.df, cfg, run)  # what dedupe_stats(..., run=) counts from without a new search
         return view
 
     def dedupe_stats(self, exact: bool = True, near: bool = True, max_distance: int = 4,

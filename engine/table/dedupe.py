@@ -306,7 +306,7 @@ def _exhaustive(reps, sample: list[int], max_distance: int) -> dict[tuple[int, i
 
         x = np.asarray(hashes.to_arrow(), np.int64).view(np.uint64)
         s = np.asarray(probe, np.int64).view(np.uint64)
-        rows, cols = [], []
+        rows, cols = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
         step = max(1, (1 << 22) // max(len(s), 1))  # at most 4M distances in memory at once
         for lo in range(0, len(x), step):
             d = np.bitwise_count(x[lo:lo + step, None] ^ s[None, :])

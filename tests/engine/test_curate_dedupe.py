@@ -124,3 +124,5 @@ def test_bucket_cap_bounds_comparisons_and_is_reported():
     assert _uris(kept_df) == want
     r = near_recall(df, 4, sample=10_000, method="pigeonhole", bucket_cap=8)
     assert r["recall"] < 1 and r["search"]["capped_buckets"] == capped.capped_buckets  # pairs past the cap missed
+    none = near_recall(df.where(daft.col("phash") > 0).where(daft.col("phash") < 0), 4, sample=5)  # no hashes
+    assert (none["sample"], none["pairs"], none["recall"]) == (0, 0, None)

@@ -134,8 +134,9 @@ def cmd_dedupe(args) -> int:
     table = _filtered(open_table(args.table, runner=args.runner, ray_address=args.ray_address), args.where)
     options = {"method": args.method, "recall": args.recall, "bucket_cap": args.bucket_cap}
     view = table.dedupe(exact=not args.no_exact, near=not args.no_near, max_distance=args.max_distance, **options)
-    source, cfg, run = view.dedupe_run
-    stats = dedupe_stats(source, cfg, examples=args.examples, run=run)
+    run = view.dedupe_run
+    cfg = run.config
+    stats = dedupe_stats(run.source, cfg, examples=args.examples, run=run)
     out = stats.to_dict()
     lines = format_dedupe(stats).splitlines()
     if not args.no_sheet:

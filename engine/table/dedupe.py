@@ -20,6 +20,7 @@ The rows kept are ``choose.choose_unique``'s: rows are ordered readable first, t
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from ..errors import ConfigError
 from .bands import DEFAULT_BUCKET_CAP, DEFAULT_RECALL, BandPlan, plan_bands, signed
@@ -269,23 +270,32 @@ def kept_rows(rows, near: NearResult):
     return rows.where(col("phash").is_null()).concat(first_rows)
 
 
-def run(df, cfg: DedupeConfig):
-    """(rows after exact dedupe, the near step or None, the rows kept), all but the near step lazy."""
+class DedupeRun(NamedTuple):
+    """One dedupe: its input and config, the rows after exact dedupe (with ``_o``), the near step (None without
+    ``near``; ``near.search`` says how its pairs were found) and the rows kept. All lazy but the near step, which
+    ran: ``dedupe_stats(..., run=)`` counts from it without searching again."""
+
+    source: object
+    config: DedupeConfig
+    rows: object
+    near: NearResult | None
+    kept: object
+
+
+def run(df, cfg: DedupeConfig) -> DedupeRun:
     cfg.check()
     rows = df.with_column("_o", order_key())
     if cfg.exact:
         rows = exact_unique(rows)
     near = near_step(rows, cfg) if cfg.near else None
     kept = kept_rows(rows, near) if near is not None else rows
-    return rows, near, kept
+    return DedupeRun(df, cfg, rows, near, kept)
 
 
-def dedupe(df, cfg: DedupeConfig | None = None):
-    """``df`` without exact and near duplicates, and the run (``run``'s three parts: ``dedupe_stats`` counts
-    from it without searching again; ``[1].search`` says how the near pairs were found)."""
-    cfg = cfg or DedupeConfig()
-    result = run(df, cfg)
-    return result[2].select(*df.column_names), result
+def dedupe(df, cfg: DedupeConfig | None = None) -> tuple[object, DedupeRun]:
+    """``df`` without exact and near duplicates (its columns), and the run that chose them."""
+    result = run(df, cfg or DedupeConfig())
+    return result.kept.select(*df.column_names), result
 
 
 # --------------------------------------------------------------------------------------------------- recall

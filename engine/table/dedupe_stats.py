@@ -61,13 +61,14 @@ def _same_hash_examples(rows, near: dd.NearResult, limit: int) -> list[dict]:
 
 def dedupe_stats(df, cfg: DedupeConfig | None = None, examples: int = EXAMPLES, run=None) -> DedupeStats:
     """Run the dedupe of ``cfg`` on ``df`` and count what it removes, exact and near (per distance). ``run``:
-    ``dedupe.run(df, cfg)`` already done (a deduped view's ``dedupe_run[2]``), so the search is not repeated."""
+    ``dedupe.run(df, cfg)`` already done (a deduped view's ``dedupe_run``), so the search is not repeated."""
     from daft import col
 
     cfg = (cfg or DedupeConfig()).check()
     rows = df.count_rows()
     ordered = df.with_column("_o", dd.order_key())
-    unique, near, _ = run if run is not None else dd.run(df, cfg)
+    run = run if run is not None else dd.run(df, cfg)
+    unique, near = run.rows, run.near
     after_exact = unique.count_rows() if cfg.exact else rows
     shown = _exact_examples(ordered, examples) if cfg.exact and examples else []
     by_distance = dict.fromkeys(range(cfg.max_distance + 1), 0) if cfg.near else {}

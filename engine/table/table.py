@@ -67,7 +67,7 @@ class Table:
         self.df = df if df is not None else read_dataframe(uri, manifest)
         self.operations = tuple(operations)
         self.near_search = None  # set by dedupe: how its near-duplicate pairs were found
-        self.dedupe_run = None  # set by dedupe: (the parent's rows, the DedupeConfig, dedupe.run's parts)
+        self.dedupe_run = None  # set by dedupe: its dedupe.DedupeRun
 
     # -- views ---------------------------------------------------------------------------------------
     def _derive(self, df, operation: str) -> Table:
@@ -89,8 +89,8 @@ class Table:
         df, run = dedupe_rows(self.df, cfg)
         extra = "".join(f", {k}={v!r}" for k, v in options.items())
         view = self._derive(df, f"dedupe(exact={exact}, near={near}, max_distance={max_distance}{extra})")
-        view.near_search = run[1].search if run[1] is not None else None
-        view.dedupe_run = (self.df, cfg, run)  # what dedupe_stats(..., run=) counts from without a new search
+        view.near_search = run.near.search if run.near is not None else None
+        view.dedupe_run = run  # what dedupe_stats(..., run=) counts from without a new search
         return view
 
     def dedupe_stats(self, exact: bool = True, near: bool = True, max_distance: int = 4,

@@ -80,7 +80,7 @@ def test_lsh_dedupe_is_sound_and_its_recall_is_measured_against_exhaustive_compa
     cfg = DedupeConfig(exact=False, method="lsh", recall=0.8, lsh_seed=5)
     kept_df, run = dedupe(df, cfg)
     kept = _uris(kept_df)
-    search = run[1].search
+    search = run.near.search
     assert search.method == "lsh" and search.tables >= 2 and 0.8 <= search.recall < 1 and not search.exact
     # sound: a row goes only when an earlier kept row lies within the distance
     order = sorted(rows, key=lambda r: r["uri"])
@@ -114,9 +114,9 @@ def test_bucket_cap_bounds_comparisons_and_is_reported():
     rows = _rows(400, [(60, 2)], seed=4)
     df = daft.from_pylist(rows)
     want = {r["uri"] for r in choose_unique(rows, exact=True, near=True, max_distance=4)}
-    full = dedupe(df, DedupeConfig(method="pigeonhole"))[1][1].search
+    full = dedupe(df, DedupeConfig(method="pigeonhole"))[1].near.search
     kept_df, run = dedupe(df, DedupeConfig(method="pigeonhole", bucket_cap=8))
-    capped = run[1].search
+    capped = run.near.search
     assert full.capped_buckets == 0 and full.exact and full.largest_bucket >= 30
     assert capped.capped_buckets >= 1 and capped.largest_bucket == full.largest_bucket and not capped.exact
     assert capped.capped_rows >= full.largest_bucket - 8 and capped.compared_pairs < full.compared_pairs

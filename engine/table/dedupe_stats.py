@@ -27,6 +27,9 @@ class DedupeStats:
     search: NearSearch | None = None
     config: DedupeConfig = field(default_factory=DedupeConfig)
 
+    def __str__(self) -> str:
+        return format_dedupe(self)
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out["search"] = self.search.to_dict() if self.search else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 from . import io
 from .dupes import pair_sheet
@@ -133,7 +134,10 @@ def cmd_dedupe(args) -> int:
         raise ConfigError(f"--recall-sample {args.recall_sample} must be >= 0 (0: not measured)")
     table = _filtered(open_table(args.table, runner=args.runner, ray_address=args.ray_address), args.where)
     options = {"method": args.method, "recall": args.recall, "bucket_cap": args.bucket_cap}
-    view = table.dedupe(exact=not args.no_exact, near=not args.no_near, max_distance=args.max_distance, **options)
+    with warnings.catch_warnings():  # a capped near search warns; the summary below says the same
+        warnings.simplefilter("ignore", UserWarning)
+        view = table.dedupe(exact=not args.no_exact, near=not args.no_near, max_distance=args.max_distance,
+                            **options)
     run = view.dedupe_run
     cfg = run.config
     stats = dedupe_stats(run.source, cfg, examples=args.examples, run=run)

@@ -19,6 +19,7 @@ The rows kept are ``choose.choose_unique``'s: rows are ordered readable first, t
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -253,6 +254,8 @@ def greedy(pairs: dict[tuple[int, int], int], first: dict[int, str]) -> dict[int
 def near_step(rows, cfg: DedupeConfig) -> NearResult:
     reps = distinct_hashes(rows)
     pairs, search = near_pairs(reps, cfg)
+    if search.capped_buckets:  # the result is no longer exact: say so where a notebook user sees it
+        warnings.warn(f"dedupe: {search.describe()}; raise bucket_cap to compare more", stacklevel=4)
     hashes = sorted({h for p in pairs for h in p})
     first, count = _facts(reps, hashes)
     return NearResult(reps, search, pairs, first, count, greedy(pairs, first))

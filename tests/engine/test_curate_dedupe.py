@@ -115,7 +115,8 @@ def test_bucket_cap_bounds_comparisons_and_is_reported():
     df = daft.from_pylist(rows)
     want = {r["uri"] for r in choose_unique(rows, exact=True, near=True, max_distance=4)}
     full = dedupe(df, DedupeConfig(method="pigeonhole"))[1].near.search
-    kept_df, run = dedupe(df, DedupeConfig(method="pigeonhole", bucket_cap=8))
+    with pytest.warns(UserWarning, match="over the cap of 8"):
+        kept_df, run = dedupe(df, DedupeConfig(method="pigeonhole", bucket_cap=8))
     capped = run.near.search
     assert full.capped_buckets == 0 and full.exact and full.largest_bucket >= 30
     assert capped.capped_buckets >= 1 and capped.largest_bucket == full.largest_bucket and not capped.exact

@@ -26,7 +26,7 @@ from ..errors import ConfigError
 
 HASH_BITS = 64
 DEFAULT_RECALL = 0.99  # the probability that the LSH plan compares a pair at exactly max_distance
-DEFAULT_BUCKET_CAP = 256  # rows of one bucket compared with each other in full; see ``near_pairs`` for the rest
+DEFAULT_BUCKET_CAP = 256  # hashes of one bucket compared with each other in full (the rest with those: dedupe.py)
 # Exact search while its expected comparisons stay under this many per distinct hash (uniform hashes): at
 # distance 4 that is up to about 87,000 distinct hashes; beyond it the pigeonhole cost grows as m**2. Below
 # EXACT_FLOOR comparisons (a second or so) exact search is used whatever the distance.

@@ -1,4 +1,4 @@
-"""CLI subcommands of the engine: ``synth``, ``ingest``, ``inspect``, ``vacuum``: their arguments. What they do is
+"""CLI subcommands of the engine: ``synth``, ``ingest``, ``inspect``, ``dedupe``, ``vacuum``: their arguments. What they do is
 in commands.py, which loads fsspec, pyarrow, PIL and numpy: it is imported when a command runs, so that the
 ``dutycycle`` command starts without them."""
 
@@ -66,6 +66,41 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the stats as JSON")
     runner.add_arguments(p)
     p.set_defaults(func=command("cmd_inspect"))
+
+    p = subparsers.add_parser(
+        "dedupe", help="count and show what exact and near-duplicate removal takes out of a table; --save keeps "
+        "the rest as a new table",
+    )
+    p.add_argument("table", help="table folder or URI")
+    p.add_argument("--where", default=None, help="SQL filter applied first, e.g. \"error IS NULL\"")
+    p.add_argument("--no-exact", action="store_true", help="keep exact copies (same bytes)")
+    p.add_argument("--no-near", action="store_true", help="keep near duplicates (similar perceptual hash)")
+    p.add_argument("--max-distance", type=int, default=4,
+                   help="Hamming distance (bits of the 64-bit perceptual hash, 0-16) within which a later row is "
+                   "a near duplicate of a kept one (default 4)")
+    p.add_argument("--method", default="auto", choices=["auto", "pigeonhole", "lsh"],
+                   help="near search: pigeonhole compares every pair within the distance, lsh samples bits for "
+                   "--recall, auto takes pigeonhole while it is cheap (default)")
+    p.add_argument("--recall", type=float, default=0.99,
+                   help="lsh: the probability that a pair at --max-distance is compared (default 0.99)")
+    p.add_argument("--bucket-cap", type=int, default=256,
+                   help="rows of one bucket compared with each other in full; the rest of a larger bucket only "
+                   "with those (default 256; the output says how many buckets hit it)")
+    p.add_argument("--examples", type=int, default=3, help="example pairs per distance (default 3)")
+    p.add_argument("--sheet", default=None,
+                   help="write the example pairs as a PNG here (default: TABLE/dedupe_pairs.png)")
+    p.add_argument("--no-sheet", action="store_true", help="do not draw the example pairs")
+    p.add_argument("--recall-sample", type=int, default=0, metavar="N",
+                   help="also measure the near search's recall: N distinct hashes compared with every hash")
+    p.add_argument("--save", default=None, metavar="URI", help="commit the rows kept as a new table here")
+    p.add_argument("--overwrite", action="store_true", help="with --save: add a version to an existing table")
+    p.add_argument(
+        "--allow-root", action="append", default=[], metavar="URI",
+        help="also read rows under this folder or URI for the sheet (repeatable)",
+    )
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    runner.add_arguments(p)
+    p.set_defaults(func=command("cmd_dedupe"))
 
     p = subparsers.add_parser(
         "vacuum", help="delete table data files that no committed version names (after a grace period)"

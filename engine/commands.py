@@ -1,18 +1,21 @@
-"""What the engine's subcommands do (``synth``, ``ingest``, ``inspect``, ``vacuum``; their arguments are in
+"""What the engine's subcommands do (``synth``, ``ingest``, ``inspect``, ``dedupe``, ``vacuum``; their arguments are in
 cli.py). This module loads fsspec, pyarrow, PIL and numpy: cli.py imports it only when one of its commands runs."""
 
 from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 from . import io
+from .dupes import pair_sheet
 from .errors import ConfigError
 from .inspect import contact_sheet
 from .limits import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_PIXELS
 from .synth import synthesize
 from .table.catalog import ingest
 from .table.curate import format_stats
+from .table.dedupe_stats import dedupe_stats, format_dedupe
 from .table.split import describe_assignment
 from .table.table import open_table
 from .table.vacuum import vacuum
@@ -105,4 +108,59 @@ def cmd_inspect(args) -> int:
         print(f"contact sheet: {out} ({len(grid)} thumbnails)", file=sys.stdout)
         if grid.refused:
             print(grid.summary[-1], file=sys.stdout)
+    return 0
+
+
+def _filtered(table, where: str | None):
+    """``table`` filtered by ``--where``, a bad expression surfaced here as one line."""
+    if not where:
+        return table
+    try:
+        table = table.where(where)
+        table.df.limit(1).collect()
+    except Exception as e:
+        if isinstance(e, (ConfigError, OSError)):  # storage errors are not a bad filter
+            raise
+        raise ConfigError(
+            f"--where {where!r} is not a valid filter ({str(e).splitlines()[0]}); "
+            "write SQL over the table's columns, e.g. \"error IS NULL\""
+        ) from e
+    return table
+
+
+def cmd_dedupe(args) -> int:
+    if args.examples < 0:
+        raise ConfigError(f"--examples {args.examples} must be >= 0")
+    if args.recall_sample < 0:
+        raise ConfigError(f"--recall-sample {args.recall_sample} must be >= 0 (0: not measured)")
+    table = _filtered(open_table(args.table, runner=args.runner, ray_address=args.ray_address), args.where)
+    options = {"method": args.method, "recall": args.recall, "bucket_cap": args.bucket_cap}
+    with warnings.catch_warnings():  # a capped near search warns; the summary below says the same
+        warnings.simplefilter("ignore", UserWarning)
+        view = table.dedupe(exact=not args.no_exact, near=not args.no_near, max_distance=args.max_distance,
+                            **options)
+    run = view.dedupe_run
+    cfg = run.config
+    stats = dedupe_stats(run.source, cfg, examples=args.examples, run=run)
+    out = stats.to_dict()
+    lines = format_dedupe(stats).splitlines()
+    if not args.no_sheet:
+        sheet = pair_sheet(table, stats, args.sheet or io.join(args.table, "dedupe_pairs.png"),
+                           allowed_roots=args.allow_root)
+        out["sheet"] = {"uri": sheet.uri, "pairs": sheet.pairs, "outside_roots": sheet.refused}
+        lines.append(f"pair sheet: {sheet.uri} ({sheet.pairs} pairs)")
+        if sheet.refused:
+            lines.append(f"{len(sheet.refused)} files outside the table's source roots were not read, e.g. "
+                         f"{sheet.refused[0]!r}; name extra roots with --allow-root")
+    if args.recall_sample and cfg.near:
+        r = table.near_recall(cfg.max_distance, sample=args.recall_sample, **options)
+        out["near_recall"] = r
+        recall = "no pairs in the sample" if r["recall"] is None else f"{r['recall']:.4f}"
+        lines.append(f"near recall against exhaustive comparison of {r['sample']} distinct hashes: {recall} "
+                     f"({r['found']} of {r['pairs']} pairs found)")
+    if args.save:
+        saved = view.save(args.save, overwrite=args.overwrite)
+        out["saved"] = {"uri": args.save, "version": saved.manifest.version, "rows": saved.manifest.num_rows}
+        lines.append(f"saved {saved.manifest.num_rows} rows to {args.save} (version {saved.manifest.version})")
+    print(json.dumps(out, indent=2) if args.json else "\n".join(lines))
     return 0

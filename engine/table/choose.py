@@ -1,5 +1,6 @@
 """Which rows a curation keeps, defined by plain functions over Python lists (metadata only, no pixels): the
-specification that ``queries.py`` runs as Daft queries and is tested against.
+specification that ``queries.py`` and ``dedupe.py`` run as Daft queries and are tested against (``dedupe.py``
+keeps ``choose_unique``'s rows exactly while its near search is exact: pigeonhole bands, no bucket over the cap).
 """
 
 from __future__ import annotations

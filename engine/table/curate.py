@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError, DestinationError
+from . import dedupe as dd
 from . import format as tf
 from . import queries
 from .choose import (  # noqa: F401 - the definitions, exported beside the queries that run them
@@ -25,6 +26,7 @@ from .choose import (  # noqa: F401 - the definitions, exported beside the queri
     split_rows,
 )
 from .commit import check_destination, write_version
+from .dedupe import DedupeConfig
 
 # ---------------------------------------------------------------------------------------------------------
 # stats
@@ -86,10 +88,12 @@ def format_stats(s: dict[str, Any]) -> str:
 # dedupe
 
 
-def dedupe(df, exact: bool = True, near: bool = True, max_distance: int = 4):
+def dedupe(df, exact: bool = True, near: bool = True, max_distance: int = 4, **options):
     """``df`` without exact duplicates (same content hash) and near duplicates (perceptual-hash distance): the rows
-    ``choose_unique`` keeps, chosen by Daft queries (``queries.dedupe``)."""
-    return queries.dedupe(df, exact=exact, near=near, max_distance=max_distance, max_near=MAX_NEAR_DISTANCE)
+    ``choose_unique`` keeps (while the near search is exact: ``dedupe.NearSearch.exact``), chosen by Daft queries
+    (``dedupe.py``). ``options``: the other fields of ``DedupeConfig`` (method, recall, bucket_cap, lsh_seed)."""
+    kept, _ = dd.dedupe(df, DedupeConfig(exact=exact, near=near, max_distance=max_distance, **options))
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -14,6 +14,9 @@ from .. import runner as runner_mod
 from ..errors import CorruptArtifactError
 from . import curate
 from . import format as tf
+from .dedupe import DedupeConfig, near_recall
+from .dedupe import dedupe as dedupe_rows
+from .dedupe_stats import EXAMPLES, DedupeStats, dedupe_stats
 
 
 def read_arrow(table_uri: str, manifest: tf.TableManifest | None = None, columns: list[str] | None = None):
@@ -63,6 +66,8 @@ class Table:
         self.manifest = manifest
         self.df = df if df is not None else read_dataframe(uri, manifest)
         self.operations = tuple(operations)
+        self.near_search = None  # set by dedupe: how its near-duplicate pairs were found
+        self.dedupe_run = None  # set by dedupe: its dedupe.DedupeRun
 
     # -- views ---------------------------------------------------------------------------------------
     def _derive(self, df, operation: str) -> Table:
@@ -75,10 +80,30 @@ class Table:
         expr = daft.sql_expr(predicate) if isinstance(predicate, str) else predicate
         return self._derive(self.df.where(expr), f"where {predicate}")
 
-    def dedupe(self, exact: bool = True, near: bool = True, max_distance: int = 4) -> Table:
-        """Drop exact duplicates (same content hash) and near duplicates (perceptual-hash Hamming distance)."""
-        df = curate.dedupe(self.df, exact=exact, near=near, max_distance=max_distance)
-        return self._derive(df, f"dedupe(exact={exact}, near={near}, max_distance={max_distance})")
+    def dedupe(self, exact: bool = True, near: bool = True, max_distance: int = 4, **options) -> Table:
+        """Drop exact duplicates (same content hash) and near duplicates (perceptual-hash Hamming distance).
+        ``options``: the other fields of ``dedupe.DedupeConfig`` (method, recall, bucket_cap, lsh_seed). The near
+        search runs now (its pairs decide the rows); how it went is the view's ``near_search`` (a
+        ``dedupe.NearSearch``: exact or LSH, buckets over the cap), None without ``near``."""
+        cfg = DedupeConfig(exact=exact, near=near, max_distance=max_distance, **options)
+        df, run = dedupe_rows(self.df, cfg)
+        extra = "".join(f", {k}={v!r}" for k, v in options.items())
+        view = self._derive(df, f"dedupe(exact={exact}, near={near}, max_distance={max_distance}{extra})")
+        view.near_search = run.near.search if run.near is not None else None
+        view.dedupe_run = run  # what dedupe_stats(..., run=) counts from without a new search
+        return view
+
+    def dedupe_stats(self, exact: bool = True, near: bool = True, max_distance: int = 4,
+                     examples: int = EXAMPLES, **options) -> DedupeStats:
+        """What ``dedupe`` with these settings removes: exact and near removals (per distance), ``examples``
+        pairs per distance, and the near search (``dupes.DedupeStats``; ``dupes.pair_sheet`` draws the pairs)."""
+        cfg = DedupeConfig(exact=exact, near=near, max_distance=max_distance, **options)
+        return dedupe_stats(self.df, cfg, examples=examples)
+
+    def near_recall(self, max_distance: int = 4, sample: int = 1000, seed: int = 0, **options) -> dict:
+        """The share of near-duplicate pairs the search finds, against exhaustive comparison of ``sample``
+        distinct hashes with all (``dedupe.near_recall``)."""
+        return near_recall(self.df, max_distance=max_distance, sample=sample, seed=seed, **options)
 
     def sample(
         self,

@@ -20,6 +20,8 @@ def html_outputs(outputs):
 def check_curate(tmp_path, outputs):
     assert any(h.count("data:image/jpeg;base64,") >= 6 for h in html_outputs(outputs))  # thumbnails inline
     assert (tmp_path / "data" / "subset" / "_manifest.json").exists()
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "exact duplicates" in text and "near duplicates removed by distance: 0:" in text  # dedupe_stats
 
 
 def check_cache(tmp_path, outputs):

@@ -205,3 +205,57 @@ def test_cli_inspect_writes_contact_sheet(dataset, tmp_path, capsys):
     assert main(["inspect", dataset["table"], "--where", "nosuchcolumn > 1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nosuchcolumn" in err
+
+
+def test_dedupe_stats_split_exact_and_near_with_a_sheet_of_pairs(dataset, tmp_path, capsys):
+    import json
+
+    import numpy as np
+    from dutycycle.engine.dupes import pair_sheet
+    from dutycycle.engine.table.dedupe_stats import DedupeStats
+
+    t = open_table(dataset["table"]).where("error IS NULL")
+    s = t.dedupe_stats(max_distance=4, examples=2)
+    view = t.dedupe(max_distance=4)
+    originals = {str(p.with_name(p.name[len("copy_"):])) for p in dataset["exact"]}
+    near = {str(p) for p in dataset["near"]}
+    assert (s.rows, s.exact_removed) == (t.count(), 3) and s.kept == view.count() == s.rows - 3 - s.near_removed
+    assert s.near_removed == sum(s.near_by_distance.values()) >= 2 and set(s.near_by_distance) == set(range(5))
+    assert view.near_search.exact and s.search.method == "pigeonhole" and s.search.pairs >= 1
+    exact = [e for e in s.examples if e["distance"] is None]
+    assert len(exact) == 2 and {e["removed"] for e in exact} <= originals  # "copy_..." sorts first: kept
+    assert all(e["kept"] == e["removed"].replace("/star/", "/star/copy_") for e in exact)
+    shown = [e for e in s.examples if e["distance"] is not None]
+    assert near <= {e["removed"] for e in shown} and all(len([x for x in shown if x["distance"] == e["distance"]]) <= 2
+                                                          for e in shown)
+    for e in shown:  # each example is within its stated distance
+        kept, removed = (read_arrow(dataset["table"]).filter(pc_eq("uri", u)).column("phash")[0].as_py()
+                         for u in (e["kept"], e["removed"]))
+        assert imageinfo.hamming(kept, removed) == e["distance"]
+
+    sheet = pair_sheet(t, s, str(tmp_path / "pairs.png"), size=48)
+    png = Image.open(tmp_path / "pairs.png")
+    assert png.format == "PNG" and sheet.pairs == len(s.examples) and not sheet.refused
+    assert png.height == 16 + 8 + len(s.examples) * (48 + 8)
+    tile = np.asarray(png.convert("L"))[24:24 + 48, 8:8 + 48]  # the first kept thumbnail: drawn, not the blank grey
+    assert tile.std() > 5
+    outside = DedupeStats(1, 0, 1, 0, {}, [{"distance": None, "kept": "/etc/hostname", "removed": "/etc/hosts"}])
+    assert pair_sheet(t, outside, str(tmp_path / "x.png")).refused == ["/etc/hostname", "/etc/hosts"]
+
+    out = tmp_path / "unique"
+    rc = main(["dedupe", dataset["table"], "--where", "error IS NULL", "--json", "--sheet", str(tmp_path / "c.png"),
+               "--save", str(out), "--recall-sample", "20"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["exact_removed"] == 3 and report["near_removed"] == s.near_removed
+    assert report["sheet"]["pairs"] == len([e for e in report["examples"]]) and (tmp_path / "c.png").exists()
+    assert report["saved"]["rows"] == s.kept and report["near_recall"]["recall"] in (None, 1.0)
+    assert sorted(open_table(str(out)).to_arrow().column("uri").to_pylist()) == sorted(
+        view.to_arrow().column("uri").to_pylist())
+    assert main(["dedupe", dataset["table"], "--max-distance", "17", "--no-sheet"]) == 2
+    assert "max_distance 17" in capsys.readouterr().err
+
+
+def pc_eq(column, value):
+    import pyarrow.compute as pc
+
+    return pc.field(column) == value

@@ -9,7 +9,7 @@ import random
 
 import daft
 import pytest
-from dutycycle.engine.table import queries
+from dutycycle.engine.table import curate, queries
 from dutycycle.engine.table.choose import choose_sample, choose_unique, split_rows
 from dutycycle.engine.table.curate import stats
 
@@ -47,7 +47,7 @@ def table():
                                                          (True, True, 0), (True, True, 9)])
 def test_dedupe_keeps_the_rows_choose_unique_keeps(table, exact, near, distance):
     rows, df = table
-    got = sorted(queries.dedupe(df, exact=exact, near=near, max_distance=distance).to_pydict()["uri"])
+    got = sorted(curate.dedupe(df, exact=exact, near=near, max_distance=distance).to_pydict()["uri"])
     want = sorted(r["uri"] for r in choose_unique(rows, exact=exact, near=near, max_distance=distance))
     assert got == want
     assert len(want) < len(rows)  # the case removes something: a query that kept everything would fail

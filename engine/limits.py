@@ -52,6 +52,13 @@ COEFFICIENT_BYTES = 2
 JPEG_REDUCTIONS = (1, 2, 4, 8)
 
 
+# PIL's resize weighs each output pixel with a row of filter weights (doubles) as long as the filter's reach in
+# source pixels: the widest filter (lanczos, 3 pixels either side, scaled by the reduction) costs 2 x 3 x 8 bytes
+# per source row and column, whatever the output size: nothing for a photo, 48 MB for the long side of a 4 x
+# 1,000,000 needle (measured once by hand: 16 x 250,000 RGB PNG to 64 x 64 with lanczos, 11 MiB over its decode).
+# Charged for every image, whatever the spec: the estimate is made where no spec is known (ingest).
+RESAMPLE_BYTES_PER_LINE = 2 * 3 * 8
+
 # PIL keeps a pointer (8 bytes) to every row of an image: nothing for a photo, but a 4 x 1,000,000 image holds
 # 8 MB of them beside its 16 MB of pixels, and a 1 x 64,000,000 one 512 MB. Charged for the decoded image and its
 # 8-bit copy (and an upright copy's rows): measured once by hand, 4 x 1,000,000 RGB PNG, 24 MiB to decode.
@@ -69,9 +76,9 @@ def decode_estimate(width: int, height: int, mode: str, *, transparent: bool = F
     ``turned`` image (EXIF orientation 2..8) and a progressive JPEG's ``coefficient_bytes``. The transform
     after it holds O(output) more: it crops before it resizes, so no intermediate grows with the image's shape."""
     pixels = width * height
-    rows = 2 * height * ROW_POINTER_BYTES
+    lines = 2 * height * ROW_POINTER_BYTES + (width + height) * RESAMPLE_BYTES_PER_LINE
     turn = pixels * stored_bytes_per_pixel(mode) + max(width, height) * ROW_POINTER_BYTES if turned else 0
-    return pixels * decode_bytes_per_pixel(mode, transparent) + rows + turn + coefficient_bytes
+    return pixels * decode_bytes_per_pixel(mode, transparent) + lines + turn + coefficient_bytes
 
 
 def decode_bytes_per_pixel(mode: str, transparent: bool = False) -> int:
@@ -82,16 +89,19 @@ def decode_bytes_per_pixel(mode: str, transparent: bool = False) -> int:
     return _DECODE_BYTES_PER_PIXEL.get(mode, _WIDEST_BYTES_PER_PIXEL)
 
 
-# The budget's allowance for row pointers: those of an RGB image at the pixel limit 16 times taller than wide (so
-# any ordinary shape at the limit fits, and a needle of the same pixel count does not).
+# The budget's allowance for what grows with rows and columns (row pointers, filter weights): that of an RGB image
+# at the pixel limit 16 times taller than wide (so any ordinary shape at the limit fits, and a needle of the same
+# pixel count does not).
 BUDGET_ASPECT = 16
 
 
 def decode_budget_bytes(max_pixels: int) -> int:
     """The bytes a decode may hold under the pixel limit ``max_pixels``: an 8-bit RGB image at the limit, with
-    the row pointers of one ``BUDGET_ASPECT`` times taller than wide."""
-    tallest = math.isqrt(BUDGET_ASPECT * max_pixels)
-    return max_pixels * RGB_DECODE_BYTES_PER_PIXEL + 2 * tallest * ROW_POINTER_BYTES
+    the rows and columns of one ``BUDGET_ASPECT`` times taller than wide."""
+    tall = math.isqrt(BUDGET_ASPECT * max_pixels)
+    wide = max(1, max_pixels // tall)
+    lines = decode_estimate(wide, tall, "RGB") - wide * tall * RGB_DECODE_BYTES_PER_PIXEL
+    return max_pixels * RGB_DECODE_BYTES_PER_PIXEL + lines
 
 
 # How a sample's pixels are computed from the decode, beyond the spec: named in the fingerprint so a cache made
@@ -104,5 +114,6 @@ def decode_accounting() -> dict:
     ``decode_estimate`` and the transform's geometry, for fingerprints of what was decoded."""
     return {**_DECODE_BYTES_PER_PIXEL, "*": _WIDEST_BYTES_PER_PIXEL,
             "turned": {**_STORED_BYTES_PER_PIXEL, "*": 4}, "progressive_coefficient": COEFFICIENT_BYTES,
-            "row_pointer": ROW_POINTER_BYTES, "budget_aspect": BUDGET_ASPECT,
+            "row_pointer": ROW_POINTER_BYTES, "resample_line": RESAMPLE_BYTES_PER_LINE,
+            "budget_aspect": BUDGET_ASPECT,
             "jpeg_reductions": list(JPEG_REDUCTIONS), "geometry": GEOMETRY}

@@ -37,15 +37,16 @@ from tests.support.memory import peak_rss_bytes as peak
 with open(sys.argv[1], "rb") as f:
     data = f.read()
 before = peak()
-out = decode_and_transform(data, TransformSpec(size=64), max_pixels=int(sys.argv[2]))
+out = decode_and_transform(data, TransformSpec(size=64, **json.loads(sys.argv[3])), max_pixels=int(sys.argv[2]))
 print(json.dumps({"before": before, "after": peak(), "shape": list(out.shape)}))
 """
 
 
-def decode_cost(path, max_pixels: int = DEFAULT_MAX_PIXELS) -> dict:
-    """``{"before", "after", "cost"}`` in bytes: a fresh process's peak RSS before and after decoding ``path``."""
+def decode_cost(path, max_pixels: int = DEFAULT_MAX_PIXELS, **spec) -> dict:
+    """``{"before", "after", "cost"}`` in bytes: a fresh process's peak RSS before and after decoding ``path``
+    (to a 64 x 64 sample of ``TransformSpec(**spec)``)."""
     root = str(REPO)
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(max_pixels)], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(max_pixels), json.dumps(spec)], capture_output=True,
                          text=True, check=True, cwd=root, timeout=120)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["shape"] == [64, 64, 3]
@@ -116,13 +117,15 @@ def shapes(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
-@pytest.mark.parametrize("shape", ["needle", "progressive", "rotated"])
-def test_any_shape_costs_what_its_header_estimate_says(shapes, shape):
-    """``imageinfo.decode_cost`` (from the header, before decoding) holds for the whole decode and transform."""
+@pytest.mark.parametrize("shape, spec", [("needle", {}), ("needle", {"resize": "pad", "resample": "lanczos"}),
+                                         ("progressive", {}), ("rotated", {})])
+def test_any_shape_costs_what_its_header_estimate_says(shapes, shape, spec):
+    """``imageinfo.decode_cost`` (from the header, before decoding) holds for the whole decode and transform:
+    the needle's crop (the default spec) and its filter weights (lanczos over its whole length)."""
     with open(shapes[shape], "rb") as f:
         estimate = imageinfo.decode_cost(imageinfo.open_checked(f.read()))
-    got = decode_cost(shapes[shape])
-    print(f"{shape}: {got['cost'] / MB:.0f} MB measured, {estimate / MB:.0f} MB estimated")
+    got = decode_cost(shapes[shape], **spec)
+    print(f"{shape} {spec}: {got['cost'] / MB:.0f} MB measured, {estimate / MB:.0f} MB estimated")
     assert got["cost"] <= 1.1 * estimate + 4 * MB
 
 

@@ -280,11 +280,14 @@ def _coefficient_bytes(im: Image.Image) -> int:
     return blocks * 64 * COEFFICIENT_BYTES
 
 
-def decode_cost(im: Image.Image, reduction: int = 1) -> int:
-    """``limits.decode_estimate`` for ``im`` (opened, not decoded) decoded at 1/``reduction`` of its size."""
+def decode_cost(im: Image.Image, reduction: int = 1, turned: bool | None = None) -> int:
+    """``limits.decode_estimate`` for ``im`` (opened, not decoded) decoded at 1/``reduction`` of its size;
+    ``turned``: whether it has an EXIF orientation to apply (None: read it)."""
     w, h = im.size
+    if turned is None:
+        turned = orientation_of(im) != 1
     return decode_estimate(_ceil(w, reduction), _ceil(h, reduction), im.mode, transparent="transparency" in im.info,
-                           turned=orientation_of(im) != 1, coefficient_bytes=_coefficient_bytes(im))
+                           turned=turned, coefficient_bytes=_coefficient_bytes(im))
 
 
 def decode_reduction(im: Image.Image, max_pixels: int = DEFAULT_MAX_PIXELS) -> int | None:
@@ -293,7 +296,8 @@ def decode_reduction(im: Image.Image, max_pixels: int = DEFAULT_MAX_PIXELS) -> i
     nothing fits (the image is refused)."""
     budget = decode_budget_bytes(max_pixels)
     for reduction in JPEG_REDUCTIONS if im.format == "JPEG" else (1,):
-        if decode_cost(im, reduction) <= budget:
+        # EXIF is parsed only when its answer matters: most images fit even if they had to be turned
+        if decode_cost(im, reduction, turned=True) <= budget or decode_cost(im, reduction) <= budget:
             return reduction
     return None
 
@@ -312,7 +316,7 @@ def _over_budget(im: Image.Image, max_pixels: int) -> str:
             + "".join(f", + {e}" for e in extra) + f"), over the budget of {decode_budget_bytes(max_pixels)} "
             f"bytes (the limit of {max_pixels} pixels at {RGB_DECODE_BYTES_PER_PIXEL} bytes a pixel, and their row "
             f"pointers){smallest}; "
-            "raise max_pixels (--max-pixels) to decode it")
+            "raise max_pixels to decode it")
 
 
 def orientation_of(im: Image.Image) -> int:

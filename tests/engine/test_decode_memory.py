@@ -53,9 +53,9 @@ def decode_cost(path, max_pixels: int = DEFAULT_MAX_PIXELS, **spec) -> dict:
     return {**got, "cost": got["after"] - got["before"]}
 
 
-def _ramp(dtype, top: int) -> np.ndarray:
+def _ramp(dtype, top: int, side: int = SIDE) -> np.ndarray:
     """Smooth content with some texture, so the PNGs compress like images do, not like noise."""
-    x, y = np.arange(SIDE, dtype=np.int32)[None, :], np.arange(SIDE, dtype=np.int32)[:, None]
+    x, y = np.arange(side, dtype=np.int32)[None, :], np.arange(side, dtype=np.int32)[:, None]
     return ((x * 7 + y * 13 + (x * y) % 97) % top).astype(dtype)
 
 
@@ -103,9 +103,8 @@ def shapes(tmp_path_factory) -> dict[str, str]:
     used to resize it to 64 x 1,000,000 before cropping), a progressive JPEG (its coefficients) and an
     EXIF-rotated one (its upright copy)."""
     d = tmp_path_factory.mktemp("shapes")
-    ramp8 = _ramp(np.uint8, 256)
-    needle = np.tile(ramp8[:, :16], (63, 1))[:250_000]
-    ramp8 = ramp8[:JPEG_SIDE, :JPEG_SIDE]
+    ramp8 = _ramp(np.uint8, 256, JPEG_SIDE)
+    needle = np.tile(ramp8[:, :16], (84, 1))[:250_000]
     rgb = Image.fromarray(np.stack([ramp8, ramp8[::-1], ramp8[:, ::-1]], -1))
     exif = Image.Exif()
     exif[imageinfo.ORIENTATION_TAG] = 6

@@ -34,6 +34,7 @@ from .limits import (
     decode_budget_bytes,
     decode_bytes_per_pixel,
     decode_estimate,
+    format_bytes_per_pixel,
 )
 
 ORIENTATION_TAG = 0x0112
@@ -287,7 +288,7 @@ def decode_cost(im: Image.Image, reduction: int = 1, turned: bool | None = None)
     if turned is None:
         turned = orientation_of(im) != 1
     return decode_estimate(_ceil(w, reduction), _ceil(h, reduction), im.mode, transparent="transparency" in im.info,
-                           turned=turned, coefficient_bytes=_coefficient_bytes(im))
+                           turned=turned, coefficient_bytes=_coefficient_bytes(im), fmt=im.format or "")
 
 
 def decode_reduction(im: Image.Image, max_pixels: int = DEFAULT_MAX_PIXELS) -> int | None:
@@ -304,7 +305,7 @@ def decode_reduction(im: Image.Image, max_pixels: int = DEFAULT_MAX_PIXELS) -> i
 
 def _over_budget(im: Image.Image, max_pixels: int) -> str:
     w, h = im.size
-    per_pixel = decode_bytes_per_pixel(im.mode, "transparency" in im.info)
+    per_pixel = max(decode_bytes_per_pixel(im.mode, "transparency" in im.info), format_bytes_per_pixel(im.format))
     extra = []
     if orientation_of(im) != 1:
         extra.append("its upright copy")

@@ -100,8 +100,8 @@ def test_each_mode_costs_what_the_pixel_budget_accounts_for(images, mode):
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory) -> dict[str, str]:
     """Images whose decode costs more than their mode's bytes a pixel: a needle (16 x 250,000: the transform
-    used to resize it to 64 x 1,000,000 before cropping), a progressive JPEG (its coefficients) and an
-    EXIF-rotated one (its upright copy)."""
+    used to resize it to 64 x 1,000,000 before cropping), a progressive JPEG (its coefficients), an
+    EXIF-rotated one (its upright copy) and a WebP (libwebp's own canvases)."""
     d = tmp_path_factory.mktemp("shapes")
     ramp8 = _ramp(np.uint8, 256, JPEG_SIDE)
     needle = np.tile(ramp8[:, :16], (84, 1))[:250_000]
@@ -111,13 +111,15 @@ def shapes(tmp_path_factory) -> dict[str, str]:
     paths = {"needle": str(d / "needle.png"), "progressive": str(d / "progressive.jpg"),
              "rotated": str(d / "rotated.jpg")}
     Image.fromarray(np.stack([needle, needle[::-1], needle], -1)).save(paths["needle"], compress_level=1)
+    paths["webp"] = str(d / "photo.webp")
+    rgb.crop((0, 0, 2000, 2000)).save(paths["webp"], quality=80, method=0)  # method 0: the fastest encoder
     rgb.save(paths["progressive"], quality=90, progressive=True)
     rgb.save(paths["rotated"], quality=90, exif=exif.tobytes())
     return paths
 
 
 @pytest.mark.parametrize("shape, spec", [("needle", {}), ("needle", {"resize": "pad", "resample": "lanczos"}),
-                                         ("progressive", {}), ("rotated", {})])
+                                         ("progressive", {}), ("rotated", {}), ("webp", {})])
 def test_any_shape_costs_what_its_header_estimate_says(shapes, shape, spec):
     """``imageinfo.decode_cost`` (from the header, before decoding) holds for the whole decode and transform:
     the needle's crop (the default spec) and its filter weights (lanczos over its whole length)."""

@@ -30,7 +30,6 @@ from .limits import (
     DEFAULT_MAX_PIXELS,
     JPEG_REDUCTIONS,
     REDUCED_DECODE_MAX_PIXELS,
-    RGB_DECODE_BYTES_PER_PIXEL,
     decode_budget_bytes,
     decode_bytes_per_pixel,
     decode_estimate,
@@ -306,7 +305,7 @@ def decode_reduction(im: Image.Image, max_pixels: int = DEFAULT_MAX_PIXELS) -> i
 def _over_budget(im: Image.Image, max_pixels: int) -> str:
     w, h = im.size
     per_pixel = max(decode_bytes_per_pixel(im.mode, "transparency" in im.info), format_bytes_per_pixel(im.format))
-    extra = []
+    extra = ["row pointers and filter weights"]
     if orientation_of(im) != 1:
         extra.append("its upright copy")
     if _coefficient_bytes(im):
@@ -315,9 +314,7 @@ def _over_budget(im: Image.Image, max_pixels: int) -> str:
         if im.format == "JPEG" else ""
     return (f"header claims {w}x{h} {im.mode} pixels, {decode_cost(im)} bytes to decode ({per_pixel} a pixel"
             + "".join(f", + {e}" for e in extra) + f"), over the budget of {decode_budget_bytes(max_pixels)} "
-            f"bytes (the limit of {max_pixels} pixels at {RGB_DECODE_BYTES_PER_PIXEL} bytes a pixel, and their row "
-            f"pointers){smallest}; "
-            "raise max_pixels to decode it")
+            f"bytes (an RGB image at the limit of {max_pixels} pixels){smallest}; raise max_pixels to decode it")
 
 
 def orientation_of(im: Image.Image) -> int:

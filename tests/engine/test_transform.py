@@ -218,25 +218,25 @@ def test_decode_budget_counts_bytes_per_pixel_not_pixels():
     """At the same pixel count, a mode that holds more bytes a pixel than 8-bit RGB is over the byte budget."""
     from dutycycle.engine import imageinfo
 
-    limit = 1_000_000  # pixels; the budget is 4,268,000 bytes: 4 a pixel, as PIL holds RGB, + 268,000 for the rows
+    limit = 250_000  # pixels; the budget is 1,134,000 bytes: 4 a pixel, as PIL holds RGB, + 134,000 for the rows
     # and columns (row pointers, filter weights) of an image at the limit 16 times taller than wide
     fits = {
-        "RGB": png_bytes(Image.new("RGB", (1000, 1000))),
-        "L": png_bytes(Image.new("L", (1000, 1000))),
-        "I;16": png_bytes(Image.fromarray(np.zeros((1000, 1000), np.uint16))),
-        "RGBA half": png_bytes(Image.new("RGBA", (1000, 500))),  # 8 bytes a pixel, half the pixels
-        "F two thirds": _tiff_bytes(Image.fromarray(np.zeros((660, 1000), np.float32))),
+        "RGB": png_bytes(Image.new("RGB", (500, 500))),
+        "L": png_bytes(Image.new("L", (500, 500))),
+        "I;16": png_bytes(Image.fromarray(np.zeros((500, 500), np.uint16))),
+        "RGBA half": png_bytes(Image.new("RGBA", (500, 250))),  # 8 bytes a pixel, half the pixels
+        "F two thirds": _tiff_bytes(Image.fromarray(np.zeros((330, 500), np.float32))),
     }
     for name, data in fits.items():
         assert decode_and_transform(data, TransformSpec(size=8), max_pixels=limit).shape == (8, 8, 3), name
     over = {
-        "RGBA": png_bytes(Image.new("RGBA", (1000, 1000))),
-        "LA": png_bytes(Image.new("LA", (1000, 1000))),
-        "F": _tiff_bytes(Image.fromarray(np.zeros((1000, 1000), np.float32))),
-        "P with a transparent colour": png_bytes(Image.new("P", (1000, 1000)), transparency=0),
+        "RGBA": png_bytes(Image.new("RGBA", (500, 500))),
+        "LA": png_bytes(Image.new("LA", (500, 500))),
+        "F": _tiff_bytes(Image.fromarray(np.zeros((500, 500), np.float32))),
+        "P with a transparent colour": png_bytes(Image.new("P", (500, 500)), transparency=0),
     }
     for name, data in over.items():
-        with pytest.raises(DecodeError, match=r"bytes to decode .* over the budget of 4268000 bytes") as e:
+        with pytest.raises(DecodeError, match=r"bytes to decode .* over the budget of 1134000 bytes") as e:
             decode_and_transform(data, TransformSpec(size=8), max_pixels=limit)
         assert e.value.reason == "decompression bomb", name
         # one limit: ingest records the same refusal for the row

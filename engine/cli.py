@@ -59,6 +59,12 @@ def register(subparsers) -> None:
     )
     p.add_argument("--size", type=int, default=128, help="thumbnail size in pixels")
     p.add_argument(
+        "--sample", choices=("random", "per_class", "first"), default="random",  # inspect.SAMPLES (it loads PIL)
+        help="which rows the sheet shows: a seeded random sample, up to LIMIT/classes of each class, or the "
+        "first rows in path order (default random)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random and per_class samples (default 0)")
+    p.add_argument(
         "--allow-root", action="append", default=[], metavar="URI",
         help="also read rows under this folder or URI (repeatable); by default only rows inside the table's "
         "source roots are read",

@@ -100,7 +100,7 @@ def cmd_inspect(args) -> int:
     text = format_stats(s)
     out = args.html or io.join(args.table, "contact_sheet.html")
     grid = contact_sheet(table, out, limit=args.limit, size=args.size, summary=text.splitlines(),
-                         allowed_roots=args.allow_root)
+                         allowed_roots=args.allow_root, sample=args.sample, seed=args.seed)
     if args.json:
         print(json.dumps({**s, "html": out, "thumbnails": len(grid), "outside_roots": grid.refused}, indent=2))
     else:

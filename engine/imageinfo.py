@@ -26,11 +26,14 @@ from PIL import Image, UnidentifiedImageError
 from .errors import DecodeError
 from .limits import (
     ALLOWED_FORMATS,
+    COEFFICIENT_BYTES,
     DEFAULT_MAX_PIXELS,
+    JPEG_REDUCTIONS,
     REDUCED_DECODE_MAX_PIXELS,
-    RGB_DECODE_BYTES_PER_PIXEL,
     decode_budget_bytes,
     decode_bytes_per_pixel,
+    decode_estimate,
+    format_bytes_per_pixel,
 )
 
 ORIENTATION_TAG = 0x0112
@@ -86,8 +89,8 @@ class ImageFacts:
     error: str | None = None
 
 
-def _tail_check(fmt: str, data: bytes) -> str | None:
-    """Cheap end-of-stream checks that catch truncation without decoding pixels."""
+def tail_check(fmt: str, data: bytes) -> str | None:
+    """Cheap end-of-stream checks that catch truncation without decoding pixels: the error, or None."""
     tail = data.rstrip(b"\x00")[-64:]
     # Some cameras append trailers after the end marker, so a marker further back counts too: for JPEG,
     # an end-of-image after the last start-of-scan (the scan data itself can hold no 0xFFD9).
@@ -127,6 +130,40 @@ def _sniff(data: bytes) -> str:
     if data.startswith(b"RIFF") and data[8:12] == b"WEBP":
         return "WEBP"
     return ""
+
+
+# Signatures strong enough that a file starting with one (or with at least 4 bytes of one, cut short) is that
+# format even when no decoder can open it: a cut-short file of an allowed format is "truncated", not "not an
+# image". (BMP's two-letter "BM" is too weak: text starts with it.)
+_SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
+    (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"),
+)
+
+
+def signature_format(data: bytes) -> str:
+    """The allowed format whose signature ``data`` starts with, or is a cut-short prefix of (4 bytes or more)."""
+    for magic, name in _SIGNATURES:
+        if data.startswith(magic) or (len(data) >= 4 and magic.startswith(data)):
+            return name
+    return _sniff(data)
+
+
+def _cut_header(fmt: str, data: bytes) -> str | None:
+    """Why a file with ``fmt``'s signature that no decoder could open is cut short, or None (then: corrupt)."""
+    for magic, name in _SIGNATURES:
+        if name == fmt and len(data) < len(magic):
+            return f"{TRUNCATED}: {len(data)} bytes, the start of a {fmt} signature"
+    if fmt == "GIF" and not data.rstrip(b"\x00").endswith(b";"):
+        return f"{TRUNCATED}: GIF stream ends before its trailer ({len(data)} bytes)"
+    if fmt == "TIFF":  # the first directory (its entry count, 12 bytes an entry, the next offset) must be inside
+        order = "little" if data.startswith(b"II") else "big"
+        at = int.from_bytes(data[4:8], order) if len(data) >= 8 else len(data)
+        entries = int.from_bytes(data[at : at + 2], order) if at + 2 <= len(data) else None
+        if entries is None or at + 2 + 12 * entries + 4 > len(data):
+            return f"{TRUNCATED}: TIFF stream ends inside its first directory ({len(data)} bytes)"
+        return None
+    return tail_check(fmt, data)
 
 
 def _refuse(reason: str, detail: str) -> DecodeError:
@@ -184,7 +221,7 @@ def decode_failure(e: BaseException, context: str = "") -> DecodeError:
 
 def _cut_or(data: bytes, fmt: str, otherwise: DecodeError) -> DecodeError:
     """``truncated`` when the stream visibly ends early, else ``otherwise``."""
-    cut = _tail_check(fmt, data)
+    cut = tail_check(fmt, data)
     return DecodeError(TRUNCATED, cut) if cut else otherwise
 
 
@@ -201,6 +238,8 @@ def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Ima
         with warnings.catch_warnings():
             # PIL warns between 1x and 2x its own limit; we apply our own limit just below.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            # TIFF's parser warns about a cut or damaged directory, once per file: the file's error says it
+            warnings.simplefilter("ignore", UserWarning)
             im = Image.open(_io.BytesIO(data), formats=ALLOWED_FORMATS)
     except Image.DecompressionBombError as e:
         raise _refuse(BOMB, str(e)) from None
@@ -208,8 +247,11 @@ def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Ima
         reason = refusal(data)
         if reason:
             raise _refuse(UNSUPPORTED, reason) from None
-        if data.startswith(b"RIFF") and data[8:12] == b"WEBP":  # PIL's WebP plugin fails open() on a cut file
-            raise _cut_or(data, "WEBP", _refuse(CORRUPT, "WebP stream cannot be parsed")) from None
+        fmt = signature_format(data)
+        if fmt:  # an allowed format's signature that no decoder can open: cut short, or damaged
+            cut = _cut_header(fmt, data)
+            raise (DecodeError(TRUNCATED, cut) if cut else _refuse(
+                CORRUPT, f"{fmt} signature, but its header cannot be parsed ({len(data)} bytes)")) from None
         raise _refuse(NOT_IMAGE, f"no known image signature ({len(data)} bytes of {guess_kind(data)})") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:  # the header hit the end of the data or garbage
         raise _cut_or(data, _sniff(data), decode_failure(e)) from None
@@ -218,13 +260,61 @@ def open_checked(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Ima
         raise _refuse(CORRUPT, f"header claims {w}x{h} pixels")
     if w * h > max_pixels:
         raise _refuse(BOMB, f"header claims {w}x{h} = {w * h} pixels, over the limit of {max_pixels}")
-    # Wide modes hold more bytes a pixel: the budget is in bytes, so they get proportionally fewer pixels.
-    per_pixel = decode_bytes_per_pixel(im.mode, "transparency" in im.info)
-    if w * h * per_pixel > decode_budget_bytes(max_pixels):
-        raise _refuse(BOMB, f"header claims {w}x{h} {im.mode} pixels, {w * h * per_pixel} bytes to decode "
-                            f"({per_pixel} a pixel), over the budget of {decode_budget_bytes(max_pixels)} bytes "
-                            f"(the limit of {max_pixels} pixels at {RGB_DECODE_BYTES_PER_PIXEL} bytes a pixel)")
+    if decode_reduction(im, max_pixels) is None:
+        raise _refuse(BOMB, _over_budget(im, max_pixels))
     return im
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _coefficient_bytes(im: Image.Image) -> int:
+    """A progressive JPEG's whole-image DCT coefficients (``limits.COEFFICIENT_BYTES``), from its header."""
+    if im.format != "JPEG" or not im.info.get("progressive"):
+        return 0
+    layers = getattr(im, "layer", None) or [(0, 1, 1, 0)] * len(im.getbands())  # (id, h and v sampling, table)
+    hmax, vmax = max(c[1] for c in layers), max(c[2] for c in layers)
+    w, h = im.size
+    blocks = sum(_ceil(_ceil(w * c[1], hmax), 8) * _ceil(_ceil(h * c[2], vmax), 8) for c in layers)
+    return blocks * 64 * COEFFICIENT_BYTES
+
+
+def decode_cost(im: Image.Image, reduction: int = 1, turned: bool | None = None) -> int:
+    """``limits.decode_estimate`` for ``im`` (opened, not decoded) decoded at 1/``reduction`` of its size;
+    ``turned``: whether it has an EXIF orientation to apply (None: read it)."""
+    w, h = im.size
+    if turned is None:
+        turned = orientation_of(im) != 1
+    return decode_estimate(_ceil(w, reduction), _ceil(h, reduction), im.mode, transparent="transparency" in im.info,
+                           turned=turned, coefficient_bytes=_coefficient_bytes(im), fmt=im.format or "")
+
+
+def decode_reduction(im: Image.Image, max_pixels: int = DEFAULT_MAX_PIXELS) -> int | None:
+    """The reduction (1: full size) at which ``im`` decodes within the byte budget of ``max_pixels``, from its
+    header: a JPEG over the budget is decoded smaller inside the decoder (``limits.JPEG_REDUCTIONS``); None when
+    nothing fits (the image is refused)."""
+    budget = decode_budget_bytes(max_pixels)
+    for reduction in JPEG_REDUCTIONS if im.format == "JPEG" else (1,):
+        # EXIF is parsed only when its answer matters: most images fit even if they had to be turned
+        if decode_cost(im, reduction, turned=True) <= budget or decode_cost(im, reduction) <= budget:
+            return reduction
+    return None
+
+
+def _over_budget(im: Image.Image, max_pixels: int) -> str:
+    w, h = im.size
+    per_pixel = max(decode_bytes_per_pixel(im.mode, "transparency" in im.info), format_bytes_per_pixel(im.format))
+    extra = ["row pointers and filter weights"]
+    if orientation_of(im) != 1:
+        extra.append("its upright copy")
+    if _coefficient_bytes(im):
+        extra.append(f"{_coefficient_bytes(im)} bytes of progressive JPEG coefficients")
+    smallest = f"; at 1/{JPEG_REDUCTIONS[-1]} scale still {decode_cost(im, JPEG_REDUCTIONS[-1])} bytes" \
+        if im.format == "JPEG" else ""
+    return (f"header claims {w}x{h} {im.mode} pixels, {decode_cost(im)} bytes to decode ({per_pixel} a pixel"
+            + "".join(f", + {e}" for e in extra) + f"), over the budget of {decode_budget_bytes(max_pixels)} "
+            f"bytes (an RGB image at the limit of {max_pixels} pixels){smallest}; raise max_pixels to decode it")
 
 
 def orientation_of(im: Image.Image) -> int:
@@ -323,7 +413,7 @@ def _probe(data: bytes, max_pixels: int, with_phash: bool) -> ImageFacts:
     if orientation >= 5:  # 5..8 rotate by 90 degrees: displayed width is the stored height
         w, h = h, w
     facts = ImageFacts(format=fmt, width=w, height=h, mode=mode, channels=channels, orientation=orientation)
-    bad = _tail_check(fmt or "", data)
+    bad = tail_check(fmt or "", data)
     if bad is None and fmt == "PNG":
         # verify() walks the chunks and checks their CRCs without decoding pixels.
         try:

@@ -24,8 +24,14 @@ grow faster than one 8-bit RGB copy. Grey sources (``1``, ``L``, 16-bit, ``I``, 
 through the resize and, for ``mode="RGB"``, become RGB only at the output size (PIL resamples each channel alike,
 so the pixels are the ones an RGB resize gives); colour sources become ``L`` only at the output size too; wide modes and alpha are brought to 8 bits in strips of rows, so their
 temporaries are a few MB whatever the image's size; the EXIF orientation is applied without a copy of an
-upright image. ``limits.decode_bytes_per_pixel`` states what each mode then costs, and ``open_checked`` refuses
-an image whose cost is over the byte budget of an RGB image at the pixel limit.
+upright image. ``limits.decode_bytes_per_pixel`` states what each mode then costs.
+
+Any shape: ``shorter_crop`` resizes only its crop (``crop_box``; PIL's ``resize(box=)``), so a needle (4 x
+1,000,000) is never resized whole (64 x 16,000,000). What a decode will hold is estimated from the header
+before any pixel exists (``imageinfo.decode_cost``: the mode's bytes a pixel, PIL's row pointers, a
+progressive JPEG's coefficients, an EXIF turn's upright copy); over the byte budget of an RGB image at the
+pixel limit, a JPEG is decoded at 1/2, 1/4 or 1/8 of its size by its decoder (``draft``) and anything else is
+refused (``open_checked``), with the same reason in ingest's row.
 """
 
 from __future__ import annotations
@@ -223,6 +229,18 @@ def _to_mode(img, mode: str):
     return img if img.mode == mode else img.convert(mode)  # RGB -> L: PIL's luma; L -> RGB: grey in every channel
 
 
+def crop_box(w: int, h: int, size: int) -> tuple[float, float, float, float]:
+    """``shorter_crop``'s region of a ``w`` x ``h`` image, in its own pixel coordinates: the centre
+    ``size`` x ``size`` crop of the image resized shorter side to ``size``, mapped back. Resizing only this box
+    (PIL's ``resize(box=)``, whose filters still read the pixels just outside it) gives that crop's pixels
+    without the whole resized image, which for a 4 x 1,000,000 image would be 64 x 16,000,000."""
+    scale = size / min(w, h)
+    nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
+    left, top = (nw - size) // 2, (nh - size) // 2
+    sx, sy = w / nw, h / nh
+    return (left * sx, top * sy, (left + size) * sx, (top + size) * sy)
+
+
 def transform_image(img, spec: TransformSpec) -> np.ndarray:
     """Apply ``spec`` to a decoded PIL image; returns uint8 in the spec's layout and mode."""
     import numpy as np
@@ -236,11 +254,7 @@ def transform_image(img, spec: TransformSpec) -> np.ndarray:
     if spec.resize == "stretch":
         img = _to_mode(img.resize((size, size), resample), spec.mode)
     elif spec.resize == "shorter_crop":
-        scale = size / min(w, h)
-        nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
-        img = img.resize((nw, nh), resample)
-        left, top = (nw - size) // 2, (nh - size) // 2
-        img = _to_mode(img.crop((left, top, left + size, top + size)), spec.mode)
+        img = _to_mode(img.resize((size, size), resample, box=crop_box(w, h, size)), spec.mode)
     else:  # pad: longer side to `size`, centred on the background colour
         scale = size / max(w, h)
         nw, nh = min(size, max(1, round(w * scale))), min(size, max(1, round(h * scale)))
@@ -261,9 +275,19 @@ def decode_and_transform(data: bytes, spec: TransformSpec, max_pixels: int = MAX
     """File bytes -> uint8 sample in ``spec``'s layout. Raises ``DecodeError`` (with ``.reason``, one of
     ``imageinfo``'s reasons) on bad input."""
     # heavy: imageinfo loads PIL and numpy at import; this module stays light for the CLI's argument parsing
-    from .imageinfo import BOMB, decode_failure, open_checked
+    from .imageinfo import BOMB, TRUNCATED, decode_failure, decode_reduction, open_checked, tail_check
 
     img = open_checked(data, max_pixels)
+    cut = tail_check(img.format or "", data)  # as ingest reads it: a stream that ends early is truncated, even
+    if cut:  # where the pixels it lost were only its end marker's
+        raise DecodeError(TRUNCATED, cut)
+    reduction = decode_reduction(img, max_pixels)  # open_checked refused an image that fits at no reduction
+    if reduction > 1:  # a JPEG over the byte budget: the decoder scales it down, before any pixel exists
+        full = img.size
+        img.draft(None, (max(1, full[0] // reduction), max(1, full[1] // reduction)))
+        if img.size != (-(-full[0] // reduction), -(-full[1] // reduction)):  # no reduction took: never decode
+            raise DecodeError(BOMB, f"{BOMB}: {full[0]}x{full[1]} JPEG over the decode budget could not be "
+                                    f"decoded at 1/{reduction} scale")
     try:
         img.load()
         return transform_image(img, spec)

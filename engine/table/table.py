@@ -147,11 +147,12 @@ class Table:
             raise ImportError("to_pandas needs pandas; install it or use to_arrow()") from e
         return self.to_arrow().to_pandas()
 
-    def show_thumbnails(self, n: int = 16, size: int = 96):
-        """An inline grid of the first ``n`` rows' thumbnails for Jupyter (decoded at reduced scale)."""
+    def show_thumbnails(self, n: int = 16, size: int = 96, sample: str = "random", seed: int = 0):
+        """An inline grid of ``n`` rows' thumbnails for Jupyter (decoded at reduced scale), chosen by ``sample``:
+        "random" (seeded), "per_class" or "first" (``inspect.sample_rows``)."""
         from ..inspect import thumbnail_grid  # heavy: PIL and numpy, only when a notebook asks for pictures
 
-        return thumbnail_grid(self, limit=n, size=size)
+        return thumbnail_grid(self, limit=n, size=size, sample=sample, seed=seed)
 
     def save(self, uri: str, overwrite: bool = False) -> Table:
         """Commit this view as a new table at ``uri``; its manifest records the parent and the operations."""

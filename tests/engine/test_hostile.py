@@ -92,6 +92,10 @@ def hostile_files() -> dict[str, tuple[bytes, dict]]:
         "odd/vector.eps": (EPS, {"error": "unsupported format"}),
         "odd/vector-named.jpg": (EPS, {"error": "unsupported format"}),
         "odd/truncated.webp": (_encode(_noise(64, 64), "WEBP")[:200], {"error": "truncated"}),
+        # cut inside the header: PIL cannot even open them ("not an image" before issue 38)
+        "odd/cut-in-header.png": (png[:30], {"error": "truncated"}),
+        "odd/cut-in-directory.tif": (_encode(_noise(32, 32), "TIFF")[:60], {"error": "truncated"}),
+        "odd/cut-in-screen.gif": (_encode(_noise(10, 10, "P"), "GIF")[:12], {"error": "truncated"}),
         "modes/cmyk.jpg": (
             _encode(_noise(30, 20, "CMYK"), "JPEG"),
             {"mode": "CMYK", "channels": 4, "width": 30},

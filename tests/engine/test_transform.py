@@ -218,24 +218,25 @@ def test_decode_budget_counts_bytes_per_pixel_not_pixels():
     """At the same pixel count, a mode that holds more bytes a pixel than 8-bit RGB is over the byte budget."""
     from dutycycle.engine import imageinfo
 
-    limit = 10_000  # pixels; the budget is 40,000 bytes (4 a pixel, as PIL holds RGB)
+    limit = 250_000  # pixels; the budget is 1,134,000 bytes: 4 a pixel, as PIL holds RGB, + 134,000 for the rows
+    # and columns (row pointers, filter weights) of an image at the limit 16 times taller than wide
     fits = {
-        "RGB": png_bytes(Image.new("RGB", (100, 100))),
-        "L": png_bytes(Image.new("L", (100, 100))),
-        "I;16": png_bytes(Image.fromarray(np.zeros((100, 100), np.uint16))),
-        "RGBA half": png_bytes(Image.new("RGBA", (100, 50))),  # 8 bytes a pixel, half the pixels
-        "F two thirds": _tiff_bytes(Image.fromarray(np.zeros((66, 100), np.float32))),
+        "RGB": png_bytes(Image.new("RGB", (500, 500))),
+        "L": png_bytes(Image.new("L", (500, 500))),
+        "I;16": png_bytes(Image.fromarray(np.zeros((500, 500), np.uint16))),
+        "RGBA half": png_bytes(Image.new("RGBA", (500, 250))),  # 8 bytes a pixel, half the pixels
+        "F two thirds": _tiff_bytes(Image.fromarray(np.zeros((330, 500), np.float32))),
     }
     for name, data in fits.items():
         assert decode_and_transform(data, TransformSpec(size=8), max_pixels=limit).shape == (8, 8, 3), name
     over = {
-        "RGBA": png_bytes(Image.new("RGBA", (100, 100))),
-        "LA": png_bytes(Image.new("LA", (100, 100))),
-        "F": _tiff_bytes(Image.fromarray(np.zeros((100, 100), np.float32))),
-        "P with a transparent colour": png_bytes(Image.new("P", (100, 100)), transparency=0),
+        "RGBA": png_bytes(Image.new("RGBA", (500, 500))),
+        "LA": png_bytes(Image.new("LA", (500, 500))),
+        "F": _tiff_bytes(Image.fromarray(np.zeros((500, 500), np.float32))),
+        "P with a transparent colour": png_bytes(Image.new("P", (500, 500)), transparency=0),
     }
     for name, data in over.items():
-        with pytest.raises(DecodeError, match=r"bytes to decode .* over the budget of 40000 bytes") as e:
+        with pytest.raises(DecodeError, match=r"bytes to decode .* over the budget of 1134000 bytes") as e:
             decode_and_transform(data, TransformSpec(size=8), max_pixels=limit)
         assert e.value.reason == "decompression bomb", name
         # one limit: ingest records the same refusal for the row
@@ -277,3 +278,69 @@ def test_wide_grey_and_alpha_in_strips_give_the_whole_image_pixels(monkeypatch, 
         assert Image.open(_io.BytesIO(data)).mode == mode
         expected = transform.transform_image(whole, spec)  # an RGB image: no conversion left to do
         assert np.array_equal(decode_and_transform(data, spec), expected), mode
+
+
+# ------------------------------------------------------------------------------------------------- any shape
+
+
+@pytest.mark.parametrize("resample", ["bilinear", "lanczos"])
+def test_shorter_crop_resizes_only_its_crop_and_gives_the_resize_then_crop_pixels(resample):
+    """The crop is taken before the resize (a needle's whole resized image would be huge: see
+    test_decode_memory); the pixels are those of resizing the whole image and cropping (``reference``), up to
+    the rounding of the box's coordinates."""
+    rng = np.random.default_rng(6)
+    for w, h in [(3, 900), (900, 5), (1, 257), (130, 97), (64, 64), (200, 64)]:
+        data = png_bytes(photo_image(rng, w, h))
+        got = decode_and_transform(data, TransformSpec(size=32, resample=resample))
+        assert close_fraction(got, reference(data, 32, resample), levels=1) >= 0.99, (w, h)
+
+
+def _encode(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = _io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def test_a_jpeg_over_the_byte_budget_is_decoded_smaller_and_a_png_needle_refused():
+    """The header's estimate (pixels, row pointers, a progressive JPEG's coefficients, an EXIF turn's upright
+    copy) decides before decoding: a JPEG over the budget is decoded at 1/2..1/8 by its decoder, anything else
+    over it is refused, with the same error in ingest's row."""
+    from dutycycle.engine import imageinfo
+
+    img = photo_image(np.random.default_rng(7), 400, 300)
+    limit = 400 * 300  # the pixel limit at the image's own size: its pixels fit, with the extra costs they do not
+    for name, data in {"progressive": _encode(img, "JPEG", quality=95, progressive=True),
+                       "turned": jpeg_bytes(img, orientation=6, quality=95)}.items():
+        assert imageinfo.decode_reduction(imageinfo.open_checked(data, limit), limit) == 2, name
+        small = decode_and_transform(data, TransformSpec(size=64), max_pixels=limit)
+        full = decode_and_transform(data, TransformSpec(size=64))  # the default limit: decoded at full size
+        assert close_fraction(small, full, 12) > 0.95, name  # the same picture, from a 200x150 decode
+        assert imageinfo.probe(data, max_pixels=limit).error is None, name
+    # a PNG has no reduced decode: a needle whose row pointers alone are over the budget is refused
+    needle = png_bytes(Image.new("L", (1, 20_000)))  # 20,000 pixels, 320,000 bytes of row pointers
+    assert decode_and_transform(needle, TransformSpec(size=8)).shape == (8, 8, 3)
+    with pytest.raises(DecodeError, match=r"1x20000 L pixels, \d+ bytes to decode .* raise max_pixels to decode it") as e:
+        decode_and_transform(needle, TransformSpec(size=8), max_pixels=40_000)
+    assert e.value.reason == "decompression bomb"
+    assert imageinfo.probe(needle, max_pixels=40_000).error == str(e.value)
+
+
+def test_a_file_cut_short_is_truncated_wherever_it_is_cut():
+    """Cut inside its header (a PNG's IHDR, a GIF's screen descriptor, a TIFF's directory) a file used to read
+    as "not an image"; ingest's row and the decoder now both say truncated. A damaged header is corrupt, and
+    what has no image signature stays "not an image"."""
+    from dutycycle.engine import imageinfo
+
+    img = photo_image(np.random.default_rng(8), 40, 30)
+    for fmt in ("PNG", "JPEG", "GIF", "TIFF"):
+        data = _encode(img, fmt)
+        for cut in (4, 8, 12, 20, 30, 40, 100, len(data) // 2, len(data) - 20):
+            error = imageinfo.probe(data[:cut]).error
+            assert imageinfo.error_reason(error) == "truncated", (fmt, cut, error)
+            with pytest.raises(DecodeError) as e:
+                decode_and_transform(data[:cut], TransformSpec(size=8))
+            assert e.value.reason == "truncated", (fmt, cut, str(e.value))
+    png = _encode(img, "PNG")
+    assert imageinfo.error_reason(imageinfo.probe(png[:8] + bytes(40) + png[-12:]).error) == "corrupt"
+    for data in (b"just some text", b"\x89PNX\r\n", b"BM not a bitmap", b"GIF"):
+        assert imageinfo.error_reason(imageinfo.probe(data).error) == "not an image", data

@@ -128,11 +128,13 @@ def _write_error(table_uri: str, root: str, e: Exception) -> DestinationError | 
 
 
 def _rebatch(tables, rows: int):
-    """Arrow tables regrouped into tables of ``rows`` rows (the last one shorter; one empty table for none)."""
+    """Arrow tables (or record batches) regrouped into tables of ``rows`` rows (the last one shorter; one empty
+    table for none)."""
     import pyarrow as pa
 
     pending, held = [], 0
     for t in tables:
+        t = pa.Table.from_batches([t]) if isinstance(t, pa.RecordBatch) else t
         pending.append(t)
         held += t.num_rows
         while held >= rows:

@@ -260,6 +260,22 @@ def test_a_failed_save_leaves_no_files(dataset, tmp_path):
     assert isinstance(full, NoSpaceError) and "no space left on" in str(full) and str(dest) in str(full)
 
 
+def test_a_dataframe_streams_in_batches_where_daft_cannot_write(dataset, monkeypatch):
+    """``memory://`` (no Daft writer): the query's batches come back in turn and are regrouped into files of
+    ``ROWS_PER_FILE`` rows; an empty view is one empty file."""
+    import daft
+    from dutycycle.engine.table import commit
+
+    monkeypatch.setattr(commit, "ROWS_PER_FILE", 7)
+    rows = read_arrow(dataset["table"]).slice(0, 20)
+    df = daft.from_arrow(rows)
+    m = commit.write_version("memory://curate-stream/t", df, classes=[])
+    assert m.num_rows == 20 and [read_arrow("memory://curate-stream/t", m).num_rows] == [20] and len(m.files) == 3
+    assert read_arrow("memory://curate-stream/t").sort_by("uri").equals(rows.sort_by("uri"))
+    empty = commit.write_version("memory://curate-stream/e", df.where(col("uri") == "none"), classes=[])
+    assert empty.num_rows == 0 and len(empty.files) == 1
+
+
 def test_to_pandas(dataset):
     df = open_table(dataset["table"]).where("label = 'triangle'").to_pandas()
     assert list(df.columns) == tf.SCHEMA.names and set(df["label"]) == {"triangle"}

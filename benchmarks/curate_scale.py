@@ -41,7 +41,7 @@ from benchmarks._common import PeakRSS, default_out, emit, machine, run_row, wri
 SIZES = (100_000, 300_000, 1_000_000)
 QUICK_SIZES = (1_000, 2_000)
 MAX_DISTANCE = 4  # the dedupe default
-DRIVER_TARGET_MIB = 2048  # issue 38: exact + near dedupe + save of 1M rows within 2 GiB of driver memory
+DRIVER_TARGET_MIB = 2048  # the target: exact + near dedupe + save of 1M rows within 2 GiB of driver memory
 EXACT_PER_MILLE, NEAR_PER_MILLE, ERROR_PER_MILLE = 30, 30, 10
 LABELS = [f"class_{k}" for k in range(10)]
 ROW_TIMEOUT_S = 3_600

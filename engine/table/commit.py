@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 from .. import io
-from ..errors import DestinationError
+from ..errors import DestinationError, DutycycleError
 from . import format as tf
 
 ROWS_PER_FILE = 200_000
@@ -82,6 +82,14 @@ def try_commit(table_uri: str, folder: str, manifest: tf.TableManifest) -> bool:
         _discard(table_uri, folder)
         return False
     return True
+
+
+def _committed_by(table_uri: str, manifest: tf.TableManifest) -> bool:
+    """Whether ``manifest``'s version is committed by this writer (its writer id)."""
+    try:
+        return tf.read_manifest(table_uri, manifest.version).writer == manifest.writer
+    except (DutycycleError, OSError):
+        return False
 
 
 def write_dataframe(table_uri: str, folder: str, df) -> tuple[list[str], int]:
@@ -180,22 +188,58 @@ def write_version(table_uri: str, rows, *, classes: list[str], source: str = "",
     manifest. ``rows``: an Arrow table of the table's columns, or a Daft DataFrame (written by Daft's writer where
     the query runs, ``write_dataframe``: a saved view never passes through this process).
 
-    The data files are written once: another writer may commit meanwhile, and this one then commits the same
-    files as the version after (its folder is its own, named by nobody else)."""
-    versions = tf.committed_versions(table_uri)
-    version = (versions[-1] if versions else 0) + 1
-    folder = tf.data_dir(version)
-    if hasattr(rows, "num_rows"):  # Arrow
-        files, num_rows = write_rows(table_uri, folder, [rows]), rows.num_rows
-    else:
-        files, num_rows = write_dataframe(table_uri, folder, rows)
+    The data files are written once: when another writer commits that version first, this one moves its folder to
+    a data folder of the version after (a rename locally, a server-side copy on object stores; a version's new
+    files live under its own ``data_dir``) and commits that. Only when its files are gone (a vacuum that took it for
+    a killed writer) does it write them again."""
+    written: tuple[str, list[str], int] | None = None  # (folder, files, rows) this writer holds, uncommitted
     for _ in range(MAX_COMMIT_ATTEMPTS):
+        versions = tf.committed_versions(table_uri)
+        version = (versions[-1] if versions else 0) + 1
+        folder = tf.data_dir(version)
+        if written is not None:
+            written = _move(table_uri, written, folder)
+        if written is None:
+            if hasattr(rows, "num_rows"):  # Arrow
+                written = folder, write_rows(table_uri, folder, [rows]), rows.num_rows
+            else:
+                written = folder, *write_dataframe(table_uri, folder, rows)
+        _, files, num_rows = written
         manifest = tf.TableManifest(version=version, files=list(files), num_rows=num_rows, classes=list(classes),
                                     source=source, lineage=dict(lineage or {}), options=dict(options or {}))
         try:
             tf.commit(table_uri, manifest)  # the commit point: the data files are invisible until it succeeds
             return manifest
         except tf.CommitConflict:
-            version = max(tf.committed_versions(table_uri), default=version) + 1
-    _discard(table_uri, folder)
+            continue
+        except BaseException:
+            if not _committed_by(table_uri, manifest):  # a failed commit leaves no data files behind
+                _discard(table_uri, written[0])
+            raise
+    if written is not None:
+        _discard(table_uri, written[0])
     raise DestinationError(f"table {table_uri!r} kept changing while writing to it; write again")
+
+
+def _move(table_uri: str, written: tuple[str, list[str], int], folder: str) -> tuple[str, list[str], int] | None:
+    """This writer's uncommitted files moved from their folder to ``folder``; None when they are gone."""
+    old, files, num_rows = written
+    fs, src = io.filesystem(io.join(table_uri, old))
+    dst = io.filesystem(io.join(table_uri, folder))[1]
+    moved = [f"{folder}/{f[len(old) + 1:]}" for f in files]
+    try:
+        fs.mv(src, dst, recursive=True)
+        if io.protocol(table_uri) == "file":
+            io.fsync_dir(posixpath.dirname(dst))  # the new name survives a power cut
+        if _missing_files(table_uri, moved):
+            raise FileNotFoundError(moved[0])
+    except (FileNotFoundError, OSError):
+        _discard(table_uri, old)
+        _discard(table_uri, folder)
+        return None
+    return folder, moved, num_rows
+
+
+def _missing_files(table_uri: str, files: list[str]) -> list[str]:
+    """Which of ``files`` (relative to the table) do not exist."""
+    return [f for f in files if not io.exists(io.join(table_uri, f))]

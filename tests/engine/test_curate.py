@@ -214,25 +214,37 @@ def test_save_writes_on_daft_and_no_row_reaches_the_driver(dataset, tmp_path, mo
     assert read_arrow(str(tmp_path / "subset")).sort_by("uri").equals(want)
 
 
-def test_save_commits_its_files_after_a_concurrent_commit(dataset, tmp_path, monkeypatch):
-    """A writer that commits first takes version 1 while the save's files are written: the save commits the
-    same files (written once) as version 2, and both versions read back whole."""
+@pytest.mark.parametrize("vacuumed", [False, True])
+def test_save_commits_its_files_after_a_concurrent_commit(dataset, tmp_path, monkeypatch, vacuumed):
+    """A writer that commits first takes version 1 while the save's files are written: the save moves the files
+    it wrote (once) into a data folder of version 2 and commits that, and both versions read back whole. When its
+    files are gone meanwhile (a vacuum took the save for a killed writer), it writes them again."""
     from dutycycle.engine.table import commit
 
     dest = str(tmp_path / "raced")
     other = read_arrow(dataset["table"]).slice(0, 5)
     write_dataframe = commit.write_dataframe
+    calls = []
 
     def racing(table_uri, folder, df):
         out = write_dataframe(table_uri, folder, df)
-        commit.write_version(table_uri, other, classes=["circle"], source="the other writer")
+        calls.append(folder)
+        if len(calls) == 1:
+            commit.write_version(table_uri, other, classes=["circle"], source="the other writer")
+            if vacuumed:
+                shutil.rmtree(os.path.join(table_uri, folder))
         return out
     monkeypatch.setattr(commit, "write_dataframe", racing)
     view = open_table(dataset["table"]).where("label = 'square'")
     saved = view.save(dest)
-    assert saved.manifest.version == 2 and saved.manifest.files[0].startswith("v00001-")  # written once
+    assert saved.manifest.version == 2 and {f.split("/")[0] for f in saved.manifest.files} <= {
+        p for p in os.listdir(dest) if p.startswith("v00002-")}  # a folder of its own version
+    assert len(calls) == 1 + vacuumed  # the query ran again only when its files were gone
     assert sorted(saved.to_arrow().column("uri").to_pylist()) == sorted(view.to_arrow().column("uri").to_pylist())
-    assert tf.read_manifest(dest, 1).source == "the other writer" and read_arrow(dest, tf.read_manifest(dest, 1)).equals(other)
+    first = tf.read_manifest(dest, 1)
+    assert first.source == "the other writer" and read_arrow(dest, first).equals(other)
+    folders = sorted(p for p in os.listdir(dest) if p.startswith("v0"))  # the save's first folder is gone
+    assert folders == sorted({f.split("/")[0] for f in first.files + saved.manifest.files})
     assert sorted(os.listdir(dest + "/_manifests")) == ["v00001.json", "v00002.json"]
 
 

@@ -186,8 +186,7 @@ def _find_near_recall() -> Callable | None:
     """The dedupe module's ``near_recall(df, max_distance, sample=, seed=)``, wherever that slice put it."""
     import importlib
 
-    for module in ("dutycycle.engine.dupes", "dutycycle.engine.table.dupes", "dutycycle.engine.table.curate",
-                   "dutycycle.engine.table.queries"):
+    for module in ("dutycycle.engine.table.dedupe", "dutycycle.engine.table.curate"):
         try:
             fn = getattr(importlib.import_module(module), "near_recall", None)
         except ImportError:
@@ -206,7 +205,8 @@ def _recall(table: str, runner: str, max_distance: int, sample: int, seed: int) 
         return
     t0 = time.perf_counter()
     out = fn(open_table(table, runner=runner).df, max_distance, sample=sample, seed=seed)
-    emit({"recall": out, "seconds": round(time.perf_counter() - t0, 3)})
+    # {"recall", "pairs", "found", "sample", "by_distance", "search"}, or a bare share
+    emit({**(out if isinstance(out, dict) else {"recall": out}), "seconds": round(time.perf_counter() - t0, 3)})
 
 
 # --------------------------------------------------------------------------------------------- other sections
@@ -360,13 +360,18 @@ def render(d: dict) -> str:
                     fmt.mib(r["peak_rss_self_mb"]), fmt.times(round(per_row_mem, 2)) if per_row_mem else "-",
                     fmt.secs(r["resplit_sample_save"]["seconds"]), fmt.mib(r["resplit_sample_save"]["peak_rss_mb"])])
     base = d["collect_baseline"]
-    recall = d["near_recall"].get("recall")
+    rec = d["near_recall"]
+    recall = rec.get("recall")
     lines = [f"Runner: {d['runner']}, max_distance {d['max_distance']}. {fmt.sentence(d['note'])}"]
     if "error" not in base:
         lines.append(f"Baseline: reading the {fmt.count(base['rows'])}-row table into the driver with pyarrow (what a "
                      f"save that collects its view pays first) peaks at {fmt.mib(base['peak_rss_self_mb'])}.")
-    lines.append(f"Near-dedupe recall against exhaustive comparison: {recall}." if recall is not None else
-                 "Near-dedupe recall: not measured in this run.")
+    if recall is not None:
+        found = f" ({fmt.count(rec['found'])} of {fmt.count(rec['pairs'])} pairs within the distance, " \
+            f"{fmt.count(rec['sample'])} hashes compared with every other)" if "pairs" in rec else ""
+        lines.append(f"Near-dedupe recall against exhaustive comparison on the largest table: {recall:.3f}{found}.")
+    else:
+        lines.append("Near-dedupe recall: not measured in this run.")
     return "\n\n".join([fmt.table(headers, out), fmt.para(" ".join(lines)), fmt.source("curate_scale")])
 
 

@@ -293,6 +293,9 @@ def _growth(rows: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
             "seconds_per_row_ratio": round(t, 2),
             "resplit_sample_save_seconds_per_row_ratio": round(other, 2),
             "driver_mb_ratio": round(r["peak_rss_self_mb"] / first["peak_rss_self_mb"], 2),
+            # what each row past the smallest size added to the driver's peak: the slope to extrapolate with
+            "driver_kib_per_added_row": round((r["peak_rss_self_mb"] - first["peak_rss_self_mb"]) * 1024
+                                              / (n - sizes[0]), 3) if n > sizes[0] else None,
             "within_driver_target": r["peak_rss_self_mb"] <= DRIVER_TARGET_MIB,
         }
     return out
@@ -344,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(d: dict) -> str:
-    headers = ["rows", "kept", "dedupe (near pairs)", "save (exact dedupe + write)", "total", "time per row vs "
-               f"{fmt.count(d['sizes'][0])}", "driver peak", "driver peak per row vs smallest",
+    headers = ["rows", "kept", "dedupe()", "save() (the query runs and writes)", "total", "time per row vs "
+               f"{fmt.count(d['sizes'][0])}", "driver peak", "driver KiB per row added",
                "resplit + sample half + save", "its peak"]
     out = []
     for n in d["sizes"]:
@@ -354,10 +357,10 @@ def render(d: dict) -> str:
             out.append([fmt.count(n), r["error"], "-", "-", "-", "-", "-", "-", "-", "-"])
             continue
         s = r["seconds"]
-        per_row_mem = g["driver_mb_ratio"] / g["rows_vs_smallest"] if g else None
+        added = g.get("driver_kib_per_added_row")
         out.append([fmt.count(n), fmt.count(r["kept"]), fmt.secs(s["dedupe"]), fmt.secs(s["save"]),
                     fmt.secs(s["dedupe_and_save"]), fmt.times(g.get("seconds_per_row_ratio")) if g else "-",
-                    fmt.mib(r["peak_rss_self_mb"]), fmt.times(round(per_row_mem, 2)) if per_row_mem else "-",
+                    fmt.mib(r["peak_rss_self_mb"]), f"{added:.2f}" if added is not None else "-",
                     fmt.secs(r["resplit_sample_save"]["seconds"]), fmt.mib(r["resplit_sample_save"]["peak_rss_mb"])])
     base = d["collect_baseline"]
     rec = d["near_recall"]

@@ -131,18 +131,21 @@ def write_table(uri: str, n: int, seed: int) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------- row processes
 
 
-def _dedupe_and_save(table: str, dest: str, runner: str, max_distance: int) -> None:
+def _dedupe_and_save(table: str, dest: str, runner: str, max_distance: int, warm: bool = True) -> None:
     """One size: open, dedupe (exact and near), save; emits the figures. A tiny table goes through the same steps
-    first, so Daft's start-up (its first query, the UDF machinery) is not counted against the smallest size."""
+    first (unless ``--quick``), so Daft's start-up (its first query, the UDF machinery) is not counted against the
+    smallest size."""
     t0 = time.perf_counter()
     with PeakRSS() as peak:
         from dutycycle.engine.table import format as tf
         from dutycycle.engine.table.table import open_table
 
-        warm = tempfile.mkdtemp(prefix="warm-", dir=os.path.dirname(dest))
-        write_table(os.path.join(warm, "t"), 300, seed=1)
-        open_table(os.path.join(warm, "t"), runner=runner).dedupe(max_distance=max_distance).save(os.path.join(warm, "s"))
-        shutil.rmtree(warm)
+        if warm:
+            folder = tempfile.mkdtemp(prefix="warm-", dir=os.path.dirname(dest))
+            write_table(os.path.join(folder, "t"), 300, seed=1)
+            open_table(os.path.join(folder, "t"), runner=runner).dedupe(max_distance=max_distance).save(
+                os.path.join(folder, "s"))
+            shutil.rmtree(folder)
         t0 = time.perf_counter()
         t = open_table(table, runner=runner)
         t_open = time.perf_counter()
@@ -245,7 +248,7 @@ def run(args) -> dict[str, Any]:
         for n in sizes:
             row = _row(["--row", "dedupe-save", "--table", os.path.join(work, f"t{n}"), "--dest",
                         os.path.join(work, f"saved{n}"), "--runner", args.runner,
-                        "--max-distance", str(args.max_distance)])
+                        "--max-distance", str(args.max_distance), *(["--quick"] if args.quick else [])])
             rows[str(n)] = {**row, "planted": planted[n]}
             shutil.rmtree(os.path.join(work, f"saved{n}"), ignore_errors=True)
         largest = os.path.join(work, f"t{sizes[-1]}")
@@ -331,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     if args.row == "dedupe-save":
-        _dedupe_and_save(args.table, args.dest, args.runner, args.max_distance)
+        _dedupe_and_save(args.table, args.dest, args.runner, args.max_distance, warm=not args.quick)
     elif args.row == "collect":
         _collect(args.table)
     elif args.row == "recall":

@@ -3,12 +3,18 @@ absent (the commit point, see ``format.py``). Every writer of tables goes throug
 previous version's untouched files) through the pieces, a curated view's save and generated test or benchmark
 tables through ``write_version``.
 
-A writer that loses the race for a version discards its own folder (nobody else references it) and retries
-against the newer version, at most ``MAX_COMMIT_ATTEMPTS`` times.
+An ingest that loses the race for a version discards its own folder (nobody else references it) and plans again
+against the newer version; ``write_version`` (whole versions: a save) commits the files it already wrote as the
+version after. Either tries at most ``MAX_COMMIT_ATTEMPTS`` times. A saved view is written by Daft's Parquet
+writer where its query runs (``write_dataframe``): its rows never pass through the driver.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import posixpath
+import re
 import uuid
 from typing import Any
 
@@ -18,6 +24,8 @@ from . import format as tf
 
 ROWS_PER_FILE = 200_000
 MAX_COMMIT_ATTEMPTS = 8  # commits lost to concurrent writers before an ingest (or a save) gives up
+# how Daft's Rust writer words ENOSPC (os error 28) and EDQUOT (122) in the exception it raises
+_DAFT_NO_SPACE = re.compile(r"os error (28|122)\b|No space left on device|Disk quota exceeded", re.IGNORECASE)
 WRITE_PROBE_PREFIX = ".write-probe-"  # the file check_destination writes and removes (vacuum removes leftovers)
 
 
@@ -96,18 +104,154 @@ def _committed_by(table_uri: str, manifest: tf.TableManifest) -> bool:
         return False
 
 
+def write_dataframe(table_uri: str, folder: str, df) -> tuple[list[str], int]:
+    """Write a Daft DataFrame of the table's columns as Parquet files under ``folder`` (relative to the table)
+    with Daft's writer, where Daft's runner runs the query (in-process partitions, or Ray workers): no row
+    passes through this process. Returns the files' paths relative to the table and their rows, read from the
+    files' footers; the files are durable before this returns.
+
+    A location Daft cannot write (``memory://``) gets the query's results streamed here in batches instead,
+    written as ``write_rows`` writes them: one batch of at most ``ROWS_PER_FILE`` rows in memory at a time."""
+    import daft
+    from daft import col
+
+    typed = df.select(*[col(f.name).cast(daft.DataType.from_arrow_type(f.type)) for f in tf.SCHEMA])
+    if io.protocol(table_uri) not in io.DAFT_SCHEMES:
+        files = write_rows(table_uri, folder, _rebatch(typed.to_arrow_iter(), ROWS_PER_FILE))
+        return files, sum(_footer_rows(table_uri, rel) for rel in files)
+    root = io.join(table_uri, folder)
+    try:
+        written = typed.write_parquet(root, compression="zstd", io_config=io.daft_io_config()).to_pydict()["path"]
+        # Daft names each file (a uuid) inside ``root``; the manifest names them relative to the table
+        files = sorted(f"{folder}/{posixpath.basename(p)}" for p in written)
+        _make_durable(table_uri, folder, files)
+        return files, sum(_footer_rows(table_uri, rel) for rel in files)
+    except BaseException as e:
+        _discard(table_uri, folder)  # nobody references this writer's folder: leave nothing half-written
+        named = _write_error(table_uri, root, e) if isinstance(e, Exception) else None
+        if named is None:
+            raise  # the view's own query failed (a user's function, a bad value): its error, unchanged
+        raise named from e
+
+
+def _write_error(table_uri: str, root: str, e: Exception) -> DestinationError | None:
+    """The error a failed Daft write raises when the destination failed it: a full disk named (Daft reports
+    the OS error in its message, not as an ``OSError``), another OS error with the table named; else None."""
+    if isinstance(e, DestinationError):
+        return None
+    if not isinstance(e, OSError) and _DAFT_NO_SPACE.search(str(e)):
+        e = OSError(errno.EDQUOT if "quota" in str(e).lower() else errno.ENOSPC, str(e))
+    if not isinstance(e, OSError):
+        return None
+    return io.no_space(e, root) or DestinationError(
+        f"cannot write table {table_uri!r}: {e}; choose a writable location")
+
+
+def _rebatch(tables, rows: int):
+    """Arrow tables (or record batches) regrouped into tables of ``rows`` rows (the last one shorter; one empty
+    table for none)."""
+    import pyarrow as pa
+
+    pending, held = [], 0
+    for t in tables:
+        t = pa.Table.from_batches([t]) if isinstance(t, pa.RecordBatch) else t
+        pending.append(t)
+        held += t.num_rows
+        while held >= rows:
+            whole = pa.concat_tables(pending)
+            yield whole.slice(0, rows)
+            pending, held = [whole.slice(rows)], held - rows
+    if held or not pending:
+        yield pa.concat_tables(pending) if pending else tf.SCHEMA.empty_table()
+
+
+def _make_durable(table_uri: str, folder: str, files: list[str]) -> None:
+    """fsync files another process wrote (Daft's writer), and their folder: the commit must not name a file a
+    power cut could lose. An object store's upload is durable once it completed."""
+    if io.protocol(table_uri) != "file":
+        return
+    for rel in files:
+        path = io.filesystem(io.join(table_uri, rel))[1]
+        fd = os.open(path, os.O_RDONLY)  # fsync flushes the file's dirty pages whichever descriptor asks
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    io.fsync_dir(io.filesystem(io.join(table_uri, folder))[1])
+
+
+def _footer_rows(table_uri: str, rel: str) -> int:
+    """The rows of a written data file, from its Parquet footer (a few KB read, not the data)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fs, path = io.filesystem(io.join(table_uri, rel))
+    try:
+        with fs.open(path, "rb") as f:
+            return pq.ParquetFile(f).metadata.num_rows
+    except (OSError, pa.ArrowInvalid) as e:
+        raise DestinationError(f"table {table_uri!r}: the data file {rel!r} just written cannot be read back "
+                               f"({e}); check the location and write again") from e
+
+
 def write_version(table_uri: str, rows, *, classes: list[str], source: str = "", lineage: dict[str, Any] | None = None,
                   options: dict[str, Any] | None = None) -> tf.TableManifest:
-    """Commit ``rows`` (an Arrow table of the table's columns) as the whole of the next version of the table at
-    ``table_uri``; returns the committed manifest. Another writer may commit meanwhile: this one then takes the
-    version after, its files written again."""
+    """Commit ``rows`` as the whole of the next version of the table at ``table_uri``; returns the committed
+    manifest. ``rows``: an Arrow table of the table's columns, or a Daft DataFrame (written by Daft's writer where
+    the query runs, ``write_dataframe``: a saved view never passes through this process).
+
+    The data files are written once: when another writer commits that version first, this one moves its folder to
+    a data folder of the version after (a rename locally, a server-side copy on object stores; a version's new
+    files live under its own ``data_dir``) and commits that. Only when its files are gone (a vacuum that took it for
+    a killed writer) does it write them again."""
+    written: tuple[str, list[str], int] | None = None  # (folder, files, rows) this writer holds, uncommitted
     for _ in range(MAX_COMMIT_ATTEMPTS):
         versions = tf.committed_versions(table_uri)
         version = (versions[-1] if versions else 0) + 1
         folder = tf.data_dir(version)
-        manifest = tf.TableManifest(version=version, files=write_rows(table_uri, folder, [rows]),
-                                    num_rows=rows.num_rows, classes=list(classes), source=source,
-                                    lineage=dict(lineage or {}), options=dict(options or {}))
-        if try_commit(table_uri, folder, manifest):
+        if written is not None:
+            written = _move(table_uri, written, folder)
+        if written is None:
+            if hasattr(rows, "num_rows"):  # Arrow
+                written = folder, write_rows(table_uri, folder, [rows]), rows.num_rows
+            else:
+                written = folder, *write_dataframe(table_uri, folder, rows)
+        _, files, num_rows = written
+        manifest = tf.TableManifest(version=version, files=list(files), num_rows=num_rows, classes=list(classes),
+                                    source=source, lineage=dict(lineage or {}), options=dict(options or {}))
+        try:
+            tf.commit(table_uri, manifest)  # the commit point: the data files are invisible until it succeeds
             return manifest
+        except tf.CommitConflict:
+            continue
+        except BaseException:
+            if not _committed_by(table_uri, manifest):  # a failed commit leaves no data files behind
+                _discard(table_uri, written[0])
+            raise
+    if written is not None:
+        _discard(table_uri, written[0])
     raise DestinationError(f"table {table_uri!r} kept changing while writing to it; write again")
+
+
+def _move(table_uri: str, written: tuple[str, list[str], int], folder: str) -> tuple[str, list[str], int] | None:
+    """This writer's uncommitted files moved from their folder to ``folder``; None when they are gone."""
+    old, files, num_rows = written
+    fs, src = io.filesystem(io.join(table_uri, old))
+    dst = io.filesystem(io.join(table_uri, folder))[1]
+    moved = [f"{folder}/{f[len(old) + 1:]}" for f in files]
+    try:
+        fs.mv(src, dst, recursive=True)
+        if io.protocol(table_uri) == "file":
+            io.fsync_dir(posixpath.dirname(dst))  # the new name survives a power cut
+        if _missing_files(table_uri, moved):
+            raise FileNotFoundError(moved[0])
+    except (FileNotFoundError, OSError):
+        _discard(table_uri, old)
+        _discard(table_uri, folder)
+        return None
+    return folder, moved, num_rows
+
+
+def _missing_files(table_uri: str, files: list[str]) -> list[str]:
+    """Which of ``files`` (relative to the table) do not exist."""
+    return [f for f in files if not io.exists(io.join(table_uri, f))]

@@ -131,14 +131,18 @@ def resplit(df, fractions="0.8,0.1,0.1", seed: int = 0, stratify_by: str | None 
 
 
 def save(view, uri: str, overwrite: bool = False) -> tf.TableManifest:
-    """Commit ``view`` (a ``Table``: its rows, ``uri``, ``manifest`` and ``operations``) as a new table at ``uri``
-    with lineage; returns the committed manifest."""
+    """Commit ``view`` (a ``Table``: its DataFrame ``df``, ``uri``, ``manifest`` and ``operations``) as a new
+    table at ``uri`` with lineage; returns the committed manifest.
+
+    The view's query runs once, and Daft's Parquet writer writes its rows where the query runs (in-process
+    partitions, or Ray workers: ``commit.write_dataframe``); the driver gets back the files' names and reads
+    their row counts from the footers, then commits the manifest, last. Rows come in the query's order (one
+    file per partition), not sorted: a table's readers do not depend on its order (the cache sorts by content)."""
     if tf.committed_versions(uri) and not overwrite:
         raise DestinationError(
             f"a table already exists at {uri!r}; choose a new location or pass overwrite=True"
         )
     check_destination(uri)
-    rows = view.to_arrow().sort_by("uri")
     filters = [op[len("where ") :] for op in view.operations if op.startswith("where ")]
     options = dict(view.manifest.options)
     resplits = [op for op in view.operations if op.startswith("resplit(")]
@@ -147,7 +151,7 @@ def save(view, uri: str, overwrite: bool = False) -> tf.TableManifest:
         options["split_assignment"] = {"by": "resplit", "operation": resplits[-1], "before": before}
     return write_version(
         uri,
-        rows,
+        view.df,
         # the parent's classes, so a label keeps its index in the subset
         classes=list(view.manifest.classes),
         source=view.uri,

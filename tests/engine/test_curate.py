@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import re
 import shutil
 
 import pyarrow.parquet as pq
@@ -170,13 +171,121 @@ def test_save_subset_records_lineage(dataset, tmp_path):
     m = tf.read_manifest(str(tmp_path / "stars"))
     assert m.lineage["parent"] == dataset["table"] and m.lineage["filter"] == "(label = 'star')"
     assert m.lineage["operations"] == list(view.operations) and m.classes == t.classes
-    plain = pq.read_table([os.path.join(tmp_path / "stars", f) for f in m.files])
+    # Daft's writer stores strings as Arrow's large_string (the same Parquet UTF8 column to other readers)
+    plain = pq.read_table([os.path.join(tmp_path / "stars", f) for f in m.files]).cast(tf.SCHEMA)
     assert plain.sort_by("uri").equals(view.to_arrow().sort_by("uri")) and m.num_rows == plain.num_rows
     assert isinstance(saved, Table) and saved.count() == plain.num_rows
     with pytest.raises(DestinationError, match="already exists"):
         view.save(str(tmp_path / "stars"))
     again = t.where("label = 'circle'").save(str(tmp_path / "stars"), overwrite=True)
     assert again.manifest.version == 2 and set(again.to_arrow().column("label").to_pylist()) == {"circle"}
+
+
+def test_save_writes_on_daft_and_no_row_reaches_the_driver(dataset, tmp_path, monkeypatch):
+    """``save`` hands the view's query to Daft's Parquet writer: every result that reaches this process during the
+    save holds counts or file names, never a row's columns (main collected the whole view with ``to_arrow``).
+    The manifest names Daft's files in the writer's own folder, with rows counted from their footers, and a
+    resplit-and-sampled view reads back row for row, splits included."""
+    import daft
+
+    view = open_table(dataset["table"]).where("error IS NULL").resplit("0.5,0.25,0.25", seed=3).sample(n=30, seed=2)
+    want = view.to_arrow().sort_by("uri")
+    results: list[list[str]] = []
+
+    def recording(name):
+        original = getattr(daft.DataFrame, name)
+
+        def method(self, *args, **kwargs):
+            results.append(list(self.column_names))
+            return original(self, *args, **kwargs)
+        return method
+
+    for name in ("collect", "to_arrow_iter", "iter_partitions", "iter_rows", "to_arrow", "to_pydict"):
+        monkeypatch.setattr(daft.DataFrame, name, recording(name))
+    saved = view.save(str(tmp_path / "subset"))
+    monkeypatch.undo()
+    assert results and ["path"] in results  # the writer ran, and returned its files' names
+    leaked = [names for names in results if {"uri", "sample_id", "phash"} & set(names)]
+    assert not leaked, f"rows of the view came back to the driver: {leaked}"
+    m = tf.read_manifest(str(tmp_path / "subset"))
+    folders = {f.split("/")[0] for f in m.files}
+    assert len(folders) == 1 and folders.pop().startswith("v00001-") and m.num_rows == 30 == saved.count()
+    assert all(re.fullmatch(r"[0-9a-f-]{36}-\d+\.parquet", f.split("/")[1]) for f in m.files)  # Daft's names
+    assert read_arrow(str(tmp_path / "subset")).sort_by("uri").equals(want)
+
+
+@pytest.mark.parametrize("vacuumed", [False, True])
+def test_save_commits_its_files_after_a_concurrent_commit(dataset, tmp_path, monkeypatch, vacuumed):
+    """A writer that commits first takes version 1 while the save's files are written: the save moves the files
+    it wrote (once) into a data folder of version 2 and commits that, and both versions read back whole. When its
+    files are gone meanwhile (a vacuum took the save for a killed writer), it writes them again."""
+    from dutycycle.engine.table import commit
+
+    dest = str(tmp_path / "raced")
+    other = read_arrow(dataset["table"]).slice(0, 5)
+    write_dataframe = commit.write_dataframe
+    calls = []
+
+    def racing(table_uri, folder, df):
+        out = write_dataframe(table_uri, folder, df)
+        calls.append(folder)
+        if len(calls) == 1:
+            commit.write_version(table_uri, other, classes=["circle"], source="the other writer")
+            if vacuumed:
+                shutil.rmtree(os.path.join(table_uri, folder))
+        return out
+    monkeypatch.setattr(commit, "write_dataframe", racing)
+    view = open_table(dataset["table"]).where("label = 'square'")
+    saved = view.save(dest)
+    assert saved.manifest.version == 2 and {f.split("/")[0] for f in saved.manifest.files} <= {
+        p for p in os.listdir(dest) if p.startswith("v00002-")}  # a folder of its own version
+    assert len(calls) == 1 + vacuumed  # the query ran again only when its files were gone
+    assert sorted(saved.to_arrow().column("uri").to_pylist()) == sorted(view.to_arrow().column("uri").to_pylist())
+    first = tf.read_manifest(dest, 1)
+    assert first.source == "the other writer" and read_arrow(dest, first).equals(other)
+    folders = sorted(p for p in os.listdir(dest) if p.startswith("v0"))  # the save's first folder is gone
+    assert folders == sorted({f.split("/")[0] for f in first.files + saved.manifest.files})
+    assert sorted(os.listdir(dest + "/_manifests")) == ["v00001.json", "v00002.json"]
+
+
+def test_a_failed_save_leaves_no_files(dataset, tmp_path):
+    """A query that fails while Daft writes (a user's function raising on one row, after others were written)
+    commits nothing, leaves nothing behind in the destination and surfaces its own error; a full disk reported
+    by Daft's writer is named."""
+    import daft
+    from dutycycle.engine.errors import NoSpaceError
+    from dutycycle.engine.table.commit import _write_error
+
+    @daft.func(return_dtype=daft.DataType.int32())
+    def width(uri: str, w: int | None) -> int | None:
+        if "/triangle/" in uri:
+            raise RuntimeError(f"the user's function failed on {uri}")
+        return w
+
+    t = open_table(dataset["table"])
+    bad = Table(t.uri, t.manifest, t.df.with_column("width", width(col("uri"), col("width"))), ("broken",))
+    dest = tmp_path / "failed"
+    with pytest.raises(Exception, match="the user's function failed"):
+        bad.save(str(dest))
+    assert not tf.committed_versions(str(dest)) and [p.name for p in dest.iterdir()] == []
+    full = _write_error(str(dest), str(dest / "v00001-x"), RuntimeError("write failed: No space left on device (os error 28)"))
+    assert isinstance(full, NoSpaceError) and "no space left on" in str(full) and str(dest) in str(full)
+
+
+def test_a_dataframe_streams_in_batches_where_daft_cannot_write(dataset, monkeypatch):
+    """``memory://`` (no Daft writer): the query's batches come back in turn and are regrouped into files of
+    ``ROWS_PER_FILE`` rows; an empty view is one empty file."""
+    import daft
+    from dutycycle.engine.table import commit
+
+    monkeypatch.setattr(commit, "ROWS_PER_FILE", 7)
+    rows = read_arrow(dataset["table"]).slice(0, 20)
+    df = daft.from_arrow(rows)
+    m = commit.write_version("memory://curate-stream/t", df, classes=[])
+    assert m.num_rows == 20 and [read_arrow("memory://curate-stream/t", m).num_rows] == [20] and len(m.files) == 3
+    assert read_arrow("memory://curate-stream/t").sort_by("uri").equals(rows.sort_by("uri"))
+    empty = commit.write_version("memory://curate-stream/e", df.where(col("uri") == "none"), classes=[])
+    assert empty.num_rows == 0 and len(empty.files) == 1
 
 
 def test_to_pandas(dataset):

@@ -85,3 +85,40 @@ def test_stats_counts_as_the_row_loop_would(table):
     assert s["classes"] == dict(sorted(Counter(str(r["label"]) for r in readable).items()))
     assert s["size_histogram"] == dict(Counter(size_bin(max(r["width"], r["height"])) for r in readable)) | {}
     assert sum(s["size_histogram"].values()) == len(readable)
+
+
+@pytest.mark.parametrize("bucket_rows", [1, 10_000])
+def test_sample_and_resplit_rank_only_inside_buckets(table, monkeypatch, bucket_rows):
+    """The bucketed ranking keeps the definitions' rows with one-row buckets (every cut between two buckets:
+    ``BUCKET_ROWS=1`` gives 256 buckets for about 100 rows per stratum) and with 16 crowded buckets (a cut inside
+    a bucket of many rows), at the edges of a sample (none, all, more than there are), and no query plan holds a
+    window over a whole table (Daft's ``WindowOrderByOnly``) or a partition-less window."""
+    import contextlib
+    import io
+
+    rows, df = table
+    monkeypatch.setattr(queries, "BUCKET_ROWS", bucket_rows)
+    assert queries.bucket_digits({"a": 100, "b": 90}) == (2 if bucket_rows == 1 else 1)
+    for n, fraction, by, seed in [(0, None, "label", 0), (len(rows), None, None, 4), (10**6, None, "label", 1),
+                                  (None, 1.0, "split", 2), (None, 0.37, None, 9), (61, None, "label", 3)]:
+        got = queries.sample(df, n, fraction, by, seed)
+        assert sorted(got.to_pydict()["uri"]) == sorted(choose_sample(rows, n, fraction, by, seed)), (n, by)
+    for fractions, by, seed in [("0.8,0.1,0.1", "label", 0), ("0.5,0.25,0.25", None, 3), ("0.2,0.2,0.6", "label", 8)]:
+        out = queries.resplit(df, fractions, seed, by, list(rows[0])).to_pydict()
+        assert sorted(out["uri"]) == sorted(r["uri"] for r in rows)
+        assert dict(zip(out["uri"], out["split"], strict=True)) == split_rows(rows, fractions, seed, by)
+    for query in (queries.sample(df, 50, None, None, 0), queries.resplit(df, "0.8,0.1,0.1", 0, None, list(rows[0]))):
+        plan = io.StringIO()
+        with contextlib.redirect_stdout(plan):
+            query.explain(show_all=True)
+        assert "Window" in plan.getvalue()  # the bucket ranking is there ...
+        assert "WindowOrderByOnly" not in plan.getvalue() and "partition_by=[]" not in plan.getvalue()  # ... never global
+
+
+def test_bucket_digits_bound_what_reaches_the_driver():
+    """Buckets of about ``BUCKET_ROWS`` rows, and never more than ``MAX_BUCKETS`` (stratum, bucket) counts."""
+    assert queries.bucket_digits({}) == 1 and queries.bucket_digits({None: 1_000}) == 1
+    assert queries.bucket_digits({None: 1_000_000}) == 3  # 244 rows a bucket
+    assert queries.bucket_digits({None: 10**9}) == 4  # 16**5 buckets would pass MAX_BUCKETS
+    many = {f"s{i}": 10**8 for i in range(1_000)}
+    assert 1_000 * 16 ** queries.bucket_digits(many) <= max(queries.MAX_BUCKETS, 16_000)

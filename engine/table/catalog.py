@@ -21,11 +21,16 @@ from __future__ import annotations
 import csv
 import io as _io
 import json
+import os
 import posixpath
 import sys
 import time
-from dataclasses import dataclass
+import unicodedata
+from dataclasses import dataclass, field
 from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from .. import io
 from .. import runner as runner_mod
@@ -35,7 +40,7 @@ from ..limits import DEFAULT_MAX_FILE_BYTES
 from ..roots import canonical as canonical_root
 from . import format as tf
 from . import probe, scan
-from .commit import MAX_COMMIT_ATTEMPTS, check_destination, try_commit, write_rows
+from .commit import MAX_COMMIT_ATTEMPTS, ROWS_PER_FILE, check_destination
 from .split import (  # noqa: F401 - the split is ingest's too
     DEFAULT_SPLIT,
     SPLIT_NAMES,
@@ -62,6 +67,8 @@ class IngestConfig:
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # larger files get an error row and are never read
     progress_every: int = 1000  # print a progress line to stderr every this many files (0: quiet)
+    # files listed, probed and written per batch: what the driver holds of the listing and the new rows at once
+    batch_files: int = scan.LIST_BATCH
     partitions: int | None = None  # Daft partitions for the per-file work (None: by size, for Ray)
     use_process: bool | None = None  # UDF in worker processes (None: Daft decides, threads for small jobs)
 
@@ -145,14 +152,13 @@ def _progress(msg: str) -> None:
 
 
 def _rewrite(file_uri: str, drop):
-    """The rows of one committed data file minus those whose URI is in ``drop`` (copy-on-write)."""
-    import pyarrow.compute as pc
+    """The rows of one committed data file minus those whose path bytes are in ``drop`` (copy-on-write)."""
     import pyarrow.parquet as pq
 
     fs, path = io.filesystem(file_uri)
     with fs.open(path, "rb") as f:
-        t = pq.read_table(f).cast(tf.SCHEMA)
-    return t.filter(pc.invert(pc.is_in(t.column("uri"), value_set=drop)))
+        t = tf.conform(pq.read_table(f))
+    return t.filter(pc.invert(pc.is_in(scan.path_key(t), value_set=drop)))
 
 
 def table_summary(rows) -> dict[str, Any]:
@@ -195,20 +201,24 @@ def ingest(
     ray_address: str | None = None,
     partitions: int | None = None,
     use_process: bool | None = None,
+    batch_files: int = scan.LIST_BATCH,
 ) -> dict[str, Any]:
     """Scan ``source`` and commit the next version of the metadata table at ``table``; returns a summary dict.
 
     New and modified files are probed, rows of deleted files dropped; nothing changed -> no new version.
-    Safe to run concurrently with other ingests into the same table (each commits its own version).
+    Safe to run concurrently with other ingests into the same table (each commits its own version). The listing
+    streams: files are listed, probed and written ``batch_files`` at a time, so the driver's memory does not
+    grow with the number of files. A table holds one source: ingesting another folder into it is refused.
 
     Splits: a source laid out in split folders (``train/<class>/...``, ``val/`` or ``validation/``, ``test/``;
     see ``split.folder_layout``) takes each row's split from its top folder and its label from the folder below,
     unless ``split_folders=False``; otherwise ``split`` (train,val,test fractions; default 0.8,0.1,0.1, or the
     table's own on a re-ingest) splits by content hash. ``split`` together with split folders is refused. A
     re-ingest assigns splits the way the table's first version did, or is refused naming the difference.
-    """
-    import pyarrow.compute as pc
 
+    Labels are normalised to Unicode NFC, so class folders whose names differ only in normal form (``café``
+    typed on Linux and on macOS) are one class; the summary's ``merged_labels`` lists the spellings merged.
+    """
     t0 = time.time()
     cfg = IngestConfig(
         source=source,
@@ -222,67 +232,276 @@ def ingest(
         progress_every=progress_every,
         partitions=partitions,
         use_process=use_process,
+        batch_files=batch_files,
     )
     runner_name = runner_mod.resolve(runner)
     if cfg.max_pixels < 1:
         raise ConfigError(f"--max-pixels {cfg.max_pixels} must be positive, e.g. {DEFAULT_MAX_PIXELS}")
     if cfg.max_file_bytes < 1:
         raise ConfigError(f"--max-file-bytes {cfg.max_file_bytes} must be positive, e.g. {DEFAULT_MAX_FILE_BYTES}")
+    if cfg.batch_files < 1:
+        raise ConfigError(f"batch_files {cfg.batch_files} must be positive, e.g. {scan.LIST_BATCH}")
     mapping = load_labels(cfg.labels) if cfg.labels else None
     scan.check_source(cfg.source)
     check_destination(cfg.table)
     runner_mod.configure(runner_name, ray_address)
 
-    probed = tf.SCHEMA.empty_table()  # every row probed so far, kept across commit attempts
     given_split = split is not None
-    for attempt in range(MAX_COMMIT_ATTEMPTS):
-        versions = tf.committed_versions(cfg.table)  # listed once: read_manifest() alone would list them again
-        previous = tf.read_manifest(cfg.table, versions[-1]) if versions else None
-        listing = scan.list_source(cfg.source)
-        # A table kept inside its own source folder must not ingest its own files.
-        inside = pc.starts_with(listing.column("uri"), _table_prefix(cfg.table) + "/")
-        listing = listing.filter(pc.invert(inside))
-        if not listing.num_rows and previous is None:
-            raise SourceError(f"source {cfg.source!r} contains no files; add images or point at another folder")
-        layout = folder_layout(listing.column("rel").to_pylist()) if cfg.split_folders else FolderLayout()
-        cfg = _splits_for(cfg, layout, previous, given_split)
-        changes = scan.diff(listing, scan.read_state(cfg.table, previous))
-        if cfg.progress_every:
-            _progress(
-                f"ingest: {listing.num_rows} files under {cfg.source}: {changes.todo.num_rows} new or modified, "
-                f"{changes.deleted} deleted" + (f" (attempt {attempt + 1})" if attempt else "")
-            )
-            if layout.recognised and attempt == 0:
-                _progress(f"ingest: split folders {describe_folders(layout.splits)}: the split from the top folder, "
-                          "the label from the folder below (--no-split-folders: labels from the first level)")
-            elif layout.found and attempt == 0:  # some split folders, beside others: say why they are not used
-                _progress(f"ingest: not split folders: top-level folder(s) {', '.join(layout.others)} beside "
-                          f"{describe_folders(layout.found)} are no split names; labels from the first folder "
-                          "level, splits by content hash")
-        counts = {"unchanged": changes.unchanged, "modified": changes.modified, "deleted": changes.deleted,
-                  "conflicts": attempt}
-        if not changes.any:
-            return _finish(cfg, previous, {"version": previous.version, "committed": False, "new_rows": 0,
-                                           **counts}, t0, runner_name)
-        probed = _probe_missing(cfg, changes.todo, probed, mapping, runner_name, layout)
-        new_rows = _select(probed, changes.todo)
-        version = (previous.version if previous else 0) + 1
-        folder = tf.data_dir(version)
-        uris = tf.file_uris(cfg.table, previous) if changes.affected_files else []  # resolved once, not per file
-        rewritten = [_rewrite(uris[k], changes.drop) for k in changes.affected_files]
-        files = write_rows(cfg.table, folder, [t for t in [new_rows, *rewritten] if t.num_rows])
-        affected = set(changes.affected_files)
-        kept = [f for k, f in enumerate(previous.files if previous else []) if k not in affected]
-        num_rows = (previous.num_rows if previous else 0) - len(changes.drop) + new_rows.num_rows
-        manifest = _manifest(cfg, previous, version, kept + files, num_rows, new_rows, layout)
-        if not try_commit(cfg.table, folder, manifest):
-            continue
-        summary = {"version": version, "committed": True, "new_rows": new_rows.num_rows, **counts}
-        return _finish(cfg, manifest, summary, t0, runner_name)
+    skip = _table_prefix(cfg.table)  # a table kept inside its own source folder must not ingest its own files
+    reuse: str | None = None  # the folder of an attempt that lost its commit: its rows are not probed again
+    try:
+        for attempt in range(MAX_COMMIT_ATTEMPTS):
+            versions = tf.committed_versions(cfg.table)  # listed once: read_manifest() alone would list them again
+            previous = tf.read_manifest(cfg.table, versions[-1]) if versions else None
+            check_one_source(cfg, previous)
+            total = _Counter(scan.iter_rels(cfg.source, skip))
+            layout = folder_layout(total) if cfg.split_folders else FolderLayout()
+            if cfg.split_folders is False:
+                for _ in total:  # (the layout pass counts the files; without it, count them here)
+                    pass
+            if not total.n and previous is None:
+                raise SourceError(f"source {cfg.source!r} contains no files; add images or point at another folder")
+            cfg = _splits_for(cfg, layout, previous, given_split)
+            if cfg.progress_every and attempt == 0:
+                _progress(f"ingest: {total.n} files under {cfg.source}")
+                if layout.recognised:
+                    _progress(f"ingest: split folders {describe_folders(layout.splits)}: the split from the top "
+                              "folder, the label from the folder below (--no-split-folders: labels from the "
+                              "first level)")
+                elif layout.found:  # some split folders, beside others: say why they are not used
+                    _progress(f"ingest: not split folders: top-level folder(s) {', '.join(layout.others)} beside "
+                              f"{describe_folders(layout.found)} are no split names; labels from the first "
+                              "folder level, splits by content hash")
+            version = (previous.version if previous else 0) + 1
+            folder = tf.data_dir(version)
+            try:
+                run = _stream(cfg, previous, layout, mapping, runner_name, folder, reuse, total.n, skip)
+            except BaseException:
+                _discard(cfg.table, folder)  # nothing half-written stays behind a failed ingest
+                raise
+            changes = run.changes
+            if cfg.progress_every:
+                _progress(f"ingest: {changes.listed} files: {changes.todo} new or modified, {changes.deleted} "
+                          "deleted" + (f" (attempt {attempt + 1})" if attempt else ""))
+            counts = {"unchanged": changes.unchanged, "modified": changes.modified, "deleted": changes.deleted,
+                      "conflicts": attempt, "merged_labels": run.merged()}
+            if not changes.any:
+                _discard(cfg.table, folder)
+                return _finish(cfg, previous, {"version": previous.version, "committed": False, "new_rows": 0,
+                                               **counts}, t0, runner_name)
+            affected = set(changes.affected_files)
+            kept = [f for k, f in enumerate(previous.files if previous else []) if k not in affected]
+            num_rows = (previous.num_rows if previous else 0) - changes.modified - changes.deleted + run.new_rows
+            manifest = _manifest(cfg, previous, version, kept + run.files, num_rows, run.classes, layout)
+            try:
+                tf.commit(cfg.table, manifest)  # the commit point: the data files are invisible until it succeeds
+            except tf.CommitConflict:
+                # keep this attempt's rows (written in path order) for the next: they are not probed again
+                if reuse is not None:
+                    _discard(cfg.table, reuse)
+                reuse = folder
+                continue
+            summary = {"version": version, "committed": True, "new_rows": run.new_rows, **counts}
+            return _finish(cfg, manifest, summary, t0, runner_name)
+    finally:
+        if reuse is not None:
+            _discard(cfg.table, reuse)
     raise DestinationError(
         f"table {cfg.table!r} kept changing under this ingest: {MAX_COMMIT_ATTEMPTS} commits were taken by other "
         "writers first; run the ingest again"
     )
+
+
+class _Counter:
+    """An iterable over ``items`` that counts what went through it (``n``), so one pass both feeds a consumer
+    and counts."""
+
+    def __init__(self, items):
+        self._items, self.n = iter(items), 0
+
+    def __iter__(self):
+        for item in self._items:
+            self.n += 1
+            yield item
+
+
+def check_one_source(cfg: IngestConfig, previous: tf.TableManifest | None) -> None:
+    """Refuse to ingest a source into a table that holds another's rows: the ingest would drop them all (its
+    listing has none of their files). One table, one source."""
+    if previous is None or canonical_root(previous.source) == canonical_root(cfg.source):
+        return
+    what = (f"the rows of source {previous.source!r}" if previous.lineage.get("parent") is None else
+            f"a curated subset of {previous.source!r}")
+    raise ConfigError(
+        f"table {cfg.table!r} holds {what}; ingesting {cfg.source!r} into it would drop them (a table holds one "
+        f"source). Ingest {cfg.source!r} into a new table, or put both folders under one and ingest that into a "
+        "new table"
+    )
+
+
+@dataclass
+class _Run:
+    """What one streaming pass wrote: its data files, the counts, the classes, the label spellings seen."""
+
+    changes: scan.Changes
+    files: list[str] = field(default_factory=list)
+    new_rows: int = 0
+    classes: set[str] = field(default_factory=set)
+    spellings: dict[str, set[str]] = field(default_factory=dict)  # NFC label -> spellings found
+    before: frozenset[str] = frozenset()  # the previous version's classes
+
+    def merged(self) -> dict[str, list[str]]:
+        """NFC label -> the folder spellings merged into it: those not in NFC, where another spelling was
+        seen too or the class already existed."""
+        out = {}
+        for label, seen in sorted(self.spellings.items()):
+            other = seen - {label}
+            if other and (len(seen) > 1 or label in self.before):
+                out[label] = sorted(seen | ({label} if label in self.before else set()))
+        return out
+
+
+def _stream(cfg: IngestConfig, previous, layout: FolderLayout, mapping, runner_name: str, folder: str,
+            reuse: str | None, total: int, skip: str) -> _Run:
+    """List the source batch by batch, diff each batch against the committed rows of its key range, probe the
+    new and modified files (or take their rows from ``reuse``, a lost attempt's folder) and write them under
+    ``folder``; then copy the old data files that lost rows without those rows."""
+    state = scan.state_rows(cfg.table, previous)
+    reused = scan.SortedRows(_folder_files(cfg.table, reuse)) if reuse else None
+    run = _Run(scan.Changes(), before=frozenset(previous.classes if previous else ()))
+    parts = _Parts(cfg.table, folder)
+    every, next_report = cfg.progress_every, cfg.progress_every
+
+    def report(handled: int) -> None:
+        nonlocal next_report
+        if every and handled >= next_report:
+            _progress(f"ingest: {handled}/{total} files")
+            next_report = (handled // every + 1) * every
+
+    for listed in scan.iter_listing(cfg.source, skip, cfg.batch_files):
+        last = scan.path_key(listed)[-1].as_py()
+        todo = scan.diff_batch(listed, state.upto(last), run.changes)
+        if todo.num_rows:
+            base = run.changes.listed - todo.num_rows
+            rows = _probe_batch(cfg, todo, reused.upto(last) if reused else None, mapping, runner_name, layout,
+                                run, lambda done, base=base: report(base + done))
+            parts.write(rows)
+            run.new_rows += rows.num_rows
+            good = rows.filter(pc.and_(pc.is_null(rows.column("error")), pc.is_valid(rows.column("label"))))
+            run.classes.update(good.column("label").unique().to_pylist())
+        report(run.changes.listed)
+    scan.deleted_rest(state.upto(None), run.changes)
+    run.files = parts.close()
+    if run.changes.affected_files:  # copy-on-write: each old file that lost rows, less those rows
+        uris = tf.file_uris(cfg.table, previous)
+        for k in run.changes.affected_files:
+            kept = _rewrite(uris[k], pa.concat_arrays(run.changes.drop[k]))
+            if kept.num_rows:
+                parts.write(kept)
+                run.files += parts.close()  # one file each: the rows of new files stay in path order
+    return run
+
+
+def _folder_files(table: str, folder: str) -> list[str]:
+    fs, path = io.filesystem(io.join(table, folder))
+    try:
+        names = sorted(fs.ls(path, detail=False))
+    except FileNotFoundError:
+        return []
+    return [io.to_uri(fs, n) for n in names if n.endswith(".parquet")]
+
+
+def normalise_label(label: str | None) -> str | None:
+    """A class name in Unicode NFC: one class however the file system or the keyboard composed its letters."""
+    return None if label is None else unicodedata.normalize("NFC", label)
+
+
+def _probe_batch(cfg: IngestConfig, todo, reused, mapping, runner_name: str, layout: FolderLayout, run: _Run,
+                 progress):
+    """The table rows of the listing rows ``todo``: taken from ``reused`` (rows a lost attempt probed, same path,
+    size and stamp) where there, else probed; in path order."""
+    got = None
+    if reused is not None and reused.num_rows:
+        hit = pc.is_in(scan.state_key(reused), value_set=scan.state_key(todo))
+        got = tf.conform(reused.filter(hit))
+        todo = todo.filter(pc.invert(pc.is_in(scan.state_key(todo), value_set=scan.state_key(got))))
+    if todo.num_rows:
+        rels = todo.column("rel").to_pylist()
+        folders = layout.recognised
+        labels = []
+        for rel in rels:
+            raw = label_for(rel, mapping, folders)
+            label = normalise_label(raw)
+            if raw is not None:
+                run.spellings.setdefault(label, set()).add(raw)
+            labels.append(label)
+        splits = [layout.split_of(rel) for rel in rels] if folders else None
+        fresh = probe.run_probe(cfg, todo, labels, runner_name, progress, splits)
+        got = fresh if got is None else pa.concat_tables([got, fresh])
+    return got.take(pc.sort_indices(scan.path_key(got)))
+
+
+class _Parts:
+    """Data files written as rows arrive: one Parquet file open at a time, a row group per batch, a new file
+    every ``ROWS_PER_FILE`` rows, each made durable (fsync) when closed."""
+
+    def __init__(self, table: str, folder: str):
+        self.table, self.folder = table, folder
+        self.files: list[str] = []
+        self._count = 0
+        self._open = None  # (rel, file object, ParquetWriter, rows written)
+
+    def write(self, rows) -> None:
+        import pyarrow.parquet as pq
+
+        if not rows.num_rows:
+            return
+        try:
+            if self._open is None:
+                rel = f"{self.folder}/part-{self._count:05d}.parquet"
+                self._count += 1
+                fs, path = io.filesystem(io.join(self.table, rel))
+                fs.makedirs(posixpath.dirname(path), exist_ok=True)
+                f = fs.open(path, "wb")
+                self._open = [rel, f, pq.ParquetWriter(f, tf.SCHEMA, compression="zstd"), 0]
+            self._open[2].write_table(tf.conform(rows))
+            self._open[3] += rows.num_rows
+        except OSError as e:
+            raise self._failed(e) from e
+        if self._open[3] >= ROWS_PER_FILE:
+            self.close()
+
+    def close(self) -> list[str]:
+        """Close the open file (durable once this returns); the files closed since the last call."""
+        if self._open is not None:
+            rel, f, writer, _ = self._open
+            self._open = None
+            try:
+                writer.close()
+                if io.protocol(self.table) == "file":
+                    f.flush()
+                    os.fsync(f.fileno())
+                f.close()
+                if io.protocol(self.table) == "file":
+                    io.fsync_dir(io.filesystem(io.join(self.table, self.folder))[1])
+            except OSError as e:
+                raise self._failed(e) from e
+            self.files.append(rel)
+        done, self.files = self.files, []
+        return done
+
+    def _failed(self, e: OSError) -> Exception:
+        return io.no_space(e, io.join(self.table, self.folder)) or DestinationError(
+            f"cannot write table {self.table!r}: {e}; choose a writable location")
+
+
+def _discard(table: str, folder: str) -> None:
+    """Remove this writer's own uncommitted folder (nobody else references it); vacuum removes what is left."""
+    fs, path = io.filesystem(io.join(table, folder))
+    try:
+        fs.rm(path, recursive=True)
+    except (FileNotFoundError, OSError):
+        pass
 
 
 def _assignment(options: dict) -> dict:
@@ -336,39 +555,13 @@ def _splits_for(cfg: IngestConfig, layout: FolderLayout, previous: tf.TableManif
     return cfg
 
 
-def _probe_missing(cfg: IngestConfig, todo, probed, mapping, runner_name: str, layout: FolderLayout):
-    """``probed`` plus the rows of ``todo`` files not probed yet (a retry after a lost commit re-probes none).
-    With split folders, each file's split and label come from its path (``layout``)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    fresh = todo.filter(pc.invert(pc.is_in(scan._key(todo), value_set=scan._key(probed))))
-    if not fresh.num_rows:
-        return probed
-    rels = fresh.column("rel").to_pylist()
-    folders = layout.recognised
-    labels = [label_for(rel, mapping, folders) for rel in rels]
-    splits = [layout.split_of(rel) for rel in rels] if folders else None
-    return pa.concat_tables([probed, probe.run_probe(cfg, fresh, labels, runner_name, _progress, splits)])
-
-
-def _select(probed, todo):
-    """The probed rows for exactly the files in ``todo``, sorted by URI."""
-    import pyarrow.compute as pc
-
-    return probed.filter(pc.is_in(scan._key(probed), value_set=scan._key(todo))).sort_by("uri")
-
-
 def _manifest(
-    cfg: IngestConfig, previous: tf.TableManifest | None, version: int, files: list[str], num_rows: int, new_rows,
-    layout: FolderLayout,
+    cfg: IngestConfig, previous: tf.TableManifest | None, version: int, files: list[str], num_rows: int,
+    new_classes: set[str], layout: FolderLayout,
 ):
     """Version ``version``'s manifest. Classes only grow, so a label keeps its index across versions; so do the
     split folders named in ``split_assignment``."""
-    import pyarrow.compute as pc
-
-    good = new_rows.filter(pc.and_(pc.is_null(new_rows.column("error")), pc.is_valid(new_rows.column("label"))))
-    classes = set(previous.classes if previous else []) | set(good.column("label").to_pylist())
+    classes = set(previous.classes if previous else []) | new_classes
     if layout.recognised:
         before = _assignment(previous.options).get("folders", {}) if previous else {}
         assignment = {"by": "folders", "folders": dict(sorted({**before, **layout.splits}.items()))}

@@ -178,6 +178,7 @@ def _remote_names(fs, root: str, skip: str | None) -> Iterator[tuple[str, dict]]
     """``(path, info)`` of every file under ``root`` on an fsspec file system, in the byte order of the paths
     (folder by folder, as ``_local_names``)."""
     def folder(path: str) -> list[tuple[str, bool, dict]]:
+        fs.invalidate_cache(path)  # s3fs caches listings: a re-listing must see files changed since
         try:
             listed = fs.ls(path, detail=True)
         except FileNotFoundError:
@@ -191,7 +192,6 @@ def _remote_names(fs, root: str, skip: str | None) -> Iterator[tuple[str, dict]]
         out.sort(key=lambda e: (posixpath.basename(e[0]) + ("/" if e[1] else "")).encode())
         return out
 
-    fs.invalidate_cache(root)  # s3fs caches listings: a re-listing must see files changed since
     stack = [iter(folder(root))]
     while stack:
         step = next(stack[-1], None)

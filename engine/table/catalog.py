@@ -51,7 +51,6 @@ from .split import (  # noqa: F401 - the split is ingest's too
     folder_layout,
     parse_split,
 )
-from .table import read_arrow
 
 
 @dataclass
@@ -161,29 +160,51 @@ def _rewrite(file_uri: str, drop):
     return t.filter(pc.invert(pc.is_in(scan.path_key(t), value_set=drop)))
 
 
-def table_summary(rows) -> dict[str, Any]:
-    """Counts over an Arrow table of metadata rows: classes, splits, error reasons."""
-    labels = rows.column("label").to_pylist()
-    errors = rows.column("error").to_pylist()
-    splits = rows.column("split").to_pylist()
+def table_summary(parts) -> dict[str, Any]:
+    """Counts over Arrow tables of metadata rows (``parts``: one table or an iterable of them, e.g. a version's
+    files read batch by batch): classes, splits, error reasons. Counted per distinct value, so a part's cost is
+    its own size."""
+    if isinstance(parts, pa.Table):
+        parts = [parts]
     classes: dict[str, int] = {}
     reasons: dict[str, int] = {}
     split_counts: dict[str, int] = {}
-    for label, err, split in zip(labels, errors, splits, strict=True):
-        if err is None and label is not None:
-            classes[label] = classes.get(label, 0) + 1
-        if err is not None:
-            r = error_reason(err)
-            reasons[r] = reasons.get(r, 0) + 1
-        elif split is not None:
-            split_counts[split] = split_counts.get(split, 0) + 1
+    rows = unlabelled = 0
+
+    def add(into: dict, values) -> None:
+        for entry in pc.value_counts(values).to_pylist():
+            if entry["values"] is not None:
+                into[entry["values"]] = into.get(entry["values"], 0) + entry["counts"]
+
+    for t in parts:
+        rows += t.num_rows
+        unlabelled += t.column("label").null_count
+        ok = pc.is_null(t.column("error"))
+        add(classes, t.column("label").filter(ok))
+        add(split_counts, t.column("split").filter(ok))
+        errors: dict[str, int] = {}
+        add(errors, t.column("error"))
+        for message, count in errors.items():
+            r = error_reason(message)
+            reasons[r] = reasons.get(r, 0) + count
     return {
-        "rows": rows.num_rows,
+        "rows": rows,
         "classes": dict(sorted(classes.items())),
         "splits": split_counts,
         "errors": dict(sorted(reasons.items())),
-        "unlabelled": sum(1 for lab in labels if lab is None),
+        "unlabelled": unlabelled,
     }
+
+
+def _version_parts(table: str, manifest: tf.TableManifest, columns: list[str]):
+    """A version's rows, ``columns`` only, one Parquet batch at a time (the summary of a large table)."""
+    import pyarrow.parquet as pq
+
+    for uri in tf.file_uris(table, manifest):
+        fs, path = io.filesystem(uri)
+        with fs.open(path, "rb") as f:
+            for batch in pq.ParquetFile(f).iter_batches(scan.LIST_BATCH, columns=columns):
+                yield pa.Table.from_batches([batch])
 
 
 def ingest(
@@ -592,7 +613,7 @@ def _manifest(
 def _finish(
     cfg: IngestConfig, manifest: tf.TableManifest, summary: dict, t0: float, runner_name: str
 ) -> dict:
-    counts = table_summary(read_arrow(cfg.table, manifest, columns=["label", "error", "split"]))
+    counts = table_summary(_version_parts(cfg.table, manifest, ["label", "error", "split"]))
     return {
         "table": cfg.table,
         "source": cfg.source,

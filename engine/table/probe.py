@@ -47,7 +47,7 @@ def fetch_one(uri: str, size: int, listed_error: str | None, max_bytes: int, ins
     read; otherwise a capped, regular-file-only read. ``inside`` (a ``roots.RootCheck`` over a local source)
     checks again that the file resolves inside the source root, in case a symlink was re-pointed since the
     listing. ``exact``: the path's bytes when its name is not text (``uri`` is then only its readable form)."""
-    uri = scan.open_path(uri, exact)
+    uri = io.open_path(uri, exact)
     if listed_error is not None:
         return None, listed_error
     if size > max_bytes:

@@ -79,12 +79,6 @@ def readable(raw: bytes) -> tuple[str, bytes | None]:
         return raw.decode("utf-8", "backslashreplace"), raw
 
 
-def open_path(uri: str, uri_bytes: bytes | None) -> str:
-    """The path to open for a row: its ``uri``, or for a name that is not text the exact bytes as the ``str``
-    Python's file functions take (``os.fsdecode``)."""
-    return os.fsdecode(uri_bytes) if uri_bytes is not None else uri
-
-
 def path_key(t: pa.Table) -> pa.Array:
     """The exact bytes of each row's path (``uri_bytes``, else the ``uri``'s UTF-8): what orders and matches
     files. A table written before ``uri_bytes`` existed has only text names."""

@@ -14,6 +14,7 @@ import os
 import unicodedata
 
 import pytest
+from dutycycle.engine import io as dio
 from dutycycle.engine.errors import ConfigError
 from dutycycle.engine.table import format as tf
 from dutycycle.engine.table import probe, scan
@@ -59,7 +60,7 @@ def test_non_text_and_control_character_names_keep_their_exact_bytes(tmp_path, c
         text = rel.decode("utf-8", "backslashreplace")
         assert r["uri"] == os.fsdecode(src) + "/" + text  # readable (and exact when the name is text)
         assert (r["uri_bytes"] is None) == (text.encode() == rel)
-        with open(scan.open_path(r["uri"], r["uri_bytes"]), "rb") as f:
+        with open(dio.open_path(r["uri"], r["uri_bytes"]), "rb") as f:
             assert f.read() == data  # the row opens its own file
     assert by_bytes[src + b"/cat/caf\xe9.png"]["uri"].endswith("/cat/caf\\xe9.png")
     assert sorted(open_table(table).stats()["classes"]) == ["cat", "d\\xf6g", "evil\x1b[31m"]

@@ -45,6 +45,7 @@ def cmd_ingest(args) -> int:
         progress_every=args.progress_every,
         runner=args.runner,
         ray_address=args.ray_address,
+        **({} if args.batch_files is None else {"batch_files": args.batch_files}),
     )
     if args.json:
         print(json.dumps(s, indent=2))

@@ -103,7 +103,7 @@ def load_labels(uri: str) -> dict[str, str]:
             ) from None
         if not isinstance(mapping, dict):
             raise ConfigError(f"--labels {uri!r} must hold a JSON object {{name: label}}")
-        return {str(k): str(v) for k, v in mapping.items()}
+        return _with_nfc_keys({str(k): str(v) for k, v in mapping.items()})
     mapping = {}
     for row in csv.reader(_io.StringIO(text)):
         if not row or not row[0].strip():
@@ -118,14 +118,28 @@ def load_labels(uri: str) -> dict[str, str]:
         ):
             continue  # header
         mapping[key] = label
-    return mapping
+    return _with_nfc_keys(mapping)
+
+
+def _with_nfc_keys(mapping: dict[str, str]) -> dict[str, str]:
+    """``mapping`` plus each key's NFC spelling (where no key has it already), so a file name the file system
+    wrote in another normal form (macOS writes NFD) still finds its label."""
+    out = dict(mapping)
+    for key, label in mapping.items():
+        out.setdefault(unicodedata.normalize("NFC", key), label)
+    return out
 
 
 def label_for(rel: str, mapping: dict[str, str] | None, split_folders: bool = False) -> str | None:
-    """Label of a file from its path relative to the source: the mapping (by rel path, then name), else its first
-    folder level, or with ``split_folders`` the level below its split folder (``train/cat/a.png`` -> ``cat``)."""
+    """Label of a file from its path relative to the source: the mapping (by rel path, then name, each as written
+    and then in NFC), else its first folder level, or with ``split_folders`` the level below its split folder
+    (``train/cat/a.png`` -> ``cat``). Not yet normalised: see ``normalise_label``."""
     if mapping is not None:
-        return mapping.get(rel, mapping.get(posixpath.basename(rel)))
+        for key in (rel, posixpath.basename(rel)):
+            for spelling in (key, unicodedata.normalize("NFC", key)):
+                if spelling in mapping:
+                    return mapping[spelling]
+        return None
     if split_folders:
         rel = rel.partition("/")[2]
     folder = posixpath.dirname(rel)

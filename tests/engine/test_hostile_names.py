@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import unicodedata
 
@@ -91,6 +92,14 @@ def test_labels_are_nfc_and_merged_folders_are_reported(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"merged into class {NFC} (Unicode NFC): folders " in out and ascii(NFD) in out, out
     assert open_table(table).stats()["classes"] == {NFC: 3, "dog": 2}
+    # a mapping file's names find files the file system spells in another normal form; its labels are NFC too
+    mapping = tmp_path / "labels.json"
+    mapping.write_text(json.dumps({f"{NFC}.png": NFD, "x.png": "dog"}))
+    other = tmp_path / "other"
+    _png(str(other / f"{NFD}.png"), (3, 3, 3))
+    _png(str(other / "x.png"), (4, 4, 4))
+    s = ingest(str(other), str(tmp_path / "mapped"), labels=str(mapping), progress_every=0)
+    assert s["classes"] == {NFC: 1, "dog": 1} and s["unlabelled"] == 0
 
 
 def test_a_second_source_into_a_table_is_refused_and_the_first_kept(tmp_path):

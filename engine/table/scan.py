@@ -50,6 +50,7 @@ STATE_COLUMNS = ["uri", "size_bytes", "modified", "uri_bytes"]
 NOT_REGULAR = "not a regular file"
 SYMLINK_OUT = "symlink out of the source root"
 BROKEN_LINK = "broken symlink"
+UNREADABLE_FOLDER = "unreadable folder"  # a folder the listing could not open (its files are not listed)
 LIST_BATCH = 10_000  # files per listing batch: what the driver holds of the listing at once
 
 
@@ -135,12 +136,16 @@ def local_entry(path: str | bytes, real_root: str | bytes) -> tuple[int, str, st
     return tst.st_size, str(max(tst.st_mtime_ns, st.st_mtime_ns)), None
 
 
-def _local_names(base: bytes, skip: bytes | None) -> Iterator[bytes]:
-    """Paths (bytes, relative to ``base``) of every non-folder entry under ``base``, in the byte order of the
-    full paths: each folder's entries sorted by name, a folder's name counting with its trailing ``/`` (so its
-    files sort where their full paths do). Symlinked folders are entries, not descended into; ``skip`` (an
-    absolute path) is not descended into either."""
-    stack: list[tuple[bytes, Iterator[tuple[bytes, bool]]]] = [(b"", iter(_sorted_folder(base)))]
+def _local_names(base: bytes, skip: bytes | None) -> Iterator[tuple[bytes, str | None]]:
+    """``(path, error)`` of every non-folder entry under ``base`` (paths as bytes, relative to ``base``), in the
+    byte order of the full paths: each folder's entries sorted by name, a folder's name counting with its
+    trailing ``/`` (so its files sort where their full paths do). Symlinked folders are entries, not descended
+    into; ``skip`` (an absolute path) is not descended into either. A folder that cannot be read is an entry
+    with the reason as its ``error`` (its files would otherwise go missing without a word)."""
+    top, error = _sorted_folder(base)
+    if error is not None:  # (listing nothing would read as every file deleted)
+        raise SourceError(f"source {os.fsdecode(base)!r} cannot be listed ({error}); make it readable")
+    stack: list[tuple[bytes, Iterator[tuple[bytes, bool]]]] = [(b"", iter(top))]
     while stack:
         rel, entries = stack[-1]
         step = next(entries, None)
@@ -149,23 +154,27 @@ def _local_names(base: bytes, skip: bytes | None) -> Iterator[bytes]:
             continue
         name, is_dir = step
         child = rel + name
-        if is_dir:
-            if skip is None or os.path.join(base, child) != skip:
-                stack.append((child + b"/", iter(_sorted_folder(os.path.join(base, child)))))
-        else:
-            yield child
+        if not is_dir:
+            yield child, None
+        elif skip is None or os.path.join(base, child) != skip:
+            got, error = _sorted_folder(os.path.join(base, child))
+            if error is not None:
+                yield child, error
+            stack.append((child + b"/", iter(got)))
 
 
-def _sorted_folder(path: bytes) -> list[tuple[bytes, bool]]:
-    """One folder's ``(name, is a real folder)`` entries sorted by name (a folder's with ``/``); an unreadable or
-    vanished folder has none."""
+def _sorted_folder(path: bytes) -> tuple[list[tuple[bytes, bool]], str | None]:
+    """One folder's ``(name, is a real folder)`` entries sorted by name (a folder's with ``/``), and why it could
+    not be read (None when it could; a folder that vanished meanwhile is empty)."""
     try:
         with os.scandir(path) as it:
             entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-    except OSError:
-        return []
+    except FileNotFoundError:
+        return [], None
+    except OSError as e:
+        return [], f"{UNREADABLE_FOLDER}: {os.strerror(e.errno) if e.errno else type(e).__name__}"
     entries.sort(key=lambda e: e[0] + b"/" if e[1] else e[0])
-    return entries
+    return entries, None
 
 
 def _remote_names(fs, root: str, skip: str | None) -> Iterator[tuple[str, dict]]:
@@ -206,7 +215,7 @@ def iter_rels(source: str, skip: str | None = None) -> Iterator[str]:
     fs, root = check_source(source)
     if io.protocol(source) == "file":
         base = os.fsencode(os.path.abspath(root))
-        for rel in _local_names(base, os.fsencode(skip) if skip else None):
+        for rel, _error in _local_names(base, os.fsencode(skip) if skip else None):
             yield readable(rel)[0]
     else:
         prefix = root.rstrip("/") + "/"
@@ -238,9 +247,9 @@ def iter_listing(source: str, skip: str | None = None, batch: int = LIST_BATCH) 
     if io.protocol(source) == "file":
         base = os.fsencode(os.path.abspath(root))
         real_base = os.path.realpath(base)
-        for rel in _local_names(base, os.fsencode(skip) if skip else None):
+        for rel, error in _local_names(base, os.fsencode(skip) if skip else None):
             path = os.path.join(base, rel)
-            entry = local_entry(path, real_base)
+            entry = (0, "", error) if error is not None else local_entry(path, real_base)
             if entry is None:  # vanished since the folder was read
                 continue
             uri, exact = readable(path)

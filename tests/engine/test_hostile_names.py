@@ -180,3 +180,33 @@ def _tricky_remote(src: str) -> list[str]:
         Image.new("RGB", (6, 6), (k * 30, 0, 0)).save(buf, "PNG")
         fs.pipe(f"{src}/{rel}", buf.getvalue())
     return rels
+
+
+def test_a_folder_that_cannot_be_listed_is_an_error_row_and_an_unlistable_source_is_refused(tmp_path, monkeypatch):
+    """EACCES injected at ``os.scandir`` (root, who runs the tests here, reads every folder): the folder's files
+    are not silently missing, and a source that cannot be listed is no source with every file deleted."""
+    import errno
+
+    from dutycycle.engine.errors import SourceError
+
+    src = tmp_path / "src"
+    _png(str(src / "ok" / "a.png"), (1, 1, 1))
+    _png(str(src / "locked" / "b.png"), (2, 2, 2))
+    table = str(tmp_path / "table")
+    assert ingest(str(src), table, progress_every=0)["rows"] == 2
+    real, locked = os.scandir, {os.fsencode(src / "locked")}
+
+    def scandir(path):
+        if path in locked:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real(path)
+
+    monkeypatch.setattr(scan.os, "scandir", scandir)
+    s = ingest(str(src), table, progress_every=0)
+    rows = {r["uri"]: r["error"] for r in read_arrow(table).to_pylist()}
+    assert rows[str(src / "locked")] == "unreadable folder: Permission denied" and s["errors"] == {
+        "unreadable folder": 1}
+    locked.add(os.fsencode(src))
+    with pytest.raises(SourceError, match=r"cannot be listed \(unreadable folder: Permission denied\)"):
+        ingest(str(src), table, progress_every=0)
+    assert read_arrow(table).num_rows == 2

@@ -83,8 +83,8 @@ def row(kind: str, src: str, work: str, n: int) -> dict:
     warm = os.path.join(work, f"warm-{kind}")
     make_files(warm, 16)
     ingest(warm, os.path.join(work, f"warm-{kind}-table"), progress_every=0)
-    before = _status("VmRSS")
     reset = _reset_peak()
+    before = _status("VmHWM") if reset else _status("VmRSS")  # (the peak just reset: the level the ingest starts from)
     t0 = time.perf_counter()
     if kind == "listing_held":
         held = scan.list_source(src)

@@ -1,32 +1,34 @@
 """Ingest: scan a folder of images (any fsspec URI) with Daft and commit one metadata row per file, no pixels.
 
 The plan, top to bottom:
-1. check the arguments (source exists and has files, destination writable, split fractions valid);
-2. list the source with a change stamp per file and diff it against the newest committed version
-   (``scan.py``): new and modified files are probed, rows of modified and deleted files are dropped;
-3. per file, in a Daft UDF (``probe.py``): read the bytes (refusing files over the byte cap unread), hash them, parse the
+1. check the arguments (source exists and has files, destination writable, split fractions valid) and that the
+   table holds no other source's rows (``check_one_source``);
+2. a pass over the source's names (no ``stat``): how many files, and whether it is laid out in split folders;
+3. list the source in path order, ``batch_files`` at a time, with a change stamp per file (``scan.py``), and diff
+   each batch against the committed rows of the same key range: new and modified files are probed, rows of
+   modified and deleted files are dropped;
+4. per file, in a Daft UDF (``probe.py``): read the bytes (refusing files over the byte cap unread), hash them, parse the
    header with the allowed decoders only (no pixel decode), check integrity, optionally compute a perceptual
    hash from a reduced decode; assign the split from the content hash, or, for a source laid out in split
    folders (``train/<class>/...``, ``val/``, ``test/``: ``split.folder_layout``), from the top folder, the label
-   then coming from the folder below it; the manifest's ``options.split_assignment`` records which;
-4. write the new rows, and copies of the old data files that lost rows (copy-on-write), as Parquet into a
-   folder of this writer's own, fsync them, then create the manifest of version N+1 if absent (the commit
-   point, see ``format.py``). If another writer committed N+1 first, start again from step 2 against its
-   version (files already probed are not probed again) and commit N+2; nothing of the other writer's is
-   touched. A killed ingest leaves the previous version intact; ``vacuum`` removes its files later.
+   then coming from the folder below it (in Unicode NFC); the manifest's ``options.split_assignment`` records which;
+5. append each batch's rows to a Parquet file in a folder of this writer's own (a new file every
+   ``ROWS_PER_FILE`` rows), then copy the old data files that lost rows (copy-on-write), fsync them, and create
+   the manifest of version N+1 if absent (the commit point, see ``format.py``). If another writer committed N+1
+   first, start again from step 2 against its version (files already probed are taken from this writer's
+   first folder, not probed again) and commit N+2; nothing of the other writer's is touched. A failed or
+   killed ingest leaves the previous version intact; a failed one removes its folder, ``vacuum`` a killed one's.
+
+The driver holds one batch, the names of the folders on the current path and the changes: its memory does not
+grow with the number of files (``benchmarks/ingest_scale.py``).
 """
 
 from __future__ import annotations
 
-import csv
-import io as _io
-import json
 import os
-import posixpath
 import sys
 import time
-import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -39,8 +41,9 @@ from ..imageinfo import DEFAULT_MAX_PIXELS, error_reason
 from ..limits import DEFAULT_MAX_FILE_BYTES
 from ..roots import canonical as canonical_root
 from . import format as tf
-from . import probe, scan
-from .commit import MAX_COMMIT_ATTEMPTS, ROWS_PER_FILE, check_destination
+from . import scan, stream
+from .commit import MAX_COMMIT_ATTEMPTS, check_destination
+from .labels import label_for, load_labels, normalise_label  # noqa: F401 - ingest's API
 from .split import (  # noqa: F401 - the split is ingest's too
     DEFAULT_SPLIT,
     SPLIT_NAMES,
@@ -73,85 +76,10 @@ class IngestConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# plain functions: labels
-
-
-def load_labels(uri: str) -> dict[str, str]:
-    """Read a label mapping: JSON ``{"name or rel/path": "label"}`` or CSV rows ``name,label`` (header optional)."""
-    fix = "pass a CSV (name,label) or JSON mapping file"
-    try:
-        # bounded, and only a regular file is opened (a FIFO would block the open, a device never end)
-        data = io.read_capped(uri, io.MAX_MANIFEST_BYTES)
-    except (FileNotFoundError, IsADirectoryError):
-        raise SourceError(f"--labels {uri!r} does not exist; {fix}") from None
-    except io.NotRegularFileError as e:
-        raise SourceError(f"--labels {uri!r} is a {e.kind}, not a file; {fix}") from None
-    except io.FileTooLargeError:
-        raise ConfigError(
-            f"--labels {uri!r} is larger than {io.MAX_MANIFEST_BYTES} bytes, far more than a label mapping holds; {fix}"
-        ) from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--labels {uri!r} is not UTF-8 text ({e}); {fix}") from None
-    if uri.lower().endswith(".json"):
-        try:
-            mapping = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"--labels {uri!r} is not valid JSON ({e}); write an object {{name: label}}"
-            ) from None
-        if not isinstance(mapping, dict):
-            raise ConfigError(f"--labels {uri!r} must hold a JSON object {{name: label}}")
-        return _with_nfc_keys({str(k): str(v) for k, v in mapping.items()})
-    mapping = {}
-    for row in csv.reader(_io.StringIO(text)):
-        if not row or not row[0].strip():
-            continue
-        if len(row) < 2:
-            raise ConfigError(f"--labels {uri!r}: row {row!r} needs two columns; write name,label per line")
-        key, label = row[0].strip(), row[1].strip()
-        if (
-            not mapping
-            and key.lower() in ("path", "file", "filename", "name", "uri")
-            and label.lower() == "label"
-        ):
-            continue  # header
-        mapping[key] = label
-    return _with_nfc_keys(mapping)
-
-
-def _with_nfc_keys(mapping: dict[str, str]) -> dict[str, str]:
-    """``mapping`` plus each key's NFC spelling (where no key has it already), so a file name the file system
-    wrote in another normal form (macOS writes NFD) still finds its label."""
-    out = dict(mapping)
-    for key, label in mapping.items():
-        out.setdefault(unicodedata.normalize("NFC", key), label)
-    return out
-
-
-def label_for(rel: str, mapping: dict[str, str] | None, split_folders: bool = False) -> str | None:
-    """Label of a file from its path relative to the source: the mapping (by rel path, then name, each as written
-    and then in NFC), else its first folder level, or with ``split_folders`` the level below its split folder
-    (``train/cat/a.png`` -> ``cat``). Not yet normalised: see ``normalise_label``."""
-    if mapping is not None:
-        for key in (rel, posixpath.basename(rel)):
-            for spelling in (key, unicodedata.normalize("NFC", key)):
-                if spelling in mapping:
-                    return mapping[spelling]
-        return None
-    if split_folders:
-        rel = rel.partition("/")[2]
-    folder = posixpath.dirname(rel)
-    return folder.split("/")[0] if folder else None
-
-
-# ---------------------------------------------------------------------------------------------------------
 # listing
 
 
 def _table_prefix(table: str) -> str:
-    import os
 
     return os.path.abspath(table).rstrip("/") if io.protocol(table) == "file" else table.rstrip("/")
 
@@ -162,16 +90,6 @@ def _table_prefix(table: str) -> str:
 
 def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _rewrite(file_uri: str, drop):
-    """The rows of one committed data file minus those whose path bytes are in ``drop`` (copy-on-write)."""
-    import pyarrow.parquet as pq
-
-    fs, path = io.filesystem(file_uri)
-    with fs.open(path, "rb") as f:
-        t = tf.conform(pq.read_table(f))
-    return t.filter(pc.invert(pc.is_in(scan.path_key(t), value_set=drop)))
 
 
 def table_summary(parts) -> dict[str, Any]:
@@ -310,9 +228,10 @@ def ingest(
             version = (previous.version if previous else 0) + 1
             folder = tf.data_dir(version)
             try:
-                run = _stream(cfg, previous, layout, mapping, runner_name, folder, reuse, total.n, skip)
+                run = stream.stream_source(cfg, previous, layout, mapping, runner_name, folder, reuse, total.n, skip,
+                                           _progress)
             except BaseException:
-                _discard(cfg.table, folder)  # nothing half-written stays behind a failed ingest
+                stream.discard(cfg.table, folder)  # nothing half-written stays behind a failed ingest
                 raise
             changes = run.changes
             if cfg.progress_every:
@@ -321,7 +240,7 @@ def ingest(
             counts = {"unchanged": changes.unchanged, "modified": changes.modified, "deleted": changes.deleted,
                       "conflicts": attempt, "merged_labels": run.merged()}
             if not changes.any:
-                _discard(cfg.table, folder)
+                stream.discard(cfg.table, folder)
                 return _finish(cfg, previous, {"version": previous.version, "committed": False, "new_rows": 0,
                                                **counts}, t0, runner_name)
             affected = set(changes.affected_files)
@@ -333,14 +252,14 @@ def ingest(
             except tf.CommitConflict:
                 # keep this attempt's rows (written in path order) for the next: they are not probed again
                 if reuse is not None:
-                    _discard(cfg.table, reuse)
+                    stream.discard(cfg.table, reuse)
                 reuse = folder
                 continue
             summary = {"version": version, "committed": True, "new_rows": run.new_rows, **counts}
             return _finish(cfg, manifest, summary, t0, runner_name)
     finally:
         if reuse is not None:
-            _discard(cfg.table, reuse)
+            stream.discard(cfg.table, reuse)
     raise DestinationError(
         f"table {cfg.table!r} kept changing under this ingest: {MAX_COMMIT_ATTEMPTS} commits were taken by other "
         "writers first; run the ingest again"
@@ -372,171 +291,6 @@ def check_one_source(cfg: IngestConfig, previous: tf.TableManifest | None) -> No
         f"source). Ingest {cfg.source!r} into a new table, or put both folders under one and ingest that into a "
         "new table"
     )
-
-
-@dataclass
-class _Run:
-    """What one streaming pass wrote: its data files, the counts, the classes, the label spellings seen."""
-
-    changes: scan.Changes
-    files: list[str] = field(default_factory=list)
-    new_rows: int = 0
-    classes: set[str] = field(default_factory=set)
-    spellings: dict[str, set[str]] = field(default_factory=dict)  # NFC label -> spellings found
-    before: frozenset[str] = frozenset()  # the previous version's classes
-
-    def merged(self) -> dict[str, list[str]]:
-        """NFC label -> the folder spellings merged into it: those not in NFC, where another spelling was
-        seen too or the class already existed."""
-        out = {}
-        for label, seen in sorted(self.spellings.items()):
-            other = seen - {label}
-            if other and (len(seen) > 1 or label in self.before):
-                out[label] = sorted(seen | ({label} if label in self.before else set()))
-        return out
-
-
-def _stream(cfg: IngestConfig, previous, layout: FolderLayout, mapping, runner_name: str, folder: str,
-            reuse: str | None, total: int, skip: str) -> _Run:
-    """List the source batch by batch, diff each batch against the committed rows of its key range, probe the
-    new and modified files (or take their rows from ``reuse``, a lost attempt's folder) and write them under
-    ``folder``; then copy the old data files that lost rows without those rows."""
-    state = scan.state_rows(cfg.table, previous)
-    reused = scan.SortedRows(_folder_files(cfg.table, reuse)) if reuse else None
-    run = _Run(scan.Changes(), before=frozenset(previous.classes if previous else ()))
-    parts = _Parts(cfg.table, folder)
-    every, next_report = cfg.progress_every, cfg.progress_every
-
-    def report(handled: int) -> None:
-        nonlocal next_report
-        if every and handled >= next_report:
-            _progress(f"ingest: {handled}/{total} files")
-            next_report = (handled // every + 1) * every
-
-    for listed in scan.iter_listing(cfg.source, skip, cfg.batch_files):
-        last = scan.path_key(listed)[-1].as_py()
-        todo = scan.diff_batch(listed, state.upto(last), run.changes)
-        if todo.num_rows:
-            base = run.changes.listed - todo.num_rows
-            rows = _probe_batch(cfg, todo, reused.upto(last) if reused else None, mapping, runner_name, layout,
-                                run, lambda done, base=base: report(base + done))
-            parts.write(rows)
-            run.new_rows += rows.num_rows
-            good = rows.filter(pc.and_(pc.is_null(rows.column("error")), pc.is_valid(rows.column("label"))))
-            run.classes.update(good.column("label").unique().to_pylist())
-        report(run.changes.listed)
-    scan.deleted_rest(state.upto(None), run.changes)
-    run.files = parts.close()
-    if run.changes.affected_files:  # copy-on-write: each old file that lost rows, less those rows
-        uris = tf.file_uris(cfg.table, previous)
-        for k in run.changes.affected_files:
-            kept = _rewrite(uris[k], pa.concat_arrays(run.changes.drop[k]))
-            if kept.num_rows:
-                parts.write(kept)
-                run.files += parts.close()  # one file each: the rows of new files stay in path order
-    return run
-
-
-def _folder_files(table: str, folder: str) -> list[str]:
-    fs, path = io.filesystem(io.join(table, folder))
-    try:
-        names = sorted(fs.ls(path, detail=False))
-    except FileNotFoundError:
-        return []
-    return [io.to_uri(fs, n) for n in names if n.endswith(".parquet")]
-
-
-def normalise_label(label: str | None) -> str | None:
-    """A class name in Unicode NFC: one class however the file system or the keyboard composed its letters."""
-    return None if label is None else unicodedata.normalize("NFC", label)
-
-
-def _probe_batch(cfg: IngestConfig, todo, reused, mapping, runner_name: str, layout: FolderLayout, run: _Run,
-                 progress):
-    """The table rows of the listing rows ``todo``: taken from ``reused`` (rows a lost attempt probed, same path,
-    size and stamp) where there, else probed; in path order."""
-    got = None
-    if reused is not None and reused.num_rows:
-        hit = pc.is_in(scan.state_key(reused), value_set=scan.state_key(todo))
-        got = tf.conform(reused.filter(hit))
-        todo = todo.filter(pc.invert(pc.is_in(scan.state_key(todo), value_set=scan.state_key(got))))
-    if todo.num_rows:
-        rels = todo.column("rel").to_pylist()
-        folders = layout.recognised
-        labels = []
-        for rel in rels:
-            raw = label_for(rel, mapping, folders)
-            label = normalise_label(raw)
-            if raw is not None:
-                run.spellings.setdefault(label, set()).add(raw)
-            labels.append(label)
-        splits = [layout.split_of(rel) for rel in rels] if folders else None
-        fresh = probe.run_probe(cfg, todo, labels, runner_name, progress, splits)
-        got = fresh if got is None else pa.concat_tables([got, fresh])
-    return got.take(pc.sort_indices(scan.path_key(got)))
-
-
-class _Parts:
-    """Data files written as rows arrive: one Parquet file open at a time, a row group per batch, a new file
-    every ``ROWS_PER_FILE`` rows, each made durable (fsync) when closed."""
-
-    def __init__(self, table: str, folder: str):
-        self.table, self.folder = table, folder
-        self.files: list[str] = []
-        self._count = 0
-        self._open = None  # (rel, file object, ParquetWriter, rows written)
-
-    def write(self, rows) -> None:
-        import pyarrow.parquet as pq
-
-        if not rows.num_rows:
-            return
-        try:
-            if self._open is None:
-                rel = f"{self.folder}/part-{self._count:05d}.parquet"
-                self._count += 1
-                fs, path = io.filesystem(io.join(self.table, rel))
-                fs.makedirs(posixpath.dirname(path), exist_ok=True)
-                f = fs.open(path, "wb")
-                self._open = [rel, f, pq.ParquetWriter(f, tf.SCHEMA, compression="zstd"), 0]
-            self._open[2].write_table(tf.conform(rows))
-            self._open[3] += rows.num_rows
-        except OSError as e:
-            raise self._failed(e) from e
-        if self._open[3] >= ROWS_PER_FILE:
-            self.close()
-
-    def close(self) -> list[str]:
-        """Close the open file (durable once this returns); the files closed since the last call."""
-        if self._open is not None:
-            rel, f, writer, _ = self._open
-            self._open = None
-            try:
-                writer.close()
-                if io.protocol(self.table) == "file":
-                    f.flush()
-                    os.fsync(f.fileno())
-                f.close()
-                if io.protocol(self.table) == "file":
-                    io.fsync_dir(io.filesystem(io.join(self.table, self.folder))[1])
-            except OSError as e:
-                raise self._failed(e) from e
-            self.files.append(rel)
-        done, self.files = self.files, []
-        return done
-
-    def _failed(self, e: OSError) -> Exception:
-        return io.no_space(e, io.join(self.table, self.folder)) or DestinationError(
-            f"cannot write table {self.table!r}: {e}; choose a writable location")
-
-
-def _discard(table: str, folder: str) -> None:
-    """Remove this writer's own uncommitted folder (nobody else references it); vacuum removes what is left."""
-    fs, path = io.filesystem(io.join(table, folder))
-    try:
-        fs.rm(path, recursive=True)
-    except (FileNotFoundError, OSError):
-        pass
 
 
 def _assignment(options: dict) -> dict:

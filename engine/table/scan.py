@@ -177,21 +177,28 @@ def _sorted_folder(path: bytes) -> tuple[list[tuple[bytes, bool]], str | None]:
     return entries, None
 
 
-def _remote_names(fs, root: str, skip: str | None) -> Iterator[tuple[str, dict]]:
-    """``(path, info)`` of every file under ``root`` on an fsspec file system, in the byte order of the paths
-    (folder by folder, as ``_local_names``)."""
-    def folder(path: str) -> list[tuple[str, bool, dict]]:
-        fs.invalidate_cache(path)  # s3fs caches listings: a re-listing must see files changed since
+def _remote_names(fs, root: str, skip: str | None) -> Iterator[tuple[str, int, str]]:
+    """``(path, size, stamp)`` of every file under ``root`` on an fsspec file system, in the byte order of the
+    paths (folder by folder, as ``_local_names``). One folder's entries are held at a time, as compact tuples: the
+    store's listing cache is dropped for each folder once read (s3fs would otherwise keep every listing, the whole
+    bucket's info dicts, for the life of the file system object)."""
+    def folder(path: str) -> list[tuple[str, bool, int, str]]:
+        fs.invalidate_cache(path)  # a re-listing must see files changed since
         try:
             listed = fs.ls(path, detail=True)
         except FileNotFoundError:
             return []
+        finally:
+            fs.invalidate_cache(path)
         out = []
         for info in listed:
             name = info["name"].rstrip("/")
             if name == path.rstrip("/"):
                 continue  # some stores list a folder's own marker
-            out.append((name, info.get("type") == "directory", info))
+            kind = info.get("type")
+            if kind in ("directory", "file"):
+                out.append((name, kind == "directory", int(info.get("size") or 0), _stamp(info)))
+        del listed
         out.sort(key=lambda e: (posixpath.basename(e[0]) + ("/" if e[1] else "")).encode())
         return out
 
@@ -201,12 +208,11 @@ def _remote_names(fs, root: str, skip: str | None) -> Iterator[tuple[str, dict]]
         if step is None:
             stack.pop()
             continue
-        path, is_dir, info = step
-        if is_dir:
-            if path != skip:
-                stack.append(iter(folder(path)))
-        elif info.get("type") == "file":
-            yield path, info
+        path, is_dir, size, stamp = step
+        if not is_dir:
+            yield path, size, stamp
+        elif path != skip:
+            stack.append(iter(folder(path)))
 
 
 def iter_rels(source: str, skip: str | None = None) -> Iterator[str]:
@@ -219,7 +225,7 @@ def iter_rels(source: str, skip: str | None = None) -> Iterator[str]:
             yield readable(rel)[0]
     else:
         prefix = root.rstrip("/") + "/"
-        for path, _info in _remote_names(fs, root, _remote_skip(fs, skip)):
+        for path, _size, _when in _remote_names(fs, root, _remote_skip(fs, skip)):
             yield path[len(prefix):] if path.startswith(prefix) else posixpath.basename(path)
 
 
@@ -258,10 +264,10 @@ def iter_listing(source: str, skip: str | None = None, batch: int = LIST_BATCH) 
                 yield flush()
     else:
         prefix = io.to_uri(fs, root) + "/"
-        for path, info in _remote_names(fs, root, _remote_skip(fs, skip)):
+        for path, size, stamp in _remote_names(fs, root, _remote_skip(fs, skip)):
             uri = io.to_uri(fs, path)
             rel = uri[len(prefix):] if uri.startswith(prefix) else posixpath.basename(uri)
-            add(uri, rel, int(info.get("size") or 0), _stamp(info), None, None)
+            add(uri, rel, size, stamp, None, None)
             if len(cols["uri"]) >= batch:
                 yield flush()
     if cols["uri"]:

@@ -160,6 +160,8 @@ def test_object_store_listing_streams_in_path_order(s3):
     rels = _tricky_remote(src)
     listed = [r for t in scan.iter_listing(src, batch=3) for r in t.column("rel").to_pylist()]
     assert listed == sorted(rels, key=str.encode)
+    fs, root = dio.filesystem(src)
+    assert not [k for k in fs.dircache if k.startswith(root)]  # no folder's listing kept once it was read
     s = ingest(src, table, progress_every=0, batch_files=3)
     assert s["rows"] == len(rels) and not s["errors"]
     import s3fs

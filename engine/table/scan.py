@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import io
-from ..errors import SourceError
+from ..errors import CorruptArtifactError, SourceError
 from ..roots import under
 from . import format as tf
 
@@ -286,9 +286,9 @@ class SortedRows:
     wrote, is read whole and sorted: at most ``commit.ROWS_PER_FILE`` rows). Adds ``_key`` (the path's bytes)
     and ``_file`` (the file's index in ``uris``)."""
 
-    def __init__(self, uris: list[str], columns: list[str] | None = None, batch: int = LIST_BATCH):
-        self.uris, self.columns, self.batch = uris, columns, batch
-        self._cursors = [_FileCursor(uri, k, columns, batch) for k, uri in enumerate(uris)]
+    def __init__(self, uris: list[str], columns: list[str] | None = None, missing_ok: bool = False):
+        self.uris, self.columns = uris, columns
+        self._cursors = [_FileCursor(uri, k, columns, missing_ok) for k, uri in enumerate(uris)]
 
     def upto(self, last: bytes | None) -> pa.Table | None:
         """The rows not returned yet whose path bytes are ``<= last`` (every remaining row for None); None when
@@ -299,43 +299,59 @@ class SortedRows:
 
 @dataclass
 class _FileCursor:
+    """One data file's rows in path order, a row group at a time; the file is opened per read, never held open
+    (a table with thousands of data files would otherwise hold as many descriptors)."""
+
     uri: str
     index: int
     columns: list[str] | None
-    batch: int
+    missing_ok: bool = False  # a file that is gone has no rows (else a CorruptArtifactError)
     _pending: pa.Table | None = None
-    _batches: Iterator | None = None
-    _file: object = None
-    _done: bool = False
+    _groups: list | None = None  # row-group indices still to read, or [a table] for a file read whole
+    _present: list[str] | None = None
 
     def _open(self):
+        """The file's plan: its row groups in order when its rows are in path order, else all of it sorted."""
         import pyarrow.parquet as pq
 
         fs, path = io.filesystem(self.uri)
-        self._file = fs.open(path, "rb")
-        pf = pq.ParquetFile(self._file)
-        names = pf.schema_arrow.names
-        columns = None if self.columns is None else [c for c in self.columns if c in names]
-        if _sorted(pf, columns):
-            self._batches = (pa.Table.from_batches([b]) for b in pf.iter_batches(self.batch, columns=columns))
-        else:
-            t = pf.read(columns=columns)
-            t = _with_keys(t, self.index)
-            self._batches = iter([t.take(pc.sort_indices(t.column("_key")))])
+        try:
+            f = fs.open(path, "rb")
+        except FileNotFoundError:
+            if not self.missing_ok:
+                raise CorruptArtifactError(
+                    f"the table's data file {self.uri!r} does not exist; ingest into a new table, or restore it"
+                ) from None
+            self._groups = []  # (rows a lost attempt kept: probed again instead)
+            return
+        with f:
+            pf = pq.ParquetFile(f)
+            names = pf.schema_arrow.names
+            self._present = None if self.columns is None else [c for c in self.columns if c in names]
+            if _sorted(pf):
+                self._groups = list(range(pf.num_row_groups))
+            else:  # (at most commit.ROWS_PER_FILE rows)
+                t = _with_keys(pf.read(columns=self._present), self.index)
+                self._groups = [t.take(pc.sort_indices(t.column("_key")))]
 
     def _next(self) -> pa.Table | None:
-        if self._batches is None:
+        import pyarrow.parquet as pq
+
+        if self._groups is None:
             self._open()
-        got = next(self._batches, None)
-        if got is None:
-            self._done = True
-            self._file.close()
+        if not self._groups:
             return None
-        return got if "_key" in got.column_names else _with_keys(got, self.index)
+        group = self._groups.pop(0)
+        if isinstance(group, pa.Table):
+            return group
+        fs, path = io.filesystem(self.uri)
+        with fs.open(path, "rb") as f:
+            t = pq.ParquetFile(f).read_row_group(group, columns=self._present)
+        return _with_keys(t, self.index)
 
     def upto(self, last: bytes | None) -> pa.Table | None:
         parts = []
-        while not self._done:
+        while True:
             if self._pending is None or not self._pending.num_rows:
                 self._pending = self._next()
                 if self._pending is None:
@@ -355,7 +371,7 @@ def _with_keys(t: pa.Table, index: int) -> pa.Table:
     return t.append_column("_file", pa.array([index] * t.num_rows, pa.int32()))
 
 
-def _sorted(pf, columns) -> bool:
+def _sorted(pf) -> bool:
     """Whether a data file's rows are in path order (a streaming pass over its path columns)."""
     last = None
     keep = [c for c in ("uri", "uri_bytes") if c in pf.schema_arrow.names]

@@ -56,7 +56,7 @@ def stream_source(cfg: Any, previous: tf.TableManifest | None, layout: FolderLay
     new and modified files (or take their rows from ``reuse``, a lost attempt's folder) and write them under
     ``folder``; then copy the old data files that lost rows without those rows."""
     state = scan.state_rows(cfg.table, previous)
-    reused = scan.SortedRows(_folder_files(cfg.table, reuse)) if reuse else None
+    reused = scan.SortedRows(_folder_files(cfg.table, reuse), missing_ok=True) if reuse else None
     run = StreamRun(scan.Changes(), before=frozenset(previous.classes if previous else ()))
     parts = PartWriter(cfg.table, folder)
     every, next_report = cfg.progress_every, cfg.progress_every

@@ -212,3 +212,31 @@ def test_a_folder_that_cannot_be_listed_is_an_error_row_and_an_unlistable_source
     with pytest.raises(SourceError, match=r"cannot be listed \(unreadable folder: Permission denied\)"):
         ingest(str(src), table, progress_every=0)
     assert read_arrow(table).num_rows == 2
+
+
+def test_committed_rows_come_back_in_path_order_a_key_range_at_a_time(tmp_path):
+    """``SortedRows`` over a file written in path order (three row groups, read one at a time) and one that is
+    not (read whole and sorted), keyed by the exact path bytes; a missing data file is named, not skipped."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from dutycycle.engine.errors import CorruptArtifactError
+
+    ordered = pa.table({"uri": ["/s/a", "/s/c", "/s/e"], "size_bytes": [1, 2, 3], "modified": ["1", "2", "3"]})
+    pq.write_table(ordered, tmp_path / "ordered.parquet", row_group_size=1)
+    shuffled = pa.table({"uri": ["/s/d", "/s/b\\xff", "/s/b"], "size_bytes": [4, 5, 6], "modified": ["4", "5", "6"],
+                         "uri_bytes": pa.array([None, b"/s/b\xff", None], pa.binary())})
+    pq.write_table(shuffled, tmp_path / "shuffled.parquet")
+    rows = scan.SortedRows([str(tmp_path / "ordered.parquet"), str(tmp_path / "shuffled.parquet")],
+                           scan.STATE_COLUMNS)
+
+    def keys(t):
+        return sorted(zip(t.column("_key").to_pylist(), t.column("_file").to_pylist(), strict=True))
+
+    assert keys(rows.upto(b"/s/b\xff")) == [(b"/s/a", 0), (b"/s/b", 1), (b"/s/b\xff", 1)]
+    assert keys(rows.upto(b"/s/c")) == [(b"/s/c", 0)]
+    assert rows.upto(b"/s/c") is None
+    assert keys(rows.upto(None)) == [(b"/s/d", 1), (b"/s/e", 0)] and rows.upto(None) is None
+    gone = str(tmp_path / "gone.parquet")
+    with pytest.raises(CorruptArtifactError, match="gone.parquet' does not exist"):
+        scan.SortedRows([gone]).upto(None)
+    assert scan.SortedRows([gone], missing_ok=True).upto(None) is None

@@ -9,7 +9,9 @@ The files are tiny PNGs (4x4, 64 distinct contents, about 80 bytes each) in clas
 product's defaults (native runner, perceptual hash on, ``batch_files`` 10,000): imports, Daft's start-up and a
 16-file warm-up ingest happen first, then the kernel's peak resident set is reset (``/proc/self/clear_refs``)
 and the ingest runs. ``driver_growth_bytes`` is the peak during the ingest minus the resident set before it,
-``bytes_per_file`` that over the files.
+``bytes_per_file`` that over the files. The ingest rows then change one file in a hundred and measure a
+re-ingest the same way (``reingest``: the diff against the committed rows, the probes, and the copy-on-write of
+every data file that lost a row).
 
 Rows:
 - ``ingest``: ``n`` files;
@@ -38,10 +40,10 @@ from benchmarks._common import default_out, emit, machine, main_for, run_row  # 
 
 TARGET_BYTES_PER_FILE = 0.2 * 1024  # the issue's target at 1M files
 TEMPLATES = 64  # distinct file contents (so the content ids and splits vary)
+REINGEST_EVERY = 100  # the re-ingest changes one file in this many
 
 
-def make_files(root: str, n: int, per_folder: int = 1000) -> None:
-    """``n`` tiny PNGs under ``root/c00000/...``, ``per_folder`` to a folder."""
+def _blobs() -> list[bytes]:
     from PIL import Image
 
     blobs = []
@@ -49,6 +51,12 @@ def make_files(root: str, n: int, per_folder: int = 1000) -> None:
         buf = io.BytesIO()
         Image.new("RGB", (4, 4), (k * 4, 255 - k * 4, (k * 37) % 256)).save(buf, "PNG")
         blobs.append(buf.getvalue())
+    return blobs
+
+
+def make_files(root: str, n: int, per_folder: int = 1000) -> None:
+    """``n`` tiny PNGs under ``root/c00000/...``, ``per_folder`` to a folder."""
+    blobs = _blobs()
     for i in range(n):
         folder = os.path.join(root, f"c{i // per_folder:05d}")
         if i % per_folder == 0:
@@ -86,18 +94,44 @@ def row(kind: str, src: str, work: str, n: int) -> dict:
     reset = _reset_peak()
     before = _status("VmHWM") if reset else _status("VmRSS")  # (the peak just reset: the level the ingest starts from)
     t0 = time.perf_counter()
+    table = os.path.join(work, f"table-{kind}")
     if kind == "listing_held":
         held = scan.list_source(src)
         rows, extra = held.num_rows, {"arrow_bytes": held.nbytes}
     else:
-        s = ingest(src, os.path.join(work, f"table-{kind}"), progress_every=0)
+        s = ingest(src, table, progress_every=0)
         rows, extra = s["rows"], {"errors": s["errors"]}
     seconds = time.perf_counter() - t0
     peak = _status("VmHWM")
     growth = max(0, peak - before)
-    return {"files": n, "rows": rows, "seconds": round(seconds, 2), "files_per_s": round(n / seconds, 1),
-            "driver_rss_before_mib": round(before / 2**20, 1), "driver_peak_mib": round(peak / 2**20, 1),
-            "driver_growth_bytes": growth, "bytes_per_file": round(growth / n, 1), "peak_reset": reset, **extra}
+    out = {"files": n, "rows": rows, "seconds": round(seconds, 2), "files_per_s": round(n / seconds, 1),
+           "driver_rss_before_mib": round(before / 2**20, 1), "driver_peak_mib": round(peak / 2**20, 1),
+           "driver_growth_bytes": growth, "bytes_per_file": round(growth / n, 1), "peak_reset": reset, **extra}
+    if kind != "listing_held":  # then a re-ingest with 1% of the files changed: diff, probe, copy-on-write
+        changed = _change_every(src, REINGEST_EVERY)
+        _reset_peak()
+        before = _status("VmHWM")
+        t0 = time.perf_counter()
+        s = ingest(src, table, progress_every=0)
+        seconds = time.perf_counter() - t0
+        growth = max(0, _status("VmHWM") - before)
+        assert s["modified"] == changed, (s["modified"], changed)
+        out["reingest"] = {"modified": s["modified"], "seconds": round(seconds, 2), "driver_growth_bytes": growth,
+                           "bytes_per_file": round(growth / n, 1)}
+    return out
+
+
+def _change_every(root: str, every: int) -> int:
+    """Rewrite every ``every``-th file (in name order) with other content; how many."""
+    changed = 0
+    for folder in sorted(os.listdir(root)):
+        for name in sorted(os.listdir(os.path.join(root, folder))):
+            i = int(name.split(".")[0])
+            if i % every == 0:
+                with open(os.path.join(root, folder, name), "wb") as f:
+                    f.write(_blobs()[(i + 1) % TEMPLATES] + b"\0")  # other bytes, one longer: surely modified
+                changed += 1
+    return changed
 
 
 def run(n: int, workdir: str | None = None, per_folder: int = 1000, timeout: float = 7200) -> dict:

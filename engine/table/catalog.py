@@ -248,7 +248,9 @@ def ingest(
             num_rows = (previous.num_rows if previous else 0) - changes.modified - changes.deleted + run.new_rows
             manifest = _manifest(cfg, previous, version, kept + run.files, num_rows, run.classes, layout)
             try:
-                tf.commit(cfg.table, manifest)  # the commit point: the data files are invisible until it succeeds
+                # the commit point: the data files are invisible until it succeeds. Any other failure leaves the
+                # folder to vacuum: a commit that failed on the way back (a lost reply) may have taken effect
+                tf.commit(cfg.table, manifest)
             except tf.CommitConflict:
                 # keep this attempt's rows (written in path order) for the next: they are not probed again
                 if reuse is not None:

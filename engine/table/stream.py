@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,10 +84,9 @@ def stream_source(cfg: Any, previous: tf.TableManifest | None, layout: FolderLay
     if run.changes.affected_files:  # copy-on-write: each old file that lost rows, less those rows
         uris = tf.file_uris(cfg.table, previous)
         for k in run.changes.affected_files:
-            kept = _rewrite(uris[k], pa.concat_arrays(run.changes.drop[k]))
-            if kept.num_rows:
+            for kept in _rewrite(uris[k], pa.concat_arrays(run.changes.drop[k])):
                 parts.write(kept)
-                run.files += parts.close()  # one file each: the rows of new files stay in path order
+            run.files += parts.close()  # one file each: the rows of new files stay in path order
     return run
 
 
@@ -188,11 +187,13 @@ def discard(table: str, folder: str) -> None:
         pass
 
 
-def _rewrite(file_uri: str, drop):
-    """The rows of one committed data file minus those whose path bytes are in ``drop`` (copy-on-write)."""
+def _rewrite(file_uri: str, drop) -> Iterator[pa.Table]:
+    """The rows of one committed data file minus those whose path bytes are in ``drop`` (copy-on-write), a
+    batch at a time (never the whole file in memory)."""
     import pyarrow.parquet as pq
 
     fs, path = io.filesystem(file_uri)
     with fs.open(path, "rb") as f:
-        t = tf.conform(pq.read_table(f))
-    return t.filter(pc.invert(pc.is_in(scan.path_key(t), value_set=drop)))
+        for batch in pq.ParquetFile(f).iter_batches(scan.LIST_BATCH):
+            t = tf.conform(pa.Table.from_batches([batch]))
+            yield t.filter(pc.invert(pc.is_in(scan.path_key(t), value_set=drop)))

@@ -36,10 +36,11 @@ import pyarrow.compute as pc
 
 from .. import io
 from .. import runner as runner_mod
-from ..errors import ConfigError, DestinationError, SourceError
+from ..errors import ConfigError, DestinationError, DutycycleError, SourceError
 from ..imageinfo import DEFAULT_MAX_PIXELS, error_reason
 from ..limits import DEFAULT_MAX_FILE_BYTES
 from ..roots import canonical as canonical_root
+from . import commit as table_commit
 from . import format as tf
 from . import scan, stream
 from .commit import MAX_COMMIT_ATTEMPTS, check_destination
@@ -248,15 +249,19 @@ def ingest(
             num_rows = (previous.num_rows if previous else 0) - changes.modified - changes.deleted + run.new_rows
             manifest = _manifest(cfg, previous, version, kept + run.files, num_rows, run.classes, layout)
             try:
-                # the commit point: the data files are invisible until it succeeds. Any other failure leaves the
-                # folder to vacuum: a commit that failed on the way back (a lost reply) may have taken effect
-                tf.commit(cfg.table, manifest)
+                tf.commit(cfg.table, manifest)  # the commit point: the data files are invisible until it succeeds
             except tf.CommitConflict:
                 # keep this attempt's rows (written in path order) for the next: they are not probed again
                 if reuse is not None:
                     stream.discard(cfg.table, reuse)
                 reuse = folder
                 continue
+            except BaseException:
+                # a commit that failed (a full disk under the manifest) leaves no data files behind, unless the
+                # manifest did land and only a later step failed: then they are the committed version's
+                if not _committed_by(cfg.table, manifest):
+                    table_commit._discard(cfg.table, folder)
+                raise
             summary = {"version": version, "committed": True, "new_rows": run.new_rows, **counts}
             return _finish(cfg, manifest, summary, t0, runner_name)
     finally:
@@ -266,6 +271,14 @@ def ingest(
         f"table {cfg.table!r} kept changing under this ingest: {MAX_COMMIT_ATTEMPTS} commits were taken by other "
         "writers first; run the ingest again"
     )
+
+
+def _committed_by(table: str, manifest: tf.TableManifest) -> bool:
+    """Whether ``manifest``'s version is committed by this writer (its writer id)."""
+    try:
+        return tf.read_manifest(table, manifest.version).writer == manifest.writer
+    except (DutycycleError, OSError):
+        return False
 
 
 class _Counter:

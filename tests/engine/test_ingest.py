@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from dutycycle.engine.errors import ConfigError
 from dutycycle.engine.synth import synthesize
+from dutycycle.engine.table import commit as table_commit
 from dutycycle.engine.table import format as tf
 from dutycycle.engine.table.catalog import assign_split, ingest, parse_split
 from dutycycle.engine.table.table import open_table, read_arrow
@@ -168,6 +169,10 @@ def test_crash_before_commit_leaves_previous_table(src, tmp_path, monkeypatch):
         raise RuntimeError("simulated crash between data and commit")
 
     monkeypatch.setattr(tf, "commit", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        ingest(str(work), uri, progress_every=0)
+    assert not glob.glob(os.path.join(uri, tf.version_dir(2) + "-*"))  # a commit that raised removes its data
+    monkeypatch.setattr(table_commit, "_discard", lambda *a: None)  # a writer killed there cannot
     with pytest.raises(RuntimeError, match="simulated crash"):
         ingest(str(work), uri, progress_every=0)
     (leftover,) = glob.glob(os.path.join(uri, tf.version_dir(2) + "-*"))  # data was written ...

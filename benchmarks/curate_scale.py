@@ -114,6 +114,7 @@ def generate(n: int, seed: int = 0):
             (_mix(i, s + 11) % np.uint64(3)).astype(np.int64)].tolist(), pa.string()),
         "phash": pa.array(phash.view(np.int64), mask=error),
         "error": pa.array(np.where(error, "corrupt: cut short", None).tolist(), pa.string()),
+        "uri_bytes": pa.nulls(n, pa.binary()),  # every generated name is text
     }
     planted = {"rows": n, "exact_copies": int(exact.sum()), "near_copies": int(near.sum()),
                "unreadable": int(error.sum())}

@@ -46,6 +46,10 @@ def register(subparsers) -> None:
         "--max-file-bytes", type=int, default=None, help="record larger files as errors without reading them"
     )
     p.add_argument("--progress-every", type=int, default=1000, help="progress line every N files (0: quiet)")
+    p.add_argument(
+        "--batch-files", type=int, default=None,
+        help="files listed, probed and written per batch (default 10000): bounds the driver's memory",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     runner.add_arguments(p)
     p.set_defaults(func=command("cmd_ingest"))

@@ -48,20 +48,29 @@ def cmd_ingest(args) -> int:
         progress_every=args.progress_every,
         runner=args.runner,
         ray_address=args.ray_address,
+        **({} if args.batch_files is None else {"batch_files": args.batch_files}),
     )
     if args.json:
         print(json.dumps(s, indent=2))
         return 0
     print(
-        f"table {s['table']} version {s['version']}{'' if s['committed'] else ' (unchanged)'}: {s['rows']} rows "
+        f"table {shown(s['table'])} version {s['version']}{'' if s['committed'] else ' (unchanged)'}: {s['rows']} rows "
         f"({s['new_rows']} new or modified, {s['unchanged']} unchanged, {s['deleted']} deleted) "
         f"in {s['seconds']:.1f}s on {s['runner']}"
     )
-    print("classes: " + (", ".join(f"{k}: {v}" for k, v in s["classes"].items()) or "none"))
+    print("classes: " + (", ".join(f"{shown(k)}: {v}" for k, v in s["classes"].items()) or "none"))
+    for label, spellings in s.get("merged_labels", {}).items():
+        print(f"merged into class {shown(label)} (Unicode NFC): folders " + ", ".join(map(ascii, spellings)))
     by = describe_assignment(s["split_assignment"])
     print("splits: " + (", ".join(f"{k}: {v}" for k, v in sorted(s["splits"].items())) or "none") + f" ({by})")
     print("errors: " + (", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none"))
     return 0
+
+
+def shown(text: str) -> str:
+    """``text`` for a terminal: as is when printable, else with its control characters escaped (a file or folder
+    name may hold newlines or escape sequences that would rewrite the screen)."""
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def cmd_vacuum(args) -> int:

@@ -45,6 +45,13 @@ def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return fs, path
 
 
+def open_path(uri: str, uri_bytes: bytes | None = None) -> str:
+    """The path to open for a table row: its ``uri``, or, for a local name that is not UTF-8 text (the row's
+    ``uri_bytes`` set, its ``uri`` only a readable form), the exact bytes as the ``str`` Python's file functions
+    take (``os.fsdecode``). Every reader that opens a row's file goes through this."""
+    return os.fsdecode(uri_bytes) if uri_bytes is not None else uri
+
+
 def protocol(uri: str) -> str:
     return uri.split("://", 1)[0] if "://" in uri else "file"
 

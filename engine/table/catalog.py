@@ -1,41 +1,50 @@
 """Ingest: scan a folder of images (any fsspec URI) with Daft and commit one metadata row per file, no pixels.
 
 The plan, top to bottom:
-1. check the arguments (source exists and has files, destination writable, split fractions valid);
-2. list the source with a change stamp per file and diff it against the newest committed version
-   (``scan.py``): new and modified files are probed, rows of modified and deleted files are dropped;
-3. per file, in a Daft UDF (``probe.py``): read the bytes (refusing files over the byte cap unread), hash them, parse the
+1. check the arguments (source exists and has files, destination writable, split fractions valid) and that the
+   table holds no other source's rows (``check_one_source``);
+2. a pass over the source's names (no ``stat``): how many files, and whether it is laid out in split folders;
+3. list the source in path order, ``batch_files`` at a time, with a change stamp per file (``scan.py``), and diff
+   each batch against the committed rows of the same key range: new and modified files are probed, rows of
+   modified and deleted files are dropped;
+4. per file, in a Daft UDF (``probe.py``): read the bytes (refusing files over the byte cap unread), hash them, parse the
    header with the allowed decoders only (no pixel decode), check integrity, optionally compute a perceptual
    hash from a reduced decode; assign the split from the content hash, or, for a source laid out in split
    folders (``train/<class>/...``, ``val/``, ``test/``: ``split.folder_layout``), from the top folder, the label
-   then coming from the folder below it; the manifest's ``options.split_assignment`` records which;
-4. write the new rows, and copies of the old data files that lost rows (copy-on-write), as Parquet into a
-   folder of this writer's own, fsync them, then create the manifest of version N+1 if absent (the commit
-   point, see ``format.py``). If another writer committed N+1 first, start again from step 2 against its
-   version (files already probed are not probed again) and commit N+2; nothing of the other writer's is
-   touched. A killed ingest leaves the previous version intact; ``vacuum`` removes its files later.
+   then coming from the folder below it (in Unicode NFC); the manifest's ``options.split_assignment`` records which;
+5. append each batch's rows to a Parquet file in a folder of this writer's own (a new file every
+   ``ROWS_PER_FILE`` rows), then copy the old data files that lost rows (copy-on-write), fsync them, and create
+   the manifest of version N+1 if absent (the commit point, see ``format.py``). If another writer committed N+1
+   first, start again from step 2 against its version (files already probed are taken from this writer's
+   first folder, not probed again) and commit N+2; nothing of the other writer's is touched. A failed or
+   killed ingest leaves the previous version intact; a failed one removes its folder, ``vacuum`` a killed one's.
+
+The driver holds one batch, the names of the folders on the current path and the changes: its memory does not
+grow with the number of files (``benchmarks/ingest_scale.py``).
 """
 
 from __future__ import annotations
 
-import csv
-import io as _io
-import json
-import posixpath
+import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from .. import io
 from .. import runner as runner_mod
-from ..errors import ConfigError, DestinationError, SourceError
+from ..errors import ConfigError, DestinationError, DutycycleError, SourceError
 from ..imageinfo import DEFAULT_MAX_PIXELS, error_reason
 from ..limits import DEFAULT_MAX_FILE_BYTES
 from ..roots import canonical as canonical_root
+from . import commit as table_commit
 from . import format as tf
-from . import probe, scan
-from .commit import MAX_COMMIT_ATTEMPTS, check_destination, try_commit, write_rows
+from . import scan, stream
+from .commit import MAX_COMMIT_ATTEMPTS, check_destination
+from .labels import label_for, load_labels, normalise_label  # noqa: F401 - ingest's API
 from .split import (  # noqa: F401 - the split is ingest's too
     DEFAULT_SPLIT,
     SPLIT_NAMES,
@@ -46,7 +55,6 @@ from .split import (  # noqa: F401 - the split is ingest's too
     folder_layout,
     parse_split,
 )
-from .table import read_arrow
 
 
 @dataclass
@@ -62,68 +70,10 @@ class IngestConfig:
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # larger files get an error row and are never read
     progress_every: int = 1000  # print a progress line to stderr every this many files (0: quiet)
+    # files listed, probed and written per batch: what the driver holds of the listing and the new rows at once
+    batch_files: int = scan.LIST_BATCH
     partitions: int | None = None  # Daft partitions for the per-file work (None: by size, for Ray)
     use_process: bool | None = None  # UDF in worker processes (None: Daft decides, threads for small jobs)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# plain functions: labels
-
-
-def load_labels(uri: str) -> dict[str, str]:
-    """Read a label mapping: JSON ``{"name or rel/path": "label"}`` or CSV rows ``name,label`` (header optional)."""
-    fix = "pass a CSV (name,label) or JSON mapping file"
-    try:
-        # bounded, and only a regular file is opened (a FIFO would block the open, a device never end)
-        data = io.read_capped(uri, io.MAX_MANIFEST_BYTES)
-    except (FileNotFoundError, IsADirectoryError):
-        raise SourceError(f"--labels {uri!r} does not exist; {fix}") from None
-    except io.NotRegularFileError as e:
-        raise SourceError(f"--labels {uri!r} is a {e.kind}, not a file; {fix}") from None
-    except io.FileTooLargeError:
-        raise ConfigError(
-            f"--labels {uri!r} is larger than {io.MAX_MANIFEST_BYTES} bytes, far more than a label mapping holds; {fix}"
-        ) from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--labels {uri!r} is not UTF-8 text ({e}); {fix}") from None
-    if uri.lower().endswith(".json"):
-        try:
-            mapping = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"--labels {uri!r} is not valid JSON ({e}); write an object {{name: label}}"
-            ) from None
-        if not isinstance(mapping, dict):
-            raise ConfigError(f"--labels {uri!r} must hold a JSON object {{name: label}}")
-        return {str(k): str(v) for k, v in mapping.items()}
-    mapping = {}
-    for row in csv.reader(_io.StringIO(text)):
-        if not row or not row[0].strip():
-            continue
-        if len(row) < 2:
-            raise ConfigError(f"--labels {uri!r}: row {row!r} needs two columns; write name,label per line")
-        key, label = row[0].strip(), row[1].strip()
-        if (
-            not mapping
-            and key.lower() in ("path", "file", "filename", "name", "uri")
-            and label.lower() == "label"
-        ):
-            continue  # header
-        mapping[key] = label
-    return mapping
-
-
-def label_for(rel: str, mapping: dict[str, str] | None, split_folders: bool = False) -> str | None:
-    """Label of a file from its path relative to the source: the mapping (by rel path, then name), else its first
-    folder level, or with ``split_folders`` the level below its split folder (``train/cat/a.png`` -> ``cat``)."""
-    if mapping is not None:
-        return mapping.get(rel, mapping.get(posixpath.basename(rel)))
-    if split_folders:
-        rel = rel.partition("/")[2]
-    folder = posixpath.dirname(rel)
-    return folder.split("/")[0] if folder else None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -131,7 +81,6 @@ def label_for(rel: str, mapping: dict[str, str] | None, split_folders: bool = Fa
 
 
 def _table_prefix(table: str) -> str:
-    import os
 
     return os.path.abspath(table).rstrip("/") if io.protocol(table) == "file" else table.rstrip("/")
 
@@ -144,40 +93,51 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _rewrite(file_uri: str, drop):
-    """The rows of one committed data file minus those whose URI is in ``drop`` (copy-on-write)."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    fs, path = io.filesystem(file_uri)
-    with fs.open(path, "rb") as f:
-        t = pq.read_table(f).cast(tf.SCHEMA)
-    return t.filter(pc.invert(pc.is_in(t.column("uri"), value_set=drop)))
-
-
-def table_summary(rows) -> dict[str, Any]:
-    """Counts over an Arrow table of metadata rows: classes, splits, error reasons."""
-    labels = rows.column("label").to_pylist()
-    errors = rows.column("error").to_pylist()
-    splits = rows.column("split").to_pylist()
+def table_summary(parts) -> dict[str, Any]:
+    """Counts over Arrow tables of metadata rows (``parts``: one table or an iterable of them, e.g. a version's
+    files read batch by batch): classes, splits, error reasons. Counted per distinct value, so a part's cost is
+    its own size."""
+    if isinstance(parts, pa.Table):
+        parts = [parts]
     classes: dict[str, int] = {}
     reasons: dict[str, int] = {}
     split_counts: dict[str, int] = {}
-    for label, err, split in zip(labels, errors, splits, strict=True):
-        if err is None and label is not None:
-            classes[label] = classes.get(label, 0) + 1
-        if err is not None:
-            r = error_reason(err)
-            reasons[r] = reasons.get(r, 0) + 1
-        elif split is not None:
-            split_counts[split] = split_counts.get(split, 0) + 1
+    rows = unlabelled = 0
+
+    def add(into: dict, values) -> None:
+        for entry in pc.value_counts(values).to_pylist():
+            if entry["values"] is not None:
+                into[entry["values"]] = into.get(entry["values"], 0) + entry["counts"]
+
+    for t in parts:
+        rows += t.num_rows
+        unlabelled += t.column("label").null_count
+        ok = pc.is_null(t.column("error"))
+        add(classes, t.column("label").filter(ok))
+        add(split_counts, t.column("split").filter(ok))
+        errors: dict[str, int] = {}
+        add(errors, t.column("error"))
+        for message, count in errors.items():
+            r = error_reason(message)
+            reasons[r] = reasons.get(r, 0) + count
     return {
-        "rows": rows.num_rows,
+        "rows": rows,
         "classes": dict(sorted(classes.items())),
         "splits": split_counts,
         "errors": dict(sorted(reasons.items())),
-        "unlabelled": sum(1 for lab in labels if lab is None),
+        "unlabelled": unlabelled,
     }
+
+
+def _version_parts(table: str, manifest: tf.TableManifest, columns: list[str]):
+    """A version's rows, ``columns`` only, one Parquet batch at a time (the summary of a large table)."""
+    import pyarrow.parquet as pq
+
+    for uri in tf.file_uris(table, manifest):
+        fs, path = io.filesystem(uri)
+        with fs.open(path, "rb") as f:
+            for batch in pq.ParquetFile(f).iter_batches(scan.LIST_BATCH, columns=columns):
+                yield pa.Table.from_batches([batch])
 
 
 def ingest(
@@ -195,20 +155,24 @@ def ingest(
     ray_address: str | None = None,
     partitions: int | None = None,
     use_process: bool | None = None,
+    batch_files: int = scan.LIST_BATCH,
 ) -> dict[str, Any]:
     """Scan ``source`` and commit the next version of the metadata table at ``table``; returns a summary dict.
 
     New and modified files are probed, rows of deleted files dropped; nothing changed -> no new version.
-    Safe to run concurrently with other ingests into the same table (each commits its own version).
+    Safe to run concurrently with other ingests into the same table (each commits its own version). The listing
+    streams: files are listed, probed and written ``batch_files`` at a time, so the driver's memory does not
+    grow with the number of files. A table holds one source: ingesting another folder into it is refused.
 
     Splits: a source laid out in split folders (``train/<class>/...``, ``val/`` or ``validation/``, ``test/``;
     see ``split.folder_layout``) takes each row's split from its top folder and its label from the folder below,
     unless ``split_folders=False``; otherwise ``split`` (train,val,test fractions; default 0.8,0.1,0.1, or the
     table's own on a re-ingest) splits by content hash. ``split`` together with split folders is refused. A
     re-ingest assigns splits the way the table's first version did, or is refused naming the difference.
-    """
-    import pyarrow.compute as pc
 
+    Labels are normalised to Unicode NFC, so class folders whose names differ only in normal form (``café``
+    typed on Linux and on macOS) are one class; the summary's ``merged_labels`` lists the spellings merged.
+    """
     t0 = time.time()
     cfg = IngestConfig(
         source=source,
@@ -222,66 +186,125 @@ def ingest(
         progress_every=progress_every,
         partitions=partitions,
         use_process=use_process,
+        batch_files=batch_files,
     )
     runner_name = runner_mod.resolve(runner)
     if cfg.max_pixels < 1:
         raise ConfigError(f"--max-pixels {cfg.max_pixels} must be positive, e.g. {DEFAULT_MAX_PIXELS}")
     if cfg.max_file_bytes < 1:
         raise ConfigError(f"--max-file-bytes {cfg.max_file_bytes} must be positive, e.g. {DEFAULT_MAX_FILE_BYTES}")
+    if cfg.batch_files < 1:
+        raise ConfigError(f"batch_files {cfg.batch_files} must be positive, e.g. {scan.LIST_BATCH}")
     mapping = load_labels(cfg.labels) if cfg.labels else None
     scan.check_source(cfg.source)
     check_destination(cfg.table)
     runner_mod.configure(runner_name, ray_address)
 
-    probed = tf.SCHEMA.empty_table()  # every row probed so far, kept across commit attempts
     given_split = split is not None
-    for attempt in range(MAX_COMMIT_ATTEMPTS):
-        versions = tf.committed_versions(cfg.table)  # listed once: read_manifest() alone would list them again
-        previous = tf.read_manifest(cfg.table, versions[-1]) if versions else None
-        listing = scan.list_source(cfg.source)
-        # A table kept inside its own source folder must not ingest its own files.
-        inside = pc.starts_with(listing.column("uri"), _table_prefix(cfg.table) + "/")
-        listing = listing.filter(pc.invert(inside))
-        if not listing.num_rows and previous is None:
-            raise SourceError(f"source {cfg.source!r} contains no files; add images or point at another folder")
-        layout = folder_layout(listing.column("rel").to_pylist()) if cfg.split_folders else FolderLayout()
-        cfg = _splits_for(cfg, layout, previous, given_split)
-        changes = scan.diff(listing, scan.read_state(cfg.table, previous))
-        if cfg.progress_every:
-            _progress(
-                f"ingest: {listing.num_rows} files under {cfg.source}: {changes.todo.num_rows} new or modified, "
-                f"{changes.deleted} deleted" + (f" (attempt {attempt + 1})" if attempt else "")
-            )
-            if layout.recognised and attempt == 0:
-                _progress(f"ingest: split folders {describe_folders(layout.splits)}: the split from the top folder, "
-                          "the label from the folder below (--no-split-folders: labels from the first level)")
-            elif layout.found and attempt == 0:  # some split folders, beside others: say why they are not used
-                _progress(f"ingest: not split folders: top-level folder(s) {', '.join(layout.others)} beside "
-                          f"{describe_folders(layout.found)} are no split names; labels from the first folder "
-                          "level, splits by content hash")
-        counts = {"unchanged": changes.unchanged, "modified": changes.modified, "deleted": changes.deleted,
-                  "conflicts": attempt}
-        if not changes.any:
-            return _finish(cfg, previous, {"version": previous.version, "committed": False, "new_rows": 0,
-                                           **counts}, t0, runner_name)
-        probed = _probe_missing(cfg, changes.todo, probed, mapping, runner_name, layout)
-        new_rows = _select(probed, changes.todo)
-        version = (previous.version if previous else 0) + 1
-        folder = tf.data_dir(version)
-        uris = tf.file_uris(cfg.table, previous) if changes.affected_files else []  # resolved once, not per file
-        rewritten = [_rewrite(uris[k], changes.drop) for k in changes.affected_files]
-        files = write_rows(cfg.table, folder, [t for t in [new_rows, *rewritten] if t.num_rows])
-        affected = set(changes.affected_files)
-        kept = [f for k, f in enumerate(previous.files if previous else []) if k not in affected]
-        num_rows = (previous.num_rows if previous else 0) - len(changes.drop) + new_rows.num_rows
-        manifest = _manifest(cfg, previous, version, kept + files, num_rows, new_rows, layout)
-        if not try_commit(cfg.table, folder, manifest):
-            continue
-        summary = {"version": version, "committed": True, "new_rows": new_rows.num_rows, **counts}
-        return _finish(cfg, manifest, summary, t0, runner_name)
+    skip = _table_prefix(cfg.table)  # a table kept inside its own source folder must not ingest its own files
+    reuse: str | None = None  # the folder of an attempt that lost its commit: its rows are not probed again
+    try:
+        for attempt in range(MAX_COMMIT_ATTEMPTS):
+            versions = tf.committed_versions(cfg.table)  # listed once: read_manifest() alone would list them again
+            previous = tf.read_manifest(cfg.table, versions[-1]) if versions else None
+            check_one_source(cfg, previous)
+            total = _Counter(scan.iter_rels(cfg.source, skip))
+            layout = folder_layout(total) if cfg.split_folders else FolderLayout()
+            if cfg.split_folders is False:
+                for _ in total:  # (the layout pass counts the files; without it, count them here)
+                    pass
+            if not total.n and previous is None:
+                raise SourceError(f"source {cfg.source!r} contains no files; add images or point at another folder")
+            cfg = _splits_for(cfg, layout, previous, given_split)
+            if cfg.progress_every and attempt == 0:
+                _progress(f"ingest: {total.n} files under {cfg.source}")
+                if layout.recognised:
+                    _progress(f"ingest: split folders {describe_folders(layout.splits)}: the split from the top "
+                              "folder, the label from the folder below (--no-split-folders: labels from the "
+                              "first level)")
+                elif layout.found:  # some split folders, beside others: say why they are not used
+                    _progress(f"ingest: not split folders: top-level folder(s) {', '.join(layout.others)} beside "
+                              f"{describe_folders(layout.found)} are no split names; labels from the first "
+                              "folder level, splits by content hash")
+            version = (previous.version if previous else 0) + 1
+            folder = tf.data_dir(version)
+            try:
+                run = stream.stream_source(cfg, previous, layout, mapping, runner_name, folder, reuse, total.n, skip,
+                                           _progress)
+            except BaseException:
+                stream.discard(cfg.table, folder)  # nothing half-written stays behind a failed ingest
+                raise
+            changes = run.changes
+            if cfg.progress_every:
+                _progress(f"ingest: {changes.listed} files: {changes.todo} new or modified, {changes.deleted} "
+                          "deleted" + (f" (attempt {attempt + 1})" if attempt else ""))
+            counts = {"unchanged": changes.unchanged, "modified": changes.modified, "deleted": changes.deleted,
+                      "conflicts": attempt, "merged_labels": run.merged()}
+            if not changes.any:
+                stream.discard(cfg.table, folder)
+                return _finish(cfg, previous, {"version": previous.version, "committed": False, "new_rows": 0,
+                                               **counts}, t0, runner_name)
+            affected = set(changes.affected_files)
+            kept = [f for k, f in enumerate(previous.files if previous else []) if k not in affected]
+            num_rows = (previous.num_rows if previous else 0) - changes.modified - changes.deleted + run.new_rows
+            manifest = _manifest(cfg, previous, version, kept + run.files, num_rows, run.classes, layout)
+            try:
+                tf.commit(cfg.table, manifest)  # the commit point: the data files are invisible until it succeeds
+            except tf.CommitConflict:
+                # keep this attempt's rows (written in path order) for the next: they are not probed again
+                if reuse is not None:
+                    stream.discard(cfg.table, reuse)
+                reuse = folder
+                continue
+            except BaseException:
+                # a commit that failed (a full disk under the manifest) leaves no data files behind, unless the
+                # manifest did land and only a later step failed: then they are the committed version's
+                if not _committed_by(cfg.table, manifest):
+                    table_commit._discard(cfg.table, folder)
+                raise
+            summary = {"version": version, "committed": True, "new_rows": run.new_rows, **counts}
+            return _finish(cfg, manifest, summary, t0, runner_name)
+    finally:
+        if reuse is not None:
+            stream.discard(cfg.table, reuse)
     raise DestinationError(
         f"table {cfg.table!r} kept changing under this ingest: {MAX_COMMIT_ATTEMPTS} commits were taken by other "
         "writers first; run the ingest again"
+    )
+
+
+def _committed_by(table: str, manifest: tf.TableManifest) -> bool:
+    """Whether ``manifest``'s version is committed by this writer (its writer id)."""
+    try:
+        return tf.read_manifest(table, manifest.version).writer == manifest.writer
+    except (DutycycleError, OSError):
+        return False
+
+
+class _Counter:
+    """An iterable over ``items`` that counts what went through it (``n``), so one pass both feeds a consumer
+    and counts."""
+
+    def __init__(self, items):
+        self._items, self.n = iter(items), 0
+
+    def __iter__(self):
+        for item in self._items:
+            self.n += 1
+            yield item
+
+
+def check_one_source(cfg: IngestConfig, previous: tf.TableManifest | None) -> None:
+    """Refuse to ingest a source into a table that holds another's rows: the ingest would drop them all (its
+    listing has none of their files). One table, one source."""
+    if previous is None or canonical_root(previous.source) == canonical_root(cfg.source):
+        return
+    what = (f"the rows of source {previous.source!r}" if previous.lineage.get("parent") is None else
+            f"a curated subset of {previous.source!r}")
+    raise ConfigError(
+        f"table {cfg.table!r} holds {what}; ingesting {cfg.source!r} into it would drop them (a table holds one "
+        f"source). Ingest {cfg.source!r} into a new table, or put both folders under one and ingest that into a "
+        "new table"
     )
 
 
@@ -336,39 +359,13 @@ def _splits_for(cfg: IngestConfig, layout: FolderLayout, previous: tf.TableManif
     return cfg
 
 
-def _probe_missing(cfg: IngestConfig, todo, probed, mapping, runner_name: str, layout: FolderLayout):
-    """``probed`` plus the rows of ``todo`` files not probed yet (a retry after a lost commit re-probes none).
-    With split folders, each file's split and label come from its path (``layout``)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    fresh = todo.filter(pc.invert(pc.is_in(scan._key(todo), value_set=scan._key(probed))))
-    if not fresh.num_rows:
-        return probed
-    rels = fresh.column("rel").to_pylist()
-    folders = layout.recognised
-    labels = [label_for(rel, mapping, folders) for rel in rels]
-    splits = [layout.split_of(rel) for rel in rels] if folders else None
-    return pa.concat_tables([probed, probe.run_probe(cfg, fresh, labels, runner_name, _progress, splits)])
-
-
-def _select(probed, todo):
-    """The probed rows for exactly the files in ``todo``, sorted by URI."""
-    import pyarrow.compute as pc
-
-    return probed.filter(pc.is_in(scan._key(probed), value_set=scan._key(todo))).sort_by("uri")
-
-
 def _manifest(
-    cfg: IngestConfig, previous: tf.TableManifest | None, version: int, files: list[str], num_rows: int, new_rows,
-    layout: FolderLayout,
+    cfg: IngestConfig, previous: tf.TableManifest | None, version: int, files: list[str], num_rows: int,
+    new_classes: set[str], layout: FolderLayout,
 ):
     """Version ``version``'s manifest. Classes only grow, so a label keeps its index across versions; so do the
     split folders named in ``split_assignment``."""
-    import pyarrow.compute as pc
-
-    good = new_rows.filter(pc.and_(pc.is_null(new_rows.column("error")), pc.is_valid(new_rows.column("label"))))
-    classes = set(previous.classes if previous else []) | set(good.column("label").to_pylist())
+    classes = set(previous.classes if previous else []) | new_classes
     if layout.recognised:
         before = _assignment(previous.options).get("folders", {}) if previous else {}
         assignment = {"by": "folders", "folders": dict(sorted({**before, **layout.splits}.items()))}
@@ -399,7 +396,7 @@ def _manifest(
 def _finish(
     cfg: IngestConfig, manifest: tf.TableManifest, summary: dict, t0: float, runner_name: str
 ) -> dict:
-    counts = table_summary(read_arrow(cfg.table, manifest, columns=["label", "error", "split"]))
+    counts = table_summary(_version_parts(cfg.table, manifest, ["label", "error", "split"]))
     return {
         "table": cfg.table,
         "source": cfg.source,

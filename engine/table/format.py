@@ -45,6 +45,10 @@ Columns (plain Arrow types, readable by any Parquet reader):
     split string          train / val / test, a pure function of sample_id and the fractions
     phash int64           64-bit perceptual hash as signed int64; null when disabled, unreadable or too large
     error string          null for a readable image, else the reason
+    uri_bytes binary      the path's exact bytes when they are not UTF-8 text (a local file name may be any
+                          bytes but ``/`` and NUL); ``uri`` then holds a readable form, each undecodable byte
+                          written ``\\xNN``. Null for every path that is text. Files written before this column
+                          existed lack it: readers add it as nulls (``conform``)
 """
 
 from __future__ import annotations
@@ -90,8 +94,19 @@ SCHEMA = pa.schema(
         ("split", pa.string()),
         ("phash", pa.int64()),
         ("error", pa.string()),
+        ("uri_bytes", pa.binary()),
     ]
 )
+
+
+def conform(t: pa.Table, schema: pa.Schema | None = None) -> pa.Table:
+    """``t`` (rows read from a data file) in ``schema`` (default ``SCHEMA``): columns a file written before they
+    existed lacks (``uri_bytes``) are added as nulls."""
+    schema = schema or SCHEMA
+    for f in schema:
+        if f.name not in t.column_names:
+            t = t.append_column(f, pa.nulls(t.num_rows, f.type))
+    return t.select(schema.names).cast(schema)
 
 
 @dataclass

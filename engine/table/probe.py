@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .. import imageinfo, io
 from ..roots import RootCheck
@@ -29,9 +30,10 @@ FETCH_BATCH = 32  # files read per batch: bounds the bytes held (at most this ma
 FETCH_THREADS = 16  # ... and reads in flight (object stores are latency-bound)
 
 
-def _unread_row(uri: str, error: str, fractions: tuple[float, ...]) -> dict:
-    """The row of a file whose bytes were not read: an id from its URI, so it still has a stable split."""
-    sid = "unreadable-" + hashlib.sha256(uri.encode()).hexdigest()[:20]
+def _unread_row(uri: str, error: str, fractions: tuple[float, ...], exact: bytes | None = None) -> dict:
+    """The row of a file whose bytes were not read: an id from its path's bytes, so it still has a stable
+    split."""
+    sid = "unreadable-" + hashlib.sha256(exact if exact is not None else uri.encode()).hexdigest()[:20]
     return {"sample_id": sid, "split": assign_split(sid, fractions), "error": error}
 
 
@@ -39,11 +41,13 @@ def too_large_message(max_bytes: int) -> str:
     return f"{imageinfo.TOO_LARGE}: over the per-file limit of {max_bytes} bytes; raise --max-file-bytes"
 
 
-def fetch_one(uri: str, size: int, listed_error: str | None, max_bytes: int, inside=None):
+def fetch_one(uri: str, size: int, listed_error: str | None, max_bytes: int, inside=None,
+              exact: bytes | None = None):
     """``(bytes, None)`` or ``(None, error)`` for one listed file: a listing error or an oversized listing is not
     read; otherwise a capped, regular-file-only read. ``inside`` (a ``roots.RootCheck`` over a local source)
     checks again that the file resolves inside the source root, in case a symlink was re-pointed since the
-    listing."""
+    listing. ``exact``: the path's bytes when its name is not text (``uri`` is then only its readable form)."""
+    uri = io.open_path(uri, exact)
     if listed_error is not None:
         return None, listed_error
     if size > max_bytes:
@@ -69,11 +73,11 @@ def fetch_udf(max_bytes: int, source: str):
 
     @daft.func.batch(return_dtype=DT.struct({"data": DT.binary(), "error": DT.string()}), batch_size=FETCH_BATCH,
                      use_process=False)
-    def fetch(uris, sizes, errors):
-        args = list(zip(uris.to_pylist(), sizes.to_pylist(), errors.to_pylist(), strict=True))
+    def fetch(uris, sizes, errors, exact):
+        args = list(zip(uris.to_pylist(), sizes.to_pylist(), errors.to_pylist(), exact.to_pylist(), strict=True))
 
         def one(a):
-            return fetch_one(a[0], int(a[1] or 0), a[2], max_bytes, inside)
+            return fetch_one(a[0], int(a[1] or 0), a[2], max_bytes, inside, a[3])
 
         if len(args) > 1 and io.protocol(source) != "memory":
             with ThreadPoolExecutor(min(FETCH_THREADS, len(args)), thread_name_prefix="dutycycle-fetch") as pool:
@@ -110,9 +114,10 @@ def probe_udf(
     }
 
     @daft.func(return_dtype=DT.struct(fields), unnest=True, use_process=use_process)
-    def probe_file(uri: str, data: bytes | None, fetch_error: str | None) -> dict:
+    def probe_file(uri: str, data: bytes | None, fetch_error: str | None, exact: bytes | None) -> dict:
         if data is None or len(data) > max_bytes:  # (never longer: the read is capped; checked all the same)
-            return _unread_row(uri, fetch_error or f"{imageinfo.UNREADABLE}: the file was not read", fractions)
+            why = fetch_error or f"{imageinfo.UNREADABLE}: the file was not read"
+            return _unread_row(uri, why, fractions, exact)
         sid = imageinfo.sample_id(data)
         facts = imageinfo.probe(data, max_pixels=max_pixels, with_phash=with_phash)
         row = asdict(facts)
@@ -125,24 +130,24 @@ def probe_udf(
 
 def run_probe(cfg, todo, labels: list[str | None], runner: str, progress,
               splits: list[str | None] | None = None) -> pa.Table:
-    """Probe the listing rows ``todo`` (an Arrow table: uri, rel, size_bytes, modified) labelled ``labels``, with
-    the options of ``cfg`` (an ``IngestConfig``); returns their table rows sorted by URI. ``splits``: each row's
-    split from its split folder (None for a file outside them), in place of the hash split."""
+    """Probe the listing rows ``todo`` (an Arrow table: uri, rel, size_bytes, modified[, error, uri_bytes])
+    labelled ``labels``, with the options of ``cfg`` (an ``IngestConfig``); returns their table rows in path
+    order. ``splits``: each row's split from its split folder (None for a file outside them), in place of the
+    hash split. ``progress`` is called with the rows done so far as results arrive."""
     import daft
     from daft import col
 
     n = todo.num_rows
-    listed_errors = todo.column("error").to_pylist() if "error" in todo.column_names else [None] * n
-    df = daft.from_pydict(
-        {
-            "uri": todo.column("uri").to_pylist(),
-            "size_bytes": todo.column("size_bytes").to_pylist(),
-            "modified": todo.column("modified").to_pylist(),
-            "label": labels,
-            "listed_error": listed_errors,
-        }
-    )
-    df = df.with_column("listed_error", col("listed_error").cast(daft.DataType.string()))
+    missing = pa.nulls(n, pa.string())
+    df = daft.from_arrow(pa.table({
+        "uri": todo.column("uri"),
+        "size_bytes": todo.column("size_bytes"),
+        "modified": todo.column("modified"),
+        "label": pa.array(labels, pa.string()),
+        "listed_error": todo.column("error") if "error" in todo.column_names else missing,
+        "uri_bytes": todo.column("uri_bytes") if "uri_bytes" in todo.column_names else pa.nulls(n, pa.binary()),
+        "folder_split": pa.array(splits, pa.string()) if splits is not None else missing,
+    }))
     nparts = cfg.partitions or (max(1, min(64, n // 500)) if runner == "ray" else 1)
     if nparts > 1:
         df = df.into_partitions(nparts)
@@ -151,7 +156,8 @@ def run_probe(cfg, todo, labels: list[str | None], runner: str, progress,
         df = df.into_batches(max(1, min(cfg.progress_every, 1000)))
     # Every read is capped and regular-file-only (see the module docstring); Daft's own download is not used, as
     # it reads a whole file (or a device without end) whatever its listed size.
-    fetched = fetch_udf(cfg.max_file_bytes, cfg.source)(col("uri"), col("size_bytes"), col("listed_error"))
+    fetched = fetch_udf(cfg.max_file_bytes, cfg.source)(col("uri"), col("size_bytes"), col("listed_error"),
+                                                         col("uri_bytes"))
     # Worker processes sidestep the GIL for hashing and decoding but cost seconds to start: small jobs run
     # the UDF in threads.
     use_process = cfg.use_process
@@ -159,23 +165,18 @@ def run_probe(cfg, todo, labels: list[str | None], runner: str, progress,
         use_process = False
     probe_file = probe_udf(cfg.phash, cfg.max_pixels, cfg.max_file_bytes, cfg.split, use_process)
     df = df.with_column("fetched", fetched).select(
-        col("uri"), col("size_bytes"), col("modified"), col("label"),
-        probe_file(col("uri"), col("fetched").get("data"), col("fetched").get("error")),
+        col("uri"), col("size_bytes"), col("modified"), col("label"), col("uri_bytes"), col("folder_split"),
+        probe_file(col("uri"), col("fetched").get("data"), col("fetched").get("error"), col("uri_bytes")),
     )
     batches, done = [], 0
-    next_report = cfg.progress_every
     for batch in df.to_arrow_iter():
         batches.append(batch)
         done += batch.num_rows
-        if cfg.progress_every and done >= next_report:
-            progress(f"ingest: {done}/{n} files")
-            next_report = (done // cfg.progress_every + 1) * cfg.progress_every
-    table = pa.Table.from_batches(batches) if batches else tf.SCHEMA.empty_table()
+        progress(done)
+    table = pa.Table.from_batches(batches) if batches else None
+    if table is None or not table.num_rows:
+        return tf.SCHEMA.empty_table()
+    if splits is not None:  # the folders' splits in place of the hash split
+        table = table.set_column(table.schema.get_field_index("split"), "split", table.column("folder_split"))
     table = table.select(tf.SCHEMA.names).cast(tf.SCHEMA)
-    if splits is not None:  # the folders' splits, matched to the rows by URI (Daft may return them in any order)
-        import pyarrow.compute as pc
-
-        at = pc.index_in(table.column("uri").combine_chunks(), value_set=todo.column("uri").combine_chunks())
-        table = table.set_column(table.schema.get_field_index("split"), tf.SCHEMA.field("split"),
-                                 pa.array(splits, pa.string()).take(at))
-    return table.sort_by("uri")
+    return table.take(pc.sort_indices(scan.path_key(table)))

@@ -87,16 +87,21 @@ def _ignored(folder: str) -> bool:
 
 
 def folder_layout(rels) -> FolderLayout:
-    """The split folders of a source from its files' paths relative to it (see the module docstring)."""
-    rels = list(rels)
-    has_ext = any(posixpath.splitext(r)[1].lower() in IMAGE_EXTENSIONS for r in rels)
-    holding: set[str] = set()
+    """The split folders of a source from its files' paths relative to it (see the module docstring), in one pass
+    over ``rels`` (an iterable: a streamed listing is not held), keeping a few flags per top-level folder."""
+    has_ext = False
+    with_image: set[str] = set()  # top-level folders holding a file with an image extension
+    with_file: set[str] = set()  # ... holding any file
     for rel in rels:
-        top, sep, rest = rel.partition("/")
+        image = posixpath.splitext(rel)[1].lower() in IMAGE_EXTENSIONS
+        has_ext = has_ext or image
+        top, sep, _ = rel.partition("/")
         if not sep or _ignored(top):
             continue
-        if not has_ext or posixpath.splitext(rest)[1].lower() in IMAGE_EXTENSIONS:
-            holding.add(top)
+        with_file.add(top)
+        if image:
+            with_image.add(top)
+    holding = with_image if has_ext else with_file
     found = {f: SPLIT_FOLDERS[f.lower()] for f in sorted(holding) if f.lower() in SPLIT_FOLDERS}
     return FolderLayout(found, tuple(sorted(f for f in holding if f.lower() not in SPLIT_FOLDERS)))
 

@@ -30,7 +30,10 @@ def read_arrow(table_uri: str, manifest: tf.TableManifest | None = None, columns
         fs, path = io.filesystem(uri)
         try:
             with fs.open(path, "rb") as f:
-                parts.append(pq.read_table(f, columns=columns))
+                # (a file from before a column existed lacks it: conform adds it as nulls)
+                pf = pq.ParquetFile(f)
+                present = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
+                parts.append(pf.read(columns=present))
         except FileNotFoundError:
             # data files are immutable and vacuum leaves a version's files for its grace period: a missing one
             # is a damaged manifest or a file deleted by hand (or a version held open past that grace)
@@ -44,7 +47,7 @@ def read_arrow(table_uri: str, manifest: tf.TableManifest | None = None, columns
                 "ingest the source again"
             ) from None
     schema = tf.SCHEMA if columns is None else pa.schema([tf.SCHEMA.field(c) for c in columns])
-    return pa.concat_tables([p.cast(schema) for p in parts]) if parts else schema.empty_table()
+    return pa.concat_tables([tf.conform(p, schema) for p in parts]) if parts else schema.empty_table()
 
 
 def read_dataframe(table_uri: str, manifest: tf.TableManifest | None = None):
@@ -54,7 +57,9 @@ def read_dataframe(table_uri: str, manifest: tf.TableManifest | None = None):
     m = manifest or tf.read_manifest(table_uri)
     files = tf.file_uris(table_uri, m)
     if io.protocol(table_uri) in io.DAFT_SCHEMES and files:
-        return daft.read_parquet(files, io_config=io.daft_io_config())
+        # the schema given, not inferred from the first file: a file from before a column existed lacks it
+        schema = {f.name: daft.DataType.from_arrow_type(f.type) for f in tf.SCHEMA}
+        return daft.read_parquet(files, io_config=io.daft_io_config(), schema=schema, infer_schema=False)
     return daft.from_arrow(read_arrow(table_uri, m))
 
 

@@ -216,6 +216,7 @@ CONCURRENT_CHILD = """
 import json, os, sys, time
 from dutycycle.engine.table import commit as table_commit
 from dutycycle.engine.table import format as tf
+from dutycycle.engine.table import probe
 from dutycycle.engine.table.catalog import ingest
 
 src, table, gate = sys.argv[1:4]
@@ -228,7 +229,14 @@ def gated(*args, **kwargs):
     return commit(*args, **kwargs)
 
 tf.commit = gated
-print("RESULT " + json.dumps(ingest(src, table, progress_every=0)), flush=True)
+probe_files, probed = probe.run_probe, []
+
+def counted(cfg, todo, *args, **kwargs):
+    probed.append(todo.num_rows)
+    return probe_files(cfg, todo, *args, **kwargs)
+
+probe.run_probe = counted
+print("RESULT " + json.dumps({**ingest(src, table, progress_every=0), "probed": sum(probed)}), flush=True)
 # The commit is done and reported. Leave without the interpreter's teardown: in one of four clean-clone CI
 # runs a child ended here with SIGABRT ("terminate called without an active exception": a native thread of an
 # imported extension still joinable at exit; not reproduced here in 46 runs, 25 of them under load). What this
@@ -270,6 +278,8 @@ def test_two_ingests_started_together_both_commit_and_lose_nothing(where, tmp_pa
     ra, rb = finish(a, "a"), finish(b, "b")
     assert (ra["version"], ra["committed"], ra["conflicts"], ra["new_rows"]) == (2, True, 0, 5)
     assert (rb["version"], rb["committed"], rb["conflicts"], rb["new_rows"]) == (3, True, 1, 7)
+    # b probed its 12 new files once: after the lost commit its 7 rows came from its own first attempt's files
+    assert (ra["probed"], rb["probed"]) == (5, 12)
     # Nothing lost: every file once, as a single fresh ingest sees the source; both versions intact.
     rows = read_arrow(uri).to_pylist()
     fresh = ingest(source, f"{base}/fresh", progress_every=0)
@@ -286,6 +296,9 @@ def test_two_ingests_started_together_both_commit_and_lose_nothing(where, tmp_pa
     fs, root = io.filesystem(uri)
     fs.invalidate_cache(root)
     assert not [p for p in fs.find(root) if io.PROBE_PREFIX in p]
+    # the loser's first attempt, kept for its retry, is gone: every data folder left is one a version names
+    named = {f.split("/")[0] for v in (1, 2, 3) for f in tf.read_manifest(uri, v).files}
+    assert {p.rsplit("/", 2)[-2] for p in fs.find(root) if p.endswith(".parquet")} == named
     assert io.read_json(io.join(uri, tf.MANIFEST))["version"] == 3
 
 

@@ -22,19 +22,40 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .decode import decode_batch
 from .inflight import RemoteBatch, get
-from .source import MemorySplit, ShardGatherer
+from .source import MemorySplit, ShardGatherer, split_rows
 
 _GATHERERS: dict[tuple, ShardGatherer] = {}  # per worker process: shards opened once
+_SPLITS: dict[tuple, tuple[ShardGatherer, object]] = {}  # (uri, read, split) -> (its gatherer, split rows)
 
 
-def shard_gatherer(cache_uri: str, read: ReadConfig | None) -> ShardGatherer:
+def shard_gatherer(cache_uri: str, read: ReadConfig | None, fingerprint: str | None = None) -> ShardGatherer:
+    """This worker's gatherer of ``cache_uri`` (opened once per process). With ``fingerprint`` (what the caller
+    planned against), a gatherer of another version of the cache at that URI is reopened, and a cache that is
+    another one now is refused rather than read under the wrong plan."""
     key = (cache_uri, read)
     g = _GATHERERS.get(key)
+    if g is not None and fingerprint is not None and g.reader.fingerprint != fingerprint:
+        g = None
     if g is None:
-        if len(_GATHERERS) >= 4:  # a worker serving many caches keeps only the recent ones mapped
+        if len(_GATHERERS) >= 4 and key not in _GATHERERS:  # a worker serving many caches keeps the recent ones
             _GATHERERS.pop(next(iter(_GATHERERS)))
         g = _GATHERERS[key] = ShardGatherer(CacheReader(cache_uri, read=read))
+    if fingerprint is not None and g.reader.fingerprint != fingerprint:
+        raise ConfigError(f"cache {cache_uri!r} has fingerprint {g.reader.fingerprint} now, but the batches were "
+                          f"planned for {fingerprint}; the cache was rewritten: plan again (to_ray_dataset)")
     return g
+
+
+def split_index(gatherer: ShardGatherer, split: str):
+    """Split index -> global cache row for ``gatherer``'s cache (``source.split_rows``: resolved shard by shard
+    as batches need them), kept per worker process as long as its gatherer is."""
+    key = (gatherer.reader.uri, gatherer.reader.read_config, split)
+    got = _SPLITS.get(key)
+    if got is None or got[0] is not gatherer:
+        if len(_SPLITS) >= 8 and key not in _SPLITS:
+            _SPLITS.pop(next(iter(_SPLITS)))
+        got = _SPLITS[key] = (gatherer, split_rows(gatherer.reader, split))
+    return got[1]
 
 
 @ray.remote(num_cpus=1)

@@ -272,7 +272,12 @@ class SplitIndex:
 def chunk_block_starts(reader: CacheReader, split: str) -> np.ndarray:
     """Split indices where the split's rows enter a new checksum chunk (each shard's ``chunk_split_counts``): the
     plan's shuffle blocks for ``block_size = 0``, so each block is one chunk's rows of the split."""
-    shards = reader.manifest.shards
+    return manifest_block_starts(reader.manifest, split)
+
+
+def manifest_block_starts(manifest, split: str) -> np.ndarray:
+    """``chunk_block_starts`` from a cache's manifest alone (a ``format.Manifest``)."""
+    shards = manifest.shards
     counts = np.concatenate([np.asarray(s.chunk_split_counts.get(split, [0] * len(s.chunk_sha256)), np.int64)
                              for s in shards])
     counts = counts[counts > 0]
@@ -286,11 +291,7 @@ def split_rows(reader: CacheReader, split: str) -> np.ndarray | SplitIndex:
     batch needs a shard.
     """
     counts = reader.manifest.split_counts
-    if split not in counts or counts[split] == 0:
-        raise ConfigError(
-            f"split {split!r} has no samples in cache {reader.uri!r}; splits there: "
-            f"{', '.join(f'{k}={v}' for k, v in sorted(counts.items())) or 'none'}"
-        )
+    split_size(reader.manifest, reader.uri, split)
     if counts[split] == reader.num_samples:
         return np.arange(reader.num_samples, dtype=np.int64)
     index = SplitIndex(reader, split)
@@ -299,6 +300,18 @@ def split_rows(reader: CacheReader, split: str) -> np.ndarray | SplitIndex:
             f"cache {reader.uri!r}: its shards' entries count {len(index)} {split!r} rows but its manifest says "
             f"{counts[split]}; materialize the cache again")
     return index
+
+
+def split_size(manifest, uri: str, split: str) -> int:
+    """The samples of ``split`` by the cache's manifest (a ``format.Manifest``); a split it has none of is a
+    ``ConfigError`` naming the splits there."""
+    counts = manifest.split_counts
+    if split not in counts or counts[split] == 0:
+        raise ConfigError(
+            f"split {split!r} has no samples in cache {uri!r}; splits there: "
+            f"{', '.join(f'{k}={v}' for k, v in sorted(counts.items())) or 'none'}"
+        )
+    return int(counts[split])
 
 
 class MemorySplit:

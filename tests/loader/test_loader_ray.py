@@ -77,28 +77,34 @@ def test_corrupt_shard_surfaces_as_itself(ray_cluster, tmp_path, mode):
     assert type(info.value) is CorruptArtifactError  # not a RayTaskError wrapper
 
 
-@pytest.mark.slow
-def test_to_ray_dataset_gives_every_sample_once(ray_cluster, cache):
-    loader = CacheLoader(cache, "val", config=cfg(mode="sync"))
-    ds = to_ray_dataset(cache, "val")
-    rows = ds.take_all()
-    ids = [r["sample_id"] for r in rows]
-    assert len(ids) == len(set(ids)) == loader.num_samples
-    assert rows[0]["image"].shape == (8, 8, 3) and rows[0]["image"].dtype == np.uint8
-    # in planned order: the loader's global batches, concatenated
-    config = cfg(mode="sync", global_batch_size=8, drop_last=False, augment=AugmentConfig(normalize=False))
-    planned = to_ray_dataset(cache, "val", config=config, epoch=1)
-    batches = list(planned.iter_batches(batch_size=None, batch_format="numpy"))
-    got_ids = [str(s) for b in batches for s in b["sample_id"]]
-    loader = CacheLoader(cache, "val", config=config)
+def test_to_ray_dataset_reads_nothing_in_the_driver(ray_cluster, tmp_path):
+    """Every sample once, in cache order or in the loader's planned order. The driver plans from the manifest alone: with every shard moved away while the dataset is built, building
+    succeeds (on main it read each shard's split column in the driver, and a remote cache was downloaded there
+    whole); the read tasks then read the shards, in the loader's planned order. ``block_size=0`` plans blocks at
+    the cache's checksum chunks, also from the manifest."""
+    uri = str(tmp_path / "c")
+    make_cache(uri, 60, shape=(4, 4, 3), shards=3, splits={"train": 0.5, "val": 0.5})
+    config = cfg(mode="sync", global_batch_size=8, drop_last=False, augment=AugmentConfig(normalize=False),
+                 block_size=0)
+    shards, aside = os.path.join(uri, "shards"), str(tmp_path / "aside")
+    os.rename(shards, aside)
+    planned = to_ray_dataset(uri, "val", config=config, epoch=1)
+    whole = to_ray_dataset(uri, "val")
+    os.rename(aside, shards)
+    loader = CacheLoader(uri, "val", config=config)
     loader.set_epoch(1)
-    want = [(b["image"].permute(0, 2, 3, 1).numpy(), s) for b in loader for s in [b["sample_id"]]]
-    assert got_ids == [s for _, ids in want for s in ids]
-    images = np.concatenate([b["image"] for b in batches])
-    assert np.array_equal(images, np.concatenate([w[0] for w in want]))
+    want = as_arrays(loader)
+    batches = list(planned.iter_batches(batch_size=None, batch_format="numpy"))
+    assert len(batches) == len(want) == len(loader)  # one block per global batch
+    for b, (images, labels, ids) in zip(batches, want, strict=True):
+        assert list(b["sample_id"]) == ids and np.array_equal(b["label"], labels)
+        assert np.array_equal(b["image"], images.transpose(0, 2, 3, 1))  # the cache's HWC layout
+    rows = whole.take_all()  # cache order: every sample of the split once
+    assert [r["sample_id"] for r in rows] == sorted(s for _, _, ids in want for s in ids)
+    assert rows[0]["image"].shape == (4, 4, 3) and rows[0]["image"].dtype == np.uint8
     # the image and label columns go straight to torch
     tb = next(iter(planned.select_columns(["image", "label"]).iter_torch_batches(batch_size=8)))
-    assert tuple(tb["image"].shape) == (8, 8, 8, 3) and str(tb["label"].dtype) == "torch.int64"
+    assert tuple(tb["image"].shape) == (8, 4, 4, 3) and str(tb["label"].dtype) == "torch.int64"
 
 
 def _train_worker(config):

@@ -20,6 +20,7 @@ from dutycycle.engine.roots import RootCheck
 from dutycycle.engine.transform import TransformSpec
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from . import shm
 from .decode import decode_batch
 from .inflight import RemoteBatch, get
 from .source import MemorySplit, ShardGatherer, split_rows
@@ -58,20 +59,36 @@ def split_index(gatherer: ShardGatherer, split: str):
     return got[1]
 
 
-@ray.remote(num_cpus=1)
-def read_rows_task(cache_uri: str, rows: np.ndarray, read: ReadConfig | None = None):
-    raw = shard_gatherer(cache_uri, read).read(rows)
+def read_rows(cache_uri: str, rows: np.ndarray, read: ReadConfig | None = None, handoff: shm.Handoff | None = None):
+    """A read task's work: ``(pixels, labels, ids)``, the pixels gathered straight into a file of the
+    consumer's shared-memory folder (``SharedBatch``: the batch's one copy) when the task runs on the consumer's
+    node and there is room, else into an array returned through Ray's object store."""
+    gatherer = shard_gatherer(cache_uri, read)
+    rows = np.asarray(rows, dtype=np.int64)
+    if handoff is not None and handoff.node_id == ray.get_runtime_context().get_node_id():
+        shape = (len(rows), *gatherer.shape)
+        with shm.batch_file(handoff.folder, shape) as (out, path):
+            if out is not None:
+                raw = gatherer.read(rows, out=out)
+                return shm.SharedBatch(path, shape), raw.labels, raw.sample_ids
+    raw = gatherer.read(rows)
     return raw.images, raw.labels, raw.sample_ids
 
 
-def submit_read(cache_uri: str, rows: np.ndarray, max_retries: int, read: ReadConfig | None = None) -> RemoteBatch:
+read_rows_task = ray.remote(num_cpus=1)(read_rows)
+
+
+def submit_read(cache_uri: str, rows: np.ndarray, max_retries: int, read: ReadConfig | None = None,
+                folder: shm.BatchFolder | None = None) -> RemoteBatch:
     """A read task for one rank batch, placed on this process's node: its shards' node-local copies and page
-    cache are there, and the batch lands in this node's object store, where the loader maps it without a
-    transfer. Soft: when the node cannot take the task (its CPUs are all reserved by training, or it is gone),
-    Ray places it elsewhere rather than waiting."""
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    cache are there, and it leaves the batch in ``folder`` (``shm``), where the loader maps it without a copy.
+    Soft: when the node cannot take the task (its CPUs are all reserved by training, or it is gone), Ray places
+    it elsewhere rather than waiting, and the batch comes back through the object store."""
+    node = ray.get_runtime_context().get_node_id()
+    here = NodeAffinitySchedulingStrategy(node_id=node, soft=True)
     task = read_rows_task.options(max_retries=max_retries, scheduling_strategy=here)
-    return RemoteBatch(task.remote(cache_uri, rows, read))
+    handoff = shm.Handoff(node, folder.path) if folder is not None else None
+    return RemoteBatch(task.remote(cache_uri, rows, read, handoff), folder=folder)
 
 
 @ray.remote(num_cpus=1)

@@ -20,6 +20,7 @@ whatever the number of shards. Remote shards read by range (and ids of varying w
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -78,11 +79,27 @@ class _RowSpan:
     def remove(self, shard: int) -> None:
         self.starts[shard] = -1
 
-    def gather(self, shard: np.ndarray, local: np.ndarray, starts: np.ndarray | None = None) -> np.ndarray:
+    def gather(self, shard: np.ndarray, local: np.ndarray, starts: np.ndarray | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
         """uint8 [n, row_bytes]: row ``local[i]`` of shard ``shard[i]`` (all registered; rows in range).
-        ``starts`` may pass ``self.starts[shard]`` when the caller has it already."""
+        ``starts`` may pass ``self.starts[shard]`` when the caller has it already; ``out`` (C-contiguous uint8,
+        ``n * row_bytes``): gather straight into it (a shared-memory batch) instead of a fresh array."""
         starts = self.starts[shard] if starts is None else starts
-        return self.view[starts + local * self.row_bytes].view(np.uint8).reshape(len(shard), -1)
+        at = starts + local * self.row_bytes
+        if out is None:
+            return self.view[at].view(np.uint8).reshape(len(shard), -1)
+        # numpy gathers only into a fresh array (``np.take(out=)`` first copies a strided source whole), so the
+        # gather into ``out`` is torch's ``index_select``, over the same span as overlapping [rows, row_bytes]
+        import torch  # the loader's own dependency, loaded by the modes that gather into a given array
+
+        size = self._hi - self._lo
+        span = as_strided(self._origin.reshape(-1).view(np.uint8), shape=(size,), strides=(1,), writeable=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only mapped shards: only ever read here
+            src = torch.from_numpy(span).as_strided((size - self.row_bytes + 1, self.row_bytes), (1, 1))
+        flat = out.reshape(len(shard), self.row_bytes)
+        torch.index_select(src, 0, torch.from_numpy(at), out=torch.from_numpy(flat))
+        return flat
 
 
 class ShardGatherer:
@@ -151,12 +168,15 @@ class ShardGatherer:
         while len(self._open) > max(self.max_open, len(shards)):
             self._remove(next(iter(self._open)))  # the batch's own shards were just moved last
 
-    def read(self, rows: np.ndarray, pixels: bool = True) -> RawBatch:
-        """Rows (global cache row indices) in the given order. ``pixels=False``: labels and ids only."""
+    def read(self, rows: np.ndarray, pixels: bool = True, out: np.ndarray | None = None) -> RawBatch:
+        """Rows (global cache row indices) in the given order. ``pixels=False``: labels and ids only. ``out``:
+        a uint8 array of the batch's shape the pixels are gathered into (one copy from the shards), else a fresh
+        one."""
         rows = np.asarray(rows, dtype=np.int64)
         n = len(rows)
+        assert out is None or (out.shape == (n, *self.shape) and out.dtype == np.uint8 and out.flags.c_contiguous)
         if n == 0:
-            return RawBatch(np.empty((0, *self.shape), np.uint8), np.empty(0, np.int64), [])
+            return RawBatch(np.empty((0, *self.shape), np.uint8) if out is None else out, np.empty(0, np.int64), [])
         shard, local = self.reader.locate(rows)  # a row outside the cache gets shard -1 or num_shards
         with self._lock:
             starts = self._pixels.starts[shard]
@@ -166,13 +186,13 @@ class ShardGatherer:
                 self._ensure_open(np.unique(shard).tolist())
                 starts = self._pixels.starts[shard]
             if self._fast:
-                images = self._pixels.gather(shard, local, starts).reshape(n, *self.shape) if pixels else None
+                images = self._pixels.gather(shard, local, starts, out).reshape(n, *self.shape) if pixels else None
                 labels = self._labels.gather(shard, local).view(np.int64).reshape(n)
                 if self._id_width:  # ASCII bytes of one width: decoding each is cheaper than astype("U")
                     raw = self._ids.gather(shard, local).view(f"S{self._id_width}").reshape(n)
                     return RawBatch(images, labels, list(map(bytes.decode, raw.tolist())))
                 return RawBatch(images, labels, self._ids_by_shard(shard, local))
-            return self._read_by_shard(shard, local, pixels)
+            return self._read_by_shard(shard, local, pixels, out)
 
     def _ids_by_shard(self, shard: np.ndarray, local: np.ndarray) -> list[str]:
         ids = np.empty(len(shard), dtype=object)
@@ -181,9 +201,10 @@ class ShardGatherer:
             ids[sel] = self._open[s].ids.take(pa.array(local[sel])).to_numpy(zero_copy_only=False)
         return ids.tolist()
 
-    def _read_by_shard(self, shard: np.ndarray, local: np.ndarray, pixels: bool) -> RawBatch:
+    def _read_by_shard(self, shard: np.ndarray, local: np.ndarray, pixels: bool, out: np.ndarray | None = None
+                       ) -> RawBatch:
         n = len(shard)
-        images = np.empty((n, *self.shape), np.uint8) if pixels else None
+        images = (np.empty((n, *self.shape), np.uint8) if out is None else out) if pixels else None
         labels = np.empty(n, np.int64)
         for s in np.unique(shard).tolist():
             sel = np.flatnonzero(shard == s)

@@ -129,14 +129,24 @@ def open_ranged(fs, path: str, index: int, info, shape: tuple[int, ...], stats: 
     batch = pa.ipc.open_file(pa.PythonFile(f, mode="r"), options=opts).get_batch(0)
     if batch.num_rows != info.rows:
         raise CorruptArtifactError(f"cache shard {path!r} has {batch.num_rows} rows, manifest says {info.rows}")
-    label = single_chunk(batch.column("label"))
+    # Arrow reads a record batch from a file it cannot map into one buffer the size of the whole body, pixels
+    # included (left unfilled: only the included columns are read into it), and the columns point into it. Kept,
+    # that buffer held every open ranged shard's full size: 12 MB a shard of the loader benchmark's cache, where
+    # the s3 range row's private memory grew by 120 MiB over 20 shards. The small columns are copied out (a few
+    # bytes a row) so the body goes now.
+    label = single_chunk(batch.column("label")).to_numpy(zero_copy_only=False).astype(np.int64, copy=True)
     return ShardView(
-        index=index, rows=info.rows,
-        labels=label.to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
-        ids=batch.column("sample_id"), split=batch.column("split"),
+        index=index, rows=info.rows, labels=label,
+        ids=_own(batch.column("sample_id")), split=_own(batch.column("split")),
         ranged=RangedPixels(fs, path, index, start, info.rows, shape, chunks,
                             checks=(info.chunk_rows, info.chunk_sha256)),
     )
+
+
+def _own(column) -> pa.Array:
+    """A copy of ``column`` in buffers of its own (not slices of a larger one)."""
+    col = single_chunk(column)
+    return col.take(pa.array(np.arange(len(col), dtype=np.int64)))
 
 
 class ChunkCache:

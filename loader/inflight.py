@@ -94,5 +94,8 @@ def cancel(batches: list[RemoteBatch]) -> None:
     for b in batches:
         try:
             b.drop(ray.get(b.ref, timeout=5))
-        except Exception:  # cancelled, failed or slow: either way nobody needs the result
+        except ray.exceptions.GetTimeoutError:  # still running: drop what it leaves when it ends
+            if b.folder is not None:
+                b.ref.future().add_done_callback(lambda f, b=b: f.exception() is None and b.drop(f.result()))
+        except Exception:  # cancelled or failed: either way nobody needs the result
             pass

@@ -274,7 +274,8 @@ class DiskCache:
             try:
                 # 0600, as node.trusted expects of a copy; it replaces an untrusted one at the same name
                 dst = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
-                with dst, fs.open(remote_path, "rb") as src:
+                # no read-ahead buffer (s3fs keeps 50 MiB blocks by default): each 8 MiB read is one request
+                with dst, fs.open(remote_path, "rb", block_size=8 << 20, cache_type="none") as src:
                     while chunk := src.read(8 << 20):
                         h.update(chunk)
                         dst.write(chunk)

@@ -278,6 +278,6 @@ def test_every_read_path_checks_the_checksum(request, tmp_path, where):
                         assert re.search(r"shard-00001\.arrow.*fails its checksum", str(e)), (name, str(e))
                     else:
                         pytest.fail(f"{name} ({remote}, verify={verify}) read a shard with flipped {flipped}")
-                    reader.images(0)  # the good shard still reads
+                reader.images(0)  # the good shard still reads
         _flip(fs, path, info.image_offset + 100 if flipped == "pixels" else info.image_offset - 1)  # undo
     assert runs == len(READ_PATHS) * 2 * len(remotes) * len(verifies)

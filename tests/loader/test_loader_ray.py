@@ -62,14 +62,15 @@ def test_ray_mode_copies_each_batch_once(ray_cluster, tmp_path):
     On main a batch was copied three times: the gather, into the object store, and out of it in collate.
     Batches left in flight by a pass cut short are removed, and so are folders of killed consumers."""
     import subprocess
+    import time
     import tracemalloc
 
     import ray
     from dutycycle.loader import ray_exec, shm
 
     uri = str(tmp_path / "c")
-    make_cache(uri, 384, shape=(32, 32, 3), shards=3)
-    batch_bytes = 64 * 32 * 32 * 3
+    make_cache(uri, 384, shape=(64, 64, 3), shards=3)
+    batch_bytes = 64 * 64 * 64 * 3  # 786 KB: far above what Ray's own threads allocate meanwhile
     # the task's side, run in this process: the same function a read task runs
     folder = shm.BatchFolder()
     handoff = shm.Handoff(ray.get_runtime_context().get_node_id(), folder.path)
@@ -85,6 +86,9 @@ def test_ray_mode_copies_each_batch_once(ray_cluster, tmp_path):
             tracemalloc.stop()
     assert isinstance(got[0], np.ndarray) and peaks["object store"] >= batch_bytes, peaks
     assert peaks["shared"] < batch_bytes / 4, peaks  # measured: 17 KB (ids, labels, the file's bookkeeping)
+    # a task on another node, or whose consumer's folder is gone, returns its batch through the object store
+    for elsewhere in (shm.Handoff("another-node", folder.path), shm.Handoff(handoff.node_id, str(tmp_path / "gone"))):
+        assert np.array_equal(ray_exec.read_rows(uri, rows, None, elsewhere)[0], got[0])
     folder.close()
     assert not os.path.exists(folder.path)
     # the consumer's side: a loader in Ray mode, uint8 batches (nothing for collate to compute)
@@ -103,6 +107,9 @@ def test_ray_mode_copies_each_batch_once(ray_cluster, tmp_path):
     batches = iter(loader)
     next(batches)
     batches.close()  # a pass cut short with batches in flight: the cancelled ones' files are removed
+    deadline = time.monotonic() + 30  # a task still running when cancelled drops its file when it ends
+    while os.listdir(loader.source._batches.path) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert os.listdir(loader.source._batches.path) == []
     dead = subprocess.Popen(["true"])
     dead.wait()

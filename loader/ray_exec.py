@@ -91,17 +91,29 @@ def submit_read(cache_uri: str, rows: np.ndarray, max_retries: int, read: ReadCo
     return RemoteBatch(task.remote(cache_uri, rows, read, handoff), folder=folder)
 
 
-@ray.remote(num_cpus=1)
-def decode_task(uris: list[str], spec_json: str, roots: list[str]):
-    return decode_batch(uris, TransformSpec.from_json(spec_json), RootCheck(roots))
+def decode_rows(uris: list[str], spec_json: str, roots: list[str], handoff: shm.Handoff | None = None):
+    """A decode task's work: the batch decoded, then copied once into the consumer's shared-memory folder
+    (``SharedBatch``) when the task runs on its node and there is space, else returned through the object store."""
+    images = decode_batch(uris, TransformSpec.from_json(spec_json), RootCheck(roots))
+    if handoff is not None and handoff.node_id == ray.get_runtime_context().get_node_id():
+        with shm.batch_file(handoff.folder, images.shape) as (out, path):
+            if out is not None:
+                out[...] = images
+                return shm.SharedBatch(path, images.shape)
+    return images
+
+
+decode_task = ray.remote(num_cpus=1)(decode_rows)
 
 
 def submit_decode(uris: list[str], spec_json: str, roots: list[str], max_retries: int, labels: np.ndarray,
-                  sample_ids: list[str]) -> RemoteBatch:
+                  sample_ids: list[str], folder: shm.BatchFolder | None = None) -> RemoteBatch:
     """A raw path batch decoded by a Ray task (which checks the table's source ``roots`` at read time, as this
-    process does): pixels from Ray, labels and ids from the driver."""
-    return RemoteBatch(decode_task.options(max_retries=max_retries).remote(uris, spec_json, roots), labels,
-                       sample_ids)
+    process does): pixels from Ray (left in ``folder`` when the task runs on this node), labels and ids from the
+    driver."""
+    handoff = shm.Handoff(ray.get_runtime_context().get_node_id(), folder.path) if folder is not None else None
+    return RemoteBatch(decode_task.options(max_retries=max_retries).remote(uris, spec_json, roots, handoff),
+                       labels, sample_ids, folder=folder)
 
 
 # ------------------------------------------------------------------------------------------- memory mode

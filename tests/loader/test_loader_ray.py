@@ -14,6 +14,7 @@ from dutycycle.loader.executor import RayTasks
 
 from ..support.cachemaker import make_cache
 from ..support.dying_source import DyingSource
+from ..support.memory import mapping_of
 from .test_loader import _corrupt, as_arrays, assert_bounded_prefetch, assert_same, counting_loader
 
 pytestmark = pytest.mark.ray
@@ -43,15 +44,6 @@ def test_ray_mode_keeps_a_bounded_number_of_tasks_in_flight(ray_cluster, tmp_pat
     make_cache(uri, 200, shards=2)
     loader = counting_loader(uri, cfg(mode="ray", global_batch_size=8, prefetch=2))
     assert_bounded_prefetch(loader, 2)
-
-
-def _mapping_of(address: int) -> str:
-    """The line of /proc/self/maps whose range holds ``address`` ('' if none)."""
-    for line in open("/proc/self/maps").read().splitlines():
-        lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
-        if lo <= address < hi:
-            return line
-    return ""
 
 
 def test_ray_mode_copies_each_batch_once(ray_cluster, tmp_path):
@@ -99,7 +91,7 @@ def test_ray_mode_copies_each_batch_once(ray_cluster, tmp_path):
     got = []
     for b in loader:
         image = b["image"]
-        line = _mapping_of(image.data_ptr())
+        line = mapping_of(image.data_ptr())
         assert "rw-s" in line and f"{loader.source._batches.path}/batch-" in line, line  # the task's pages
         assert image.numpy().flags.writeable
         got.append((image.numpy().copy(), b["label"].numpy().copy(), list(b["sample_id"])))

@@ -111,6 +111,37 @@ def test_ray_mode_copies_each_batch_once(ray_cluster, tmp_path):
     assert not killed.exists()
 
 
+def test_a_full_shared_memory_folder_is_a_fallback_not_a_crash(tmp_path):
+    """A batch that does not fit the shared-memory file system is refused before a byte is written (its pages
+    are reserved first: a write into a mapped file past a full tmpfs is a SIGBUS), leaves no file, and the task
+    returns its batch through the object store instead; one that fits is handed over whole. A real 64 KiB tmpfs."""
+    import subprocess
+
+    from dutycycle.loader import shm
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        folder = shm.BatchFolder(root=str(mnt))
+        with shm.batch_file(folder.path, (64, 32, 32, 3)) as (out, path):  # 192 KiB
+            assert out is None
+        assert os.listdir(folder.path) == []
+        with shm.batch_file(folder.path, (4, 32, 32, 3)) as (out, path):  # 12 KiB
+            out[...] = np.arange(4, dtype=np.uint8)[:, None, None, None]
+        got = folder.open(shm.SharedBatch(path, (4, 32, 32, 3)))
+        assert got.flags.writeable and [int(v) for v in got.reshape(4, -1).max(1)] == [0, 1, 2, 3]
+        assert os.listdir(folder.path) == []  # unlinked once mapped
+        with pytest.raises(ValueError, match="outside this loader's folder"):  # a returned name is data
+            folder.open(shm.SharedBatch(str(tmp_path / "batch-x"), (1,)))
+        folder.close()
+        assert not os.path.exists(folder.path)
+        del got
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
 def test_memory_mode_shares_one_object_store_copy(ray_cluster, cache):
     a = CacheLoader(cache, "train", 0, 2, cfg(mode="memory"))
     b = CacheLoader(cache, "train", 1, 2, cfg(mode="memory"))

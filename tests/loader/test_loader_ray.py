@@ -67,7 +67,7 @@ def test_ray_mode_copies_each_batch_once(ray_cluster, tmp_path):
     folder = shm.BatchFolder()
     handoff = shm.Handoff(ray.get_runtime_context().get_node_id(), folder.path)
     rows = np.random.default_rng(0).permutation(384)[:64]
-    folder.open(ray_exec.read_rows(uri, rows, None, handoff)[0])  # warm: shards mapped, torch's gather loaded
+    folder.open(ray_exec.read_rows(uri, rows, None, handoff)[0])  # warm: shards mapped
     peaks = {}
     for name, h in (("shared", handoff), ("object store", None)):
         tracemalloc.start()

@@ -38,30 +38,38 @@ class PeakRSS:
     process that touches them, so it is an upper bound on the memory the row really holds.
     """
 
-    def __init__(self, interval: float = 0.05):
+    def __init__(self, interval: float = 0.05, exclude: str | None = None):
         self.interval = interval
+        # descendants whose command line contains ``exclude`` (a server the row talks to, e.g. moto) are not the
+        # row's: left out of its figures and measured apart (``peak_excluded_private``)
+        self.exclude = exclude
         self.peak_tree = 0
         self.peak_private = 0  # resident minus file-backed and shared pages (Linux RssAnon), summed over the tree
+        self.peak_excluded_private = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
 
-    def _sample(self) -> tuple[int, int]:
+    def _sample(self) -> tuple[int, int, int]:
         import psutil
 
         me = psutil.Process()
-        total = private = 0
+        total = private = excluded = 0
         for p in [me, *me.children(recursive=True)]:
             try:
                 m = p.memory_info()
+                if self.exclude and p is not me and self.exclude in " ".join(p.cmdline()):
+                    excluded += m.rss - getattr(m, "shared", 0)
+                    continue
                 total += m.rss
                 private += m.rss - getattr(m, "shared", 0)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 pass
-        return total, private
+        return total, private, excluded
 
     def _update(self) -> None:
-        total, private = self._sample()
+        total, private, excluded = self._sample()
         self.peak_tree, self.peak_private = max(self.peak_tree, total), max(self.peak_private, private)
+        self.peak_excluded_private = max(self.peak_excluded_private, excluded)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -86,6 +94,7 @@ class PeakRSS:
             # what the row holds privately: memory-mapped files in the page cache (shared by every process on the
             # node) and shared memory are excluded; peak_rss_mb counts them in every process that maps them
             "peak_private_mb": round(self.peak_private / mib, 1),
+            **({"excluded_peak_private_mb": round(self.peak_excluded_private / mib, 1)} if self.exclude else {}),
         }
 
 

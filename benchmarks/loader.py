@@ -120,8 +120,14 @@ def run_one(name: str, data: Path, min_seconds: float) -> dict[str, Any]:
     from benchmarks import loader_rows as rows
 
     if name.startswith("dutycycle-s3-"):
-        fn = lambda: rows.row_dutycycle_s3(data, name.rsplit("-", 1)[1], min_seconds)  # noqa: E731
-    elif name.startswith("dutycycle-"):
+        # the S3 server and the upload of the cache to it are the set-up, not the row: the upload runs in a
+        # child process before measuring starts, and the server (a child process) is measured apart
+        with rows.s3_cache(data) as uri, PeakRSS(exclude=rows.S3_SERVER) as rss:
+            result = rows.row_dutycycle_s3(uri, name.rsplit("-", 1)[1], min_seconds)
+        out = {**result, **rss.result()}
+        out["server_peak_private_mb"] = out.pop("excluded_peak_private_mb")
+        return out
+    if name.startswith("dutycycle-"):
         fn = lambda: rows.row_dutycycle(data, name.split("-", 1)[1], min_seconds)  # noqa: E731
     else:
         row_fn = getattr(rows, "row_" + name.replace("-", "_"))
@@ -243,6 +249,10 @@ def run(args) -> dict:
                 shown = r.get("error") or f"{r['samples_per_s']} samples/s, first batch {r.get('time_to_first_batch_s')} s"
                 print(f"{name}: {shown}", file=sys.stderr)
         rows = {n: rows[n] for n in names}
+        local = rows.get(PRIMARY, {}).get("peak_private_mb")
+        for name, r in rows.items():  # the remote rows' memory against the local read's, measured in this run
+            if name.startswith("dutycycle-s3-") and local is not None:
+                r["local_peak_private_mb"] = local
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -295,11 +305,12 @@ def render_ratios(d: dict) -> str:
 
 
 def render_remote(d: dict) -> str:
-    # no request column: the recorded counts predate a fix to how ranged fetches were counted
     rows = [[r["description"], fmt.secs(r["time_to_first_batch_s"]), fmt.nbytes(r["bytes_fetched"]),
-             fmt.nbytes(r["cache_bytes"]), fmt.times(r["bytes_fetched"] / r["cache_bytes"])]
+             fmt.count(r["requests"]), fmt.nbytes(r["cache_bytes"]), fmt.times(r["bytes_fetched"] / r["cache_bytes"]),
+             fmt.mib(r["peak_private_mb"]), fmt.mib(r["local_peak_private_mb"]), fmt.mib(r["server_peak_private_mb"])]
             for r in _loader_rows(d) if "requests" in r]
-    headers = ["remote cache", "first batch (cold node)", "fetched", "cache size", "fetched / cache"]
+    headers = ["remote cache", "first batch (cold node)", "fetched", "requests", "cache size", "fetched / cache",
+               "peak private", "local read's, same run", "S3 server's (apart)"]
     return "\n\n".join([fmt.table(headers, rows), fmt.source("loader")])
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from dutycycle.engine.cache.reader import CacheReader
 from dutycycle.engine.cache.shards import ReadConfig, ReadStats
 
-from . import budget
+from . import budget, shm
 from .config import LoaderConfig
 from .inflight import RemoteBatch
 from .loader import Loader, LoaderStats
@@ -48,6 +48,7 @@ class CacheSource:
         self._memory: MemorySplit | None = None
         self._memory_keepalive: Any = None  # the object-store reference the in-RAM arrays are views of
         self._gatherer = ShardGatherer(self.reader)
+        self._batches: shm.BatchFolder | None = None  # Ray mode: where this node's read tasks leave batches
 
     @property
     def shard_opens(self) -> int:
@@ -98,7 +99,9 @@ class CacheSource:
     def submit(self, indices: np.ndarray, max_retries: int) -> RemoteBatch:
         from .ray_exec import submit_read  # imports ray, which only the Ray modes need
 
-        return submit_read(self.cache_uri, self.rows[indices], max_retries, self.reader.read_config)
+        if self._batches is None and shm.available():
+            self._batches = shm.BatchFolder()
+        return submit_read(self.cache_uri, self.rows[indices], max_retries, self.reader.read_config, self._batches)
 
     def block_starts(self) -> np.ndarray:
         if self._chunk_starts is None:

@@ -19,16 +19,30 @@ from .source import RawBatch
 @dataclass
 class RemoteBatch:
     """One rank batch a Ray task is producing. ``ref`` resolves to ``(images, labels, ids)``, or to the images
-    alone when the driver already holds the labels and ids (the raw path's decode tasks: only pixels travel)."""
+    alone when the driver already holds the labels and ids (the raw path's decode tasks: only pixels travel).
+    The images are an array, or a ``shm.SharedBatch`` the task left in ``folder`` (mapped here, no copy)."""
 
     ref: Any
     labels: np.ndarray | None = None
     sample_ids: list[str] | None = None
+    folder: Any = None  # the consumer's shm.BatchFolder the task may leave its pixels in
 
     def result(self) -> RawBatch:
         if self.labels is None:
-            return RawBatch(*get(self.ref))
-        return RawBatch(get(self.ref), self.labels, self.sample_ids)
+            images, labels, ids = get(self.ref)
+            return RawBatch(self._pixels(images), labels, ids)
+        return RawBatch(self._pixels(get(self.ref)), self.labels, self.sample_ids)
+
+    def _pixels(self, images):
+        if isinstance(images, np.ndarray):
+            return images
+        return self.folder.open(images)
+
+    def drop(self, value) -> None:
+        """A finished result nobody will use: remove the file it left, if any."""
+        images = value[0] if isinstance(value, tuple) else value
+        if self.folder is not None and not isinstance(images, np.ndarray):
+            self.folder.discard(images)
 
 
 def in_order(submit: Callable[[int], RemoteBatch], steps: Iterable[int], depth: int) -> Iterator[RawBatch]:
@@ -51,7 +65,7 @@ def in_order(submit: Callable[[int], RemoteBatch], steps: Iterable[int], depth: 
             yield batch.result()
     finally:
         if pending:
-            cancel([b.ref for b in pending])
+            cancel(list(pending))
 
 
 def get(ref):
@@ -67,17 +81,21 @@ def get(ref):
         raise
 
 
-def cancel(refs: list) -> None:
-    """Cancel tasks the consumer no longer needs, and collect their outcome so Ray does not log it as unhandled."""
+def cancel(batches: list[RemoteBatch]) -> None:
+    """Cancel tasks the consumer no longer needs, and collect their outcome so Ray does not log it as unhandled
+    (a batch one left in shared memory is removed; one still being written goes with its folder)."""
     import ray
 
-    for ref in refs:
+    for b in batches:
         try:
-            ray.cancel(ref)
+            ray.cancel(b.ref)
         except Exception:  # already finished or gone: nothing to cancel
             pass
-    for ref in refs:
+    for b in batches:
         try:
-            ray.get(ref, timeout=5)
-        except Exception:  # cancelled, failed or slow: either way nobody needs the result
+            b.drop(ray.get(b.ref, timeout=5))
+        except ray.exceptions.GetTimeoutError:  # still running: drop what it leaves when it ends
+            if b.folder is not None:
+                b.ref.future().add_done_callback(lambda f, b=b: f.exception() is None and b.drop(f.result()))
+        except Exception:  # cancelled or failed: either way nobody needs the result
             pass

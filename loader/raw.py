@@ -28,6 +28,7 @@ from dutycycle.engine.roots import OUTSIDE_ROOTS, RootCheck, refusal
 from dutycycle.engine.runner import configure
 from dutycycle.engine.transform import TransformSpec
 
+from . import shm
 from .config import LoaderConfig
 from .decode import decode_batch
 from .inflight import RemoteBatch
@@ -69,6 +70,7 @@ class RawSource:
         self.num_samples, self.fingerprint = len(keep), plan.fingerprint
         self.raw_threads = raw_threads
         self._pool: ThreadPoolExecutor | None = None
+        self._batches: shm.BatchFolder | None = None
 
     def read(self, indices: np.ndarray) -> RawBatch:
         if self._pool is None and self.raw_threads > 1:
@@ -80,8 +82,10 @@ class RawSource:
         from .ray_exec import submit_decode  # imports ray, which only the Ray modes need
 
         uris = [self.uris[i] for i in indices]
+        if self._batches is None and shm.available():
+            self._batches = shm.BatchFolder()  # where this node's decode tasks leave batches
         return submit_decode(uris, self.spec.to_json(), self.roots.roots, max_retries, self.labels[indices],
-                             self.sample_ids[indices].tolist())
+                             self.sample_ids[indices].tolist(), self._batches)
 
     def block_starts(self) -> np.ndarray:
         raise ConfigError("block_size=0 cuts shuffle blocks at a cache's checksum chunks, and this RawLoader reads "
@@ -95,10 +99,11 @@ class RawSource:
     def reopen(self) -> RawSource:
         """The same rows for another process (a DataLoader worker): the row plan shared, no thread pool (each
         process starts its own at its first read)."""
-        return copy.copy(self)  # without the pool: __getstate__ leaves it behind
+        return copy.copy(self)  # without the pool and the folder: __getstate__ leaves them behind
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_pool": None}  # threads do not travel to another process
+        # threads and the shared-memory folder (this process's) do not travel to another process
+        return {**self.__dict__, "_pool": None, "_batches": None}
 
 
 class RawLoader(Loader):

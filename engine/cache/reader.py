@@ -5,6 +5,7 @@ manifest, shard entries) is ``format.py``; how one shard is opened is ``shards.p
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections import OrderedDict
@@ -156,12 +157,26 @@ class CacheReader:
 
     def shard(self, i: int) -> pa.Table:
         """Shard ``i`` as a whole Arrow table (zero-copy over a memory map when mapped; a ranged cache downloads
-        it for this call only)."""
+        it for this call only). Checked like every read: a mapped shard per ``read.verify`` (``local_path``), a
+        downloaded one always, against its size and sha256, before Arrow parses a byte of it (a ranged view
+        checks every piece it fetches too, whatever ``verify`` says: bytes that crossed a network are not the
+        bytes this node verified once)."""
         if self.mapped:
             return open_mapped(self.local_path(i))
-        fs, path = io.filesystem(self.shard_uri(i))
-        data = fs.cat_file(path)
+        info, uri = self.manifest.shards[i], self.shard_uri(i)
+        fs, path = io.filesystem(uri)
+        try:
+            data = fs.cat_file(path)
+        except FileNotFoundError as e:
+            raise CorruptArtifactError(
+                f"cache shard {uri!r} listed in the manifest is missing; materialize the cache again") from e
         self.stats.add_fetch(len(data))
+        self.stats.shards_hashed += 1
+        if len(data) != info.bytes or hashlib.sha256(data).hexdigest() != info.sha256:
+            raise CorruptArtifactError(
+                f"cache shard {uri!r} fails its checksum (expected sha256 {info.sha256[:12]}..., {info.bytes} "
+                f"bytes; fetched {len(data)} bytes); its bytes were not used. Materialize the cache again"
+            )
         return pa.ipc.open_file(pa.py_buffer(data)).read_all()
 
     def images(self, i: int) -> np.ndarray:

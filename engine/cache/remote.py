@@ -129,14 +129,24 @@ def open_ranged(fs, path: str, index: int, info, shape: tuple[int, ...], stats: 
     batch = pa.ipc.open_file(pa.PythonFile(f, mode="r"), options=opts).get_batch(0)
     if batch.num_rows != info.rows:
         raise CorruptArtifactError(f"cache shard {path!r} has {batch.num_rows} rows, manifest says {info.rows}")
-    label = single_chunk(batch.column("label"))
+    # Arrow reads a record batch from a file it cannot map into one buffer the size of the whole body, pixels
+    # included (left unfilled: only the included columns are read into it), and the columns point into it. Kept,
+    # that buffer held every open ranged shard's full size: 12 MB a shard of the loader benchmark's cache, where
+    # the s3 range row's private memory grew by 120 MiB over 20 shards. The small columns are copied out (a few
+    # bytes a row) so the body goes now.
+    label = single_chunk(batch.column("label")).to_numpy(zero_copy_only=False).astype(np.int64, copy=True)
     return ShardView(
-        index=index, rows=info.rows,
-        labels=label.to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
-        ids=batch.column("sample_id"), split=batch.column("split"),
+        index=index, rows=info.rows, labels=label,
+        ids=_own(batch.column("sample_id")), split=_own(batch.column("split")),
         ranged=RangedPixels(fs, path, index, start, info.rows, shape, chunks,
                             checks=(info.chunk_rows, info.chunk_sha256)),
     )
+
+
+def _own(column) -> pa.Array:
+    """A copy of ``column`` in buffers of its own (not slices of a larger one)."""
+    col = single_chunk(column)
+    return col.take(pa.array(np.arange(len(col), dtype=np.int64)))
 
 
 class ChunkCache:
@@ -264,7 +274,8 @@ class DiskCache:
             try:
                 # 0600, as node.trusted expects of a copy; it replaces an untrusted one at the same name
                 dst = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
-                with dst, fs.open(remote_path, "rb") as src:
+                # no read-ahead buffer (s3fs keeps 50 MiB blocks by default): each 8 MiB read is one request
+                with dst, fs.open(remote_path, "rb", block_size=8 << 20, cache_type="none") as src:
                     while chunk := src.read(8 << 20):
                         h.update(chunk)
                         dst.write(chunk)

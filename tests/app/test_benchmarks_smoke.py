@@ -47,6 +47,9 @@ def test_loader_benchmark_quick(tmp_path):
     assert result["data"]["samples"] == 2500 and rows["dutycycle-auto"]["shards"] == 3
     assert 0 < rows["dutycycle-auto"]["shard_opens_per_batch"] <= 3
     assert 0 < rows["dutycycle-s3-range"]["bytes_fetched"]
+    for name in ("dutycycle-s3-range", "dutycycle-s3-disk"):  # the S3 server measured apart from the row
+        assert rows[name]["server_peak_private_mb"] > 0
+        assert rows[name]["local_peak_private_mb"] == rows["dutycycle-auto"]["peak_private_mb"]
     ratios = {r["name"]: r for r in result["ratios"]}
     assert set(ratios) == RATIOS and all(r["value"] > 0 for r in ratios.values())
     # the README table comes from stdout

@@ -14,6 +14,7 @@ from dutycycle.loader.executor import RayTasks
 
 from ..support.cachemaker import make_cache
 from ..support.dying_source import DyingSource
+from ..support.memory import mapping_of
 from .test_loader import _corrupt, as_arrays, assert_bounded_prefetch, assert_same, counting_loader
 
 pytestmark = pytest.mark.ray
@@ -43,6 +44,102 @@ def test_ray_mode_keeps_a_bounded_number_of_tasks_in_flight(ray_cluster, tmp_pat
     make_cache(uri, 200, shards=2)
     loader = counting_loader(uri, cfg(mode="ray", global_batch_size=8, prefetch=2))
     assert_bounded_prefetch(loader, 2)
+
+
+def test_ray_mode_copies_each_batch_once(ray_cluster, tmp_path):
+    """A Ray-mode batch is copied once: the read task gathers the rows straight into a shared-memory file (its
+    heap never holds the batch: traced allocations stay far below one batch, where the object-store path
+    allocates a whole one, which shows the measure sees a copy), and the loader hands out tensors over that
+    file's pages (no copy: each batch's storage is a writable shared mapping of a file in its batch folder).
+    On main a batch was copied three times: the gather, into the object store, and out of it in collate.
+    Batches left in flight by a pass cut short are removed, and so are folders of killed consumers."""
+    import subprocess
+    import time
+    import tracemalloc
+
+    import ray
+    from dutycycle.loader import ray_exec, shm
+
+    uri = str(tmp_path / "c")
+    make_cache(uri, 384, shape=(64, 64, 3), shards=3)
+    batch_bytes = 64 * 64 * 64 * 3  # 786 KB: far above what Ray's own threads allocate meanwhile
+    # the task's side, run in this process: the same function a read task runs
+    folder = shm.BatchFolder()
+    handoff = shm.Handoff(ray.get_runtime_context().get_node_id(), folder.path)
+    rows = np.random.default_rng(0).permutation(384)[:64]
+    folder.open(ray_exec.read_rows(uri, rows, None, handoff)[0])  # warm: shards mapped
+    peaks = {}
+    for name, h in (("shared", handoff), ("object store", None)):
+        tracemalloc.start()
+        try:
+            got = ray_exec.read_rows(uri, rows, None, h)
+            peaks[name] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert isinstance(got[0], np.ndarray) and peaks["object store"] >= batch_bytes, peaks
+    assert peaks["shared"] < batch_bytes / 4, peaks  # measured: 17 KB (ids, labels, the file's bookkeeping)
+    # a task on another node, or whose consumer's folder is gone, returns its batch through the object store
+    for elsewhere in (shm.Handoff("another-node", folder.path), shm.Handoff(handoff.node_id, str(tmp_path / "gone"))):
+        assert np.array_equal(ray_exec.read_rows(uri, rows, None, elsewhere)[0], got[0])
+    folder.close()
+    assert not os.path.exists(folder.path)
+    # the consumer's side: a loader in Ray mode, uint8 batches (nothing for collate to compute)
+    config = cfg(mode="ray", global_batch_size=64, augment=AugmentConfig(crop_padding=0, flip=False, normalize=False))
+    loader = CacheLoader(uri, "train", config=config)
+    expected = as_arrays(CacheLoader(uri, "train", config=cfg(mode="sync", global_batch_size=64,
+                                                              augment=config.augment)))
+    got = []
+    for b in loader:
+        image = b["image"]
+        line = mapping_of(image.data_ptr())
+        assert "rw-s" in line and f"{loader.source._batches.path}/batch-" in line, line  # the task's pages
+        assert image.numpy().flags.writeable
+        got.append((image.numpy().copy(), b["label"].numpy().copy(), list(b["sample_id"])))
+    assert_same(expected, got)
+    batches = iter(loader)
+    next(batches)
+    batches.close()  # a pass cut short with batches in flight: the cancelled ones' files are removed
+    deadline = time.monotonic() + 30  # a task still running when cancelled drops its file when it ends
+    while os.listdir(loader.source._batches.path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert os.listdir(loader.source._batches.path) == []
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    killed = tmp_path / "shm" / f"{shm.PREFIX}{dead.pid}-x"  # a folder whose consumer is gone
+    killed.mkdir(parents=True)
+    shm.BatchFolder(root=str(tmp_path / "shm")).close()
+    assert not killed.exists()
+
+
+def test_a_full_shared_memory_folder_is_a_fallback_not_a_crash(tmp_path):
+    """A batch that does not fit the shared-memory file system is refused before a byte is written (its pages
+    are reserved first: a write into a mapped file past a full tmpfs is a SIGBUS), leaves no file, and the task
+    returns its batch through the object store instead; one that fits is handed over whole. A real 64 KiB tmpfs."""
+    import subprocess
+
+    from dutycycle.loader import shm
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        folder = shm.BatchFolder(root=str(mnt))
+        with shm.batch_file(folder.path, (64, 32, 32, 3)) as (out, path):  # 192 KiB
+            assert out is None
+        assert os.listdir(folder.path) == []
+        with shm.batch_file(folder.path, (4, 32, 32, 3)) as (out, path):  # 12 KiB
+            out[...] = np.arange(4, dtype=np.uint8)[:, None, None, None]
+        got = folder.open(shm.SharedBatch(path, (4, 32, 32, 3)))
+        assert got.flags.writeable and [int(v) for v in got.reshape(4, -1).max(1)] == [0, 1, 2, 3]
+        assert os.listdir(folder.path) == []  # unlinked once mapped
+        with pytest.raises(ValueError, match="outside this loader's folder"):  # a returned name is data
+            folder.open(shm.SharedBatch(str(tmp_path / "batch-x"), (1,)))
+        folder.close()
+        assert not os.path.exists(folder.path)
+        del got
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def test_memory_mode_shares_one_object_store_copy(ray_cluster, cache):
@@ -77,28 +174,34 @@ def test_corrupt_shard_surfaces_as_itself(ray_cluster, tmp_path, mode):
     assert type(info.value) is CorruptArtifactError  # not a RayTaskError wrapper
 
 
-@pytest.mark.slow
-def test_to_ray_dataset_gives_every_sample_once(ray_cluster, cache):
-    loader = CacheLoader(cache, "val", config=cfg(mode="sync"))
-    ds = to_ray_dataset(cache, "val")
-    rows = ds.take_all()
-    ids = [r["sample_id"] for r in rows]
-    assert len(ids) == len(set(ids)) == loader.num_samples
-    assert rows[0]["image"].shape == (8, 8, 3) and rows[0]["image"].dtype == np.uint8
-    # in planned order: the loader's global batches, concatenated
-    config = cfg(mode="sync", global_batch_size=8, drop_last=False, augment=AugmentConfig(normalize=False))
-    planned = to_ray_dataset(cache, "val", config=config, epoch=1)
-    batches = list(planned.iter_batches(batch_size=None, batch_format="numpy"))
-    got_ids = [str(s) for b in batches for s in b["sample_id"]]
-    loader = CacheLoader(cache, "val", config=config)
+def test_to_ray_dataset_reads_nothing_in_the_driver(ray_cluster, tmp_path):
+    """Every sample once, in cache order or in the loader's planned order. The driver plans from the manifest alone: with every shard moved away while the dataset is built, building
+    succeeds (on main it read each shard's split column in the driver, and a remote cache was downloaded there
+    whole); the read tasks then read the shards, in the loader's planned order. ``block_size=0`` plans blocks at
+    the cache's checksum chunks, also from the manifest."""
+    uri = str(tmp_path / "c")
+    make_cache(uri, 60, shape=(4, 4, 3), shards=3, splits={"train": 0.5, "val": 0.5})
+    config = cfg(mode="sync", global_batch_size=8, drop_last=False, augment=AugmentConfig(normalize=False),
+                 block_size=0)
+    shards, aside = os.path.join(uri, "shards"), str(tmp_path / "aside")
+    os.rename(shards, aside)
+    planned = to_ray_dataset(uri, "val", config=config, epoch=1)
+    whole = to_ray_dataset(uri, "val")
+    os.rename(aside, shards)
+    loader = CacheLoader(uri, "val", config=config)
     loader.set_epoch(1)
-    want = [(b["image"].permute(0, 2, 3, 1).numpy(), s) for b in loader for s in [b["sample_id"]]]
-    assert got_ids == [s for _, ids in want for s in ids]
-    images = np.concatenate([b["image"] for b in batches])
-    assert np.array_equal(images, np.concatenate([w[0] for w in want]))
+    want = as_arrays(loader)
+    batches = list(planned.iter_batches(batch_size=None, batch_format="numpy"))
+    assert len(batches) == len(want) == len(loader)  # one block per global batch
+    for b, (images, labels, ids) in zip(batches, want, strict=True):
+        assert list(b["sample_id"]) == ids and np.array_equal(b["label"], labels)
+        assert np.array_equal(b["image"], images.transpose(0, 2, 3, 1))  # the cache's HWC layout
+    rows = whole.take_all()  # cache order: every sample of the split once
+    assert [r["sample_id"] for r in rows] == sorted(s for _, _, ids in want for s in ids)
+    assert rows[0]["image"].shape == (4, 4, 3) and rows[0]["image"].dtype == np.uint8
     # the image and label columns go straight to torch
     tb = next(iter(planned.select_columns(["image", "label"]).iter_torch_batches(batch_size=8)))
-    assert tuple(tb["image"].shape) == (8, 8, 8, 3) and str(tb["label"].dtype) == "torch.int64"
+    assert tuple(tb["image"].shape) == (8, 4, 4, 3) and str(tb["label"].dtype) == "torch.int64"
 
 
 def _train_worker(config):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from dutycycle.engine.cache.materialize import materialize
@@ -10,6 +12,7 @@ from dutycycle.engine.transform import DecodeError, TransformSpec
 from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig, RawLoader, TorchDataset
 from torch.utils.data import DataLoader
 
+from ..support.memory import mapping_of
 from ..support.tablemaker import add_file, jpeg_bytes, make_shapes_table, shape_image, write_table
 from .test_loader import as_arrays, assert_same
 
@@ -76,6 +79,13 @@ def test_raw_ray_mode_matches_sync(ray_cluster, data):
     expected = as_arrays(RawLoader(table, SPEC, "val", config=cfg(mode="sync", drop_last=False)))
     got = as_arrays(RawLoader(table, SPEC, "val", config=cfg(mode="ray", drop_last=False)))
     assert_same(expected, got)
+    # uint8 batches: the decode tasks leave them in this process's shared-memory folder (``loader.shm``), copied
+    # once after decoding, and the loader hands out tensors over those pages (never a copy out of the object store)
+    plain = AugmentConfig(crop_padding=0, flip=False, normalize=False)
+    loader = RawLoader(table, SPEC, "val", config=cfg(mode="ray", drop_last=False, augment=plain))
+    for b in loader:
+        assert f"{loader.source._batches.path}/batch-" in mapping_of(b["image"].data_ptr())
+    assert os.listdir(loader.source._batches.path) == []  # each file unlinked as it was mapped
 
 
 def test_raw_undecodable_file_names_it(tmp_path, data):

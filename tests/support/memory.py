@@ -16,3 +16,13 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def mapping_of(address: int) -> str:
+    """The line of /proc/self/maps whose range holds ``address`` ('' if none): which file, if any, backs it."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line.rstrip("\n")
+    return ""

@@ -62,7 +62,8 @@ class RawSource:
                 f"{', '.join(sorted(set(plan.splits))) or 'none'}"
                 + (f" ({plan.outside} rows {OUTSIDE_ROOTS} were left out)" if plan.outside else "")
             )
-        self.uris = [plan.uris[i] for i in keep]
+        self.uris = [plan.uris[i] for i in keep]  # readable, for messages
+        self.paths = [plan.paths[i] for i in keep]  # what a read opens (io.open_path)
         self.sample_ids = np.asarray([plan.sample_ids[i] for i in keep], dtype=str)
         self.labels = np.asarray(plan.labels, dtype=np.int64)[keep]
         self.classes = list(plan.classes)
@@ -73,14 +74,14 @@ class RawSource:
     def read(self, indices: np.ndarray) -> RawBatch:
         if self._pool is None and self.raw_threads > 1:
             self._pool = ThreadPoolExecutor(self.raw_threads, thread_name_prefix="dutycycle-raw")
-        images = decode_batch([self.uris[i] for i in indices], self.spec, self.roots, self._pool)
+        images = decode_batch([self.paths[i] for i in indices], self.spec, self.roots, self._pool)
         return RawBatch(images, self.labels[indices], self.sample_ids[indices].tolist())
 
     def submit(self, indices: np.ndarray, max_retries: int) -> RemoteBatch:
         from .ray_exec import submit_decode  # imports ray, which only the Ray modes need
 
-        uris = [self.uris[i] for i in indices]
-        return submit_decode(uris, self.spec.to_json(), self.roots.roots, max_retries, self.labels[indices],
+        paths = [self.paths[i] for i in indices]
+        return submit_decode(paths, self.spec.to_json(), self.roots.roots, max_retries, self.labels[indices],
                              self.sample_ids[indices].tolist())
 
     def block_starts(self) -> np.ndarray:

@@ -250,6 +250,7 @@ def test_rows_with_non_text_and_control_character_names_are_read_by_every_reader
     import numpy as np
     from dutycycle.engine.cache.materialize import materialize
     from dutycycle.engine.cache.reader import CacheReader
+    from dutycycle.engine.cache.udf import build_shard
     from dutycycle.engine.dupes import pair_sheet
     from dutycycle.engine.inspect import contact_sheet
     from dutycycle.engine.transform import TransformSpec
@@ -280,6 +281,12 @@ def test_rows_with_non_text_and_control_character_names_are_read_by_every_reader
     assert {rows[n]["sample_id"] for n in (b"caf\xe9.png", b"new\nline\x1b[2J.png", b"\xff.png")} <= set(images)
     latin1_sample, copy_sample = images[rows[b"caf\xe9.png"]["sample_id"]], images[rows[b"text.png"]["sample_id"]]
     assert np.array_equal(latin1_sample, copy_sample) and latin1_sample.std() > 0  # the file decoded, not blank
+    # the Ray runner's unit of work (a shard's rows as the plan's structs) opens them the same way
+    mine = [{k: r[k] for k in ("sample_id", "uri", "uri_bytes", "label", "split")} for n, r in rows.items()
+            if n != b"same-bytes.png"]
+    rec = build_shard(str(tmp_path / "ray-shard"), 0, mine, spec, ["cat", "d\\xf6g", "dog"], batch_size=2,
+                      max_bytes=1 << 20, max_pixels=1 << 20)
+    assert rec["shard"]["rows"] == 4 and not rec["skipped"]
 
     config = LoaderConfig(global_batch_size=2, mode="sync", drop_last=False)
     cached = CacheLoader(result.uri, "train", config=config)

@@ -28,6 +28,18 @@ def _tile(thumb, size: int):
     return tile
 
 
+def _exact_names(table, uris: list[str]) -> dict[str, bytes]:
+    """The exact bytes (``uri_bytes``) of those of ``uris`` whose names are not text: an example names its
+    rows by their readable ``uri``, and a file is opened by its bytes (``io.open_path``). One filtered scan."""
+    from daft import col
+
+    if not uris or "uri_bytes" not in table.df.column_names:
+        return {}
+    found = (table.df.where(col("uri").is_in(sorted(set(uris))) & col("uri_bytes").not_null())
+             .select("uri", "uri_bytes").to_pydict())
+    return dict(zip(found["uri"], found["uri_bytes"], strict=True))
+
+
 @dataclass
 class PairSheet:
     uri: str
@@ -45,8 +57,10 @@ def pair_sheet(table, stats: DedupeStats, out_uri: str, size: int = 96, allowed_
     caption, gap = 16, 8
     width = 2 * size + 3 * gap + 320
     lines = []
+    exact = _exact_names(table, [e[k] for e in stats.examples for k in ("kept", "removed")])
     for e in stats.examples:
-        thumbs = [make_thumb({"uri": e[k]}, size, roots=check) for k in ("kept", "removed")]
+        thumbs = [make_thumb({"uri": e[k], "uri_bytes": exact.get(e[k])}, size, roots=check)
+                  for k in ("kept", "removed")]
         lines.append((e, thumbs))
     title = f"dedupe of {table.uri}: {stats.exact_removed} exact, {stats.near_removed} near removals"
     height = caption + gap + max(1, len(lines)) * (size + gap)

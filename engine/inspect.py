@@ -29,7 +29,8 @@ _QUOTED_HEAD = re.compile(r"\(starts with .*\)", re.DOTALL)
 SAMPLES = ("first", "random", "per_class")
 DEFAULT_SAMPLE = "random"
 
-META_COLUMNS = ("uri", "label", "split", "format", "width", "height", "mode", "size_bytes", "error")
+META_COLUMNS = ("uri", "label", "split", "format", "width", "height", "mode", "size_bytes", "error",
+                "uri_bytes")  # uri_bytes: what a thumbnail opens (io.open_path), never shown
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:16px;color:#222}
 .dc-grid{display:flex;flex-wrap:wrap;gap:8px}
@@ -63,7 +64,8 @@ class ThumbnailGrid:
         for t in self.thumbs:
             m = t.meta
             m = {**m, "error": scrub_error(m.get("error"))}
-            e = {k: html.escape("" if v is None else str(v)) for k, v in m.items()}  # every value is untrusted
+            # every value is untrusted; uri_bytes is only read through (``uri`` is its readable form)
+            e = {k: html.escape("" if v is None else str(v)) for k, v in m.items() if k != "uri_bytes"}
             name = html.escape(str(m.get("uri") or "").rsplit("/", 1)[-1])
             if t.jpeg_b64:
                 pic = f'<img src="data:image/jpeg;base64,{t.jpeg_b64}" alt="{name}">'
@@ -116,10 +118,11 @@ def make_thumb(
     ``roots``, a row outside them is not read (``OUTSIDE_ROOTS``)."""
     if meta.get("error"):
         return Thumb(meta, problem=meta["error"].split(":", 1)[0])
-    if roots is not None and roots.outside(meta.get("uri")):
+    path = io.open_path(meta.get("uri"), meta.get("uri_bytes"))  # a name that is not text: its exact bytes
+    if roots is not None and roots.outside(path):
         return Thumb(meta, problem=OUTSIDE_ROOTS)
     try:
-        data = io.read_capped(meta["uri"], max_bytes)
+        data = io.read_capped(path, max_bytes)
         jpeg = thumbnail_jpeg(data, size=size, max_pixels=max_pixels)
     except Exception as e:  # a file may have changed since ingest: show it, do not fail the sheet
         return Thumb(meta, problem=f"{type(e).__name__}: {describe_error(e)}"[:120])
@@ -147,7 +150,7 @@ def sample_rows(table, limit: int, sample: str = DEFAULT_SAMPLE, seed: int = 0) 
         raise ConfigError(f"seed={seed!r} is not an integer; pass an integer (the same seed shows the same rows)")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ConfigError(f"limit={limit!r} is not a positive integer; pass how many thumbnails to show")
-    df = table.df.select(*META_COLUMNS)
+    df = table.df.select(*[c for c in META_COLUMNS if c in table.df.column_names])
     if sample == "first":
         return df.limit(limit).to_pylist(), f"the first {limit} rows in table order"
     df = df.with_column("_key", col("uri").hash(seed=seed))  # uint64; the URI breaks a tie

@@ -52,6 +52,15 @@ def open_path(uri: str, uri_bytes: bytes | None = None) -> str:
     return os.fsdecode(uri_bytes) if uri_bytes is not None else uri
 
 
+def open_paths(rows) -> list[str]:
+    """``open_path`` of each row of ``rows`` (an Arrow table or batch with ``uri`` and, unless it predates the
+    column, ``uri_bytes``)."""
+    uris = rows.column("uri").to_pylist()
+    if "uri_bytes" not in rows.column_names:
+        return uris
+    return [open_path(u, b) for u, b in zip(uris, rows.column("uri_bytes").to_pylist(), strict=True)]
+
+
 def protocol(uri: str) -> str:
     return uri.split("://", 1)[0] if "://" in uri else "file"
 

@@ -63,7 +63,8 @@ class RawSource:
                 f"{', '.join(sorted(set(plan.splits))) or 'none'}"
                 + (f" ({plan.outside} rows {OUTSIDE_ROOTS} were left out)" if plan.outside else "")
             )
-        self.uris = [plan.uris[i] for i in keep]
+        self.uris = [plan.uris[i] for i in keep]  # readable, for messages
+        self.paths = [plan.paths[i] for i in keep]  # what a read opens (io.open_path)
         self.sample_ids = np.asarray([plan.sample_ids[i] for i in keep], dtype=str)
         self.labels = np.asarray(plan.labels, dtype=np.int64)[keep]
         self.classes = list(plan.classes)
@@ -75,16 +76,16 @@ class RawSource:
     def read(self, indices: np.ndarray) -> RawBatch:
         if self._pool is None and self.raw_threads > 1:
             self._pool = ThreadPoolExecutor(self.raw_threads, thread_name_prefix="dutycycle-raw")
-        images = decode_batch([self.uris[i] for i in indices], self.spec, self.roots, self._pool)
+        images = decode_batch([self.paths[i] for i in indices], self.spec, self.roots, self._pool)
         return RawBatch(images, self.labels[indices], self.sample_ids[indices].tolist())
 
     def submit(self, indices: np.ndarray, max_retries: int) -> RemoteBatch:
         from .ray_exec import submit_decode  # imports ray, which only the Ray modes need
 
-        uris = [self.uris[i] for i in indices]
+        paths = [self.paths[i] for i in indices]
         if self._batches is None and shm.available():
             self._batches = shm.BatchFolder()  # where this node's decode tasks leave batches
-        return submit_decode(uris, self.spec.to_json(), self.roots.roots, max_retries, self.labels[indices],
+        return submit_decode(paths, self.spec.to_json(), self.roots.roots, max_retries, self.labels[indices],
                              self.sample_ids[indices].tolist(), self._batches)
 
     def block_starts(self) -> np.ndarray:

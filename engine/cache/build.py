@@ -39,7 +39,8 @@ def build_on_ray(sel: Selection, out: str, spec: TransformSpec, classes: list[st
     import ray
     from daft import col
 
-    shards = mp.grouped(sel.frame(), cfg.rows_per_shard, "shard", ("sample_id", "uri", "label", "split"))
+    shards = mp.grouped(sel.frame(), cfg.rows_per_shard, "shard",
+                         ("sample_id", "uri", "uri_bytes", "label", "split"))
     # A few partitions per CPU keeps every CPU busy to the end without a task per shard (~50k for 100M images).
     cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else 1
     shards = shards.repartition(min(num_shards, 4 * max(1, cpus)), col("shard")).into_batches(1)
@@ -92,7 +93,7 @@ def build_native(sel: Selection, out: str, spec: TransformSpec, classes: list[st
     # no sort: the selection's files are in row order and the native runner keeps it (a reordered batch would
     # only wait in `pending` below)
     rows = rows.select("shard", "sample_id", "label", "split",
-                                   decode(col("uri"), col("sample_id"), spec.to_json()).alias("out"))
+                       decode(col("uri"), col("uri_bytes"), col("sample_id"), spec.to_json()).alias("out"))
     rows = rows.select("shard", "sample_id", "label", "split", col("out").get("image").alias("image"),
                        col("out").get("error").alias("error"))
     index_of = mp.label_index(classes)

@@ -94,7 +94,9 @@ class Plan:
     """The selected good rows, sorted by sample_id, and what the table said about the rest."""
 
     sample_ids: list[str]
-    uris: list[str]
+    uris: list[str]  # readable: for messages
+    # the path each row opens (``io.open_path``): its URI, or the exact bytes of a name that is not text
+    paths: list[str]
     labels: np.ndarray  # int64 index into classes; -1 for unlabeled rows
     splits: list[str]
     classes: list[str]
@@ -162,6 +164,7 @@ def plan_rows(
     return Plan(
         sample_ids=ids,
         uris=t.column("uri").to_pylist(),
+        paths=io.open_paths(t),
         labels=labels,
         splits=splits,
         classes=list(tm.classes),

@@ -2,7 +2,8 @@
 fingerprint. Selecting, numbering and digesting the rows is ``selection.py``'s, in one pass.
 
 - ``table_frame``: the table's committed Parquet files (only the columns the cache needs), filtered by ``where``.
-  The selection adds ``outside``: whether a row's URI lies outside the table's source roots (``engine.roots``), so
+  The selection adds ``outside``: whether the path a row opens (``io.open_path``: its URI, or the exact bytes
+  of a name that is not text) lies outside the table's source roots (``engine.roots``), so
   that a crafted table cannot make materialize or the raw loader read ``/etc/passwd`` or another user's files.
 - The selection: the good rows inside the roots, one per sample id (the row with the smallest URI when the same
   content appears twice), numbered ``row`` = 0, 1, ... in sample-id order. Shard ``i`` holds rows
@@ -19,7 +20,7 @@ import hashlib
 import json
 from collections.abc import Iterable
 
-from .. import formats, limits
+from .. import formats, io, limits
 from ..errors import ConfigError
 from ..roots import RootCheck
 from ..table import format as tf
@@ -27,7 +28,7 @@ from ..table.table import read_dataframe
 from ..transform import TransformSpec
 
 FINGERPRINT_BLOCK = 65_536
-COLUMNS = ("sample_id", "uri", "label", "split", "error")
+COLUMNS = ("sample_id", "uri", "label", "split", "error", "uri_bytes")  # uri_bytes: what io.open_path opens
 
 
 def first_line(e: BaseException) -> str:
@@ -41,10 +42,12 @@ def outside_udf(roots: list[str]):
     check = RootCheck(roots)
 
     @daft.func.batch(return_dtype=daft.DataType.bool())
-    def outside(uris):
+    def outside(uris, uri_bytes):
         import pyarrow as pa
 
-        return pa.array(check.outside_mask(uris.to_pylist()), pa.bool_())
+        # the path a read would open, not the readable form: a crafted uri_bytes must not leave the roots
+        paths = [io.open_path(u, b) for u, b in zip(uris.to_pylist(), uri_bytes.to_pylist(), strict=True)]
+        return pa.array(check.outside_mask(paths), pa.bool_())
 
     return outside
 

@@ -37,7 +37,7 @@ from ..errors import ConfigError, CorruptArtifactError
 from ..roots import RootCheck
 from . import plan as mp
 
-SELECTED = ("sample_id", "uri", "label", "split", "row")
+SELECTED = ("sample_id", "uri", "label", "split", "uri_bytes", "row")
 MAX_OPEN = 512  # bucket files open at once while bucketing (ids of any alphabet can make up to 65,536 buckets)
 
 
@@ -156,7 +156,7 @@ def _selected_types():
     import pyarrow as pa
 
     return {"sample_id": pa.string(), "uri": pa.string(), "label": pa.string(), "split": pa.string(),
-            "row": pa.int64()}
+            "uri_bytes": pa.binary(), "row": pa.int64()}
 
 
 # ------------------------------------------------------------------------------------------------ 1 bucket
@@ -191,7 +191,7 @@ def _bucket_native(df, roots: list[str], folder: str, width: int) -> dict[int, l
             t = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
             if not len(t):
                 continue
-            t = t.append_column("outside", pa.array(check.outside_mask(t.column("uri").to_pylist()), pa.bool_()))
+            t = t.append_column("outside", pa.array(check.outside_mask(io.open_paths(t)), pa.bool_()))
             key = bucket_of(t.column("sample_id"), width)
             order = np.argsort(key, kind="stable")
             key = key[order]
@@ -218,7 +218,7 @@ def _bucket_ray(df, roots: list[str], folder: str, width: int) -> dict[int, list
     (Hive-style ``bucket=K``)."""
     from daft import col
 
-    df = df.with_column("outside", mp.outside_udf(roots)(col("uri")))
+    df = df.with_column("outside", mp.outside_udf(roots)(col("uri"), col("uri_bytes")))
     written = df.with_column("bucket", _bucket_udf(width)(col("sample_id"))).write_parquet(
         folder, partition_cols=["bucket"], io_config=io.daft_io_config()).to_pydict()
     parts: dict[int, list[str]] = {}
@@ -323,8 +323,8 @@ def _dedupe(t):
     import pyarrow.compute as pc
 
     good = t.filter(pc.and_(pc.is_null(t.column("error")), pc.invert(t.column("outside"))))
-    good = good.select(["sample_id", "uri", "label", "split"]).sort_by([("sample_id", "ascending"),
-                                                                       ("uri", "ascending")])
+    good = good.select(["sample_id", "uri", "label", "split", "uri_bytes"])
+    good = good.sort_by([("sample_id", "ascending"), ("uri", "ascending")])
     ids = good.column("sample_id").combine_chunks()
     if len(ids) < 2:
         return good

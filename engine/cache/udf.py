@@ -158,12 +158,15 @@ def check_content(data: bytes | str, sample_id: str, uri: str) -> bytes | str:
 
 
 def decode_chunk(
-    uris: list[str], spec: TransformSpec, max_bytes: int, max_pixels: int, sample_ids: list[str]
+    uris: list[str], spec: TransformSpec, max_bytes: int, max_pixels: int, sample_ids: list[str],
+    uri_bytes: list[bytes | None] | None = None,
 ) -> list[bytes | str]:
-    """Fetch + check + decode + transform a few files (``sample_ids``: their rows' content ids): each sample's
-    bytes, or the reason it is skipped."""
+    """Fetch + check + decode + transform a few files (``sample_ids``: their rows' content ids; ``uri_bytes``:
+    their rows' exact names where not text, read through ``io.open_path``): each sample's bytes, or the reason
+    it is skipped."""
+    paths = [io.open_path(u, b) for u, b in zip(uris, uri_bytes or [None] * len(uris), strict=True)]
     fetched = [check_content(data, sid, uri)
-               for data, sid, uri in zip(fetch(uris, max_bytes), sample_ids, uris, strict=True)]
+               for data, sid, uri in zip(fetch(paths, max_bytes), sample_ids, uris, strict=True)]
     out = [transform(data, spec, max_pixels) for data in fetched]
     return [o if isinstance(o, str) else o.tobytes() for o in out]
 
@@ -227,8 +230,8 @@ def build_shard(
     max_bytes: int,
     max_pixels: int,
 ) -> dict[str, Any]:
-    """Shard ``index`` of ``rows`` (dicts: sample_id, uri, label, split), start to finish, unless a verified
-    record says it is done; returns its record plus ``status`` ("written" or "resumed")."""
+    """Shard ``index`` of ``rows`` (dicts: sample_id, uri, uri_bytes, label, split), start to finish, unless a
+    verified record says it is done; returns its record plus ``status`` ("written" or "resumed")."""
     t0 = time.perf_counter()
     rows = sorted(rows, key=lambda r: r["sample_id"])
     ids = [r["sample_id"] for r in rows]
@@ -239,7 +242,7 @@ def build_shard(
     for lo in range(0, len(rows), batch_size):  # only one batch of file bytes is held at a time
         chunk = rows[lo : lo + batch_size]
         samples += decode_chunk([r["uri"] for r in chunk], spec, max_bytes, max_pixels,
-                                [r["sample_id"] for r in chunk])
+                                [r["sample_id"] for r in chunk], [r.get("uri_bytes") for r in chunk])
     index_of = label_index(classes)
     labels = [index_of.get(r["label"], -1) for r in rows]
     splits = [r["split"] or "" for r in rows]
@@ -280,8 +283,8 @@ def shard_udf():
 
 
 def decode_udf(spec: TransformSpec, batch_size: int, max_bytes: int, max_pixels: int, use_process: bool):
-    """Daft batch UDF: file URIs and their rows' sample ids -> struct{image: the sample's bytes, error: skip
-    reason} (native runner)."""
+    """Daft batch UDF: file URIs, their exact names (``uri_bytes``) and their rows' sample ids ->
+    struct{image: the sample's bytes, error: skip reason} (native runner)."""
     import daft
 
     out_type = daft.DataType.struct(
@@ -289,11 +292,12 @@ def decode_udf(spec: TransformSpec, batch_size: int, max_bytes: int, max_pixels:
     )
 
     @daft.func.batch(return_dtype=out_type, batch_size=batch_size, use_process=use_process)
-    def decode(uris: daft.Series, sample_ids: daft.Series, spec_json: str):
+    def decode(uris: daft.Series, uri_bytes: daft.Series, sample_ids: daft.Series, spec_json: str):
         import pyarrow as pa
 
         s = TransformSpec.from_json(spec_json)
-        out = decode_chunk(uris.to_pylist(), s, max_bytes, max_pixels, sample_ids.to_pylist())
+        out = decode_chunk(uris.to_pylist(), s, max_bytes, max_pixels, sample_ids.to_pylist(),
+                           uri_bytes.to_pylist())
         return pa.StructArray.from_arrays(
             [pa.array([None if isinstance(o, str) else o for o in out], pa.binary(s.sample_bytes)),
              pa.array([o if isinstance(o, str) else None for o in out], pa.string())],

@@ -240,3 +240,96 @@ def test_committed_rows_come_back_in_path_order_a_key_range_at_a_time(tmp_path):
     with pytest.raises(CorruptArtifactError, match="gone.parquet' does not exist"):
         scan.SortedRows([gone]).upto(None)
     assert scan.SortedRows([gone], missing_ok=True).upto(None) is None
+
+
+def test_rows_with_non_text_and_control_character_names_are_read_by_every_reader(tmp_path):
+    """Fails on main: ingest kept such rows, but materialize, the raw loader, the contact sheet and the dedupe pair
+    sheet opened ``uri`` (only the readable form of a name that is not text) and skipped or refused them. Every
+    reader opens a row's file through ``io.open_path``: the cache holds the sample, decoded to the same pixels as
+    a text-named copy; the raw loader's batches equal the cache loader's; both sheets show the pictures."""
+    import numpy as np
+    from dutycycle.engine.cache.materialize import materialize
+    from dutycycle.engine.cache.reader import CacheReader
+    from dutycycle.engine.cache.udf import build_shard
+    from dutycycle.engine.dupes import pair_sheet
+    from dutycycle.engine.inspect import contact_sheet
+    from dutycycle.engine.transform import TransformSpec
+    from dutycycle.loader import AugmentConfig, CacheLoader, LoaderConfig, RawLoader
+    from PIL import PngImagePlugin
+
+    src = os.fsencode(tmp_path / "src")
+    latin1 = _png(src + b"/cat/caf\xe9.png", (200, 30, 30))  # not UTF-8 text: opened by its bytes
+    _png(src + b"/cat/new\nline\x1b[2J.png", (30, 30, 200))  # text, with control characters
+    _png(src + b"/d\xf6g/\xff.png", (30, 200, 30))  # a class folder that is not text either
+    # the same pixels as the Latin-1 file in other bytes (a text chunk): a sample of its own, to compare pixels
+    info = PngImagePlugin.PngInfo()
+    info.add_text("note", "same pixels")
+    os.makedirs(src + b"/dog")
+    Image.new("RGB", (12, 8), (200, 30, 30)).save(os.fsdecode(src + b"/dog/text.png"), "PNG", pnginfo=info)
+    with open(src + b"/dog/same-bytes.png", "wb") as f:  # an exact copy: the dedupe pair sheet shows both
+        f.write(latin1)
+    table, spec = str(tmp_path / "table"), TransformSpec(size=8)
+    ingest(os.fsdecode(src), table, split="1,0,0", progress_every=0)
+    rows = {(r["uri_bytes"] or r["uri"].encode()).rsplit(b"/", 1)[-1]: r for r in read_arrow(table).to_pylist()}
+    assert len(rows) == 5 and not any(r["error"] for r in rows.values())
+
+    result = materialize(table, str(tmp_path / "cache"), spec, runner="native")
+    assert result.manifest.num_samples == 4 and result.manifest.skipped == {"duplicate": 1}  # the exact copy
+    reader = CacheReader(result.uri)
+    ids = list(reader.column(0, "sample_id"))
+    images = dict(zip(ids, reader.images(0), strict=True))
+    assert {rows[n]["sample_id"] for n in (b"caf\xe9.png", b"new\nline\x1b[2J.png", b"\xff.png")} <= set(images)
+    latin1_sample, copy_sample = images[rows[b"caf\xe9.png"]["sample_id"]], images[rows[b"text.png"]["sample_id"]]
+    assert np.array_equal(latin1_sample, copy_sample) and latin1_sample.std() > 0  # the file decoded, not blank
+    # the Ray runner's unit of work (a shard's rows as the plan's structs) opens them the same way
+    mine = [{k: r[k] for k in ("sample_id", "uri", "uri_bytes", "label", "split")} for n, r in rows.items()
+            if n != b"same-bytes.png"]
+    rec = build_shard(str(tmp_path / "ray-shard"), 0, mine, spec, ["cat", "d\\xf6g", "dog"], batch_size=2,
+                      max_bytes=1 << 20, max_pixels=1 << 20)
+    assert rec["shard"]["rows"] == 4 and not rec["skipped"]
+
+    config = LoaderConfig(global_batch_size=2, mode="sync", drop_last=False)
+    cached = CacheLoader(result.uri, "train", config=config)
+    a = cached.config.augment  # normalized by the cache's statistics; the raw path is given them
+    raw = RawLoader(table, spec, "train", config=LoaderConfig(
+        global_batch_size=2, mode="sync", drop_last=False, augment=AugmentConfig(mean=a.mean, std=a.std)))
+    assert raw.fingerprint == cached.fingerprint and len(raw) == len(cached) == 2
+    for a, b in zip(raw, cached, strict=True):  # the raw path read every file, and decoded what the cache holds
+        assert list(a["sample_id"]) == list(b["sample_id"]) and np.array_equal(a["image"], b["image"])
+
+    t = open_table(table)
+    sheet = contact_sheet(t, str(tmp_path / "sheet.html"), limit=8)
+    assert len(sheet) == 5 and all(th.jpeg_b64 and th.problem is None for th in sheet.thumbs)
+    pairs = t.dedupe_stats(max_distance=0, examples=2)
+    assert [(e["kept"].rsplit("/", 1)[-1], e["removed"].rsplit("/", 1)[-1]) for e in pairs.examples
+            if e["distance"] is None] == [("caf\\xe9.png", "same-bytes.png")]
+    assert pair_sheet(t, pairs, str(tmp_path / "pairs.png"), size=32).pairs >= 1
+    png = np.asarray(Image.open(tmp_path / "pairs.png").convert("RGB")).astype(float)
+    for x in (8, 8 + 32 + 8):  # kept, removed: each tile shows the red picture, not a grey "unreadable" cell
+        middle = png[24 + 13:24 + 19, x + 11:x + 21].mean(axis=(0, 1))  # inside the 12x8 picture, centred
+        assert np.abs(middle - (200, 30, 30)).max() < 8, middle  # (JPEG's error on a flat colour: a few levels)
+
+
+def test_a_row_whose_exact_bytes_lie_outside_the_roots_is_not_read(tmp_path):
+    """A crafted table: ``uri`` inside the source root, ``uri_bytes`` naming a file outside it. The roots check
+    looks at the path a reader opens (``io.open_path``), so materialize, the raw loader and the sheet refuse it."""
+    from dutycycle.engine.cache.materialize import materialize, plan_rows
+    from dutycycle.engine.inspect import thumbnail_grid
+    from dutycycle.engine.roots import OUTSIDE_ROOTS
+    from dutycycle.engine.transform import TransformSpec
+
+    from ..support.tablemaker import add_file, write_table
+
+    src = str(tmp_path / "src")
+    inside = add_file(src, "cat/a.png", _png(str(tmp_path / "a.png"), (1, 2, 3)), "cat")
+    secret = _png(str(tmp_path / "secret.png"), (9, 9, 9))  # outside the root
+    crafted = add_file(src, "cat/b.png", secret, "cat")
+    os.unlink(crafted["uri"])
+    crafted["uri_bytes"] = os.fsencode(tmp_path / "secret.png")
+    table = write_table(str(tmp_path / "table"), [inside, crafted], roots=[src])
+    spec = TransformSpec(size=8)
+    plan = plan_rows(table, spec)
+    assert plan.outside == 1 and plan.paths == [inside["uri"]]
+    assert materialize(table, str(tmp_path / "cache"), spec, runner="native").manifest.skipped == {"outside_roots": 1}
+    grid = thumbnail_grid(open_table(table), limit=4)
+    assert sorted(th.problem or "read" for th in grid.thumbs) == sorted([OUTSIDE_ROOTS, "read"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -377,3 +378,14 @@ def test_predict_a_table_writes_parquet_beside_its_rows(run, tmp_path, capsys):
     assert "is not a valid filter" in capsys.readouterr().err
     assert main(["predict", str(run["run"]), run["table"], "new.png", "--out", str(out)]) == 2
     assert "one table at a time" in capsys.readouterr().err
+    # a file whose name is not UTF-8 text is read by its exact bytes (``uri_bytes``), as its text-named copy is
+    data = Path(ref["rows"][ref["ids"][0]]["uri"]).read_bytes()
+    names = Path(tmp_path / "names" / "star")
+    names.mkdir(parents=True)
+    for name in (b"caf\xe9.png", b"cafe.png"):
+        (names / os.fsdecode(name)).write_bytes(data)
+    ingest(str(tmp_path / "names"), str(tmp_path / "names_table"), progress_every=0)
+    assert main(["predict", str(run["run"]), str(tmp_path / "names_table"), "--out", str(out)]) == 0
+    a, b = sorted(pq.read_table(out).to_pylist(), key=lambda r: r["uri"])  # ("\\" sorts before "e")
+    assert a["uri"].endswith("/caf\\xe9.png") and a["error"] is None and b["error"] is None
+    assert (a["top_labels"], a["top_probs"]) == (b["top_labels"], b["top_probs"])

@@ -175,7 +175,7 @@ def _from_table(table: str, split: str, info, batch_size: int, cache: tuple | No
     if unknown:
         skipped["unknown_class"] = sum(unknown.values())
     keep = np.flatnonzero(labels >= 0)
-    uris, ids, labels = [plan.uris[i] for i in keep], [plan.sample_ids[i] for i in keep], labels[keep]
+    uris, ids, labels = [plan.paths[i] for i in keep], [plan.sample_ids[i] for i in keep], labels[keep]
     aug, roots = augment_for(info.normalize), RootCheck(plan.roots)
     out = Split(split, "table", rows, {"table": table, "table_version": tm.version, "spec": spec.to_dict()},
                 lambda: iter(()), skipped)

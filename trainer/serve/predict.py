@@ -206,7 +206,8 @@ def predict_table(run: str, table: str, out: str, *, where: str | None = None, t
                               "the table's columns, e.g. \"split = 'test'\"") from e
     roots = table_roots(t.manifest, allowed_roots)
     udf = _predictor(run, k, batch_size, trust_plugin, roots)
-    result = df.select("sample_id", "uri", "label", "split", udf(daft.col("uri")).alias("p")).select(
+    predicted = udf(daft.col("uri"), daft.col("uri_bytes")).alias("p")
+    result = df.select("sample_id", "uri", "label", "split", predicted).select(
         "sample_id", "uri", "label", "split", daft.col("p").unnest()).to_arrow()
     schema = output_schema()
     arrow = pa.Table.from_arrays([result.column(f.name).cast(f.type) for f in schema], schema=schema)
@@ -245,7 +246,8 @@ def shared_model(run: str, trust_plugin: bool) -> TrainedModel:
 
 
 def _predictor(run: str, k: int, batch_size: int, trust_plugin: bool, roots: list[str]):
-    """A Daft class UDF: the model loaded once per worker, each call a batch of URIs -> prediction structs."""
+    """A Daft class UDF: the model loaded once per worker, each call a batch of rows (uri, uri_bytes) ->
+    prediction structs."""
     import daft
 
     fields = output_schema()
@@ -260,8 +262,10 @@ def _predictor(run: str, k: int, batch_size: int, trust_plugin: bool, roots: lis
             self.roots = RootCheck(roots)
 
         @daft.method.batch(return_dtype=daft.DataType.from_arrow_type(struct), batch_size=batch_size)
-        def __call__(self, uris):
-            rows = classify(self.model, uris.to_pylist(), k, batch_size, self.roots)
+        def __call__(self, uris, uri_bytes):
+            # a name that is not text is opened by its exact bytes (``uri`` is its readable form)
+            paths = [io.open_path(u, b) for u, b in zip(uris.to_pylist(), uri_bytes.to_pylist(), strict=True)]
+            rows = classify(self.model, paths, k, batch_size, self.roots)
             return pa.array([{"prediction": r.labels[0] if r.labels else None,
                               "probability": r.probabilities[0] if r.labels else None,
                               "top_labels": list(r.labels) if r.error is None else None,

@@ -93,18 +93,7 @@ def cmd_inspect(args) -> int:
         raise ConfigError(f"--limit {args.limit} must be >= 0")
     if args.size < 8:
         raise ConfigError(f"--size {args.size} is too small; use at least 8 pixels, e.g. 128")
-    table = open_table(args.table, runner=args.runner, ray_address=args.ray_address)
-    if args.where:
-        try:
-            table = table.where(args.where)
-            table.df.limit(1).collect()  # surface a bad expression here, as one line
-        except Exception as e:
-            if isinstance(e, (ConfigError, OSError)):  # storage errors are not a bad filter
-                raise
-            raise ConfigError(
-                f"--where {args.where!r} is not a valid filter ({str(e).splitlines()[0]}); "
-                "write SQL over the table's columns, e.g. \"label = 'star'\""
-            ) from e
+    table = _filtered(open_table(args.table, runner=args.runner, ray_address=args.ray_address), args.where)
     s = table.stats()
     text = format_stats(s)
     out = args.html or io.join(args.table, "contact_sheet.html")
@@ -126,13 +115,13 @@ def _filtered(table, where: str | None):
         return table
     try:
         table = table.where(where)
-        table.df.limit(1).collect()
+        table.df.limit(1).collect()  # surface a bad expression here, as one line
     except Exception as e:
         if isinstance(e, (ConfigError, OSError)):  # storage errors are not a bad filter
             raise
         raise ConfigError(
             f"--where {where!r} is not a valid filter ({str(e).splitlines()[0]}); "
-            "write SQL over the table's columns, e.g. \"error IS NULL\""
+            "write SQL over the table's columns, e.g. \"label = 'star'\""
         ) from e
     return table
 

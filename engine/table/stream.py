@@ -152,10 +152,16 @@ class PartWriter:
         except OSError as e:
             raise self._failed(e) from e
         if self._open[3] >= ROWS_PER_FILE:
-            self.close()
+            self._close_open()  # kept in ``files`` until the caller's next ``close`` hands them over
 
     def close(self) -> list[str]:
-        """Close the open file (durable once this returns); the files closed since the last call."""
+        """Close the open file (durable once this returns); the files closed since the last call, those that
+        ``write`` closed on reaching ``ROWS_PER_FILE`` included."""
+        self._close_open()
+        done, self.files = self.files, []
+        return done
+
+    def _close_open(self) -> None:
         if self._open is not None:
             rel, f, writer, _ = self._open
             self._open = None
@@ -170,8 +176,6 @@ class PartWriter:
             except OSError as e:
                 raise self._failed(e) from e
             self.files.append(rel)
-        done, self.files = self.files, []
-        return done
 
     def _failed(self, e: OSError) -> Exception:
         return io.no_space(e, io.join(self.table, self.folder)) or DestinationError(

@@ -17,6 +17,7 @@ from dutycycle.engine.errors import ConfigError
 from dutycycle.engine.synth import synthesize
 from dutycycle.engine.table import commit as table_commit
 from dutycycle.engine.table import format as tf
+from dutycycle.engine.table import stream
 from dutycycle.engine.table.catalog import assign_split, ingest, parse_split
 from dutycycle.engine.table.table import open_table, read_arrow
 from dutycycle.engine.table.vacuum import vacuum
@@ -106,12 +107,23 @@ def test_no_phash_and_progress_lines(src, tmp_path, capsys):
     assert sum(s["errors"].values()) == 5
 
 
-def test_reingest_sees_new_modified_and_deleted_files(src, tmp_path):
+@pytest.mark.parametrize("rows_per_file", [None, 7], ids=["one-file", "many-files"])
+def test_reingest_sees_new_modified_and_deleted_files(src, tmp_path, monkeypatch, rows_per_file):
+    """With ``many-files``, ingest writes a data file every 7 rows from listing batches of 5 files (as at 200,000
+    rows and 10,000 files by default): every file it closed on the way must be in the manifest (a 1M-file ingest
+    once committed none of them and its re-ingest then saw every file as new)."""
+    batch = {}
+    if rows_per_file:
+        monkeypatch.setattr(stream, "ROWS_PER_FILE", rows_per_file)
+        batch = {"batch_files": 5}
     work = tmp_path / "src"
     shutil.copytree(src, work)
     uri = str(tmp_path / "table")
-    first = ingest(str(work), uri, progress_every=0)
+    first = ingest(str(work), uri, progress_every=0, **batch)
     m1 = tf.read_manifest(uri)
+    # a file closes once it holds 7 rows or more: two batches of 5, so 48 rows make 5 files
+    assert len(m1.files) == (1 if rows_per_file is None else 5)
+    assert read_arrow(uri).num_rows == m1.num_rows == first["rows"] == 48
     old_bytes = {f: open(os.path.join(uri, f), "rb").read() for f in m1.files}
     before = {r["uri"]: r for r in read_arrow(uri).to_pylist()}
     jpegs = [p for p in _files(work) if p.endswith(".jpg") and before[p]["error"] is None]
@@ -134,7 +146,7 @@ def test_reingest_sees_new_modified_and_deleted_files(src, tmp_path):
         dest = work / os.path.relpath(p, tmp_path / "more")
         shutil.copy(p, dest.with_name("new_" + dest.name))
 
-    second = ingest(str(work), uri, progress_every=0)
+    second = ingest(str(work), uri, progress_every=0, **batch)
     assert second["committed"] and second["version"] == 2
     assert (second["new_rows"], second["modified"], second["deleted"], second["unchanged"]) == (14, 2, 1, 45)
     rows = {r["uri"]: r for r in read_arrow(uri).to_pylist()}
@@ -150,7 +162,7 @@ def test_reingest_sees_new_modified_and_deleted_files(src, tmp_path):
     v1 = tf.read_manifest(uri, 1)
     assert v1.files == m1.files and read_arrow(uri, v1).num_rows == first["rows"]
 
-    third = ingest(str(work), uri, progress_every=0)
+    third = ingest(str(work), uri, progress_every=0, **batch)
     assert not third["committed"] and third["new_rows"] == 0 and tf.read_manifest(uri).version == 2
     with pytest.raises(ConfigError, match="differs from the table"):
         ingest(str(work), uri, split="0.5,0.25,0.25", progress_every=0)
@@ -216,6 +228,7 @@ CONCURRENT_CHILD = """
 import json, os, sys, time
 from dutycycle.engine.table import commit as table_commit
 from dutycycle.engine.table import format as tf
+from dutycycle.engine.table import stream
 from dutycycle.engine.table import probe
 from dutycycle.engine.table.catalog import ingest
 

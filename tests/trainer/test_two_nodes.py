@@ -98,13 +98,21 @@ def runs(tmp_path_factory):
     make_cache(cache, SAMPLES, shape=(8, 8, 3), shards=SHARDS, splits={"train": 0.75, "val": 0.25})
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", DAFT_ANALYTICS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, cache, str(tmp), json.dumps(_settings(cache))],
-                          capture_output=True, text=True, timeout=600, env=env)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-5000:]
-    out = json.loads(line[0][len("RESULT "):])
-    out["one"] = run_distributed(_one_node, 4, cache, str(tmp / "one"), timeout=300)[0]
-    return cache, out
+    # its output to files: a pipe nobody reads while the one-node run goes on could fill and stall it
+    with open(tmp / "ray.out", "w") as out, open(tmp / "ray.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", SCRIPT, cache, str(tmp), json.dumps(_settings(cache))],
+                                stdout=out, stderr=err, text=True, env=env)
+    try:  # the one-node run while the cluster starts (its raylets and Ray Train's group mostly wait meanwhile)
+        one = run_distributed(_one_node, 4, cache, str(tmp / "one"), timeout=300)[0]
+    finally:  # the script shuts its cluster down itself: let it, whatever happened here
+        try:
+            proc.wait(timeout=600)
+        finally:
+            proc.kill()
+    stdout, stderr = (tmp / "ray.out").read_text(), (tmp / "ray.err").read_text()
+    line = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, stdout[-3000:] + stderr[-5000:]
+    return cache, {**json.loads(line[0][len("RESULT "):]), "one": one}
 
 
 def partition_shards(cache: str) -> list[set[int]]:

@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -129,32 +128,23 @@ def test_a_users_digits_and_model_from_folders_to_a_model_in_a_fresh_process(tmp
     assert any(ln.startswith("start-up: ") and "from launch to the first step" in ln for ln in lines)
     assert summary["startup"]["ray_reused"] is False and summary["startup"]["seconds"]["ray_start"] > 0
 
-    # with the run trained, four commands that each read it and write apart, run side by side (each mostly starts
-    # Python and torch: one after the other they kept one of the two cores idle): a second train into the same run
-    # directory, evaluate on the held-out test split, predict new files, export
-    new = [str(p.relative_to(work)) for p in digits["test"][:24]]
-    with ThreadPoolExecutor(4) as pool:
-        again = pool.submit(run, DUTYCYCLE, "train", "digits.toml", cwd=work, ok=False)
-        commands = [pool.submit(run, DUTYCYCLE, "evaluate", "runs/digits", "--split", "test", cwd=work),
-                    pool.submit(run, DUTYCYCLE, "predict", "runs/digits", *new, "--top-k", "3", "--out", "preds.csv",
-                                "--trust-plugin", cwd=work),
-                    pool.submit(run, DUTYCYCLE, "export", "runs/digits", "--trust-plugin", cwd=work)]
-    for done in commands:
-        done.result()  # each exited 0 (run asserts it)
-
-    # the second train is refused, naming the ways on
-    again = again.result()
+    # a second train into the same run directory is refused, naming the ways on
+    again = run(DUTYCYCLE, "train", "digits.toml", cwd=work, ok=False)
     assert again.returncode == 2 and "--resume" in again.stderr and "--overwrite" in again.stderr
 
-    # the evaluation: decoded from the table with the cache's transform
+    # evaluate on the held-out test split: decoded from the table with the cache's transform
+    run(DUTYCYCLE, "evaluate", "runs/digits", "--split", "test", cwd=work)
     evaluation = json.loads((work / "runs" / "digits" / "evaluation" / "test.json").read_text())
     assert evaluation["samples"] == len(digits["test"])
     assert evaluation["accuracy"] >= 0.85, evaluation["accuracy"]
 
-    # the predictions, the export, and the model loaded in a fresh process
+    # predict new files, export, and load the model in a fresh process
+    new = [str(p.relative_to(work)) for p in digits["test"][:24]]
+    run(DUTYCYCLE, "predict", "runs/digits", *new, "--top-k", "3", "--out", "preds.csv", "--trust-plugin", cwd=work)
     with open(work / "preds.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["path"] for r in rows] == new and not any(r["error"] for r in rows)
+    run(DUTYCYCLE, "export", "runs/digits", "--trust-plugin", cwd=work)
     assert (work / "runs" / "digits" / "export" / "model.pt2").exists()
     fresh = run(sys.executable, "-c", textwrap.dedent(f"""
         import json, dutycycle

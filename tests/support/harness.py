@@ -39,7 +39,9 @@ def _dist_entry(rank, world_size, port, fn, args, result_dir):
 # 35 sets of ranks. A rank is still a fresh process (forked from the server, never from pytest, which may hold
 # Ray and threads), started with the caller's environment as it is at the call (``_entry``).
 PRELOAD = ["torch", "torch.distributed", "dutycycle.trainer.step.trainer", "dutycycle.trainer.parallel.apply",
-           "dutycycle.trainer.checkpoint.checkpointer"]
+           "dutycycle.trainer.checkpoint.checkpointer",
+           # FSDP2's first step imports these (0.6 s of CPU per rank); they start no thread
+           "torch._dynamo", "torch._functorch.aot_autograd"]
 
 
 def _context():

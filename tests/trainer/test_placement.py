@@ -57,8 +57,9 @@ SCRIPT = textwrap.dedent(
         # three workers in zone b: PACK puts two on b2 and one on b1, an uneven placement
         stage3 = ["parallel.zero_stage=3", "checkpoint.every=1", "checkpoint.keep=2"]
         out["uneven"] = run(run_root, nodes, "b", "uneven", 3, [*stage3, "checkpoint.shared_fs=true"])
+        # refused by the launch on this placement; hpZ's refusal on it is checked in the test's own process (a
+        # second refused launch cost as much as a run)
         out["local_checkpoints"] = run(run_root, nodes, "b", "local", 3, stage3)
-        out["hpz"] = run(run_root, nodes, "b", "hpz", 3, [*stage3, "checkpoint.shared_fs=true", "parallel.hpz=true"])
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -118,9 +119,27 @@ def test_an_uneven_placement_is_observed_and_accounted(placed):
 
 @pytest.mark.slow
 @pytest.mark.timeout(660)
-def test_what_an_uneven_placement_cannot_do_is_refused_before_training(placed):
+def test_what_an_uneven_placement_cannot_do_is_refused_before_training(placed, tmp_path):
+    """Node-local checkpoints are refused by the launch on the 2 + 1 placement (the error reaches the caller as
+    the ConfigError it is); hpZ is refused by the Trainer of each rank, given the node labels the ranks of the
+    uneven run reported (what the Ray worker hands it: launch/worker.py), before it reads data or writes a file."""
+    from dutycycle.engine.errors import ConfigError
+    from dutycycle.trainer.config import load_config
+    from dutycycle.trainer.step.trainer import Trainer, WorkerContext
+
     local = placed["local_checkpoints"]["error"]
     assert "ConfigError" in local and "is a local path and the workers run on 2 nodes" in local, local
     assert "checkpoint.shared_fs = true" in local
-    hpz = placed["hpz"]["error"]
-    assert "parallel.hpz = true cannot run on this placement" in hpz and "ranks" in hpz, hpz
+    labels = placed["uneven"]["node_ids"]
+    assert len(set(labels)) == 2, labels  # the observed 2 + 1 placement
+    run_dir = tmp_path / "hpz"
+    cfg = load_config(None, ["data.source=synthetic", "data.size=16", "data.synthetic_samples=96",
+                             "data.global_batch_size=24", "model.width=8", "run.max_steps=3", "run.report=false",
+                             "parallel.num_workers=3", "parallel.zero_stage=3", "parallel.hpz=true",
+                             "checkpoint.every=1", "checkpoint.keep=2", "checkpoint.shared_fs=true",
+                             f"run.dir={run_dir}"])
+    for rank in range(3):
+        with pytest.raises(ConfigError, match=r"parallel.hpz = true cannot run on this placement") as e:
+            Trainer(cfg, WorkerContext(rank=rank, world_size=3, run_dir=str(run_dir), node_labels=labels))
+        assert "ranks" in str(e.value), str(e.value)
+    assert not run_dir.exists() or not any(run_dir.iterdir())  # nothing written: refused before training

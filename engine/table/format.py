@@ -134,6 +134,12 @@ class TableManifest:
         fix = "ingest the source again"
         formats.check(d, where)
         body = sealed.unseal(d, where, fix)
+        # a manifest committed before versions chained has no ``previous_sha256``: read as unchained (its version
+        # is still checked against its file name), so tables written then stay readable and the next commit chains
+        # to it; every manifest committed since records the field
+        unchained = "previous_sha256" not in body and isinstance(body.get("version"), int) and body["version"] > 1
+        if unchained:
+            body = {**body, "previous_sha256": None}
         missing = [f.name for f in fields(cls) if f.name not in body]
         if missing:
             raise CorruptArtifactError(f"{where} is missing {', '.join(f'`{m}`' for m in missing)}; {fix}")
@@ -152,7 +158,8 @@ class TableManifest:
         if body["version"] < 1:
             raise CorruptArtifactError(f"{where}: `version` is {body['version']}; versions count from 1; {fix}")
         previous = body["previous_sha256"]
-        if (previous is None) != (body["version"] == 1) or not (previous is None or _is_sha256(previous)):
+        chained_right = (previous is None) == (body["version"] == 1) or unchained
+        if not chained_right or not (previous is None or _is_sha256(previous)):
             raise CorruptArtifactError(
                 f"{where}: `previous_sha256` is {previous!r} at version {body['version']}: version 1 has none and "
                 f"every later version the sha256 of the version before it; {fix}"
@@ -412,6 +419,8 @@ def check_chain(table_uri: str, manifest: TableManifest, previous_sha256: str | 
     """Refuse ``manifest`` unless it records ``previous_sha256``, the digest of the version before it as it
     is on disk now (None: that manifest was expired, nothing to check against)."""
     if previous_sha256 is None or manifest.previous_sha256 == previous_sha256:
+        return
+    if manifest.previous_sha256 is None and manifest.version > 1:  # committed before versions chained
         return
     v = manifest.version
     raise CorruptArtifactError(

@@ -108,6 +108,15 @@ def test_a_manifest_from_another_table_breaks_the_chain(tmp_path):
     open(os.path.join(a, tf.manifest_path(3)), "w").write(json.dumps(sealed.seal(d)))
     with pytest.raises(CorruptArtifactError, match="`previous_sha256` is None at version 3"):
         tf.read_manifest(a)
+    # A manifest committed before versions chained has no such field: read (unchained), and the next commit chains
+    # to it, so tables written then stay readable and writable.
+    del d["previous_sha256"]
+    open(os.path.join(a, tf.manifest_path(3)), "w").write(json.dumps(sealed.seal(d)))
+    assert tf.read_manifest(a).version == 3 and tf.read_manifest(a).previous_sha256 is None
+    a4 = tf.TableManifest(version=4, files=tf.read_manifest(a).files, num_rows=6, classes=["a"])
+    tf.commit(a, a4)
+    sha3 = json.loads(open(os.path.join(a, tf.manifest_path(3))).read())["manifest_sha256"]
+    assert tf.read_manifest(a).version == 4 and tf.read_manifest(a).previous_sha256 == sha3
 
     # A damaged manifest before the newest leaves the chain unchecked: refused, saying how to go on.
     first = os.path.join(b, tf.manifest_path(1))

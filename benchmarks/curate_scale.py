@@ -379,6 +379,17 @@ def render(d: dict) -> str:
         lines.append(f"Near-dedupe recall against exhaustive comparison on the largest table: {recall:.3f}{found}.")
     else:
         lines.append("Near-dedupe recall: not measured in this run.")
+    ing = d.get("ingest")
+    if ing and "error" not in ing["rows"]["ingest"]:
+        r, tenth = ing["rows"]["ingest"], ing["rows"]["ingest_tenth"]
+        lines.append(f"Ingest of {fmt.count(ing['files'])} tiny files (`benchmarks/ingest_scale.py`, the listing "
+                     f"streamed): the driver grew by {fmt.mib(r['driver_growth_bytes'] / 2**20)}, "
+                     f"{r['bytes_per_file']:.1f} bytes per file against a target of {ing['target_bytes_per_file']:.1f} "
+                     f"({fmt.count(tenth['files'])} files: {fmt.mib(tenth['driver_growth_bytes'] / 2**20)}, so "
+                     f"{ing['growth_ratio_vs_tenth']:.2f}x for ten times the files), at "
+                     f"{fmt.count(round(r['files_per_s']))} files/s; re-ingesting with "
+                     f"{fmt.count(r['reingest']['modified'])} files changed grew it by "
+                     f"{fmt.mib(r['reingest']['driver_growth_bytes'] / 2**20)}.")
     return "\n\n".join([fmt.table(headers, out), fmt.para(" ".join(lines)), fmt.source("curate_scale")])
 
 

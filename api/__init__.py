@@ -28,6 +28,8 @@ _LAZY = {
     "TorchDataset": "dutycycle.loader.torch_data",
     "TorchDataLoader": "dutycycle.loader.torch_data",
     "evaluate": "dutycycle.trainer.serve.evaluate",
+    "trace": "dutycycle.trainer.trace.trace",
+    "sample_losses": "dutycycle.trainer.trace.trace",
 }
 
 __all__ = list(_LAZY)

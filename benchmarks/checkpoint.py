@@ -21,6 +21,15 @@ synthetic batches:
   ranks start through benchmarks/throttle.py, which registers the protocol and then runs the same launcher module;
 - ``recovery``: an asynchronous run whose whole process group is SIGKILLed after its first commit (a lost node),
   then started again with the same command plus ``--resume``: the wall time from the kill to the first step after the resume.
+- ``peer`` (``--rows peer`` alone merges into the results file): peer memory against storage after a lost node, on
+  a local Ray cluster (``ray.cluster_utils.Cluster``: the driver and Ray Train's controller on the head, one
+  1-CPU node per rank and a spare), through ``dutycycle train`` with ``ray.max_failures = 1``. Two runs, the same
+  model and the same kill: ``storage`` (``checkpoint.every = --every``, no peer memory) and ``memory`` (the same,
+  plus ``checkpoint.memory_every = --memory-every``). Once step ``--peer-kill-step`` is trained, the node of rank
+  1 is removed (its worker and its store die); Ray Train restarts the group on the survivor and the spare. Each
+  run reports where it resumed from (memory or storage, which step), the steps redone, the restore (find, fetch
+  or read, verify, load) and the time from the node's removal to the first step trained after the restore, and
+  what the memory copies cost while training (per copy: the snapshot into memory and the hand-over).
 
 Stall per save is the loop's "checkpoint" phase (the slowest rank's total) divided by the saves: everything the
 step waited for on account of checkpoints. Write throughput is the bytes of all ranks' files divided by the wall
@@ -71,7 +80,8 @@ if __name__ == "__main__":  # run as `python benchmarks/checkpoint.py`: the sibl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import docs_format as fmt  # noqa: E402
-from benchmarks._common import default_out, kill_tree, machine, write_result  # noqa: E402
+from benchmarks._common import default_out, kill_tree, machine, read_result, write_result  # noqa: E402
+from benchmarks.checkpoint_peer import peer_rows, render_peer  # noqa: E402
 from benchmarks.throttle import RATE_ENV, STATE_ENV  # noqa: E402
 
 ROWS = ("none", "sync", "async", "sync-throttled", "async-throttled")
@@ -144,7 +154,7 @@ def metrics(run_dir: Path) -> list[dict]:
 def run_row(mode: str, args, workdir: Path) -> dict:
     run_dir = workdir / mode
     config = write_config(workdir / f"{mode}.toml", run_dir, args, mode)
-    settle()
+    settle(args.quick)
     t0 = time.perf_counter()
     cpu0 = _children_cpu_s()
     proc = launch(config, args, workdir / f"{mode}.throttle" if throttled(mode) else None)
@@ -182,12 +192,14 @@ def run_row(mode: str, args, workdir: Path) -> dict:
     }
 
 
-def settle() -> None:
+def settle(quick: bool = False) -> None:
     """Flush the page cache's dirty pages before a row starts: a local-disk row leaves GBs of checkpoints to be
     written back, and the kernel's writeback then took CPU from whichever row ran next (async-throttled, run after
-    them, measured 38-59 s of loop wall from one invocation to the next)."""
+    them, measured 38-59 s of loop wall from one invocation to the next). ``--quick``'s saves are about a MB and
+    its figures are not read: no second's wait for the writeback to end."""
     os.sync()
-    time.sleep(1.0)
+    if not quick:
+        time.sleep(1.0)
 
 
 def _children_cpu_s() -> float:
@@ -316,7 +328,15 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--stage", type=int, default=3, help="ZeRO stage")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--skip", type=int, default=1, help="first steps left out of the step-time medians")
-    p.add_argument("--rows", nargs="+", default=[*ROWS, "recovery"], choices=[*ROWS, "recovery"])
+    p.add_argument("--rows", nargs="+", default=[*ROWS, "recovery", "peer"], choices=[*ROWS, "recovery", "peer"],
+                   help="which rows; `peer` alone is merged into the results file's other rows")
+    p.add_argument("--memory-every", type=int, default=1, help="checkpoint.memory_every of the peer rows")
+    p.add_argument("--peer-slow-ms", type=float, default=None,
+                   help="data.slow_ms of the peer rows: --quick's steps (0.1 s) would end the run before the node "
+                        "is removed (default 0; --quick: 150)")
+    p.add_argument("--peer-kill-step", type=int, default=None,
+                   help="the peer rows lose a node once this step is trained (default: --every + --every // 2 + 1, "
+                        "past a commit and mid-way to the next)")
     p.add_argument("--throttle-mb-s", type=float, default=None,
                    help="write bandwidth of the throttled rows' storage, 10^6 bytes/s for all ranks together "
                         "(default 200; --quick: 10, which adds ~0.1 s to each of its ~0.9 MB saves)")
@@ -333,12 +353,19 @@ def parse_args(argv: list[str] | None = None):
     if args.quick:
         args.width, args.depth, args.heads, args.size, args.batch, args.steps, args.every = 32, 2, 2, 8, 4, 8, 3
     args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.peer_slow_ms is None:
+        args.peer_slow_ms = 150.0 if args.quick else 0.0
+    if args.peer_kill_step is None:
+        args.peer_kill_step = args.every + args.every // 2 + 1
     if args.throttle_mb_s is None:
         args.throttle_mb_s = 10.0 if args.quick else 200.0
     return args
 
 
 def run(args) -> dict:
+    if args.rows == ["peer"]:  # the peer rows alone, beside the other rows already measured
+        with tempfile.TemporaryDirectory() as d:
+            return {**read_result(args.out), "peer": peer_rows(args, Path(d))}
     rounds = []
     with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory(
             prefix="dc-throttled-", dir=args.throttle_backing or None) as throttle_root:
@@ -366,7 +393,9 @@ def run(args) -> dict:
             print("recovery: " + ("error\n" + r["error"] if "error" in r else
                                   f"{r['recovery_s']:.1f} s from the kill to the first resumed step "
                                   f"(restore {r['restore_s']:.2f} s, {r['steps_lost']} steps lost)"), flush=True)
+        peer = peer_rows(args, Path(d)) if "peer" in args.rows else read_result(args.out).get("peer")
     return {
+        **({"peer": peer} if peer else {}),
         "benchmark": "checkpoint",
         "machine": machine(),
         "settings": vars(args), "rows": rows, "ratios": compute_ratios(rows),
@@ -481,16 +510,20 @@ def render(d: dict) -> str:
         ["find, verify and load the checkpoint", fmt.secs(rec["restore_s"])],
         ["from the kill to the first resumed step", fmt.secs(rec["recovery_s"])],
     ])
-    return "\n\n".join([fmt.para(caption), fmt.table(headers, body), fmt.table(["measured", "value"], facts), recovery,
-                        fmt.source("checkpoint")])
+    blocks = [fmt.para(caption), fmt.table(headers, body), fmt.table(["measured", "value"], facts), recovery]
+    if d.get("peer"):
+        blocks += render_peer(d["peer"])
+    return "\n\n".join([*blocks, fmt.source("checkpoint")])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     write_result(args.out, result, ("ratios",))
-    print(table(result["rows"]))
-    return 1 if any("error" in r for r in result["rows"]) else 0
+    print(table(result.get("rows", [])))
+    if result.get("peer"):
+        print(json.dumps(result["peer"]["ratios"]))
+    return 1 if any("error" in r for r in result.get("rows", []) + (result.get("peer") or {}).get("rows", [])) else 0
 
 
 if __name__ == "__main__":

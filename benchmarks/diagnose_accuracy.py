@@ -18,8 +18,9 @@ The injections (each documented as fault injection in the config, or a measureme
 
 Every run is one worker, in this process (no Ray: a diagnosis in about 20 s), with only the experiments the
 verdict needs for that cause. A baseline diagnosis first measures the step time, the checkpoint's bytes and
-stall, the model state and the failure costs the strengths are set from. Where the verdict names a remedy with a
-prediction, ``--verify`` runs it and the run records measured against predicted.
+stall, the model state and the failure costs the strengths are set from (only what the chosen ``--causes``
+read: every cause's step time, the rest for checkpoint, memory and failures). Where the verdict names a remedy
+with a prediction, ``--verify`` runs it and the run records measured against predicted.
 
 Writes ``benchmarks/results/diagnose_accuracy.json``: per case the strength, the expected share, per run the
 kind, the measured share and (verified) the prediction's ratio; per case the hits out of the runs and the largest
@@ -70,24 +71,36 @@ def diagnose_once(config: str, overrides: list[str], out: Path, only: list[str],
     return d
 
 
-def baseline(config: str, common: list[str], tmp: Path, budget_s: float) -> dict:
-    d = diagnose_once(config, common, tmp / "baseline", ["compute", "loader", "end_to_end", "checkpoint", "memory",
-                                                         "failures"], budget_s * 2)
+# what each cause's cases read from the baseline beyond its step, its verdict and the table (BASE_ONLY measures
+# those): a run of some causes measures only what they read (the baseline of all of them runs all six)
+BASELINE_READS = {"checkpoint": ["checkpoint"], "memory": ["memory"], "failures": ["failures"]}
+
+
+def baseline(config: str, common: list[str], tmp: Path, budget_s: float,
+             causes: frozenset[str] | set[str] = frozenset(KIND)) -> dict:
+    extra = {e for c in causes for e in BASELINE_READS.get(c, [])}
+    only = [k for k in ["compute", "loader", "end_to_end", "checkpoint", "memory", "failures"]
+            if k in BASE_ONLY or k in extra]
+    d = diagnose_once(config, common, tmp / "baseline", only, budget_s * 2)
     f = d["findings"]
     failed = {k: v["error"] for k, v in f.items() if isinstance(v, dict) and "error" in v}
     if failed:  # every figure below is read from these experiments: name what stopped them
         raise RuntimeError(f"the baseline diagnosis's experiments failed: {failed} (raise --budget-s on a busy machine)")
     run = f["end_to_end"][f["end_to_end"]["configured"]]
-    sync = f["checkpoint"]["sync"]
     from dutycycle.trainer.config import load_config
     from dutycycle.trainer.diagnose.experiments import table_of
 
-    return {"step_s": run["step_s"], "kind": d["verdict"]["kind"], "shares": d["verdict"]["shares"],
-            "table": table_of(load_config(config, common)),
-            "save_bytes": sync["summary"]["checkpoint"]["bytes_per_save"],
-            "sync_stall_s": sync["stall_s_per_save"], "state_bytes": f["memory"]["configured"]["device_bytes"],
-            "failure_costs": f["failures"]["costs"], "failure_job_steps": f["failures"]["job_steps"],
-            "wall_s": d["wall_s"]}
+    base = {"step_s": run["step_s"], "kind": d["verdict"]["kind"], "shares": d["verdict"]["shares"],
+            "table": table_of(load_config(config, common)), "experiments": only, "wall_s": d["wall_s"]}
+    if "checkpoint" in only:
+        sync = f["checkpoint"]["sync"]
+        base.update(save_bytes=sync["summary"]["checkpoint"]["bytes_per_save"],
+                    sync_stall_s=sync["stall_s_per_save"])
+    if "memory" in only:
+        base["state_bytes"] = f["memory"]["configured"]["device_bytes"]
+    if "failures" in only:
+        base.update(failure_costs=f["failures"]["costs"], failure_job_steps=f["failures"]["job_steps"])
+    return base
 
 
 def failure_rate_for(share: float, base: dict) -> float:
@@ -101,8 +114,9 @@ def failure_rate_for(share: float, base: dict) -> float:
     return fm.rate_for_share(share, costs, 1, 2, base["failure_job_steps"])
 
 
-def cases(base: dict, tmp: Path) -> list[dict]:
-    """Each cause at two strengths: the settings, and the share the injection fixes (None where it does not)."""
+def cases(base: dict, tmp: Path, wanted: frozenset[str] | set[str] = frozenset(KIND)) -> list[dict]:
+    """Each cause in ``wanted`` at two strengths: the settings, and the share the injection fixes (None where it
+    does not). A cause not wanted is not built: the baseline may not have measured what it reads."""
     c = base["step_s"]
     out = []
     for k in (2.0, 4.0):
@@ -117,22 +131,22 @@ def cases(base: dict, tmp: Path) -> list[dict]:
         out.append({"cause": "comm", "strength": f"exchange delay {k:g}x the step",
                     "set": [f"parallel.inject_comm_ms={k * c * 1e3:.0f}"], "expected_share": k / (1 + k),
                     "injected_s_per_step": round(k * c * 1e3) / 1e3})
-    s = base["sync_stall_s"] / c
-    for k in (1.0, 3.0):
+    s = base["sync_stall_s"] / c if "checkpoint" in wanted else 0.0
+    for k in (1.0, 3.0) if "checkpoint" in wanted else ():
         mb_s = base["save_bytes"] / (k * c) / 1e6
         out.append({"cause": "checkpoint", "strength": f"a save writes {k:g}x the step", "throttle_mb_s": mb_s,
                     "set": ["checkpoint.every=2", "checkpoint.async_save=false", "checkpoint.resume=none"],
                     "expected_share": (k + s) / (2 + k + s), "injected_s_per_step": (k * c + base["sync_stall_s"]) / 2})
-    for f in (0.5, 0.9):
+    for f in (0.5, 0.9) if "memory" in wanted else ():
         out.append({"cause": "memory", "strength": f"budget {f:g}x the model state",
                     "memory_budget_mb": f * base["state_bytes"] / 2**20, "set": [], "expected_share": None})
-    for p in (0.3, 0.6):
+    for p in (0.3, 0.6) if "failures" in wanted else ():
         rate = failure_rate_for(p, base)
         out.append({"cause": "failures", "strength": f"modelled loss {p:.0%} of the time",
                     "set": [f"checkpoint.failures_per_worker_hour={rate:.6g}", "checkpoint.every=2"],
                     "expected_share": None})
     out += untuned_cases(base)
-    return [{**c, "index": i} for i, c in enumerate(out)]
+    return [{**c, "index": i} for i, c in enumerate(x for x in out if x["cause"] in wanted)]
 
 
 def untuned_cases(base: dict) -> list[dict]:
@@ -271,11 +285,14 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dc-bench-accuracy-") as d:
         tmp = Path(d)
-        base = baseline(args.config, common, tmp, args.budget_s)
-        print(f"baseline: step {base['step_s']:.3f} s, {base['kind']}", file=sys.stderr)
         wanted = set(args.causes.split(","))
+        unknown = sorted(wanted - set(KIND))
+        if unknown:
+            raise SystemExit(f"--causes {','.join(unknown)}: unknown; choose from {', '.join(KIND)}")
+        base = baseline(args.config, common, tmp, args.budget_s, wanted)
+        print(f"baseline: step {base['step_s']:.3f} s, {base['kind']}", file=sys.stderr)
         rows = [run_case(args.config, common, case, tmp, args.repeats, args.budget_s, args.verify, base["step_s"])
-                for case in cases(base, tmp) if case["cause"] in wanted]
+                for case in cases(base, tmp, wanted)]
     return {
         "benchmark": "diagnose_accuracy",
         "config": {"config": os.path.relpath(args.config, HERE.parent), "overrides": args.overrides,

@@ -44,6 +44,7 @@ from benchmarks import (  # noqa: E402
     recorded,
     scale,
     startup,
+    trace,
     train,
     tune,
     zero,
@@ -89,6 +90,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {  # block -> (the result
     "loader-ratios": ("loader", loader.render_ratios),
     "loader-remote": ("loader", loader.render_remote),
     "scale": ("scale", scale.render),
+    "scale-elastic": ("scale_elastic", scale.render_elastic),
     "train": ("train", train.render),
     "startup": ("startup", startup.render),
     "zero": ("zero", zero.render),
@@ -102,6 +104,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {  # block -> (the result
     "collectives-crossover": ("collectives", collectives.render_crossover),
     "collectives-codec": ("collectives", collectives.render_codec),
     "checkpoint": ("checkpoint", checkpoint.render),
+    "trace": ("trace", trace.render),
 }
 
 

@@ -4,6 +4,7 @@ quality. Nothing is read from storage; the reads are counted from the plan, with
 
     python benchmarks/scale.py     # 100M samples, 1,000 ranks on 125 nodes of 8: about 3-5 minutes on 2 cores
     python benchmarks/scale.py --quick --no-peers-venv --out /tmp/scale.json
+    python benchmarks/scale.py --elastic   # an elastic run's plan per rank at 10M samples: about a minute
 
 Rows: ``partitioned`` is the product's plan as docs/loader.md sets it up for a cluster: ``--partitions`` canonical
 partitions (default: one per rank) and shuffle blocks cut at the cache's checksum chunks (``block_size = 0``);
@@ -22,6 +23,12 @@ shuffled as one), the baseline.
   like the product's ranged reader (``ReadConfig.range_chunk_bytes`` chunks, least recently used dropped beyond
   ``range_cache_bytes``), chunks of a batch fetched together; bytes fetched per byte of the samples used. And the
   shard views a ranged reader reopens per batch beyond its open limit (``reopens_per_batch``).
+- **Elastic plan** (``--elastic``, its own results file ``scale_elastic.json``): what one rank's epoch plan costs
+  at ``--elastic-samples`` for a run at ``--elastic-workers MIN,MAX`` (``parallel.num_workers = [min, max]``),
+  at every size of the range, with the trainer's default partitions for it (``loader.plan.default_partitions``:
+  the least common multiple of the sizes) against one partition (the default before: every rank plans the
+  whole epoch), each in a fresh process, the first and the last rank of each size; the trainer's default
+  blocks and window, a global batch of ``--elastic-batch`` (default: 8 x the least common multiple).
 - **Shuffle quality** at ``--quality-samples``, two epochs: ``batchmate_repeat`` is the share of a sample's
   batch-mates in epoch 0 that are its batch-mates again in epoch 1 (a true permutation gives about
   ``(B - 1) / (N - 1)``), and ``label_entropy_bits`` the mean per-batch entropy of labels drawn uniformly over
@@ -94,11 +101,12 @@ def row_plan_cost(argv: list[str]) -> None:
     before = peak_rss_bytes()
     # the chunk boundaries are the cache manifest's, read from it once per process (not counted as planning)
     starts = chunk_starts(samples, shard_samples, chunk_rows) if block == 0 else None
-    t0 = time.perf_counter()  # planning only
+    t0, c0 = time.perf_counter(), time.process_time()  # planning only
     plan = rank_plan(samples, SEED, 0, FP, batch, True, rank, world, block_size=block, window=window,
                      partitions=partitions, block_starts=starts)
-    wall = time.perf_counter() - t0
-    emit({"plan_s": wall, "peak_mib": (peak_rss_bytes() - before) / 2**20, "steps": len(plan),
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    # CPU seconds beside the wall: on a shared machine the wall also counts the other processes' turns
+    emit({"plan_s": wall, "plan_cpu_s": cpu, "peak_mib": (peak_rss_bytes() - before) / 2**20, "steps": len(plan),
           "per_step": int(plan.full.shape[1])})
 
 
@@ -277,6 +285,72 @@ def run_py1e(python: str, shard_sizes: np.ndarray, canonical: int, epoch: int, b
         return np.load(dst, allow_pickle=False)
 
 
+# ---------------------------------------------------------------------------------------------- elastic plan
+
+
+def elastic_plan(args) -> dict:
+    """``--elastic``: one rank's plan per size of an elastic range, default partitions against one partition."""
+    import math
+
+    from dutycycle.loader.config import LoaderConfig
+    from dutycycle.loader.plan import default_partitions
+
+    lo, hi = args.elastic_workers
+    sizes = list(range(lo, hi + 1))
+    batch = args.elastic_batch or 8 * math.lcm(*sizes)
+    parts = default_partitions(sizes, batch)
+    block, window = LoaderConfig.block_size, LoaderConfig.window
+    t0 = time.perf_counter()
+    rows = []
+    for name, p in (("default", parts), ("one partition", 1)):
+        for w in sizes:
+            # one partition: every rank plans the whole epoch alike, so rank 0 says it; partitioned: the first
+            # and the last rank (they touch different partitions)
+            for rank in ((0,) if p == 1 else (0, w - 1)):
+                res, _ = run_row([__file__, "--plan-cost", str(args.elastic_samples), str(w), str(rank), str(batch),
+                                  str(block), str(window), str(p), str(args.shard_samples), str(args.chunk_rows)],
+                                 timeout=args.timeout)
+                if "error" in res:
+                    raise SystemExit(f"elastic {name} at {w} workers: planning failed: {res['error']}")
+                rows.append({"plan": name, "partitions": p, "workers": w, "rank": rank, "plan_s": res["plan_s"],
+                             "plan_cpu_s": res["plan_cpu_s"], "peak_mib": res["peak_mib"]})
+                print(f"elastic {name} ({p}) at {w} workers, rank {rank}: {res['plan_s']:.3f} s, "
+                      f"{res['plan_cpu_s']:.3f} CPU-s, {res['peak_mib']:.1f} MiB", file=sys.stderr)
+
+    def worst(plan: str, key: str) -> float:
+        return max(r[key] for r in rows if r["plan"] == plan)
+
+    product, baseline = ({"plan_s_per_rank": worst(plan, "plan_s"), "plan_cpu_s_per_rank": worst(plan, "plan_cpu_s"),
+                          "plan_peak_mib_per_rank": worst(plan, "peak_mib")} for plan in ("default", "one partition"))
+    return {"benchmark": "scale_elastic", "machine": machine(),
+            "settings": {"samples": args.elastic_samples, "workers": [lo, hi], "global_batch": batch,
+                         "block_size": block, "window": window},
+            "partitions": parts, **product, "baseline": {"partitions": 1, **baseline},
+            "plan_s_vs_baseline": product["plan_s_per_rank"] / baseline["plan_s_per_rank"],
+            "plan_cpu_s_vs_baseline": product["plan_cpu_s_per_rank"] / baseline["plan_cpu_s_per_rank"],
+            "plan_mib_vs_baseline": product["plan_peak_mib_per_rank"] / baseline["plan_peak_mib_per_rank"],
+            "rows": rows, "wall_s": time.perf_counter() - t0}
+
+
+def render_elastic(d: dict) -> str:
+    st = d["settings"]
+    lo, hi = st["workers"]
+    caption = (f"One rank's epoch plan at {fmt.count(st['samples'])} samples for a run at parallel.num_workers = "
+               f"[{lo}, {hi}] (global batch {fmt.count(st['global_batch'])}, blocks of {st['block_size']}, window "
+               f"{fmt.count(st['window'])}): the trainer's default partitions for that range against one partition "
+               "(every rank plans the whole epoch), the worst rank at any size, each in a fresh process.")
+    rows = [[f"{name} ({fmt.count(v['partitions'] if name == 'one partition' else d['partitions'])} "
+             f"partition{'s' if (v['partitions'] if name == 'one partition' else d['partitions']) > 1 else ''})",
+             fmt.secs(v["plan_s_per_rank"]), fmt.secs(v["plan_cpu_s_per_rank"]), fmt.mib(v["plan_peak_mib_per_rank"])]
+            for name, v in (("default", d), ("one partition", d["baseline"]))]
+    headers = ["plan", "plan per rank (wall)", "plan per rank (CPU)", "plan memory per rank"]
+    return "\n\n".join([fmt.para(caption), fmt.table(headers, rows),
+                         fmt.para(f"Default against one partition: {fmt.times(d['plan_cpu_s_vs_baseline'])} the CPU "
+                                  f"time, {fmt.times(d['plan_s_vs_baseline'])} the wall time, "
+                                  f"{fmt.times(d['plan_mib_vs_baseline'])} the memory."),
+                         fmt.source("scale_elastic")])
+
+
 # ---------------------------------------------------------------------------------------------- driver
 
 
@@ -332,10 +406,16 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--no-peers-venv", action="store_true", help="leave out py1e (it runs in the peers' venv)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--quick", action="store_true", help="1M samples, 64 ranks: seconds, for the smoke test")
-    p.add_argument("--out", default=default_out("scale"))
+    p.add_argument("--elastic", action="store_true", help="only the elastic run's plan per rank (scale_elastic)")
+    p.add_argument("--elastic-samples", type=int, default=10_000_000)
+    p.add_argument("--elastic-workers", type=lambda v: tuple(int(x) for x in v.split(",")), default=(6, 8),
+                   help="MIN,MAX workers of the elastic run (default 6,8)")
+    p.add_argument("--elastic-batch", type=int, default=None, help="default: 8 x the sizes' least common multiple")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/scale.json (scale_elastic.json)")
     args = p.parse_args(argv)
     if args.plan_cost:
         return args
+    args.out = args.out or default_out("scale_elastic" if args.elastic else "scale")
     # imported past the row processes' return: a --plan-cost process measures its memory from a small start
     from dutycycle.engine.cache.shards import ReadConfig
     from dutycycle.loader.config import LoaderConfig
@@ -413,6 +493,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plan_cost:
         row_plan_cost(args.plan_cost)
+        return 0
+    if args.elastic:
+        write_result(args.out, elastic_plan(args), ("partitions", "plan_s_per_rank", "plan_cpu_s_per_rank",
+                                                    "plan_peak_mib_per_rank", "plan_cpu_s_vs_baseline",
+                                                    "plan_mib_vs_baseline"))
         return 0
     result = run(args)
     rows, q = result["rows"], result["quality"]

@@ -1,7 +1,9 @@
 """ZeRO stages side by side: bytes held per rank, logical bytes sent per step, samples/s and exposed communication.
 
     python benchmarks/zero.py                    # writes benchmarks/results/zero.json
-    python benchmarks/zero.py --quick            # a tiny model, seconds (the smoke test)
+    python benchmarks/zero.py --quick            # a tiny model, seconds (the smoke test): one launch per
+                                                 # world size trains every row in turn (only that they run, and
+                                                 # their exact bytes, matter there)
 
 Rows, at 2 and 4 ranks (torchrun, gloo, one process per rank on this machine): stages 0 (DDP), 1, 2, 3 (FSDP2)
 and stage 3 with optimizer offload, all on the same ViT (default widened to ~22M parameters), the same synthetic
@@ -75,7 +77,7 @@ from benchmarks import docs_format as fmt  # noqa: E402
 from benchmarks._common import default_out, machine, read_result, write_result  # noqa: E402
 from benchmarks.zero_activation import ACTIVATION_ROWS, activation_ratios, run_activation_rows  # noqa: E402
 from benchmarks.zero_offload import OFFLOAD_ROWS, offload_ratios, run_offload_rows  # noqa: E402
-from benchmarks.zero_worker import RESULT_PREFIX, STEPS, VIT_DEFAULTS, VIT_QUICK, WORKER  # noqa: E402
+from benchmarks.zero_worker import RESULT_PREFIX, ROW_SEPARATOR, STEPS, VIT_DEFAULTS, VIT_QUICK, WORKER  # noqa: E402
 
 ROWS = [  # (name, zero_stage, offload, baseline)
     ("allreduce-manual", 0, "none", True),
@@ -94,24 +96,47 @@ OFFLOAD_NOTE = ("CPU-only run: host memory is the device's memory, so offload he
 # ------------------------------------------------------------------------------------------------- driver
 
 
-def run_row(name, stage, offload, baseline, world, args, workdir) -> dict:
-    run_dir = os.path.join(workdir, f"{name}-{world}")
+def _row_flags(name, stage, offload, baseline, world, args, workdir) -> list[str]:
     micro = args.micro_batches if name in ACCUMULATING else 1
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-           "--master-port", str(free_port()), str(WORKER), "--stage", str(stage), "--offload", offload,
-           "--run-dir", run_dir, "--micro", str(micro), *(["--baseline"] if baseline else []), *_shared_args(args)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    wall = time.perf_counter() - t0
-    line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
-    if proc.returncode != 0 or line is None:
-        # torchrun's own summary comes last; the ranks' tracebacks and C++ aborts come before it
-        return {"name": name, "world_size": world, "micro_batches": micro, "returncode": proc.returncode,
-                "error": (proc.stdout + proc.stderr)[-12000:]}
-    return {"name": name, "world_size": world, "zero_stage": stage, "offload": offload, "micro_batches": micro,
-            **({"note": OFFLOAD_NOTE} if offload != "none" else {}), "process_wall_s": wall,
-            **json.loads(line.removeprefix(RESULT_PREFIX))}
+    return ["--stage", str(stage), "--offload", offload, "--run-dir", os.path.join(workdir, f"{name}-{world}"),
+            "--micro", str(micro), *(["--baseline"] if baseline else []), *_shared_args(args)]
+
+
+def run_rows(specs: list[tuple], world: int, args, workdir) -> list[dict]:
+    """The rows of ``specs`` (ROWS' tuples) at ``world`` ranks through torchrun: each in a launch of its own, or
+    (``--quick``) all in one launch that trains them in turn (zero_worker.py's ``--next-row``): ``process_wall_s``
+    is then the whole launch's."""
+    groups = [specs] if args.quick else [[spec] for spec in specs]
+    out = []
+    for group in groups:
+        flags = []
+        for spec in group:
+            flags += [*([ROW_SEPARATOR] if flags else []), *_row_flags(*spec, world, args, workdir)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+               "--master-port", str(free_port()), str(WORKER), *flags]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout * len(group),
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        wall = time.perf_counter() - t0
+        lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)]
+        for i, (name, stage, offload, _baseline) in enumerate(group):
+            micro = args.micro_batches if name in ACCUMULATING else 1
+            if proc.returncode != 0 or len(lines) != len(group):
+                # torchrun's own summary comes last; the ranks' tracebacks and C++ aborts come before it
+                out.append({"name": name, "world_size": world, "micro_batches": micro, "returncode": proc.returncode,
+                            "error": (proc.stdout + proc.stderr)[-12000:]})
+                continue
+            out.append({"name": name, "world_size": world, "zero_stage": stage, "offload": offload,
+                        "micro_batches": micro, **({"note": OFFLOAD_NOTE} if offload != "none" else {}),
+                        "process_wall_s": wall, **json.loads(lines[i].removeprefix(RESULT_PREFIX))})
+    return out
+
+
+def run_row(name, stage, offload, baseline, world, args, workdir) -> dict:
+    """One row in a launch of its own."""
+    (r,) = run_rows([(name, stage, offload, baseline)], world, argparse.Namespace(**{**vars(args), "quick": False}),
+                    workdir)
+    return r
 
 
 def _shared_args(args) -> list[str]:
@@ -209,15 +234,13 @@ def run(args) -> dict:
                 b = run_row(*ROWS[1], 2, args, os.path.join(workdir, f"pair{i}"))
                 pairs.append((a, b))
         for world in args.worlds:
-            for name, stage, offload, baseline in ROWS:
-                if (baseline and world != 2) or name not in args.rows:
-                    continue
-                r = run_row(name, stage, offload, baseline, world, args, workdir)
+            specs = [spec for spec in ROWS if spec[0] in args.rows and (world == 2 or not spec[3])]
+            for r in run_rows(specs, world, args, workdir) if specs else []:
                 rows.append(r)
                 if "error" in r:
-                    print(f"{world} ranks {name}: error\n{r['error']}", flush=True)
+                    print(f"{world} ranks {r['name']}: error\n{r['error']}", flush=True)
                 else:
-                    print(f"{world} ranks {name:17s} {r['samples_per_s']:8.1f} samples/s at {r['micro_batches']} "
+                    print(f"{world} ranks {r['name']:17s} {r['samples_per_s']:8.1f} samples/s at {r['micro_batches']} "
                           f"micro-batch(es), exposed comm {r['exposed_comm_share']:.0%}, sent/step "
                           f"{sum(r['bytes_sent_per_step'].values()) / 2**20:.0f} MB, "
                           f"optimizer held {r['held_per_rank'][0]['optimizer'] / 2**20:.0f} MB"

@@ -26,7 +26,7 @@ from pathlib import Path
 from dutycycle.trainer.cluster.local import free_port
 
 from benchmarks import docs_format as fmt
-from benchmarks.zero_worker import RESULT_PREFIX
+from benchmarks.zero_worker import RESULT_PREFIX, ROW_SEPARATOR
 
 WORKER = Path(__file__).with_name("zero_worker.py")  # the ranks
 OFFLOAD_ROWS = "offload-memory"  # the --rows name of these rows
@@ -40,29 +40,36 @@ def run_offload_rows(world: int, args, workdir: str) -> list[dict]:
     flags = ["--width", str(shape["width"]), "--depth", str(shape["depth"]), "--heads", str(shape["heads"]),
              "--size", str(args.size), "--batch", str(args.batch), "--steps", str(shape["steps"]), "--skip",
              str(shape["skip"])]
+    # one launch per mode, or (--quick) one launch training every mode in turn (zero_worker.py's --next-row; the
+    # host figures are then that process's after each mode's steps, with the earlier modes' leftovers)
+    groups = [list(MODES)] if args.quick else [[mode] for mode in MODES]
     rows = []
-    for mode in MODES:
-        run_dir = os.path.join(workdir, f"offload-{mode}-{world}")
+    for group in groups:
+        argv = []
+        for mode in group:
+            argv += [*([ROW_SEPARATOR] if argv else []), "--stage", "3", "--offload", mode, "--run-dir",
+                     os.path.join(workdir, f"offload-{mode}-{world}"), "--offload-dir",
+                     os.path.join(workdir, "offload-files"), *flags]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-               str(free_port()), str(WORKER), "--stage", "3", "--offload", mode, "--run-dir", run_dir,
-               "--offload-dir", os.path.join(workdir, "offload-files"), *flags]
+               str(free_port()), str(WORKER), *argv]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout * len(group),
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
-        line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
-        name = f"stage3-offload-{mode}"
-        if proc.returncode != 0 or line is None:
-            rows.append({"name": name, "world_size": world, "returncode": proc.returncode,
-                         "error": (proc.stdout + proc.stderr)[-12000:]})
-            continue
-        r = json.loads(line.removeprefix(RESULT_PREFIX))
-        held, host = r["held_per_rank"][0], r["host_after_steps"]
-        rows.append({"name": name, "world_size": world, "offload": mode, **shape, "process_wall_s":
-                     time.perf_counter() - t0, "num_params": r["num_params"], "step_s_median": r["step_s_median"],
-                     "held_per_rank": r["held_per_rank"], "host_after_steps": host,
-                     "offload_files": r.get("offload_files"),
-                     "optimizer_state_bytes": held["optimizer"] + held["optimizer_file"],
-                     "optimizer_state_resident_bytes": held["optimizer"] + host.get("files_resident", 0)})
+        lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)]
+        for mode, line in zip(group, lines if len(lines) == len(group) else [None] * len(group), strict=True):
+            name = f"stage3-offload-{mode}"
+            if proc.returncode != 0 or line is None:
+                rows.append({"name": name, "world_size": world, "returncode": proc.returncode,
+                             "error": (proc.stdout + proc.stderr)[-12000:]})
+                continue
+            r = json.loads(line.removeprefix(RESULT_PREFIX))
+            held, host = r["held_per_rank"][0], r["host_after_steps"]
+            rows.append({"name": name, "world_size": world, "offload": mode, **shape, "process_wall_s":
+                         time.perf_counter() - t0, "num_params": r["num_params"], "step_s_median": r["step_s_median"],
+                         "held_per_rank": r["held_per_rank"], "host_after_steps": host,
+                         "offload_files": r.get("offload_files"),
+                         "optimizer_state_bytes": held["optimizer"] + held["optimizer_file"],
+                         "optimizer_state_resident_bytes": held["optimizer"] + host.get("files_resident", 0)})
     return rows
 
 

@@ -1,6 +1,7 @@
 """One rank of the ZeRO benchmarks (benchmarks/zero.py, benchmarks/zeropp.py, and zero.py's activation and offload
 rows), started by torchrun or benchmarks/netns.py's launcher: it trains through the product's step loop
-(``Trainer.train``) with the flags it is given and (rank 0) prints the row's figures as one JSON line.
+(``Trainer.train``) with the flags it is given and (rank 0) prints the row's figures as one JSON line (several
+rows, ``--next-row`` between their flags: each in turn, one line each).
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/zero_worker.py --stage 3 --run-dir DIR ...
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -25,6 +25,7 @@ from benchmarks.zero_activation import activation_worker  # noqa: E402
 
 WORKER = Path(__file__).resolve()  # what the drivers start under torchrun
 RESULT_PREFIX = "ZERO_RESULT "
+ROW_SEPARATOR = "--next-row"  # between two rows' flags: one launch trains both in turn (the drivers' --quick)
 
 # the ViT every row trains (~22M parameters) and the tiny one of --quick (with its steps); zero.py and zeropp.py
 # use both
@@ -87,8 +88,22 @@ def manual_allreduce_parallelize(model, parallel, world, *, device, micro_batche
 # ------------------------------------------------------------------------------------------------ worker
 
 
-def worker(args) -> None:
-    """One rank, started by torchrun: train and (rank 0) print the row's figures as one JSON line."""
+def worker(rows: list[argparse.Namespace]) -> None:
+    """One rank, started by torchrun: train each row in turn and (rank 0) print each row's figures as one JSON
+    line, in the rows' order. A driver's ``--quick`` passes several rows (``ROW_SEPARATOR`` between their flags):
+    one launch and one process group for all of them instead of a launch each, as the loader benchmark's
+    ``--quick`` shares its processes (only that the rows run, and their exact byte counts, matter there)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    for args in rows:
+        _row(args)
+    dist.barrier()  # nobody tears down while a peer is still communicating
+    dist.destroy_process_group()
+
+
+def _row(args) -> None:
+    """One row in this rank's process group: its Trainer built, trained and closed."""
     import torch.distributed as dist
     from dutycycle.trainer.config import load_config
     from dutycycle.trainer.step.loop import WorkerContext, set_threads
@@ -97,8 +112,7 @@ def worker(args) -> None:
 
     from benchmarks.zeropp_probe import CommProbe, secondary_copy_seconds  # torch (heavy): drivers import us
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     model = [f"model.name={args.model}", f"model.width={args.width}", f"model.depth={args.depth}"]
     if args.model == "vit":
         model += [f"model.heads={args.heads}", "model.patch=4"]
@@ -158,8 +172,7 @@ def worker(args) -> None:
             if args.hpz:
                 out["breakdown"]["secondary_copy_s"] = secondary_copy_seconds(t.strategy, args.node_size)
         print(RESULT_PREFIX + json.dumps(out), flush=True)
-    dist.barrier()  # nobody tears down while a peer is still communicating
-    dist.destroy_process_group()
+    dist.barrier()  # the next row (or the teardown) starts when every rank is done with this one
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -192,9 +205,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def split_rows(argv: list[str]) -> list[list[str]]:
+    """The rows' flags, ``ROW_SEPARATOR`` between two rows."""
+    rows: list[list[str]] = [[]]
+    for a in argv:
+        rows.append([]) if a == ROW_SEPARATOR else rows[-1].append(a)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    activation_worker(args) if args.activation else worker(args)
+    rows = [parse_args(flags) for flags in split_rows(sys.argv[1:] if argv is None else argv)]
+    if any(r.activation for r in rows):
+        if len(rows) > 1:
+            raise SystemExit("--activation runs one row per launch")
+        activation_worker(rows[0])
+    else:
+        worker(rows)
     return 0
 
 

@@ -36,7 +36,8 @@
    loss and accuracy, and their ratio to fp32 (int8 is expected within 1.05x loss and 1 point of accuracy on
    this data; int4 reported).
 
-Every row runs benchmarks/zero_worker.py (the product's ``Trainer``) in fresh processes.
+Every row runs benchmarks/zero_worker.py (the product's ``Trainer``) in fresh processes (in ``--quick``, the smoke
+test's, one launch of each part trains its rows in turn).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from benchmarks import docs_format as fmt  # noqa: E402
 from benchmarks import zeropp_hpz  # noqa: E402
 from benchmarks._common import default_out, machine, read_result, write_result  # noqa: E402
 from benchmarks.netns import launch, two_nodes, unavailable  # noqa: E402
-from benchmarks.zero_worker import RESULT_PREFIX, VIT_DEFAULTS, VIT_QUICK, WORKER  # noqa: E402
+from benchmarks.zero_worker import RESULT_PREFIX, ROW_SEPARATOR, VIT_DEFAULTS, VIT_QUICK, WORKER  # noqa: E402
 
 ALL_THREE = ["--quant-weights", "int8", "--quant-grads", "int8", "--hpz"]
 SPEED_ROWS = {  # name -> worker flags (all at stage 3, node size 2)
@@ -113,13 +114,24 @@ CONVERGENCE_ROWS = {
 }
 
 
-def _run(net, world: int, flags: list[str], run_dir: str, timeout: float) -> dict:
-    argv = [sys.executable, str(WORKER), "--stage", "3", "--run-dir", run_dir, *flags]
-    ranks = launch(net, argv, world, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    line = next((x for x in ranks[0].stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
-    if line is None or any(r.returncode != 0 for r in ranks):
-        return {"error": "\n".join(f"rank {r.rank} exit {r.returncode}: {r.stderr[-3000:]}" for r in ranks)}
-    return json.loads(line.removeprefix(RESULT_PREFIX))
+def _run(net, world: int, rows: list[tuple[list[str], str]], timeout: float) -> list[dict]:
+    """Each of ``rows`` (its flags and run directory) at ``world`` ranks, all in one launch that trains them in
+    turn (zero_worker.py's ``--next-row``): a result, or an error, per row."""
+    argv = [sys.executable, str(WORKER)]
+    for i, (flags, run_dir) in enumerate(rows):
+        argv += [*([ROW_SEPARATOR] if i else []), "--stage", "3", "--run-dir", run_dir, *flags]
+    ranks = launch(net, argv, world, timeout=timeout * len(rows), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [x for x in ranks[0].stdout.splitlines() if x.startswith(RESULT_PREFIX)]
+    if len(lines) != len(rows) or any(r.returncode != 0 for r in ranks):
+        error = "\n".join(f"rank {r.rank} exit {r.returncode}: {r.stderr[-3000:]}" for r in ranks)
+        return [{"error": error}] * len(rows)
+    return [json.loads(line.removeprefix(RESULT_PREFIX)) for line in lines]
+
+
+def _launches(names: list[str], args) -> list[list[str]]:
+    """Which rows share a launch: each its own (fresh processes), or all of them in ``--quick``, where only that
+    they run (and their exact bytes) matters: a rank's start, torch's import and its process group, once."""
+    return [names] if args.quick and names else [[n] for n in names]
 
 
 def _vit_shape(args) -> list[str]:
@@ -129,20 +141,23 @@ def _vit_shape(args) -> list[str]:
 
 
 def _speed_rows(net, names: list[str], args, workdir: str, tag: str = "") -> list[dict]:
-    """Run the named speed rows over ``net`` (4 ranks, two nodes), each in fresh processes."""
+    """Run the named speed rows over ``net`` (4 ranks, two nodes), each in fresh processes (``--quick``: one
+    launch)."""
     rows = []
-    for name in names:
-        r = _run(net, 4, _vit_shape(args) + SPEED_ROWS[name], os.path.join(workdir, tag + name), args.timeout)
-        r["name"] = name
-        rows.append(r)
-        if "error" in r:
-            print(f"{name}: error\n{r['error']}", flush=True)
-            continue
-        r["inter_node_bytes_per_step"] = r["traffic"]["inter_node_bytes"] / args.steps
-        r["bytes_per_step"] = r["traffic"]["bytes"] / args.steps
-        print(f"{tag}{name:26s} step {r['step_s_median']:6.2f} s, {r['samples_per_s']:6.1f} samples/s, exposed "
-              f"comm {r['exposed_comm_share']:.0%}, inter-node {r['inter_node_bytes_per_step'] / 2**20:.0f} MB per "
-              "step per rank", flush=True)
+    for group in _launches(names, args):
+        got = _run(net, 4, [(_vit_shape(args) + SPEED_ROWS[n], os.path.join(workdir, tag + n)) for n in group],
+                   args.timeout)
+        for name, r in zip(group, got, strict=True):
+            r = {**r, "name": name}
+            rows.append(r)
+            if "error" in r:
+                print(f"{name}: error\n{r['error']}", flush=True)
+                continue
+            r["inter_node_bytes_per_step"] = r["traffic"]["inter_node_bytes"] / args.steps
+            r["bytes_per_step"] = r["traffic"]["bytes"] / args.steps
+            print(f"{tag}{name:26s} step {r['step_s_median']:6.2f} s, {r['samples_per_s']:6.1f} samples/s, exposed "
+                  f"comm {r['exposed_comm_share']:.0%}, inter-node {r['inter_node_bytes_per_step'] / 2**20:.0f} MB "
+                  "per step per rank", flush=True)
     return rows
 
 
@@ -233,16 +248,15 @@ def convergence(args, workdir: str) -> dict:
              "--batch", str(args.cnn_batch), "--steps", str(args.cnn_steps), "--skip", "1", "--samples",
              str(args.cnn_samples), "--eval-batches", "0", "--lr", "0.005"]
     rows = []
-    for name, flags in CONVERGENCE_ROWS.items():
-        if args.rows and name not in args.rows:
-            continue
-        r = _run(None, 2, shape + flags, os.path.join(workdir, "conv-" + name), args.timeout)
-        r["name"] = name
-        rows.append(r)
-        if "error" in r:
-            print(f"{name}: error\n{r['error']}", flush=True)
-        else:
-            print(f"{name:30s} val loss {r['val_loss']:.4f}, val accuracy {r['val_accuracy']:.2%}", flush=True)
+    for group in _launches([n for n in CONVERGENCE_ROWS if not args.rows or n in args.rows], args):
+        got = _run(None, 2, [(shape + CONVERGENCE_ROWS[n], os.path.join(workdir, "conv-" + n)) for n in group],
+                   args.timeout)
+        for name, r in zip(group, got, strict=True):
+            rows.append({**r, "name": name})
+            if "error" in r:
+                print(f"{name}: error\n{r['error']}", flush=True)
+            else:
+                print(f"{name:30s} val loss {r['val_loss']:.4f}, val accuracy {r['val_accuracy']:.2%}", flush=True)
     by = {r["name"]: r for r in rows if "error" not in r}
     ratios = {}
     if "fp32" in by:

@@ -77,6 +77,8 @@ class ThumbnailGrid:
                 f"<div>{name}</div><div>{e.get('format')} {dims} {e.get('mode', '')}</div>"
                 f"<div>{e.get('split', '')} · {e.get('size_bytes')} B</div>"
             )
+            if m.get("note"):  # a caller's line under the facts (a trace: the sample's rank, micro-batch, loss)
+                info += f"<div>{e['note']}</div>"
             if m.get("error"):
                 info += f'<div style="color:#900">{e["error"]}</div>'
             cells.append(f'<div class="dc-cell" title="{e.get("uri", "")}">{pic}{info}</div>')

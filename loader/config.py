@@ -106,6 +106,8 @@ class LoaderConfig:
     normalize_on: str = "auto"
     # Canonical partitions of the plan (see plan.py): global batches draw from each of them, and a node reads only
     # its own when the node count divides this number and the global batch. A plan input: fixed for a run.
+    # 0 = sized for the world (plan.default_partitions): a Loader takes its own world size's; the trainer takes
+    # the one for every size parallel.num_workers allows and records the number in the run's config
     partitions: int = 1
     # shuffle blocks of consecutive samples (see plan.py); 0: a cache's checksum chunks (one block per chunk, what
     # ranged reads of a remote cache want: each fetched chunk serves one block)
@@ -124,9 +126,10 @@ class LoaderConfig:
                               f"{', '.join(NORMALIZE_ON)}")
         for name in ("global_batch_size", "prefetch", "partitions", "block_size", "window", "raw_threads"):
             v = getattr(self, name)
-            least = 0 if name == "block_size" else 1
+            least = 0 if name in ("block_size", "partitions") else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                hint = " (0: the cache's checksum chunks)" if least == 0 else ""
+                hint = {"block_size": " (0: the cache's checksum chunks)",
+                        "partitions": " (0: sized for the world size)"}.get(name, "")
                 raise ConfigError(f"LoaderConfig.{name}={v!r} is invalid; use an integer >= {least}{hint}")
         if self.partitions > self.global_batch_size:
             raise ConfigError(

@@ -125,6 +125,9 @@ class Loader:
             getattr(source, "no_stats", f"a {type(source).__name__} records none"))
         if augment != config.augment:
             config = dataclasses.replace(config, augment=augment)
+        if config.partitions == 0:  # sized for this world (a trainer resolves it for every size a run may take)
+            config = dataclasses.replace(config, partitions=plan.default_partitions([world_size],
+                                                                                   config.global_batch_size))
         self.config, self.source = config, source
         self.executor = executor if executor is not None else executor_for(config, source)
         self.rank, self.world_size = rank, world_size

@@ -43,6 +43,7 @@ tests, the CLI and whole-epoch tools).
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 from dutycycle.engine.errors import ConfigError
@@ -127,12 +128,44 @@ def epoch_order(
 
 def check_partitions(partitions: int, global_batch_size: int) -> None:
     if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
-        raise ConfigError(f"partitions={partitions!r} is invalid; use an integer >= 1")
+        auto = (" (0, sized for the world, is resolved by a Loader or the trainer: default_partitions gives the "
+                "number for a plan made here)") if partitions == 0 else ""
+        raise ConfigError(f"partitions={partitions!r} is invalid; use an integer >= 1{auto}")
     if partitions > global_batch_size:
         raise ConfigError(
             f"partitions={partitions} is more than global_batch_size={global_batch_size}: every global batch takes at "
             "least one sample from every partition; use at most as many partitions as the global batch has samples"
         )
+
+
+def default_partitions(sizes, global_batch_size: int) -> int:
+    """The canonical partition count a training plan takes by default, for a run that may train at any world
+    size in ``sizes`` (a fixed run: one size). A plan input, so it follows from the largest size the run may
+    reach, never from the size it happens to run at.
+
+    The rule: the least common multiple of every size, when the global batch holds that many samples (each
+    global batch takes at least one sample from every partition); otherwise the multiple of the largest size,
+    at most the global batch, that the most sizes divide (the smallest of those). So ``[2, 3]`` gives 6,
+    ``[2, 4]`` 12, a fixed 4 gives 4 and one worker 1 (the unpartitioned plan). Why: a rank touches at most
+    ``P / W + 1`` partitions, so its planning cost is O(N / W + N / P) instead of O(N), within twice the least
+    it can be at every size (``P >= max``); and a node count that divides ``P`` (and the global batch) reads
+    only its own partitions, which every node count does when every world size divides ``P``."""
+    sizes = sorted({int(w) for w in sizes})
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(f"sizes={sizes} must be world sizes >= 1")
+    lcm = math.lcm(*sizes)
+    if lcm <= global_batch_size:
+        return lcm
+    top = sizes[-1]
+    if top > global_batch_size:
+        raise ConfigError(f"global_batch_size={global_batch_size} is smaller than the largest world size {top}: "
+                          "every rank needs at least one sample of each global batch")
+    best, most = top, -1
+    for p in range(top, global_batch_size + 1, top):
+        divides = sum(p % w == 0 for w in sizes)
+        if divides > most:
+            best, most = p, divides
+    return best
 
 
 def partition_counts(global_batch_size: int, partitions: int) -> np.ndarray:
@@ -308,3 +341,96 @@ def rank_slice(global_batch: np.ndarray, rank: int, world_size: int) -> np.ndarr
     """``rank``'s contiguous part of ``global_batch``; concatenating all ranks' parts gives the global batch."""
     start, stop = rank_bounds(len(global_batch), rank, world_size)
     return global_batch[start:stop]
+
+
+# ------------------------------------------------------------------------------------------ one batch, one sample
+# What a trace asks of the plan: the samples of one global batch, and where one sample falls in an epoch, without
+# building the epoch. ``shuffled`` draws the block permutation (O(N / block) draws) and then one uniform key per
+# position; PCG64 spends exactly one 64-bit draw per key (``Generator.random``), so the keys of any window are
+# reached by ``advance``-ing the generator past the positions before it, and only the windows a batch touches
+# are sorted.
+
+
+def shuffled_slice(num_samples: int, key: int, lo: int, hi: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                   window: int = DEFAULT_WINDOW, starts: np.ndarray | None = None) -> np.ndarray:
+    """``shuffled(num_samples, key, ...)[lo:hi]``, computing only the windows that hold positions ``lo..hi-1``."""
+    _check_shuffle(block_size, window, starts)
+    lo, hi = max(0, int(lo)), min(int(num_samples), int(hi))
+    if hi <= lo:
+        return np.zeros(0, dtype=np.int64)
+    rng = np.random.Generator(np.random.PCG64(key))
+    if starts is None:  # the same draws as ``shuffled``, in the same order
+        num_blocks = -(-num_samples // block_size)
+        block_first = rng.permutation(num_blocks).astype(np.int64) * block_size
+        lengths = np.minimum(block_size, num_samples - block_first)
+    else:
+        bounds = np.append(np.asarray(starts, dtype=np.int64), num_samples)
+        perm = rng.permutation(len(bounds) - 1)
+        block_first, lengths = bounds[:-1][perm], np.diff(bounds)[perm]
+    first = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    w_lo, w_hi = (lo // window) * window, min(num_samples, -(-hi // window) * window)
+    positions = np.arange(w_lo, w_hi, dtype=np.int64)
+    block = np.searchsorted(first, positions, side="right") - 1
+    order = block_first[block] + (positions - first[block])
+    rng.bit_generator.advance(w_lo)  # skip the keys of the positions before the first window needed
+    keys = rng.random(w_hi - w_lo)
+    return order[np.lexsort((keys, positions // window))][lo - w_lo:hi - w_lo]
+
+
+def _partition_slice(num_samples: int, seed: int, epoch: int, fingerprint: str, global_batch_size: int,
+                     partitions: int, partition: int, a: int, b: int, shuffle: bool, block_size: int, window: int,
+                     block_starts: np.ndarray | None) -> np.ndarray:
+    """``partition_order(...)[a:b]`` without the rest of the partition's order."""
+    bounds = partition_bounds(num_samples, global_batch_size, partitions)
+    lo, hi = int(bounds[partition]), int(bounds[partition + 1])
+    if not shuffle:
+        return np.arange(lo, hi, dtype=np.int64)[a:b]
+    local = None
+    if block_starts is not None:
+        inside = block_starts[np.searchsorted(block_starts, lo, "right"):np.searchsorted(block_starts, hi, "left")]
+        local = np.concatenate([[0], inside - lo]).astype(np.int64)
+    key = partition_key(seed, epoch, fingerprint, partition, partitions)
+    return lo + shuffled_slice(hi - lo, key, a, b, block_size, window, local)
+
+
+def global_batch(num_samples: int, seed: int, epoch: int, fingerprint: str, global_batch_size: int, drop_last: bool,
+                 step: int, shuffle: bool = True, block_size: int = DEFAULT_BLOCK_SIZE, window: int = DEFAULT_WINDOW,
+                 partitions: int = 1, block_starts: np.ndarray | None = None) -> np.ndarray:
+    """``plan_epoch(...)[step]`` (the split indices of one global batch), computing only the windows it touches."""
+    if not 0 <= step < num_steps(num_samples, global_batch_size, drop_last):
+        raise ConfigError(f"step={step} is outside this epoch's {num_steps(num_samples, global_batch_size, drop_last)} "
+                          "global batches")
+    _check_shuffle(block_size, window, block_starts)
+    counts = partition_counts(global_batch_size, partitions)
+    k = num_samples // global_batch_size
+    bounds = partition_bounds(num_samples, global_batch_size, partitions)
+    pieces = []
+    for p in range(partitions):
+        c = int(counts[p])
+        a, b = (step * c, (step + 1) * c) if step < k else (k * c, int(bounds[p + 1] - bounds[p]))
+        pieces.append(_partition_slice(num_samples, seed, epoch, fingerprint, global_batch_size, partitions, p, a, b,
+                                       shuffle, block_size, window, block_starts))
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+
+
+def sample_place(num_samples: int, seed: int, epoch: int, fingerprint: str, global_batch_size: int, drop_last: bool,
+                 index: int, shuffle: bool = True, block_size: int = DEFAULT_BLOCK_SIZE, window: int = DEFAULT_WINDOW,
+                 partitions: int = 1, block_starts: np.ndarray | None = None) -> tuple[int, int] | None:
+    """Where split index ``index`` falls in ``epoch``: ``(global batch, position in it)``, or None when the epoch
+    drops it (``drop_last``). Computes the order of the one partition that holds it."""
+    if not 0 <= index < num_samples:
+        raise ConfigError(f"index={index} is outside the split's {num_samples} samples")
+    counts = partition_counts(global_batch_size, partitions)
+    cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    bounds = partition_bounds(num_samples, global_batch_size, partitions)
+    p = int(np.searchsorted(bounds, index, side="right") - 1)
+    order = partition_order(num_samples, seed, epoch, fingerprint, global_batch_size, partitions, p, shuffle,
+                            block_size, window, block_starts)
+    q = int(np.flatnonzero(order == index)[0])
+    k, c = num_samples // global_batch_size, int(counts[p])
+    if q < k * c:
+        return q // c, int(cum[p]) + q % c
+    if drop_last:
+        return None
+    left = (bounds[1:] - bounds[:-1]) - k * counts  # each partition's share of the short last batch, in order
+    return k, int(np.sum(left[:p])) + (q - k * c)

@@ -26,7 +26,10 @@ from dutycycle.engine import formats, io
 from dutycycle.engine.errors import ConfigError
 from dutycycle.loader.config import MODES, AugmentConfig, LoaderConfig
 
+from .config_batch import check_batch, check_layouts, micro_batches_at, with_partitions
+from .config_checkpoint import CheckpointSection
 from .config_parallel import ParallelSection
+from .config_ray import RaySection
 from .config_tracking import TrackingSection
 from .configtree import (
     as_tree,
@@ -35,6 +38,7 @@ from .configtree import (
     not_negative,
     one_of,
     parse_overrides,
+    parse_value,
     positive,
     renamed,
     set_dotted,
@@ -55,7 +59,8 @@ LOADER_SET_BY_TRAINER = {
 
 
 def _training_loader() -> LoaderConfig:
-    return LoaderConfig(global_batch_size=128, prefetch=2)
+    # partitions 0: sized for parallel.num_workers when the config is loaded (config_batch.with_partitions)
+    return LoaderConfig(global_batch_size=128, prefetch=2, partitions=0)
 
 
 # LoaderConfig fields that are no keys of the data section: the loader's mode is data.loader_mode, its seed
@@ -71,7 +76,10 @@ class DataSection:
     cache: str = ""  # cache URI when source = "cache"
     table: str = ""  # metadata table URI when source = "raw"
     size: int = 32  # sample side for source = "raw" / "synthetic"
-    micro_batches: int = 1  # gradient accumulation: micro-batches per optimizer step on each rank
+    # gradient accumulation: micro-batches per optimizer step on each rank at the largest size (parallel.
+    # num_workers' max); a smaller size runs as many more as keep each micro-batch within that size's samples
+    # (config_batch.py: B = 12, [2, 3], 2 -> 2 micro-batches of 2 at 3 workers, 3 of 2 at 2); uneven ones allowed
+    micro_batches: int = 1
     eval_batch_size: int = 256  # per rank
     loader_mode: str = "auto"  # the loader's execution mode inside a worker (see launch.py for why)
     synthetic_samples: int = 512  # source = "synthetic": training samples (val gets a quarter)
@@ -82,7 +90,10 @@ class DataSection:
     # (where the normalization runs: "auto" = on the device after a uint8 copy on CUDA, on the host on CPU;
     # "host"; "device"; the values are the same bits either way), how shards are
     # reached ([data.read]), the shuffle's block and window, partitions (canonical partitions of the training
-    # plan; docs: the data path), Ray task retries, raw-path decode threads, the in-RAM share of "memory" mode.
+    # plan; docs: the data path; 0, the default: loader.plan.default_partitions of every size parallel.num_workers
+    # allows, e.g. 6 for [2, 3], 1 for one worker or synthetic data, resolved when the config is loaded and
+    # recorded in the run's config.json), Ray task retries, raw-path decode threads, the in-RAM share of "memory"
+    # mode.
     loader: LoaderConfig = flat(_training_loader, hidden=LOADER_HIDDEN)
 
     def __getattr__(self, name: str) -> Any:
@@ -176,97 +187,6 @@ class OptimSection:
 
 
 @dataclass
-class RaySection:
-    address: str = ""  # "" starts (or joins) a local cluster; "auto" or ray://... joins an existing one
-    storage_path: str = ""  # Ray Train run storage (absolute path or fsspec URI); "" = RUN_DIR/ray
-    placement_strategy: str = "PACK"  # PACK, STRICT_PACK, SPREAD, STRICT_SPREAD
-    label_selector: dict[str, str] = field(default_factory=dict)  # e.g. {"zone" = "us-east-1a"}
-    accelerator_type: str = ""
-    log_level: str = "WARNING"  # Ray Train's own console lines (INFO: resources, every rank's reports, ...)
-    # Ray Train restarts the whole worker group this many times after a worker dies; the restarted workers resume
-    # from the last committed checkpoint (checkpoint.resume = "auto"). 0 = a failed worker fails the run.
-    max_failures: int = 0
-    # how long a worker group may wait for its placement (all workers' resources at once) before the run fails
-    # with a named reason; Ray Train's own default retries such a group forever. Raise it on an autoscaling
-    # cluster, where nodes take minutes to join.
-    start_timeout_s: float = 120.0
-    # how often Ray Train's controller polls the workers. Each ray.train.report (a commit's pointer, an
-    # evaluation's metrics, the final results) is taken from a worker at one poll, so at Ray's default (2 s) a
-    # run's reports queue up and its end waits about 2 s per report still queued (14 s of a 16-step demo). One
-    # status call per worker per interval: raise it for runs of hundreds of workers.
-    health_check_interval_s: float = 0.5
-
-    def check(self, where: str) -> None:
-        one_of(f"{where}.placement_strategy", self.placement_strategy,
-                ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"))
-        one_of(f"{where}.log_level", self.log_level, ("DEBUG", "INFO", "WARNING", "ERROR"))
-        not_negative(where, self, "max_failures")
-        positive(where, self, "start_timeout_s")
-        positive(where, self, "health_check_interval_s")
-
-
-@dataclass
-class CheckpointSection:
-    """Checkpoints (trainer/checkpoint/): model, optimizer, loader position, RNG and step, committed by a manifest
-    with checksums written last."""
-
-    every: int = 0  # optimizer steps between saves (and one at the last step); 0 = no checkpoints
-    # any fsspec URI; "" = RAY_STORAGE/RUN_NAME/checkpoints when ray.storage_path is set (Ray Train's shared
-    # storage), else RUN_DIR/checkpoints
-    dir: str = ""
-    # Ranks on several nodes each write their own files, and rank 0's manifest names them all: a local path is
-    # refused then (each node would hold a part), unless it is a file system every node mounts (NFS, a mounted
-    # bucket) and this says so. Object stores (s3://, gs://, ...) need nothing.
-    shared_fs: bool = False
-    keep: int = 2  # committed checkpoints kept (at least 2: the newest may be the one being replaced)
-    # failures per worker-hour that `dutycycle diagnose` models lost work and the best interval with; default: the
-    # Llama 3 report's 419 interruptions in 54 days on 16,384 GPUs (trainer/diagnose/failures.py)
-    failures_per_worker_hour: float = 419 / (54 * 24 * 16384)
-    # seconds from a failure to Ray Train acting on it, for the same model; unset: a lost node as Ray notices it
-    # (its health check declares the node dead after 5 missed checks 3 s apart, then the controller's next poll,
-    # ray.health_check_interval_s). A crashed worker is seen sooner; a hang only at the process group's timeout:
-    # set that here when hangs are the failures your cluster has
-    failure_detect_s: float | None = None
-    # true: the step blocks only for the snapshot into host memory, the write streams in the background (at most
-    # one save in flight; a save due while the previous one still writes waits for it, counted as stall).
-    # false: the step blocks for the whole write and commit. The key "checkpoint.async" is accepted too.
-    async_save: bool = True
-    # how many nice steps below training the background save thread runs (0..19; Linux, per thread): its write and
-    # checksums take the cores training and data loading leave idle first. The snapshot copy is not lowered.
-    background_nice: int = 10
-    # "auto": continue from the newest checkpoint under checkpoint.dir whose manifest verifies (falling back to
-    # older ones, loudly); "none": start fresh; or the URI of one step directory (it must verify)
-    resume: str = "auto"
-    # a non-finite loss (or gradient norm) at step s: "skip" = roll back to the last commit before s and leave
-    # out the global batch of step s; "rollback" = roll back and train the same batches again (a transient
-    # fault; the same step failing twice stops); "stop" = stop with the step and the batch's sample ids
-    on_nonfinite: str = "skip"
-    max_rollbacks: int = 3  # rollbacks in one run before a non-finite loss stops it
-    # A resumed loader position is refused when the saved plan inputs (split, seed, window, block size, cache
-    # fingerprint, ...) differ from this run's: the position would index another sequence of batches. true
-    # loads the position anyway and continues this run's own plan from there (a different sample order), also
-    # from a commit made at another data.global_batch_size or for another cache (`dutycycle train --resume
-    # --force` sets it).
-    force_loader_state: bool = False
-
-    def check(self, where: str) -> None:
-        one_of(f"{where}.on_nonfinite", self.on_nonfinite, ("skip", "rollback", "stop"))
-        not_negative(where, self, "every", "max_rollbacks", "failures_per_worker_hour")
-        if self.failure_detect_s is not None and not 0 <= self.failure_detect_s < float("inf"):
-            raise ConfigError(f"{where}.failure_detect_s = {self.failure_detect_s} must be a number of seconds >= 0 "
-                              "(leave it out for Ray's own detection of a lost node)")
-        if not 0 <= self.background_nice <= 19:
-            raise ConfigError(f"{where}.background_nice = {self.background_nice} must be within 0..19 (nice steps "
-                              "below the training thread; 0 = the same priority)")
-        if self.keep < 2:
-            raise ConfigError(f"{where}.keep = {self.keep} must be at least 2: a save replaces the oldest commit "
-                              "only after it has committed itself, and a rollback may need the commit before the "
-                              "newest")
-        if self.resume == "":
-            raise ConfigError(f'{where}.resume is empty; use "auto", "none" or the URI of a checkpoint step directory')
-
-
-@dataclass
 class RunSection:
     dir: str = "runs/train"  # run directory (any fsspec URI): config, metrics.jsonl, summary.json, report.png
     name: str = "dutycycle"
@@ -286,6 +206,11 @@ class RunSection:
     # health.py); a worker that fails or exceeds health_timeout_s is named in the error
     health_check: bool = True
     health_timeout_s: float = 30.0
+    # write each sample's loss at every step into RUN_DIR/sample_loss/ (Parquet: row id, step, epoch, rank,
+    # micro-batch, loss; trainer/trace/losses.py), for `dutycycle trace` and a notebook's highest-loss samples.
+    # Off by default: a second, detached cross-entropy per micro-batch, and per log interval a gather to rank 0
+    # and a Parquet part (the cost per step is in benchmarks/results/trace.json)
+    record_sample_loss: bool = False
 
     def check(self, where: str) -> None:
         one_of(f"{where}.precision", self.precision, ("auto", "fp32", "bf16", "fp64"))
@@ -425,17 +350,59 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, bas
     directory (its newest attempt's config: what ``--resume`` continues). A value of the wrong type is refused
     (``configtree.coerce``); an override is text, parsed as its key's type."""
     tree: dict[str, Any] = read_config_tree(path) if path else dict(base or {})
+    tree = elastic_form(tree)
     for k, v in parse_overrides(overrides):
+        if k == "parallel.num_workers" and v.strip().startswith("["):  # --set parallel.num_workers=[2,3]
+            tree = elastic_form({**tree, "parallel": {**tree.get("parallel", {}),
+                                                       "num_workers": parse_value(k, v, "a TOML array", f"{k}=[2, 3]")}})
+            continue
         set_dotted(TrainConfig, tree, k, v, ALIASES)
-    cfg = build(TrainConfig, tree, "", ALIASES)
+    cfg = with_partitions(build(TrainConfig, tree, "", ALIASES))
     validate(cfg)
     return cfg
+
+
+def elastic_form(tree: dict[str, Any]) -> dict[str, Any]:
+    """``parallel.num_workers = [min, max]`` as the two keys it means (``min_workers``, ``num_workers``); a tree
+    without it is returned as it is."""
+    par = tree.get("parallel")
+    if not isinstance(par, dict) or not isinstance(par.get("num_workers"), (list, tuple)):
+        return tree
+    pair = par["num_workers"]
+    if len(pair) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair):
+        raise ConfigError(f"parallel.num_workers = {list(pair)!r} must be an integer or [min, max] (two integers, "
+                          "e.g. [2, 4]: elastic training between 2 and 4 workers)")
+    if "min_workers" in par:
+        raise ConfigError("parallel.num_workers = [min, max] and parallel.min_workers both set the fewest workers; "
+                          "keep one")
+    return {**tree, "parallel": {**par, "num_workers": pair[1], "min_workers": pair[0]}}
 
 
 def from_dict(tree: dict[str, Any]) -> TrainConfig:
-    cfg = build(TrainConfig, tree, "", ALIASES)
+    cfg = with_partitions(build(TrainConfig, elastic_form(tree), "", ALIASES))
     validate(cfg)
     return cfg
+
+
+def resolve_for_world(cfg: TrainConfig, world_size: int) -> TrainConfig:
+    """The config one worker trains with at the world size it actually runs at (Ray Train's or torchrun's):
+    a fixed-size config at ``world_size`` (``parallel.num_workers``; ``min_workers`` 0) whose
+    ``data.micro_batches`` is what that size runs (config_batch.py: the micro-batch never grows past the largest
+    size's). The global batch, the plan (``data.partitions`` resolved from the whole range first) and everything
+    else are the run's. A size outside ``parallel.num_workers`` is refused."""
+    cfg = with_partitions(cfg)
+    par = cfg.parallel
+    if world_size not in par.sizes:
+        raise ConfigError(f"{world_size} workers is outside parallel.num_workers = "
+                          f"{[par.min_workers, par.num_workers] if par.elastic else par.num_workers}; a run trains at "
+                          f"{par.sizes.start}..{par.sizes.stop - 1} workers")
+    if world_size == par.num_workers and not par.elastic:
+        return cfg
+    data = dataclasses.replace(cfg.data, micro_batches=micro_batches_at(cfg, world_size))
+    out = dataclasses.replace(cfg, data=data, parallel=dataclasses.replace(par, num_workers=world_size,
+                                                                           min_workers=0))
+    validate(out)
+    return out
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -443,19 +410,8 @@ def validate(cfg: TrainConfig) -> None:
     own values (its ``check``); what follows needs two sections at once."""
     for f in dataclasses.fields(cfg):
         getattr(cfg, f.name).check(f.name)
-    per_step = cfg.parallel.num_workers * cfg.data.micro_batches
-    if cfg.data.global_batch_size % per_step:
-        raise ConfigError(
-            f"data.global_batch_size = {cfg.data.global_batch_size} does not split evenly over "
-            f"parallel.num_workers x data.micro_batches = {per_step}; choose a multiple of {per_step}"
-        )
-    if not cfg.data.drop_last and per_step > 1:
-        # A short last batch splits unevenly over ranks and micro-batches, and the gradient sync averages equal
-        # shares: the step would no longer be the mean over the global batch (or a rank could get no sample).
-        raise ConfigError(
-            f"data.drop_last = false needs parallel.num_workers x data.micro_batches = 1 (got {per_step}); "
-            "keep data.drop_last = true for distributed or accumulated training"
-        )
+    check_layouts(cfg)  # every size of an elastic run forms the parallel layout
+    check_batch(cfg)  # the global batch splits at every size; micro-batches at the largest (config_batch.py)
     check_optimizer(cfg.optim.name, cfg.parallel.zero_stage)
     _check_tensor_model(cfg)
     c = cfg.checkpoint

@@ -14,7 +14,14 @@ from .parallel.dims import ParallelDims
 
 @dataclass
 class ParallelSection:
+    # training workers (ranks). Elastic training: ``num_workers = [min, max]`` in TOML (or ``--set
+    # parallel.num_workers=[2,3]``) sets ``num_workers`` to max and ``min_workers`` to min: Ray Train runs at up to
+    # max workers and keeps training on as few as min when nodes are lost, growing back when they return; each
+    # size trains on the same global batches (data.global_batch_size is samples per optimizer step at any size)
     num_workers: int = 1
+    # the fewest workers an elastic run continues on; 0 = not elastic (a fixed size, num_workers). Written as the
+    # first element of num_workers = [min, max]
+    min_workers: int = 0
     # "auto" (GPU when the cluster has one), "true" or "false"; TOML's true and false are accepted as those words
     use_gpu: Literal["auto", "true", "false"] = "auto"
     # ZeRO stage (trainer/parallel/plan.py): 0 = DDP; 1-3 = FSDP2 sharding optimizer state (1), + gradients (2),
@@ -82,6 +89,16 @@ class ParallelSection:
     check_every: int = 0
 
     @property
+    def elastic(self) -> bool:
+        """The run may train at several sizes: min_workers < num_workers."""
+        return 0 < self.min_workers < self.num_workers
+
+    @property
+    def sizes(self) -> range:
+        """Every world size the run may train at, smallest first (one size when not elastic)."""
+        return range(self.min_workers if self.elastic else self.num_workers, self.num_workers + 1)
+
+    @property
     def grads_all_to_all(self) -> bool:
         """Gradients go by dutycycle's all-to-all (quantized, or asked for in fp32) rather than the backend's
         reduce-scatter: what plan.make_quantization wires and cluster/topology.py checks the layout for."""
@@ -98,6 +115,9 @@ class ParallelSection:
                               f"= {self.quant_grads!r} is exchanged by all-to-all); use \"auto\" or quant_grads = "
                               "\"none\"")
         positive(where, self, "num_workers")
+        if not 0 <= self.min_workers <= self.num_workers:
+            raise ConfigError(f"{where}.num_workers = [{self.min_workers}, {self.num_workers}] must be [min, max] with "
+                              "1 <= min <= max (an integer: a fixed size)")
         not_negative(where, self, "cpus_per_worker", "inject_comm_ms", "check_every")
         one_of(f"{where}.zero_stage", self.zero_stage, (0, 1, 2, 3))
         if self.reduce_every_micro_step and self.zero_stage == 1:

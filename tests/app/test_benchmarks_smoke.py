@@ -402,7 +402,7 @@ def test_the_accuracy_matrix_judges_untuned_runs_by_what_each_expects():
 def test_startup_benchmark_quick(tmp_path):
     """benchmarks/startup.py at a tiny size, its --local row: the start-up comes from the run's summary. The
     notebook rows (two train calls on one Ray instance) take half a minute more: the reuse they measure is
-    tested in tests/trainer/test_driver_ray.py."""
+    tested in tests/trainer/test_train_ray.py."""
     out = tmp_path / "startup.json"
     proc = subprocess.run([sys.executable, str(BENCH.parent / "startup.py"), "--steps", "3", "--eval-every", "3",
                            "--n", "200", "--repeats", "1", "--rows", "local", "--busy", "0",

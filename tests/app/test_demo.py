@@ -108,6 +108,14 @@ def test_demo_small_runs_end_to_end_from_the_built_wheel(tmp_path, wheel):
     assert (out / "run" / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "contact_sheet.html").read_text().count("<img") > 0
     assert (out / "run" / "config.json").exists() and (out / "run" / "metrics.jsonl").exists()
+    # the model card of a wheel's run: no git checkout, the wheel as pip recorded it; the killed worker survived
+    card = json.loads((out / "run" / "model_card.json").read_text())
+    assert card["code"]["git"] is None and card["code"]["install"]["kind"] == "archive"
+    assert card["code"]["install"]["url"].endswith(wheel.name)
+    assert [r["cause"] for r in card["training"]["restarts"]] == ["start", "restart after failure"]
+    assert card["training"]["failures_survived"] == 1 and card["training"]["world_sizes"] == [2, 2]
+    assert card["data"]["table"]["version"] and card["data"]["splits"]["train"] == summary["data"]["train_samples"]
+    assert (out / "run" / "MODEL_CARD.md").read_text().startswith("# Model card: ")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -124,6 +132,7 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 def test_the_demo_trains_with_demo_toml_plus_its_documented_overrides(small):
     """configs/demo.toml is what `dutycycle train` users copy and what the demo trains with: the demo's resolved
     config differs from the file only in its cache, run directory and worker count (and --small's settings)."""
+    from dutycycle.loader.plan import default_partitions
     from dutycycle.trainer.app.demo import SMALL, training_config
     from dutycycle.trainer.config import load_config, packaged_config
 
@@ -134,7 +143,9 @@ def test_the_demo_trains_with_demo_toml_plus_its_documented_overrides(small):
     from_file = _flat(load_config(path).to_dict())
     demo = _flat(training_config(4, "/demo/run", "/demo/cache/abc", small, ["optim.lr=0.01"]).to_dict())
     documented = {"data.cache": "/demo/cache/abc", "run.dir": "/demo/run", "parallel.num_workers": 4,
-                  **(SMALL["train"] if small else {}), "optim.lr": 0.01}  # the user's --set comes last
+                  **(SMALL["train"] if small else {}), "optim.lr": 0.01,  # the user's --set comes last
+                  # the default partition count follows the worker count (a plan input, resolved when loaded)
+                  "data.partitions": default_partitions([4], demo["data.global_batch_size"])}
     assert demo.keys() == from_file.keys()
     differ = {k: v for k, v in demo.items() if v != from_file[k]}
     assert differ == {k: v for k, v in documented.items() if v != from_file[k]}

@@ -40,6 +40,10 @@ def check_bring_your_own(tmp_path, outputs):
     assert accuracy >= 0.85, accuracy  # held-out handwritten digits, never in the training cache
     assert "a fresh process predicts the same: True" in text
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the confusion matrix, shown inline
+    # the ten highest-loss samples (run.record_sample_loss), joined with the table and shown with thumbnails
+    assert "the ten highest-loss samples of" in text
+    shown = [o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {})]
+    assert any(h.count("data:image") >= 10 and "max_loss" in h for h in shown)
     run = tmp_path / "runs" / "digits"
     assert (run / "evaluation" / "test.json").exists() and (run / "export" / "model.pt2").exists()
     assert (tmp_path / "mlruns" / "mlflow.db").exists()

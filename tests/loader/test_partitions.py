@@ -91,8 +91,11 @@ def test_partitions_change_the_order_and_are_checked():
         plan_epoch(1000, 0, 0, FP, 16, True, partitions=32)
     with pytest.raises(ConfigError, match="partitions=32 is more than global_batch_size=16"):
         LoaderConfig(global_batch_size=16, partitions=32)
-    with pytest.raises(ConfigError, match="partitions=0"):
-        LoaderConfig(global_batch_size=16, partitions=0)
+    with pytest.raises(ConfigError, match="partitions=-1"):
+        LoaderConfig(global_batch_size=16, partitions=-1)
+    # 0 is "sized for the world": a Loader resolves it; a plan made directly needs the number
+    with pytest.raises(ConfigError, match="partitions=0 is invalid.*default_partitions"):
+        plan_epoch(1000, 0, 0, FP, 16, True, partitions=0)
 
 
 # ------------------------------------------------------------------------------------------------ the loader

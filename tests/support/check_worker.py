@@ -45,7 +45,10 @@ def parity_runs(rank: int, world: int, root: str) -> dict:
     from dutycycle.engine.errors import ParityCheckFailed
 
     out = {"checked": _run(rank, world, f"{root}/checked", "parallel.check_every=1"),
-           "off": _run(rank, world, f"{root}/off")}
+           "off": _run(rank, world, f"{root}/off"),
+           # float64: FSDP2 pre-divides the reduce-scatter's input (a SUM, then a post-division) where fp32 is an
+           # AVG, so the quantizer sees the gradient scaled down and the bound must scale its A back up
+           "fp64": _run(rank, world, f"{root}/fp64", "parallel.check_every=1", "run.precision=fp64")}
     restore = _dropping_rank_1(rank)
     try:
         _run(rank, world, f"{root}/corrupted", "parallel.check_every=1")

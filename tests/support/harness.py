@@ -4,6 +4,7 @@ a free port each, a join timeout)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 
@@ -41,7 +42,10 @@ def _dist_entry(rank, world_size, port, fn, args, result_dir):
 PRELOAD = ["torch", "torch.distributed", "dutycycle.trainer.step.trainer", "dutycycle.trainer.parallel.apply",
            "dutycycle.trainer.checkpoint.checkpointer",
            # FSDP2's first step imports these (0.6 s of CPU per rank); they start no thread
-           "torch._dynamo", "torch._functorch.aot_autograd"]
+           "torch._dynamo", "torch._functorch.aot_autograd",
+           # every Trainer reads its node's label through Ray (cluster/topology.py: node_label), which imports
+           # it: 0.3 s of CPU per rank; the import starts no thread and connects nowhere
+           "ray"]
 
 
 def _context():
@@ -56,6 +60,14 @@ def _entry(env, target, *args):
     """A rank in the caller's environment: the fork server's is the one it started with."""
     os.environ.clear()
     os.environ.update(env)
+    if "ray" in sys.modules:
+        # the server imported Ray (PRELOAD), which reads its config once, at import: RAY_AUTH_MODE among it. The
+        # caller may have chosen token authentication since (the session's cluster started after the server:
+        # trainer/cluster/local.py), and a rank that joins that cluster with the server's config is refused
+        # (InvalidAuthToken); read it again from this environment, as local.py does in the caller
+        from ray._raylet import Config
+
+        Config.initialize("")
     target(*args)
 
 

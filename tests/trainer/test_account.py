@@ -97,3 +97,20 @@ def test_a_local_run_accounts_for_every_second(tmp_path):
     assert on_disk["launch"] == a and on_disk["report_draw_s"] > 0
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("event") == "attempt"] == [0]
+
+
+def test_a_resumed_launch_counts_its_own_steps_only():
+    """A run directory resumed by a second launch holds the first launch's attempt and steps: the second launch's
+    account covers its own wall time and its own steps (counting the first launch's made goodput exceed 1)."""
+    setup = {"worker_init": 0.5, "health_check": 0.25, "data_open": 0.25, "model_build": 0.5}
+    earlier = {"event": "attempt", "step": 0, "started": 10.0, "loop_started": 12.0, "setup": setup, "time": 12.0}
+    old_steps = [{"step": s, "loss": 1.0, "time": 12.0 + s, "step_s": 1.0, "forward_backward": 0.9} for s in range(1, 9)]
+    mine = {"event": "attempt", "step": 8, "started": 103.0, "loop_started": 105.0, "setup": setup, "time": 105.0,
+            "loop_s": 4.0, "results_s": 0.0}
+    new_steps = [{"step": s, "loss": 1.0, "time": 105.0 + s - 8, "step_s": 1.0, "forward_backward": 0.9}
+                 for s in range(9, 13)]
+    s = {"attempt": mine, "time_breakdown": {"seconds": {"forward_backward": 3.6, "other": 0.4}}}
+    a = job_time(s, [earlier, *old_steps, mine, *new_steps], launched=100.0, fit_called=101.0, closed=110.0)
+    assert a["attempts"] == 1 and a["wall_s"] == 10.0
+    assert a["seconds"]["failures"] == 0.0  # the earlier launch is not a failure inside this one
+    assert 0 < a["goodput"] <= 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,12 +87,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.ray
-def test_an_overrun_kills_the_experiments_process_group_and_leaves_the_callers_actor(ray_cluster, tmp_path):
-    """An experiment past its deadline is killed whole: its process group is gone, and Ray, seeing its driver
-    gone, ends its actor; a notebook's own actor (here, one created before) still answers and the caller stays
-    connected."""
-    import ray
+OVERRUN_TEST = "test_an_overrun_kills_the_experiments_process_group_and_leaves_the_callers_actor"
+
+
+def _overrun(ray, folder) -> dict:
+    """An experiment hung on an actor, run past its deadline on the session's cluster beside a caller's own actor
+    (one created before, as a notebook's): what each try raised, where the experiment wrote its pids, and the
+    caller's actor. Runs beside the CLI diagnoses (``cli_runs``): after its Python's start it only waits."""
     from dutycycle.trainer.diagnose import run
     from dutycycle.trainer.diagnose.context import Context
 
@@ -104,18 +106,36 @@ def test_an_overrun_kills_the_experiments_process_group_and_leaves_the_callers_a
     callers = Sleeper.remote()
     ray.get(callers.sleep.remote(0))
     # The deadline must come after the experiment's Python, its imports and its actor have started (it writes its
-    # pids before it hangs: the assertions below read them): 7-10 s here with the machine six times
-    # oversubscribed. 15 s first; where it had not written them by then, once more with 60 s (a fixed 30 s was
-    # waited out whole on every run).
-    for seconds in (15.0, 60.0):
-        pids = tmp_path / f"pids-{seconds:.0f}.json"
-        job = {**run.job_for(Context(cfg=load_config(None, BASE), workdir=str(tmp_path / "runs"))),
+    # pids before it hangs: the test reads them): 7-10 s alone with the machine six times oversubscribed, and here
+    # the CLI diagnoses start their Pythons, Ray and their compute loops at the same moment. 30 s first, about as
+    # long as the longest CLI diagnosis beside it takes (the fixture's 36 s in the last clean run), so the wait
+    # costs nothing; where it had not written them by then, once more with 60 s.
+    raised = []
+    for seconds in (30.0, 60.0):
+        pids = folder / f"pids-{seconds:.0f}.json"
+        job = {**run.job_for(Context(cfg=load_config(None, BASE), workdir=str(folder / "runs"))),
                "kwargs": {"pids": str(pids)}}
-        with pytest.raises(run.Overran, match=r"stopped at its deadline.*its process group was sent SIGTERM"):
+        try:
             run.run_bounded(f"{__name__}:hang_on_an_actor", job, seconds, ray=ray.get_runtime_context().gcs_address)
+            raised.append(None)
+        except run.Overran as e:
+            raised.append(str(e))
         if pids.exists():
             break
-    started = json.loads(pids.read_text())  # written before the deadline: the experiment was hung, not starting
+    return {"raised": raised, "pids": pids, "callers": callers}
+
+
+@pytest.mark.ray
+def test_an_overrun_kills_the_experiments_process_group_and_leaves_the_callers_actor(ray_cluster, cli_runs):
+    """An experiment past its deadline is killed whole: its process group is gone, and Ray, seeing its driver
+    gone, ends its actor; a notebook's own actor (here, one created before) still answers and the caller stays
+    connected."""
+    import ray
+
+    got = cli_runs["overrun"].result()
+    for r in got["raised"]:  # every try ended at its deadline, killed whole
+        assert r is not None and re.search(r"stopped at its deadline.*its process group was sent SIGTERM", r), r
+    started = json.loads(got["pids"].read_text())  # written before the deadline: the experiment was hung, not starting
     assert not _alive(started["experiment"])
     with pytest.raises(ProcessLookupError):
         os.killpg(started["experiment"], 0)  # nothing is left in its process group
@@ -123,6 +143,7 @@ def test_an_overrun_kills_the_experiments_process_group_and_leaves_the_callers_a
     while _alive(started["actor"]) and time.time() - t0 < 60:
         time.sleep(0.5)
     assert not _alive(started["actor"]), "Ray did not end the killed experiment's actor"
+    callers = got["callers"]
     assert ray.is_initialized() and ray.get(callers.sleep.remote(0), timeout=30) == "awake"
     ray.kill(callers)
 
@@ -208,15 +229,19 @@ def _one_cli(folder, budget_s, overrides, only, timeout, sig) -> dict:
 
 @pytest.fixture(scope="module")
 def cli_runs(request, tmp_path_factory):
-    """The CLI diagnoses of the selected tests below, run side by side: each mostly waits on its slow loader, its
-    deadline or its Python's and Ray's start, and one after the other they left a core idle most of the time
-    (SIGINT and SIGTERM alone: 54.0 s apart, 39.3 s together). Only the selected tests' runs start (``-m "not
-    ray"`` starts no Ray). {name in CLI_RUNS: a finished future of _one_cli's result, or of its error}"""
+    """The CLI diagnoses of the selected tests below, and the overrun above, run side by side: each mostly waits
+    on its slow loader, its deadline or its Python's and Ray's start, and one after the other they left a core idle
+    most of the time (SIGINT and SIGTERM alone: 54.0 s apart, 39.3 s together). Only the selected tests' runs
+    start (``-m "not ray"`` starts no Ray). {name in CLI_RUNS, or "overrun": a finished future of _one_cli's
+    result (or _overrun's), or of its error}"""
     selected = {item.originalname for item in request.session.items
                 if getattr(item, "module", None) is not None and item.module.__name__ == __name__}
     root = tmp_path_factory.mktemp("cli")
     runs = {}
-    with ThreadPoolExecutor(len(CLI_RUNS)) as pool:  # waits for every run on leaving
+    with ThreadPoolExecutor(len(CLI_RUNS) + 1) as pool:  # waits for every run on leaving
+        if OVERRUN_TEST in selected:  # beside them too: once started, it waits for its deadline
+            (root / "overrun").mkdir()
+            runs["overrun"] = pool.submit(_overrun, request.getfixturevalue("ray_cluster"), root / "overrun")
         for name, (test, budget_s, overrides, only, timeout) in CLI_RUNS.items():
             if test in selected:
                 (root / name).mkdir()

@@ -57,6 +57,19 @@ def test_every_step_checked_passes_and_records_the_wire(runs):
 
 
 @pytest.mark.timeout(330)
+def test_a_float64_run_is_checked_in_the_mean_gradients_units(runs):
+    """In float64 FSDP2 pre-divides the reduce-scatter's input by 2 at 2 ranks and sums (fp32 averages): a bound
+    taken from what the quantizer saw was half the real error's (the check stopped a correct run at step 1, error
+    1.3e-3 against 7.5e-4); scaled back up, every step passes with a real error under it."""
+    checks = _checks(runs[0]["fp64"]["rows"])
+    assert [c["step"] for c in checks] == [1, 2, 3]
+    for c in checks:
+        pc = c["parity_check"]
+        assert pc["passed"] and 0 < pc["max_rel_error"] <= pc["bound"] < 0.05, pc
+        assert pc["max_rel_error"] > pc["bound"] / 10, pc  # the bound is tight enough to catch a dropped rank
+
+
+@pytest.mark.timeout(330)
 def test_off_by_default_records_nothing_and_changes_nothing(runs):
     assert ParallelSection().check_every == 0
     off, checked = runs[0]["off"], runs[0]["checked"]

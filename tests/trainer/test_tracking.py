@@ -193,3 +193,21 @@ def test_stores_params_and_revisions(tmp_path):
         load_config(None, ["data.cache=x", "tracking.mlflow_uri=sqlite://x.db"])
     with pytest.raises(ConfigError, match="tag key"):
         load_config(None, ["data.cache=x", "tracking.mlflow_uri=m", 'tracking.tags={"a:b" = "c"}'])
+
+
+def test_files_of_a_run_on_an_object_store_are_logged_as_artifacts(tmp_path):
+    """A run directory that is not a local folder (here ``memory://``) has its files copied to a local one for
+    MLflow, streamed (the weights can be large); its bytes arrive unchanged."""
+    from dutycycle.engine import io
+    from dutycycle.trainer.launch.tracking import log_files
+    from mlflow import MlflowClient
+
+    folder = f"memory://tracked-{tmp_path.name}"
+    payload = bytes(range(256)) * 4096
+    io.write_bytes_atomic(io.join(folder, "model.safetensors"), payload)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.create_run(client.create_experiment("e", artifact_location=str(tmp_path / "art")))
+    log_files(client, run.info.run_id, folder, ["model.safetensors"], None)
+    got = client.download_artifacts(run.info.run_id, "model.safetensors", str(tmp_path / "back"))
+    with open(got, "rb") as f:
+        assert f.read() == payload

@@ -1,4 +1,4 @@
-"""CLI subcommands of the trainer: ``dutycycle train``, ``diagnose``, ``tune`` and ``demo``: their
+"""CLI subcommands of the trainer: ``dutycycle train``, ``diagnose``, ``tune``, ``demo`` and ``trace``: their
 arguments. What they do is in run.py, imported when a command runs (it loads torch)."""
 
 from __future__ import annotations
@@ -76,6 +76,24 @@ def register(subparsers) -> None:
                    help="memory per rank to check the model state against (default: the device's)")
     t.set_defaults(func=command("cmd_tune"))
 
+    r = subparsers.add_parser(
+        "trace",
+        help="which rows trained step N of a run, and which steps trained a given row",
+        description="Recompute from the run's records and the plan (not from a per-step log) the rows of step N, per "
+        "rank and micro-batch: row id (the content hash), label, source URI, table version and the curation that "
+        "selected them, with each sample's loss when the run recorded it (run.record_sample_loss); or every step "
+        "and epoch that trained on a sample, and whether it was in the evaluation split. Correct across resumes, "
+        "restarts at another world size, gradient accumulation and skipped batches.",
+    )
+    r.add_argument("run", help="a run directory (run.dir)")
+    what = r.add_mutually_exclusive_group(required=True)
+    what.add_argument("--step", type=int, help="the step, as metrics.jsonl numbers it (1 = the first)")
+    what.add_argument("--sample", help="a sample id (the table's row id) or a source URI as the table records it")
+    r.add_argument("--html", nargs="?", const="", default=None, metavar="OUT",
+                   help="with --step: write a page with the step's thumbnails (default RUN/trace/step-N.html)")
+    r.add_argument("--json", action="store_true", help="print JSON (one object) instead of a table")
+    r.set_defaults(func=command("cmd_trace"))
+
     d = subparsers.add_parser(
         "demo",
         help="the main job: synth -> ingest -> curate -> materialize -> train on a local Ray cluster",
@@ -83,8 +101,14 @@ def register(subparsers) -> None:
         "the time breakdown and where the report is.",
     )
     d.add_argument("--out", default="dutycycle-demo", help="output folder (default: ./dutycycle-demo)")
-    d.add_argument("--workers", type=int, default=2, help="training workers on the local Ray cluster (default 2)")
+    d.add_argument("--workers", type=int, default=None,
+                   help="training workers on the local Ray cluster (default 2; with --elastic, nodes and the most "
+                        "workers: default 3)")
     d.add_argument("--small", action="store_true", help="a quick run: a few hundred images, a few steps")
+    d.add_argument("--elastic", action="store_true",
+                   help="train elastically on a local multi-node Ray cluster (one node per worker): a node is "
+                        "removed mid-run, training continues on fewer workers, the node comes back and the run "
+                        "grows again; the diagnosis is left out")
     add_overrides(d, "a training config key")
     d.set_defaults(func=command("cmd_demo"))
 

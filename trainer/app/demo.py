@@ -5,6 +5,11 @@
     exchange, asynchronous checkpoints) while one worker is killed mid-run and the run recovers by itself
     -> diagnose the same config -> accuracy, time, recovery, verdict, and demo.html tying them together
 
+``--elastic`` trains elastically instead, on a local multi-node Ray cluster (app/elastic.py): a 0-CPU head and
+three 1-CPU nodes, ``parallel.num_workers = [2, 3]``; one node is removed mid-run (its worker killed with it), the
+run continues on 2 workers from its newest commit, the node is added back and the run grows to 3 again. The
+page shows the sizes over time and what each change cost; the diagnosis is left out (it measures a fixed size).
+
 Every stage is the public API a user would call, and every artifact lands under ``--out`` so a person can
 look at it afterwards (``images/``, ``table/``, ``curated/``, ``cache/``, ``run/``, ``diagnose/``). Running the
 demo again in the same folder reuses the data (ingest adds only new files, the cache is found by fingerprint) and
@@ -20,6 +25,7 @@ import tomllib
 
 from dutycycle.engine import formats, io
 from dutycycle.engine.cache.materialize import materialize
+from dutycycle.engine.errors import ConfigError
 from dutycycle.engine.inspect import contact_sheet
 from dutycycle.engine.synth import synthesize
 from dutycycle.engine.table.catalog import ingest
@@ -34,6 +40,7 @@ from dutycycle.trainer.step.metrics import format_breakdown
 
 from .chaos import KillOneWorker
 from .demo_report import write
+from .elastic import ElasticPlan, LocalCluster, run_elastic
 
 # The demo trains with configs/demo.toml (shipped in the package as dutycycle.configs), the file that
 # `dutycycle train configs/demo.toml` reads, so the two cannot drift apart. On top of it the demo sets only where
@@ -68,36 +75,76 @@ SMALL = {
     # "unknown" on a machine running two test suites besides. Under 180 s the short runs keep 8 steps
     "diagnose": {"budget_s": 170, "only": ["compute", "loader", "end_to_end", "memory"]},
 }
+# --elastic: a node of `workers` (one training worker each) is lost and comes back; the run trains at
+# [workers - 1, workers]. On top of the settings above (SMALL's with --small): a run long enough to see both
+# changes (the grow waits for Ray Train's resize monitor, ray.resize_interval_s, and a group restart: tens of
+# seconds on a busy 2-core machine, when the smaller group keeps training), commits often enough that the lost
+# node costs a few steps, and room for the node loss among Ray's failures. The nodes are processes of this
+# machine, so its disk is every node's: checkpoint.shared_fs says so (a real cluster's would be NFS or a bucket)
+ELASTIC = {
+    "workers": 3,
+    # global batches that split evenly over 2 and 3 workers (the same samples per step at either size)
+    "train": {"data.global_batch_size": 96, "run.max_steps": 400, "checkpoint.every": 10, "ray.max_failures": 3,
+              "checkpoint.shared_fs": True},
+    "small_train": {"data.global_batch_size": 48, "run.max_steps": 160, "checkpoint.every": 4, "run.eval_every": 40,
+                    "parallel.check_every": 40, "ray.max_failures": 3, "checkpoint.shared_fs": True},
+    # a node is lost after this step (a commit before it: the lost node costs the steps since)
+    "remove_after_step": 60, "small_remove_after_step": 20,
+    "regrow_after_steps": 10,  # steps trained at the smaller size before the node is added back
+}
 
 
-def training_overrides(workers: int, run_dir: str, cache: str, small: bool = False) -> list[str]:
+def training_overrides(workers: int | str, run_dir: str, cache: str, small: bool = False,
+                       elastic: bool = False) -> list[str]:
     """What the demo sets on configs/demo.toml, as ``--set`` items: its cache, its run directory, the worker
-    count, and with ``small`` the quick run's settings."""
+    count (``"[2,3]"`` elastic), and with ``small`` the quick run's settings, with ``elastic`` the elastic run's."""
     keys = {"data.cache": cache, "run.dir": run_dir, "parallel.num_workers": workers,
-            **(SMALL["train"] if small else {})}
+            **(SMALL["train"] if small else {}),
+            **((ELASTIC["small_train"] if small else ELASTIC["train"]) if elastic else {})}
     return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in keys.items()]
 
 
-def training_config(workers: int, run_dir: str, cache: str, small: bool = False,
-                    overrides: list[str] | None = None):
+def training_config(workers: int | str, run_dir: str, cache: str, small: bool = False,
+                    overrides: list[str] | None = None, elastic: bool = False):
     """The demo's resolved training config: configs/demo.toml, the demo's overrides, then ``overrides``."""
     base = tomllib.loads(packaged_config("demo.toml"))
-    return load_config(None, [*training_overrides(workers, run_dir, cache, small), *(overrides or [])], base=base)
+    return load_config(None, [*training_overrides(workers, run_dir, cache, small, elastic), *(overrides or [])],
+                       base=base)
+
+
+def elastic_workers(workers: int) -> str:
+    """``--elastic``'s worker range for ``workers`` nodes: one node may be lost."""
+    if workers < 2:
+        raise ConfigError(f"--workers {workers} with --elastic: an elastic demo needs at least 2 nodes (one is "
+                          "removed mid-run); use --workers 2 or more (default 3)")
+    return f"[{workers - 1},{workers}]"
 
 
 def _say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
-def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
-             overrides: list[str] | None = None) -> dict:
+def run_demo(out: str = "dutycycle-demo", workers: int | None = None, small: bool = False,
+             overrides: list[str] | None = None, elastic: bool = False) -> dict:
+    """The demo (the module's docstring) into ``out``; returns what ``demo.json`` holds (and the summary).
+    ``workers``: training workers (default 2); with ``elastic``, the cluster's nodes and the most workers
+    (default 3), the run training at one fewer while a node is gone."""
     plan = SMALL if small else DEMO
+    if workers is None:
+        workers = ELASTIC["workers"] if elastic else 2
+    size = elastic_workers(workers) if elastic else workers
+    if elastic and io.protocol(out) != "file":
+        raise ConfigError(f"--out {out} with --elastic: the elastic demo's nodes share this machine's disk; give a "
+                          "local folder")
     if io.protocol(out) == "file":
         out = os.path.abspath(out)
     images, table, curated = io.join(out, "images"), io.join(out, "table"), io.join(out, "curated")
     cache_root, run_dir = io.join(out, "cache"), io.join(out, "run")
     # Validate the training config first: a bad --set fails before minutes of data preparation.
-    training_config(workers, run_dir, "(set after materialize)", small, overrides)
+    checked = training_config(size, run_dir, "(set after materialize)", small, overrides, elastic)
+    if elastic and not checked.parallel.elastic:
+        raise ConfigError(f"parallel.num_workers = {checked.parallel.num_workers} with --elastic: the elastic demo "
+                          f"trains at [min, max] workers (its default {size}); drop the --set, or use --workers")
     t_start = time.perf_counter()
     stages: dict[str, float] = {}
 
@@ -132,7 +179,9 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
     _say(f"materialize: {m.num_samples} samples of {m.shape} in {len(m.shards)} shards"
          f"{' (reused)' if res.reused else ''}, splits {m.split_counts} -> {res.uri} [{stages['materialize']:.1f}s]")
 
-    cfg = training_config(workers, run_dir, res.uri, small, overrides)
+    cfg = training_config(size, run_dir, res.uri, small, overrides, elastic)
+    if elastic:
+        return _finish_elastic(out, cfg, stages, t_start, res, sheet, small)
     t = time.perf_counter()
     _say(f"train: {cfg.parallel.num_workers} workers on a local Ray cluster, ZeRO stage {cfg.parallel.zero_stage}, "
          f"{cfg.parallel.quant_grads} gradient exchange, asynchronous checkpoints every {cfg.checkpoint.every} "
@@ -174,13 +223,60 @@ def run_demo(out: str = "dutycycle-demo", workers: int = 2, small: bool = False,
     stages["diagnose"] = time.perf_counter() - t
     total = time.perf_counter() - t_start
     _say("stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in stages.items()) + f"; total {total:.0f}s")
-    result = {"val_accuracy": acc, "total_s": total, "stages": stages, "run_dir": run_dir,
-              "report": summary.get("report"), "cache": res.uri, "contact_sheet": sheet, "summary": summary,
+    return _publish(out, run_dir, summary, stages, total, res, sheet, recovery=recovery,
+                    diagnosis={"verdict": diagnosis["verdict"], "files": diagnosis["files"],
+                               "remedies": diagnosis.get("remedies", [])})
+
+
+def _publish(out: str, run_dir: str, summary: dict, stages: dict, total: float, res, sheet: str, **parts) -> dict:
+    """The demo's result: its page (``demo.html``) and ``demo.json`` (all but the run's whole summary) written,
+    named in one line; ``parts``: what this demo did beside training (recovery and diagnosis, or elastic)."""
+    result = {"val_accuracy": summary["val_accuracy"], "total_s": total, "stages": stages,
+              "run_dir": run_dir, "report": summary.get("report"),
+              "cache": res.uri, "contact_sheet": sheet, "summary": summary,
               "training": {k: summary.get(k) for k in ("steps", "samples_per_s", "val_loss", "goodput", "job", "launch",
                                                         "data_wait_fraction", "comm_fraction", "time_breakdown")},
-              "recovery": recovery, "diagnosis": {"verdict": diagnosis["verdict"], "files": diagnosis["files"],
-                            "remedies": diagnosis.get("remedies", [])}}
+              **parts}
     result["html"] = write(out, result)
     _say(f"report: {summary.get('report')}; everything together: {result['html']}")
     io.write_json_atomic(io.join(out, "demo.json"), formats.stamp({k: v for k, v in result.items() if k != "summary"}))
     return result
+
+
+def _finish_elastic(out: str, cfg, stages: dict, t_start: float, res, sheet: str, small: bool) -> dict:
+    """``--elastic``'s training (app/elastic.py) and its page: the run on a local cluster of one node per worker
+    that loses a node and gets it back."""
+    par, run_dir = cfg.parallel, cfg.run.dir
+    moves = ElasticPlan(remove_after_step=ELASTIC["small_remove_after_step" if small else "remove_after_step"],
+                           regrow_after_steps=ELASTIC["regrow_after_steps"])
+    t = time.perf_counter()
+    _say(f"cluster: a local Ray cluster of {par.num_workers} nodes of 1 CPU (and a head with none, for the driver "
+         "and Ray Train's controller)")
+    cluster = LocalCluster(nodes=par.num_workers).start()
+    stages["cluster"] = time.perf_counter() - t
+    cfg.ray.address = cluster.address  # the run joins this cluster, as it would a real one
+    t = time.perf_counter()
+    _say(f"train: elastic, {par.min_workers} to {par.num_workers} workers, ZeRO stage {par.zero_stage}, "
+         f"{par.quant_grads} gradient exchange, checkpoints every {cfg.checkpoint.every} steps; a node is removed "
+         f"after step {moves.remove_after_step} and added back after {moves.regrow_after_steps} steps "
+         f"at the smaller size; run directory {run_dir}")
+    try:
+        summary, report = run_elastic(lambda: train(cfg, local=False, quiet=True, overwrite=True), run_dir,
+                                      checkpoint_root(cfg, run_dir), cluster, moves, say=_say)
+    finally:
+        import ray  # heavy: only once the elastic run is done
+
+        ray.shutdown()
+        cluster.shutdown()
+    stages["train"] = time.perf_counter() - t
+    elastic = report.to_dict()
+    acc = summary["val_accuracy"]
+    _say(f"final validation accuracy: {acc:.1%} ({summary['steps']} steps, {summary['samples_per_s']:.0f} samples/s)")
+    _say("workers: " + (" \u2192 ".join(map(str, elastic["sizes"])) or "unknown")
+         + (f" (the demo's cluster changes stopped short: {elastic['error']})" if elastic["error"] else ""))
+    if summary.get("launch"):
+        _say(format_job(summary["launch"]))
+    total = time.perf_counter() - t_start
+    _say("stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in stages.items()) + f"; total {total:.0f}s")
+    return _publish(out, run_dir, summary, stages, total, res, sheet, elastic=elastic, recovery=None,
+                    diagnosis=None)

@@ -1,5 +1,6 @@
 """``demo.html``: one page tying the demo together: the data stages, the training result and where its time went,
-the failure and the recovery, and the diagnosis, with links to the artifacts each stage left."""
+the failure and the recovery (``--elastic``: the node lost and added back, and the sizes the run trained at), and
+the diagnosis, with links to the artifacts each stage left."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from dutycycle.engine import io
 from dutycycle.engine.numbers import figure, seconds_plain
 from dutycycle.trainer.diagnose.remedies import predicted_text
 from dutycycle.trainer.launch.account import NAMES
+from dutycycle.trainer.launch.runpage import change_text
+from dutycycle.trainer.step.sizes import path_text
 from dutycycle.trainer.step.timing import JOB_ONE_TIME, PHASES
+
+e = html.escape
 
 
 def _img(uri: str | None) -> str:
@@ -137,16 +142,41 @@ def _rows(pairs) -> str:
     return "".join(f"<tr><td>{html.escape(str(k))}</td><td>{v}</td></tr>" for k, v in pairs)
 
 
+def elastic_section(el: dict) -> str:
+    """``--elastic``: what the demo did to the cluster and when, what the run did about it, and each change of
+    size with what it cost (the run's resize rows, launch/account.py)."""
+    def at(seconds, step) -> str:
+        return "-" if seconds is None else f"{seconds:.1f} s after launch, at step {step}"
+
+    rows = [
+        ("workers over time", e(path_text(el["sizes"])) if el.get("sizes") else "-"),
+        ("node removed (raylet and its worker killed)", e(at(el["removed_at_s"], el["removed_at_step"]))),
+        ("training on fewer workers", e(f"{el['shrunk_to']} workers from step {el['shrunk_at_step']}, the first "
+                                        f"step {el['loss_to_step_s']:.1f} s after the node was lost")
+         if el.get("loss_to_step_s") is not None else "-"),
+        ("node added back", e(at(el["added_at_s"], el["added_at_step"]))),
+        ("training on more workers again", e(f"{el['grown_to']} workers from step {el['grown_at_step']}, the first "
+                                             f"step {el['add_to_step_s']:.1f} s after the node came back")
+         if el.get("add_to_step_s") is not None else "-"),
+    ]
+    changes = "".join(f"<li>{e(change_text(c))}</li>" for c in el.get("resizes") or [])
+    stopped = (f"<p class='note'>The demo's cluster changes stopped short: {e(el['error'])}</p>"
+               if el.get("error") else "")
+    return (f"<h2>Elastic training</h2><table>{_rows(rows)}</table>{stopped}"
+            + (f"<h3>Each change of size</h3><ul>{changes}</ul>" if changes else ""))
+
+
 def write(out: str, result: dict) -> str:
     s, rec, dg = result["summary"], result.get("recovery") or {}, result.get("diagnosis") or {}
-    e = html.escape
+    sizes = (result.get("elastic") or {}).get("sizes") or []
     stages = _rows((k, f"{v:.1f} s") for k, v in result["stages"].items())
     time_html = time_tables(s)
     par, ck = s.get("parallel", {}), s.get("checkpoint") or {}
     train_rows = _rows([
         ("validation accuracy", f"{s['val_accuracy']:.1%}"),
         ("steps, samples/s", f"{s['steps']}, {s['samples_per_s']:.0f}"),
-        ("workers, ZeRO stage", f"{s['world_size']}, {par.get('zero_stage')}"),
+        ("workers, ZeRO stage", f"{e(path_text(sizes)) if len(sizes) > 1 else s['world_size']}, "
+                                f"{par.get('zero_stage')}"),
         ("gradient exchange", e(wire_formats(par.get("quantization", {}), par.get("precision", "fp32")))),
         ("bytes sent per step per rank", f"{sum(par.get('traffic_per_step', {}).values()) / 2**20:.2f} MB"),
         ("checkpoints committed", e(readable("committed", ck.get("committed")))),
@@ -157,7 +187,15 @@ def write(out: str, result: dict) -> str:
     ])
     rec_rows = _rows((label(k), e(readable(k, v))) for k, v in rec.items() if v is not None) if rec else \
         "<tr><td colspan=2>no failure was injected</td></tr>"
+    failure = (elastic_section(result["elastic"]) if result.get("elastic")
+               else f"<h2>Failure and recovery</h2><table>{rec_rows}</table>")
     verdict = dg.get("verdict", {})
+    # the headline starts with the kind ("data-bound: ...") and ends with the fix: said once
+    diagnosis = (
+        f"<h2>Diagnosis</h2><p class='verdict'>{e(verdict.get('headline', 'not run'))}</p>"
+        f"{_top_remedy(dg.get('remedies') or [])}"
+        f"<p>{_link((dg.get('files') or {}).get('html'), 'the full diagnosis', out)}</p>"
+        f"{_img((dg.get('files') or {}).get('png'))}") if result.get("diagnosis") is not None else ""
     body = (
         "<!doctype html><html><head><meta charset='utf-8'><title>dutycycle demo</title><style>"
         "body{font-family:sans-serif;max-width:1100px;margin:2em auto}td{padding:4px 10px;border-bottom:1px solid "
@@ -168,12 +206,7 @@ def write(out: str, result: dict) -> str:
         f"<p>{_link(result.get('contact_sheet'), 'contact sheet of the curated table', out)} &middot; cache "
         f"<code>{e(result.get('cache', ''))}</code></p>"
         f"<h2>Training</h2><table>{train_rows}</table>{time_html}{_img(s.get('report'))}"
-        f"<h2>Failure and recovery</h2><table>{rec_rows}</table>"
-        # the headline starts with the kind ("data-bound: ...") and ends with the fix: said once
-        f"<h2>Diagnosis</h2><p class='verdict'>{e(verdict.get('headline', 'not run'))}</p>"
-        f"{_top_remedy(dg.get('remedies') or [])}"
-        f"<p>{_link((dg.get('files') or {}).get('html'), 'the full diagnosis', out)}</p>"
-        f"{_img((dg.get('files') or {}).get('png'))}</body></html>"
+        f"{failure}{diagnosis}</body></html>"
     )
     uri = io.join(out, "demo.html")
     io.write_bytes_atomic(uri, body.encode())

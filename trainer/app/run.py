@@ -1,5 +1,5 @@
-"""What the trainer's subcommands do (``train``, ``diagnose``, ``tune``, ``demo``; their arguments are in
-commands.py). This module loads torch: commands.py imports it only when one of its commands runs."""
+"""What the trainer's subcommands do (``train``, ``diagnose``, ``tune``, ``demo``, ``trace``: trace/command.py;
+their arguments are in commands.py). This module loads torch: commands.py imports it only when one of its commands runs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dutycycle.trainer.diagnose import diagnose, tune
 from dutycycle.trainer.launch.account import format_job, format_startup
 from dutycycle.trainer.launch.train import train
 from dutycycle.trainer.step.metrics import format_breakdown
+from dutycycle.trainer.trace.command import cmd_trace  # noqa: F401 - commands.command("cmd_trace") finds it here
 
 from .demo import run_demo
 
@@ -69,5 +70,5 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    run_demo(args.out, workers=args.workers, small=args.small, overrides=args.overrides)
+    run_demo(args.out, workers=args.workers, small=args.small, overrides=args.overrides, elastic=args.elastic)
     return 0

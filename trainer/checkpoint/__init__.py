@@ -10,6 +10,8 @@ Modules, in the order a save and a resume go through them:
 - ``state.py``: the trainer state saved beside the tensors (step, loader, RNG, config, lineage), JSON;
 - ``resume.py``: which checkpoint to continue from (newest that verifies, loudly falling back) and loading it;
 - ``raytrain.py``: commits reported to Ray Train as pointer checkpoints;
+- ``peer.py``: peer memory (``checkpoint.memory_every``): copies in Ray actors on this node and another,
+  restored from on a restart or resize when at least as new as the newest commit;
 - ``weights.py``: a commit's model weights, unsharded, in one process with no process group (inference,
   ``dutycycle evaluate``): ``model_state_dict(select_commit(root, step))``.
 

@@ -5,7 +5,7 @@ What the loop calls (``loop.NoCheckpoint`` is the same interface, doing nothing)
     restored = checkpointer.restore(strategy, optimizer, source)   # resume: step and epoch, or None
     per step:  checkpointer.account(timer)                         # snapshot waits -> the checkpoint phase
                checkpointer.due(step) -> the step's row written first   # a commit never holds an unchecked loss
-               checkpointer.maybe_save(step, strategy, optimizer, source.state_dict())
+               checkpointer.maybe_save(step, strategy, optimizer, source.state_dict())  # True: a storage save
     on TrainingDiverged: restored = checkpointer.recover(err, strategy, optimizer, source)
     at the end: checkpointer.finalize(); checkpointer.summary()
 
@@ -14,6 +14,11 @@ or later may hold it: those are uncommitted, the newest commit before s is loade
 batch of step s is left out from then on (recorded in later checkpoints, so a resume leaves it out too).
 Because the loop flushes the step log before every save, all losses before a commit's step were checked when
 it committed: at most the newest commit can hold a bad update, and keep >= 2 leaves the one before it.
+
+Peer memory (``checkpoint.memory_every``, peer.py) is the other kind of save: every K steps the state is kept in
+memory on this node and another, and ``restore`` takes it over storage when it is at least as new as the newest
+commit (a resize or a restart of the worker group). A rollback forgets memory at or after the bad step, as it
+uncommits storage.
 
 The loop writes step s's own metrics row before it saves step s: that row comes from a collective across the
 ranks, and a resumed run keeps the rows up to its step and trains on from there, so a commit whose row was never
@@ -28,14 +33,14 @@ import sys
 import time
 from dataclasses import dataclass
 
-from dutycycle.engine.errors import SourceError, TrainingDiverged
+from dutycycle.engine.errors import CorruptArtifactError, DutycycleError, SourceError, TrainingDiverged
 from dutycycle.trainer.cluster.world import all_gather, broadcast
 from dutycycle.trainer.parallel import residuals
 from dutycycle.trainer.parallel.dims import ParallelDims
 from dutycycle.trainer.parallel.state import sharded_state_dict
 
 from . import manifest as mf
-from . import resume
+from . import peer, resume
 from .manifest import checkpoint_root
 from .saver import Commit, Saver
 from .state import TrainerState, capture_rng
@@ -71,15 +76,32 @@ class Checkpointer:
         self.events: list[dict] = []  # rollbacks and skips
         self._hooks = None
         self._blocked = {"optimizer": 0.0, "forward_backward": 0.0}
+        # peer memory: needs Ray in this process (a Ray Train worker); the stores are named per run and launch
+        under_ray = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+        every = peer.resolve_every(cfg, under_ray)
+        self.memory = peer.PeerMemory(peer.run_key(ctx.run_dir, getattr(ctx, "attempt_dir", "") or ctx.run_dir),
+                                      rank=self.rank, world=self.world, every=every, device=self.device) \
+            if every > 0 else None
 
     # ------------------------------------------------------------------------------------------- saving
 
     def due(self, step: int) -> bool:
+        """A save (storage or peer memory) is due after ``step``: the loop checks the losses first."""
+        return self._storage_due(step) or self._memory_due(step)
+
+    def _storage_due(self, step: int) -> bool:
         return self.saver is not None and (step % self.c.every == 0 or step == self.total)
 
+    def _memory_due(self, step: int) -> bool:
+        # not at the last step: the run ends there (its storage save, then the stores are freed)
+        return self.memory is not None and self.memory.due(step) and step < self.total
+
     def maybe_save(self, step: int, strategy, optimizer, loader_state: dict | None) -> bool:
-        """Save as ``step`` if one is due (the loop has written step ``step``'s metrics row)."""
-        if not self.due(step):
+        """Save as ``step`` if one is due (the loop has written step ``step``'s metrics row): to peer memory, to
+        storage or both. True when a storage save started."""
+        if self._memory_due(step):
+            self._save_memory(step, strategy, optimizer, loader_state)
+        if not self._storage_due(step):
             return False
         # the loop's stall is all of this call (the rows flushed, the state gathered, the previous save waited for
         # and reported, the snapshot started), so this figure and the step timer's "checkpoint" are one number
@@ -94,6 +116,16 @@ class Checkpointer:
         self._committed(commit)
         self.stalls.append(time.perf_counter() - t0)
         return True
+
+    def _save_memory(self, step: int, strategy, optimizer, loader_state: dict | None) -> None:
+        if self.writer is not None:
+            self.writer.flush()  # as before a commit: a resume from this step finds its row
+        tensors = training_tensors(strategy, optimizer, self.rank)
+        state = trainer_state(self.cfg, strategy, step=step, loader_state=loader_state, world=self.world,
+                              skipped=self.skipped, total_steps=self.total, data=self.data)
+        row = self.memory.save(step, tensors, state, capture_rng(self.device))
+        if self.writer is not None:  # (what the background did: the summary's checkpoint.memory)
+            self.writer.log({"step": step, "memory_saved": True, **row})
 
     def account(self, timer) -> None:
         """Move the time the step waited for a snapshot (in forward or the optimizer step) to "checkpoint"."""
@@ -138,8 +170,10 @@ class Checkpointer:
             self._committed(self.saver.wait())
 
     def finalize(self) -> None:
-        """Wait for the last save to commit (at the end of training; every rank)."""
+        """Wait for the last save to commit (at the end of training; every rank); the run's peer memory freed."""
         self._wait()
+        if self.memory is not None:
+            self.memory.finish()
         self.close()
 
     def close(self) -> None:
@@ -153,6 +187,8 @@ class Checkpointer:
         for h in self._hooks or []:
             h.remove()
         self._hooks = None
+        if self.memory is not None:  # (the stores are not freed: a restarted group may resume from them)
+            self.memory.close()
 
     # ------------------------------------------------------------------------------------------ resuming
 
@@ -163,25 +199,72 @@ class Checkpointer:
         if not target:
             return None
         t0 = time.perf_counter()
-        selected = resume.select(target, self.rank, self.world)
-        if selected is None:
-            if c.resume != "auto":
-                raise SourceError(f"checkpoint.resume = {target!r} holds no committed checkpoint; use \"auto\" or "
-                                  "\"none\", or the URI of a step directory")
-            return None
-        saved = resume.read_trainer_state(selected)
-        resume.check_compatible(saved, self.cfg, self.data["fingerprint"], selected.uri)
-        restored = self._load(selected, strategy, optimizer, source, saved)
+        restored = self._restore_memory(strategy, optimizer, source) if c.resume == "auto" else None
+        if restored is not None:
+            restored, uri, fallbacks, source_name = restored, f"peer memory of step {restored.step}", [], "memory"
+        else:
+            selected = resume.select(target, self.rank, self.world)
+            if selected is None:
+                self._forget_memory(0)
+                if c.resume != "auto":
+                    raise SourceError(f"checkpoint.resume = {target!r} holds no committed checkpoint; use \"auto\" "
+                                      "or \"none\", or the URI of a step directory")
+                return None
+            saved = resume.read_trainer_state(selected)
+            resume.check_compatible(saved, self.cfg, self.data["fingerprint"], selected.uri)
+            restored = self._load(selected, strategy, optimizer, source, saved)
+            uri, fallbacks, source_name = selected.uri, selected.fallbacks, "storage"
+            self._forget_memory(restored.step)
         steps_lost = self.writer.resume_from(restored.step) if self.writer is not None else 0
-        self.restored = {"step": restored.step, "uri": selected.uri, "restore_s": time.perf_counter() - t0,
-                         "steps_lost": steps_lost, "fallbacks": selected.fallbacks,
+        self.restored = {"step": restored.step, "uri": uri, "source": source_name,
+                         "restore_s": time.perf_counter() - t0, "steps_lost": steps_lost, "fallbacks": fallbacks,
                          **((self.writer.failure or {}) if self.writer is not None else {})}
         if self.writer is not None:
             self.writer.log({"step": restored.step, "event": "resume", **self.restored})
         if self.rank == 0:
-            print(f"[checkpoint] resumed from {selected.uri} (step {restored.step}, epoch {restored.epoch}) in "
+            print(f"[checkpoint] resumed from {uri} (step {restored.step}, epoch {restored.epoch}) in "
                   f"{self.restored['restore_s']:.2f} s", flush=True)
         return restored
+
+    def _restore_memory(self, strategy, optimizer, source) -> Restored | None:
+        """The newest state the run's peer memory holds whole and verified, loaded when it is at least as new as
+        the newest storage commit (every rank); None otherwise."""
+        if self.memory is None:
+            return None
+        newest = 0
+        if self.root and self.rank == 0:
+            newest = next((step for step, uri in mf.list_steps(self.root) if mf.is_committed(uri)), 0)
+        cand = self.memory.candidate(at_least=max(1, broadcast(newest, self.world)))
+        if cand is None:
+            return None
+
+        def check(saved, where):
+            resume.check_compatible(saved, self.cfg, self.data["fingerprint"], where)
+
+        try:
+            state = self.memory.load(cand, strategy, optimizer, source, device=self.device,
+                                     force_loader_state=self.c.force_loader_state, check=check)
+        except CorruptArtifactError as e:
+            # no rank installed the loader position or RNG yet, but tensors may be partly loaded: only a load
+            # from storage (which sets every tensor) may follow, never a fresh start
+            self._forget_memory(cand.step - 1)
+            if not newest:
+                raise DutycycleError(f"{e}; and {self.root or 'storage'} holds no commit to fall back to, so this "
+                                     "attempt cannot start from a clean state: the next restart starts from step 0 "
+                                     "(the peer memory of that step is forgotten)") from None
+            if self.rank == 0:
+                print(f"[checkpoint] {e}; falling back to storage", file=sys.stderr, flush=True)
+            return None
+        self.skipped = {(e, b) for e, b in state.skipped}
+        self._forget_memory(cand.step)
+        epoch, _ = source.position()
+        return Restored(step=state.step, epoch=epoch)
+
+    def _forget_memory(self, keep: int) -> None:
+        """(Rank 0) drop peer memory of every step but ``keep``: a (re)start goes on from ``keep``, so a newer
+        one is a future that never happened and older ones are of no use."""
+        if self.memory is not None and self.rank == 0:
+            self.memory.drop(below=keep, above=keep)
 
     def _load(self, selected, strategy, optimizer, source, saved=None) -> Restored:
         state = resume.load(selected, strategy, optimizer, source, rank=self.rank, world=self.world,
@@ -212,12 +295,16 @@ class Checkpointer:
             return TrainingDiverged(f"{what}; {why}", step=err.step, epoch=err.epoch, batch=err.batch,
                                     sample_ids=ids)
 
-        # commits at or after step s may hold its update: uncommit them whatever happens next
+        # commits at or after step s may hold its update: uncommit them whatever happens next (peer memory too)
         self._wait()
         if self.rank == 0 and self.root:
             for step, uri in mf.list_steps(self.root):
                 if step >= err.step:
                     mf.remove(uri)
+        if self.memory is not None:
+            self.memory.settle()
+            if self.rank == 0:
+                self.memory.drop(above=err.step - 1)
         broadcast(None, self.world)  # every rank waits for the removal before looking for a commit
         if policy == "stop":
             raise stop("stopping (checkpoint.on_nonfinite = \"stop\")") from None
@@ -263,6 +350,7 @@ class Checkpointer:
             "snapshot_file_bytes_per_save": max((c.snapshot_file_bytes for c in commits), default=0),
             "write_mb_per_s": written / write_s / 1e6 if write_s > 0 else None,
             "resumed": self.restored, "nonfinite": self.events,
+            "memory": self.memory.summary() if self.memory is not None else None,
             "skipped_batches": sorted([e, b] for e, b in self.skipped),
         }
 

@@ -114,17 +114,19 @@ def check_compatible(saved: TrainerState, cfg, fingerprint: str, uri: str) -> No
 
 
 def load(selected: Selected, strategy, optimizer, source, *, rank: int, world: int = 1, device=None,
-         state: TrainerState | None = None, force_loader_state: bool = False) -> TrainerState:
+         state: TrainerState | None = None, force_loader_state: bool = False, reader=None) -> TrainerState:
     """Load model, optimizer, error-feedback residuals (residuals.py), loader position and this rank's RNG from a
     verified checkpoint (every rank).
     ``state``: its trainer state when the caller has already read it. ``force_loader_state``: load the loader
-    position even when the saved plan inputs differ from this run's (``checkpoint.force_loader_state``)."""
+    position even when the saved plan inputs differ from this run's (``checkpoint.force_loader_state``).
+    ``reader(uri, allowed)``: the DCP storage reader to read through (peer.py: memory), else storage's."""
     if state is None:
         state = read_trainer_state(selected)
     model_sd, optim_sd = sharded_state_dict(strategy, optimizer)
     comm, dropped = residuals.load_targets(strategy, state.strategy.get("residuals"), rank, world, device)
-    read_state({"model": model_sd, "optim": optim_sd, **residuals.tensors(comm)}, selected.uri,
-               set(selected.manifest.files))
+    allowed = set(selected.manifest.files)
+    read_state({"model": model_sd, "optim": optim_sd, **residuals.tensors(comm)}, selected.uri, allowed,
+               reader=reader(selected.uri, allowed) if reader is not None else None)
     apply_state(strategy, optimizer, source, {"model": model_sd, "optim": optim_sd, **comm}, state,
                 rank=rank, device=device, dropped=dropped, where=selected.uri, force_loader_state=force_loader_state)
     return state

@@ -254,14 +254,15 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def read_state(state: dict, uri: str, allowed: set[str], process_group=None) -> None:
-    """``dcp.load`` into ``state`` (tensors filled in place, resharded to this world size). A failure on any rank
+def read_state(state: dict, uri: str, allowed: set[str], process_group=None, reader=None) -> None:
+    """``dcp.load`` into ``state`` (tensors filled in place, resharded to this world size). ``reader``: a
+    ``_Reader`` to use instead of one over ``uri`` (peer.py's, over memory it fills). A failure on any rank
     raises ``CorruptArtifactError`` with every rank's reason (DCP's own ``CheckpointException`` derives from
     ``BaseException``, which ``except Exception`` would miss)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(state, storage_reader=_Reader(uri, allowed), planner=_SafeLoadPlanner(),
+        dcp.load(state, storage_reader=reader or _Reader(uri, allowed), planner=_SafeLoadPlanner(),
                  process_group=process_group)
     except CheckpointException as e:
         reasons = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}"

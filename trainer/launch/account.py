@@ -27,6 +27,9 @@ differ by their synchronisation error (milliseconds under NTP), and a negative i
 
 from __future__ import annotations
 
+import json
+
+from dutycycle.engine import formats, io
 from dutycycle.trainer.step.timing import JOB_ONE_TIME, ONE_TIME, PHASES, USEFUL
 
 JOB_ACCOUNT = (*PHASES, *JOB_ONE_TIME, "other")
@@ -44,12 +47,16 @@ NAMES = {
 
 def job_time(summary: dict, rows: list[dict], *, launched: float, fit_called: float | None,
              closed: float) -> dict:
-    """``{"wall_s", "seconds", "fractions", "per_step_s", "one_time_s", "attempts", "failures", "goodput"}`` for
+    """``{"wall_s", "seconds", "fractions", "per_step_s", "one_time_s", "attempts", "failures", "resize_s",
+    "resizes", "world_sizes", "goodput"}`` for
     the job whose last attempt wrote
     ``summary`` (with its ``attempt`` record) and whose metrics rows are ``rows``. ``launched``: when the driver
     began; ``fit_called``: when it handed the run to Ray Train (None in-process: no Ray, no start of its own);
     ``closed``: now, the account's end."""
     last = summary["attempt"]
+    # this launch's rows only: a run directory resumed by a later launch holds the earlier launches' attempts and
+    # steps too, whose time is not inside this launch's wall time (counted, they made goodput exceed 1)
+    rows = [r for r in rows if _at(r) is None or _at(r) >= launched]
     attempts = [r for r in rows if r.get("event") == "attempt"] or [last]
     first = min(attempts, key=lambda r: r["started"])
     loop = summary["time_breakdown"]["seconds"]
@@ -74,6 +81,7 @@ def job_time(summary: dict, rows: list[dict], *, launched: float, fit_called: fl
     # the loop's "other" is in already; the residue the boundaries leave (the gaps inside the setup) joins it
     sec["other"] += max(0.0, wall - sum(sec.values()))
     redone = min(sec["failures"], float((summary.get("job") or {}).get("redone_s", 0.0)))
+    sizes = [r for r in rows if r.get("event") == "resize"]
     return {
         "wall_s": wall,
         "seconds": sec,
@@ -83,9 +91,21 @@ def job_time(summary: dict, rows: list[dict], *, launched: float, fit_called: fl
         "attempts": len(attempts),
         # failures in two parts: the steps trained again, and the rest (noticing the failure, the restart)
         "failures": {"redone_s": redone, "restart_s": sec["failures"] - redone},
+        # each change of world size (elastic runs), part by part, and their total (inside "failures")
+        "resize_s": sum(r["total_s"] for r in sizes),
+        "resizes": [{k: r[k] for k in ("from", "to", "step", "kind", "seconds", "total_s", "redone_s",
+                                       "steps_redone", "stale_starts", "node_seen_s")} for r in sizes],
+        # the world size of every attempt, in order (one entry for a run that never restarted)
+        "world_sizes": [r.get("world_size") for r in sorted(attempts, key=lambda r: r["started"])],
         # the useful work (every kept step's forward, backward and optimizer) over the whole job's wall time
         "goodput": sum(sec[k] for k in USEFUL) / wall,
     }
+
+
+def _at(row: dict) -> float | None:
+    """When a metrics row happened: its ``time``, or an attempt's start; None for a row without either."""
+    t = row.get("time", row.get("started"))
+    return None if t is None else float(t)
 
 
 STARTUP = ("ray_start", "trainer_start", "worker_start", "health_check", "data_open", "model_build", "loop_start",
@@ -189,4 +209,94 @@ def _kept_earlier(rows: list[dict], *, before: float) -> dict:
             out["other"] += max(0.0, float(r.get("step_s", 0.0)) - sum(parts.values()))
         elif "eval_s" in r:
             out["eval"] += float(r["eval_s"])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- resizes
+
+RESIZE_PARTS = ("detect", "decide", "worker_start", "setup", "restore", "first_step", "other")
+
+
+def resizes(rows: list[dict], controller: list[dict], nodes: list[dict]) -> list[dict]:
+    """One record per change of world size between consecutive attempts of the rows (each attempt row carries
+    its ``world_size``), ``{"event": "resize", "from", "to", "step", "kind", "seconds": {part: s}, "total_s",
+    "redone_s", "steps_redone", "stale_starts", "node_seen_s"}``, split at measured boundaries:
+
+        detect        the old group's last step -> Ray Train's controller leaves RUNNING (a worker lost: restarting;
+                      a node joined: resizing)
+        decide        -> the controller schedules the group at the new size (starts tried at the old size on a
+                      stale view, and their placement waits, are here: ``stale_starts``)
+        worker_start  -> the new group's rank 0 in the training code (Ray Train's actors, the process group)
+        setup         the new group's health check, data open and model build
+        restore       the newest commit loaded, resharded to the new size
+        first_step    the loader's start and the first step at the new size
+        other         the gaps inside the setup that none of its parts covers
+
+    ``total_s`` is from the old group's last step to the first step at the new size; ``redone_s`` the steps of
+    the old group after that commit, trained again (``steps_redone``); ``node_seen_s`` when the driver's node
+    watch saw the node lost or joined, relative to the old group's last step (a node's loss shows first as the
+    dead worker; Ray's node table marks it dead later). The last step of a failed group is its last metrics row
+    (``down_s`` of the next attempt's ``resume`` row counts back to it)."""
+    attempts = sorted((r for r in rows if r.get("event") == "attempt" and "world_size" in r),
+                      key=lambda r: r["started"])
+    resumes = [r for r in rows if r.get("event") == "resume"]
+    steps = [r for r in rows if "loss" in r and "time" in r]
+    out = []
+    for a, b in zip(attempts, attempts[1:], strict=False):
+        if a["world_size"] == b["world_size"]:
+            continue
+        resume = next((r for r in resumes if b["loop_started"] - 1.0 <= r["time"] and r["step"] == b["step"]), {})
+        down = resume.get("down_s")
+        # the old group's last sign of life: its last metrics row (down_s counts from it to the restore's start)
+        alive = b["loop_started"] - down if down is not None else a["loop_started"]
+        changes = [e for e in controller if alive - 60.0 <= e["time"] <= b["started"]]
+        leave = next((e for e in changes if e["state"] in ("RESTARTING", "RESIZING") and e["time"] >= alive - 5.0),
+                     None)
+        detected = leave["time"] if leave else alive
+        scheduled = [e for e in changes if e["state"] == "SCHEDULING" and e["time"] >= detected]
+        chosen = next((e for e in reversed(scheduled) if e.get("num_workers") == b["world_size"]), None)
+        decided = chosen["time"] if chosen else detected
+        worker = b["started"] + float(b["setup"].get("worker_init", 0.0))
+        setup = sum(float(b["setup"].get(k, 0.0)) for k in ("health_check", "data_open", "model_build"))
+        restore = float(resume.get("restore_s", 0.0))
+        first = min((r["time"] for r in steps if r["time"] >= b["loop_started"]), default=None)
+        end = first if first is not None else b["loop_started"] + restore
+        # the boundaries in order (each clamped to the one before: clocks of two processes), so the parts add up
+        # to the total exactly; the setup's measured parts are "setup", the gaps between them "other"
+        bounds = [alive, detected, decided, worker, b["loop_started"], b["loop_started"] + restore, end]
+        for i in range(1, len(bounds)):
+            bounds[i] = max(bounds[i], bounds[i - 1])
+        gaps = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
+        sec = dict.fromkeys(RESIZE_PARTS, 0.0)
+        sec["detect"], sec["decide"], sec["worker_start"] = gaps[0], gaps[1], gaps[2]
+        sec["setup"] = min(setup, gaps[3])
+        sec["restore"], sec["first_step"] = gaps[4], gaps[5]
+        sec["other"] = gaps[3] - sec["setup"]
+        total = bounds[-1] - alive
+        kind = "shrink" if b["world_size"] < a["world_size"] else "grow"
+        seen = [e for e in nodes if e["alive"] == (kind == "grow") and e["time"] <= end]
+        seen = [e for e in seen if e["time"] >= alive - 120.0]
+        out.append({"event": "resize", "from": a["world_size"], "to": b["world_size"], "step": b["step"],
+                    "kind": kind, "seconds": sec, "total_s": total, "last_step_time": alive,
+                    "redone_s": float(resume.get("redone_s", 0.0)), "steps_redone": int(resume.get("steps_redone", 0)),
+                    "stale_starts": sum(1 for e in scheduled if e.get("num_workers") not in (None, b["world_size"])),
+                    "node_seen_s": (seen[-1]["time"] - alive) if seen else None})
+    return out
+
+
+def add_resize_rows(run_dir: str, rows: list[dict], controller: list[dict], nodes: list[dict]) -> list[dict]:
+    """``rows`` with a ``resize`` row (``resizes``) before each attempt that changed the world size, written back
+    to the run's ``metrics.jsonl`` (atomically) when there are any new ones; returns the rows. A row already
+    there (the account closed again) is not added twice."""
+    new = [r for r in resizes(rows, controller, nodes)
+           if not any(o.get("event") == "resize" and o.get("last_step_time") == r["last_step_time"] for o in rows)]
+    if not new:
+        return rows
+    out = []
+    for row in rows:
+        if row.get("event") == "attempt":
+            out.extend(formats.stamp({**n, "time": row["loop_started"]}) for n in new if n["step"] == row["step"]
+                       and n["to"] == row.get("world_size") and n["last_step_time"] < row["loop_started"])
+        out.append(row)
+    io.write_bytes_atomic(io.join(run_dir, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in out).encode())
     return out

@@ -5,11 +5,21 @@ combination can satisfy (2 workers of 8 CPUs on a 2-CPU machine) would wait for 
 Train times the wait out and, by default, tries again forever. On a cluster that cannot grow (one this process
 started) such a request is refused here, naming the setting and the cluster's nodes. On a cluster that may
 autoscale it is left to ``ray.start_timeout_s``, after which the start fails with the same kind of message.
+
+An elastic run (``parallel.num_workers = [min, max]``) needs room for ``min`` workers to start, and a layout that
+forms at every size Ray Train may choose in the range (``check_sizes``): Ray Train sizes the group from the
+resources present, any count from min to max, so a tensor-parallel degree or a replica count that does not
+divide one of them (or a tensor-parallel group larger than the workers a node holds) is refused at launch,
+naming the sizes that fail and the smallest ``min`` that avoids them, rather than failing after a resize.
 """
 
 from __future__ import annotations
 
-from dutycycle.engine.errors import ConfigError
+from dutycycle.engine.errors import ConfigError, DutycycleError
+
+
+class NodeLostError(DutycycleError):
+    """Nodes of the Ray cluster were lost and the run could not go on without them."""
 
 
 def workers_that_fit(nodes: list[dict[str, float]], per_worker: dict[str, float], strategy: str) -> int:
@@ -33,14 +43,16 @@ def describe_nodes(nodes: list[dict[str, float]]) -> str:
 def request_text(cfg, per_worker: dict[str, float]) -> str:
     p = cfg.parallel
     gpu = " and 1 GPU" if per_worker.get("GPU") else ""
-    return (f"parallel.num_workers = {p.num_workers} workers of parallel.cpus_per_worker = {p.cpus_per_worker:g} "
+    workers = f"[{p.min_workers}, {p.num_workers}] (at least {p.min_workers})" if p.elastic else str(p.num_workers)
+    return (f"parallel.num_workers = {workers} workers of parallel.cpus_per_worker = {p.cpus_per_worker:g} "
             f"CPU{'s' if p.cpus_per_worker != 1 else ''}{gpu} each (placement {cfg.ray.placement_strategy})")
 
 
 def check_fits(cfg, nodes: list[dict[str, float]], per_worker: dict[str, float]) -> None:
     """Raise ``ConfigError`` when ``cfg``'s worker group can never be placed on ``nodes``."""
     fit = workers_that_fit(nodes, per_worker, cfg.ray.placement_strategy)
-    if fit >= cfg.parallel.num_workers:
+    # an elastic run starts at whatever size the cluster holds, down to min
+    if fit >= (cfg.parallel.min_workers if cfg.parallel.elastic else cfg.parallel.num_workers):
         return
     raise ConfigError(
         f"{request_text(cfg, per_worker)} cannot be placed: the cluster has {describe_nodes(nodes)}, room for "
@@ -53,3 +65,18 @@ def alive_nodes() -> list[dict[str, float]]:
     import ray
 
     return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+
+
+def check_sizes(cfg, nodes: list[dict[str, float]] | None = None, per_worker: dict[str, float] | None = None) -> None:
+    """Raise ``ConfigError`` when a tensor-parallel group cannot fit on one node of ``nodes`` (each worker
+    ``per_worker``). Every size of an elastic range forming the layout is the config's own check
+    (config_batch.check_layouts, when the config is loaded)."""
+    p = cfg.parallel
+    if p.tensor > 1 and nodes:
+        per_node = max((workers_that_fit([n], per_worker or {"CPU": p.cpus_per_worker}, "PACK") for n in nodes),
+                       default=0)
+        if per_node < p.tensor:
+            raise ConfigError(f"parallel.tensor = {p.tensor} needs {p.tensor} workers on one node (a tensor-parallel "
+                              f"group never spans nodes), and the largest node holds {per_node} (the cluster: "
+                              f"{describe_nodes(nodes)}); lower parallel.tensor to at most {max(per_node, 1)}, or "
+                              "add larger nodes")

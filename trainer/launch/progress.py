@@ -172,7 +172,9 @@ def mailbox():
     if key not in _MAILBOXES:
         _MAILBOXES.clear()  # an earlier session's actor went with its session
         _MAILBOXES[key] = ray.remote(num_cpus=0, max_restarts=0)(Mailbox).options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=rt.get_node_id(), soft=True),
+            # hard affinity: a soft one let Ray place it on a worker node when the driver's node has no CPUs,
+            # and the rows stopped when that node was lost (an elastic run goes on without it)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=rt.get_node_id(), soft=False),
         ).remote()
     return _MAILBOXES[key]
 

@@ -51,6 +51,7 @@ from dutycycle.trainer.config import (
     from_dict,
     run_config_uri,
 )
+from dutycycle.trainer.config_batch import keep_run_partitions
 from dutycycle.trainer.step.metrics import METRICS, SUMMARY, read_metrics
 
 from . import changes as ch
@@ -60,8 +61,9 @@ ATTEMPT_FILE = "attempt.json"
 HEALTH_FILE = "health.json"
 # dutycycle's own files in a run directory, and its folders: what --overwrite removes (nothing else)
 # mlflow.json: the MLflow run a resume continues (launch/tracking.py); a replaced run starts a new one
+# MODEL_CARD.md, model_card.json: the run's model card (launch/card.py), which describes the replaced run
 RUN_FILES = (SUMMARY, METRICS, CONFIG_FILE, "model.safetensors", "report.png", "report.html", HEALTH_FILE,
-             "mlflow.json")
+             "mlflow.json", "MODEL_CARD.md", "model_card.json")
 # evaluation/: `dutycycle evaluate`'s files; export/: `dutycycle export`'s default output; both describe this run's
 # model and would be stale beside a replaced one
 RUN_FOLDERS = (ATTEMPTS, "checkpoints", "ray", "evaluation", "export")
@@ -212,8 +214,15 @@ class Attempt:
 
     def finish(self) -> None:
         """After the attempt finished: its config becomes the run's (``RUN_DIR/config.json``), beside the
-        summary and model it just wrote."""
+        summary and model it just wrote; its record says when it finished (``finished_at``: a later launch
+        that resumes after one without it resumed after a failure, as the model card counts them)."""
         io.write_bytes_atomic(io.join(self.run_dir, CONFIG_FILE), io.read_small(self.config_uri()))
+        uri = io.join(self.dir, ATTEMPT_FILE)
+        try:
+            record = json.loads(io.read_small(uri))
+        except (OSError, ValueError):
+            record = formats.stamp({"attempt": self.number, "launched": self.launched})
+        io.write_json_atomic(uri, {**record, "finished_at": time.time()})
 
 
 def _claim(cfg: TrainConfig, state: RunState, record: dict, created: bool) -> Attempt:
@@ -292,6 +301,7 @@ def _resume(cfg: TrainConfig, state: RunState, inputs: Inputs, *, force: bool, s
             f"(checkpoint.every = {cfg.checkpoint.every}; commits are looked for in {state.checkpoint_root}): "
             "a resume would start over from step 0. Use --overwrite to start over, or a fresh run.dir")
     old, saved = _trained_with(state, step)
+    keep_run_partitions(cfg, old)  # data.partitions at its default: the run's own count (a plan input)
     changes = ch.compare(old, cfg.to_dict(), old_fingerprint=(saved.get("data") or {}).get("fingerprint", ""),
                          new_fingerprint=inputs.fingerprint)
     ch.check_resume(changes, force=force, where=where)

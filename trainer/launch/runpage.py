@@ -1,4 +1,5 @@
-"""``RUN_DIR/report.html``: a run on one page: the summary's figures, where the time went, ``report.png``, and a
+"""``RUN_DIR/report.html``: a run on one page: the summary's figures, where the time went, the workers it trained
+at when its size changed (an elastic resize or a resume at another size: step/sizes.py), ``report.png``, and a
 section per evaluated split (``dutycycle evaluate``: its scores, per-class table and confusion matrix).
 
 ``write_run_page(run_dir)`` draws it from the files in the run directory alone (``summary.json``, ``report.png``,
@@ -16,7 +17,9 @@ import html
 from dutycycle.engine import formats, io
 from dutycycle.engine.errors import DutycycleError
 from dutycycle.engine.numbers import figure, seconds_plain
-from dutycycle.trainer.step.metrics import read_summary
+from dutycycle.trainer.config import run_config_uri
+from dutycycle.trainer.step import sizes as S
+from dutycycle.trainer.step.metrics import read_metrics, read_summary
 
 from .account import NAMES
 
@@ -42,8 +45,10 @@ def write_run_page(run_dir: str) -> str:
     if summary is None:
         parts.append("<p class='note'>No summary yet: the run has not finished (or did not write summary.json).</p>")
     else:
-        parts.append(training(summary))
+        rows = _metrics(run_dir)
+        parts.append(training(summary, S.path(rows), _elastic_range(run_dir)))
         parts.append(time_table(summary))
+        parts.append(workers(rows))
     parts.append(_img(io.join(run_dir, "report.png"), "training report"))
     for split, record in evaluations(run_dir):
         parts.append(evaluation(split, record, run_dir))
@@ -53,12 +58,42 @@ def write_run_page(run_dir: str) -> str:
     return uri
 
 
-def _run_name(run_dir: str) -> str:
-    """``run.name`` from the run's config.json, else the directory's name."""
+def _metrics(run_dir: str) -> list[dict]:
+    """The run's metrics rows; none when they cannot be read (the page is drawn from what is there)."""
     try:
-        name = (io.read_json(io.join(run_dir, "config.json")).get("run") or {}).get("name")
-    except (DutycycleError, AttributeError):
-        name = None
+        return read_metrics(run_dir)
+    except (DutycycleError, FileNotFoundError):
+        return []
+
+
+def _elastic_range(run_dir: str) -> tuple[int, int] | None:
+    """``(min, max)`` workers of an elastic run (``parallel.num_workers = [min, max]``) by its config; None for a
+    fixed size."""
+    par = _config(run_dir).get("parallel")
+    if not isinstance(par, dict):
+        return None
+    try:
+        low, high = int(par.get("min_workers") or 0), int(par.get("num_workers") or 0)
+    except (TypeError, ValueError):
+        return None
+    return (low, high) if 0 < low < high else None
+
+
+def _config(run_dir: str) -> dict:
+    """The config the run trains with: its newest attempt's ``config.json`` (it becomes ``RUN_DIR/config.json``
+    only after the page is drawn at the end of a run); empty when there is none to read."""
+    uri = run_config_uri(run_dir)
+    try:
+        tree = io.read_json(uri) if uri else {}
+    except DutycycleError:
+        return {}
+    return tree if isinstance(tree, dict) else {}
+
+
+def _run_name(run_dir: str) -> str:
+    """``run.name`` from the run's config, else the directory's name."""
+    run = _config(run_dir).get("run")
+    name = run.get("name") if isinstance(run, dict) else None
     return str(name) if name else run_dir.rstrip("/").rsplit("/", 1)[-1]
 
 
@@ -78,7 +113,9 @@ def _num(x) -> str | None:
     return None if x is None else f"{x:.4g}"
 
 
-def training(s: dict) -> str:
+def training(s: dict, path: list[int] | None = None, elastic: tuple[int, int] | None = None) -> str:
+    """The summary's figures. ``path``: the sizes the run trained at (step/sizes.py), shown when it changed;
+    ``elastic``: its ``(min, max)`` workers when elastic."""
     par, data, ck = s.get("parallel") or {}, s.get("data") or {}, s.get("checkpoint") or {}
     layout = [par.get("strategy", "local"), f"ZeRO stage {par.get('zero_stage', 0)}"]
     if par.get("tensor", 1) > 1:
@@ -97,7 +134,7 @@ def training(s: dict) -> str:
         ("validation accuracy", _pct(s.get("val_accuracy"))),
         ("validation loss", _num(s.get("val_loss"))),
         ("samples per second", figure(s["samples_per_s"]) if s.get("samples_per_s") else None),
-        ("workers, layout", e(f"{s.get('world_size', 1)}, " + ", ".join(map(str, layout)))),
+        ("workers, layout", e(f"{_workers_text(s, path or [], elastic)}, " + ", ".join(map(str, layout)))),
         ("precision", e(str(par.get("precision"))) if par.get("precision") else None),
         ("parameters", f"{s['num_params']:,}" if s.get("num_params") else None),
         ("classes", _classes(data.get("classes") or [])),
@@ -109,6 +146,49 @@ def training(s: dict) -> str:
         ("training loop wall time", seconds_plain(s["wall_s"]) if s.get("wall_s") else None),
     ]
     return f"<h2>Training</h2><table>{_rows(rows)}</table>"
+
+
+def _workers_text(s: dict, path: list[int], elastic: tuple[int, int] | None) -> str:
+    """``"2"``; a run whose size changed: ``"3 -> 2 -> 3"``; an elastic run adds its range."""
+    text = S.path_text(path) if len(path) > 1 else str(s.get("world_size", 1))
+    return text + (f" (elastic, {elastic[0]} to {elastic[1]})" if elastic else "")
+
+
+def workers(rows: list[dict]) -> str:
+    """The run's size over time when it changed: each attempt's size and steps, each change with what it cost
+    (an elastic resize's parts, as its ``resize`` row has them); empty for a run trained at one size."""
+    changes = S.changes(rows)
+    if not changes:
+        return ""
+    runs = S.attempts(rows)
+    t0 = min(a["started"] for a in runs)
+    head = ("<tr><th>attempt</th><th class='n'>workers</th><th class='n'>from step</th><th class='n'>"
+            "last step kept</th><th class='n'>began</th><th class='n'>trained</th></tr>")
+    body = "".join(
+        f"<tr><td>{a['attempt']}</td><td class='n'>{_opt(a['world_size'])}</td><td class='n'>{a['step']:,}</td>"
+        f"<td class='n'>{_opt(a['last_step'])}</td><td class='n'>{a['started'] - t0:.1f} s</td>"
+        f"<td class='n'>{max(0.0, a['end'] - a['loop_started']):.1f} s</td></tr>" for a in runs)
+    items = "".join(f"<li>{e(change_text(c))}</li>" for c in changes)
+    return (f"<h3>Workers over time: {e(S.path_text(S.path(rows)))}</h3><table>{head}{body}</table>"
+            f"<ul>{items}</ul><p class='note'>An attempt's last kept step: a failed attempt's steps after the "
+            "commit the next one resumed from were trained again and are counted there.</p>")
+
+
+def change_text(c: dict) -> str:
+    """One size change in words: ``"step 40: 3 -> 2 workers (shrink), 18.2 s from the last step at 3 to the
+    first at 2: detect 2.1 s, ...; 6 steps trained again"``; a change only the attempts say: ``"... (grow)"``."""
+    text = f"step {c['step']:,}: {c['from']} \u2192 {c['to']} workers ({c['kind']})"
+    if c["total_s"] is not None:
+        text += f", {c['total_s']:.1f} s from the last step at {c['from']} to the first at {c['to']}"
+        parts = [f"{k.replace('_', ' ')} {v:.1f} s" for k, v in (c["seconds"] or {}).items() if v >= 0.05]
+        text += (": " + ", ".join(parts)) if parts else ""
+    if c["steps_redone"]:
+        text += f"; {c['steps_redone']} step{'s' if c['steps_redone'] != 1 else ''} trained again"
+    return text
+
+
+def _opt(v) -> str:
+    return "-" if v is None else f"{v:,}"
 
 
 def _classes(names: list) -> str | None:

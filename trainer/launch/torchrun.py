@@ -17,8 +17,9 @@ import argparse
 import os
 import sys
 
-from dutycycle.engine.errors import DutycycleError
-from dutycycle.trainer.config import load_config, use_gpu
+from dutycycle.engine.errors import ConfigError, DutycycleError
+from dutycycle.trainer.cluster.world import broadcast
+from dutycycle.trainer.config import from_dict, load_config, resolve_for_world, use_gpu
 from dutycycle.trainer.configtree import add_overrides
 from dutycycle.trainer.step.loop import WorkerContext, set_threads
 from dutycycle.trainer.step.trainer import Trainer
@@ -47,11 +48,19 @@ def main(argv: list[str] | None = None) -> int:
     last_try = restarts >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     attempt, tracker = None, None
     try:
-        cfg = load_config(args.config, args.overrides + [f"parallel.num_workers={world}"])
+        try:
+            elastic = load_config(args.config, args.overrides).parallel.elastic
+        except ConfigError:
+            elastic = False  # a fixed size that may form only at torchrun's size: checked there, below
+        # a fixed size is torchrun's (--nnodes x --nproc-per-node), as it always was; an elastic range is the
+        # config's (torchrun --nnodes MIN:MAX), and this size must be in it
+        cfg = load_config(args.config, args.overrides + ([] if elastic else [f"parallel.num_workers={world}"]))
         gpu = use_gpu(cfg, torch.cuda.device_count())
         if rank == 0 and restarts:
             resolve_run_dir(cfg)
             attempt = rejoin(cfg)
+            # the launch's own config as its first try resolved it (a --resume kept the run's plan inputs)
+            cfg = load_config(attempt.config_uri())
         elif rank == 0:
             attempt = prepare_run(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force)
         else:
@@ -61,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(device)
         if world > 1:
             init_group("nccl" if gpu else "gloo", restarts)
+            # rank 0's config, as its run-directory checks left it: a resume takes the run's own plan inputs
+            # (data.partitions at its default keeps the run's count: config_batch.keep_run_partitions), which the
+            # other ranks, which do not read the run directory, would otherwise size for this world
+            cfg = from_dict(broadcast(cfg.to_dict(), world))
         set_threads(cfg, local_world)
         tracker = open_tracking(cfg, "torchrun") if rank == 0 else None
         stream = progress_stream(cfg, tracker) if rank == 0 else None
@@ -68,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
                             attempt_dir=attempt.dir if attempt else "", info={"launcher": "torchrun"},
                             progress=stream.put if stream else None)
         try:
-            with Trainer(cfg, ctx) as trainer:
+            # an elastic run (torchrun --nnodes MIN:MAX, parallel.num_workers = [min, max]) at the size torchrun
+            # formed: the same global batches, more micro-batches on fewer workers
+            with Trainer(resolve_for_world(cfg, world), ctx) as trainer:
                 trainer.train()
         finally:
             if stream is not None:

@@ -7,12 +7,15 @@ The driver records; the workers know nothing of MLflow. What a tracked run holds
   ``samples_per_s`` per step, ``val_accuracy`` and ``val_loss`` per evaluation, and at the end the summary's
   ``final_loss``, ``goodput``, ``wall_s`` and ``launch_to_first_step_s``;
 - artifacts: ``summary.json``, ``config.json``, ``metrics.jsonl``, ``health.json``, ``report.png``, the model
+  card (``MODEL_CARD.md``, ``model_card.json``: card.py), the model
   (``model/model.safetensors``, ``tracking.log_model``) and an evaluation's files (``evaluation/``: the evaluate
   command calls ``log_run_files``);
 - tags: ``dutycycle.table``, ``dutycycle.table_version``, ``dutycycle.cache``, ``dutycycle.cache_fingerprint``,
   ``dutycycle.version``, ``dutycycle.run_dir``, ``dutycycle.launcher``, the git revision of the working
   directory's repository (``mlflow.source.git.commit`` and ``dutycycle.git_dirty``), ``mlflow.user``,
-  ``mlflow.source.name``, and ``tracking.tags``.
+  ``mlflow.source.name``, and ``tracking.tags``; at the end the model card's facts, ``dutycycle.card.*`` (the
+  data, code, environment, training and evaluation: card.py's ``card_tags``), and its Markdown as the run's
+  description (``mlflow.note.content``), set again by each ``dutycycle evaluate``.
 
 Timing: whether MLflow is installed is checked before Ray starts (``require_mlflow``: a clear error naming
 ``pip install 'dutycycle[tracking]'``). Importing MLflow and opening its store (a new SQLite database migrates
@@ -46,7 +49,8 @@ from dutycycle.engine.errors import ConfigError
 
 INSTALL_HINT = "pip install 'dutycycle[tracking]'"
 RECORD = "mlflow.json"  # in the run directory: which MLflow run this run directory is
-ARTIFACT_FILES = ("summary.json", "config.json", "metrics.jsonl", "health.json", "report.png")
+ARTIFACT_FILES = ("summary.json", "config.json", "metrics.jsonl", "health.json", "report.png", "MODEL_CARD.md",
+                  "model_card.json")
 EVALUATION = "evaluation"  # RUN_DIR/evaluation/*: the evaluate command's files, logged under the same name
 STEP_METRICS = ("loss", "lr", "grad_norm", "samples_per_s")
 EVAL_METRICS = ("val_accuracy", "val_loss")
@@ -298,14 +302,16 @@ class Tracker:
 
     # ------------------------------------------------------------------------------ the end
 
-    def finish(self, summary: dict | None, status: str = "FINISHED") -> None:
-        """The summary's figures, the run directory's files as artifacts, the run ended with ``status``. Does
-        nothing when no MLflow run began (the training never reached its loop)."""
+    def finish(self, summary: dict | None, status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
+        """The summary's figures, ``tags`` (the model card's: launch/card.py), the run directory's files as
+        artifacts, the run ended with ``status``. Does nothing when no MLflow run began (the training never
+        reached its loop)."""
         from mlflow.entities import Metric
 
         if self.run_id is None:
             return
         self.flush()
+        set_tags(self.client, self.run_id, tags)
         if summary:
             step = int(summary.get("steps") or 0)
             now = int(time.time() * 1000)
@@ -375,16 +381,27 @@ def log_files(client, run_id: str, folder: str, names: list[str], artifact_path:
     with tempfile.TemporaryDirectory(prefix="dutycycle-mlflow-") as d:
         for name in names:
             target = os.path.join(d, name)
-            with open(target, "wb") as f:
-                f.write(io.read_bytes(io.join(folder, name)))
+            fs, path = io.filesystem(io.join(folder, name))
+            fs.get_file(path, target)  # streamed: the weights can be large
             client.log_artifact(run_id, target, artifact_path)
 
 
-def log_run_files(run_dir: str, paths: list[str], artifact_path: str = EVALUATION,
-                  metrics: dict[str, float] | None = None, step: int | None = None) -> str | None:
-    """Log files (e.g. an evaluation's ``RUN_DIR/evaluation/*.json`` and ``*.png``) and optionally a few metrics
-    (``{"test_accuracy": 0.98}``) to the MLflow run of ``run_dir``; the run keeps its status. Returns its run id,
-    or None when the run directory is not tracked. For the evaluate command, after the training has ended."""
+def set_tags(client, run_id: str, tags: dict[str, str] | None) -> None:
+    """Set ``tags`` on the run, in batches MLflow accepts."""
+    from mlflow.entities import RunTag
+
+    items = list((tags or {}).items())
+    for i in range(0, len(items), PARAMS_PER_BATCH):
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in items[i:i + PARAMS_PER_BATCH]])
+
+
+def log_run_files(run_dir: str, paths: list[str], artifact_path: str | None = EVALUATION,
+                  metrics: dict[str, float] | None = None, step: int | None = None,
+                  tags: dict[str, str] | None = None) -> str | None:
+    """Log files (e.g. an evaluation's ``RUN_DIR/evaluation/*.json`` and ``*.png``; ``artifact_path`` None: at
+    the artifacts' root), optionally a few metrics (``{"test_accuracy": 0.98}``) and tags (the model card's)
+    to the MLflow run of ``run_dir``; the run keeps its status. Returns its run id, or None when the run
+    directory is not tracked. For the evaluate command, after the training has ended."""
     record = read_record(run_dir)
     if record is None:
         return None
@@ -402,4 +419,5 @@ def log_run_files(run_dir: str, paths: list[str], artifact_path: str = EVALUATIO
     if metrics:
         ms = int(time.time() * 1000)
         client.log_batch(run_id, metrics=[Metric(k, float(v), ms, int(step or 0)) for k, v in metrics.items()])
+    set_tags(client, run_id, tags)
     return run_id

@@ -21,6 +21,19 @@ few nodes as possible; ``STRICT_PACK`` insists on one node. ``ray.label_selector
 restricts every worker's bundle to nodes carrying those labels, so a run never straddles slow links between
 zones. Nodes get labels with ``ray start --labels`` (or ``Cluster.add_node(labels=...)``).
 
+Elastic runs (``parallel.num_workers = [min, max]``): Ray Train's elastic mode (``ScalingConfig(num_workers=(min,
+max))``) starts the group at the size the cluster holds and restarts it at another size when nodes are lost or
+join; every restart resumes from the newest commit, resharded to the new size (DCP, the loader's canonical
+partitions). Made fast and accounted here (trainer/cluster/elastic.py): each start waits
+``ray.elastic_start_timeout_s`` (5 s) for its placement instead of ``ray.start_timeout_s``, and a start that
+failed on a stale view counts as a controller failure that Ray Train retries (``controller_failure_limit`` off)
+at the size it then sees; Ray Train considers growing every ``ray.resize_interval_s`` (its 60 s default, 5 s
+here); the driver's node watch tells Ray's resource view of a lost or joined node at once, and the controller's
+state changes are recorded, so the time account splits each resize into its parts (launch/account.py) and a
+``resize`` row per size change joins the metrics. A run that loses nodes without resizing (a fixed size with
+``ray.max_failures`` spent) is reported as a lost node, not as a placement problem. Before Ray Train starts, the
+cluster must hold ``min`` workers and the layout must form at every size in the range (launch/fits.py).
+
 CPU budget inside a worker: each Ray Train worker reserves ``parallel.cpus_per_worker`` CPUs (default 1). On a
 2-core machine two workers hold both CPUs, so the loader runs in process inside the worker (``auto``: the split
 held in RAM, in the node's object store when it fits, with a prefetch thread for augmentation; no Ray read
@@ -32,10 +45,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from dutycycle.engine import io
 from dutycycle.engine.errors import ConfigError, DutycycleError
+from dutycycle.trainer.checkpoint.peerstore import release as release_memory
+from dutycycle.trainer.checkpoint.peerstore import run_key
 from dutycycle.trainer.checkpoint.raytrain import set_aside_damaged_run_state
+from dutycycle.trainer.cluster.elastic import CONTROLLER_LOG, NodeWatch, controller_log, read_controller_log
 from dutycycle.trainer.cluster.local import start_local_ray
 from dutycycle.trainer.config import TrainConfig, use_gpu
 from dutycycle.trainer.step.metrics import read_metrics, read_summary
@@ -43,8 +60,9 @@ from dutycycle.trainer.step.report import write_report
 
 from . import progress as P
 from . import rundir
-from .account import job_time, startup_time
-from .fits import alive_nodes, check_fits, describe_nodes, request_text
+from .account import add_resize_rows, job_time, startup_time
+from .card import refresh_card
+from .fits import NodeLostError, alive_nodes, check_fits, check_sizes, describe_nodes, request_text
 from .inputs import check_inputs
 from .results import PRELOAD_ENV, results_from, runtime_env
 from .rundir import Attempt
@@ -97,20 +115,23 @@ def _say(msg: str) -> None:
 
 def finish_run(cfg: TrainConfig, launched: float | None = None, fit_called: float | None = None,
                summary: dict | None = None, *, ray_ready: float | None = None, ray_reused: bool | None = None,
-               tracker: Tracker | None = None, attempt: Attempt | None = None) -> dict:
+               tracker: Tracker | None = None, attempt: Attempt | None = None, controller: list[dict] | None = None,
+               nodes: list[dict] | None = None) -> dict:
     """The driver's end of a run: the job's time account closed and written into ``summary.json``
     (``summary["launch"]`` and its start-up, ``summary["startup"]``: launch/account.py, when the launch time is
     known), then ``report.png`` drawn from it (its drawing time, after the account closed, is
     ``summary["report_draw_s"]``) and the run's page (``report.html``); the attempt's config becomes the run's
     (``attempt``: beside the summary and model it matches); then the MLflow run given its summary and files and
-    ended (``tracker``).
-    ``ray_ready``: when Ray was up (started or found); ``ray_reused``: it was this process's already."""
-    import time
-
+    ended (``tracker``), the run's model card (``MODEL_CARD.md``, ``model_card.json``: card.py) written before
+    and its facts given to the MLflow run as tags.
+    ``ray_ready``: when Ray was up (started or found); ``ray_reused``: it was this process's already.
+    ``controller``, ``nodes``: Ray Train's controller events and the nodes seen lost or joined during the fit
+    (cluster/elastic.py): each change of world size becomes a ``resize`` row in the metrics and a part of the
+    account's failures (launch/account.py)."""
     uri = io.join(cfg.run.dir, "summary.json")
     summary = read_summary(cfg.run.dir) if summary is None else summary
     if launched is not None and "attempt" in summary:
-        rows = read_metrics(cfg.run.dir)
+        rows = add_resize_rows(cfg.run.dir, read_metrics(cfg.run.dir), controller or [], nodes or [])
         closed = time.time()
         summary["launch"] = job_time(summary, rows, launched=launched, fit_called=fit_called, closed=closed)
         summary["startup"] = startup_time(summary, rows, launched=launched, fit_called=fit_called,
@@ -126,17 +147,19 @@ def finish_run(cfg: TrainConfig, launched: float | None = None, fit_called: floa
         write_run_page(cfg.run.dir)  # report.html, from the summary just written (and any evaluations)
     if attempt is not None:
         attempt.finish()
+    tags = refresh_card(cfg.run.dir, cfg, summary)  # launch/card.py: beside the model and config just written
     if tracker is not None:
-        end_tracking(tracker, summary, "FINISHED")
+        end_tracking(tracker, summary, "FINISHED", tags=tags)
     return summary
 
 
-def end_tracking(tracker: Tracker, summary: dict | None, status: str) -> None:
-    """End the MLflow run; a tracking store that fails here costs the record, never the run's result."""
+def end_tracking(tracker: Tracker, summary: dict | None, status: str, tags: dict[str, str] | None = None) -> None:
+    """End the MLflow run (``tags``: set on it first); a tracking store that fails here costs the record, never
+    the run's result."""
     import warnings
 
     try:
-        tracker.finish(summary, status)
+        tracker.finish(summary, status, tags=tags)
     except Exception as e:  # noqa: BLE001 - the training itself is done and written
         warnings.warn(f"tracking: the MLflow run {tracker.run_id} could not be ended ({type(e).__name__}: {e})",
                       RuntimeWarning, stacklevel=2)
@@ -169,8 +192,6 @@ def train(cfg: TrainConfig, local: bool = False, quiet: bool = False, *, resume:
     commit; ``force=True`` also accepts config changes that alter its data) or ``overwrite=True`` (replace it):
     the same as ``dutycycle train --resume / --overwrite / --force`` (launch/rundir.py). A launch that fails
     before training leaves the run directory as it was."""
-    import time
-
     launched = time.time()
     attempt = prepare_run(cfg, quiet=quiet, resume=resume, overwrite=overwrite, force=force)
     try:
@@ -222,8 +243,6 @@ def _worker():
 def _ray_train_fn(payload: dict) -> None:
     """Runs in every Ray Train worker (worker.py: ``ray_worker``). Ray Train has already set up the process
     group (gloo or nccl)."""
-    import time
-
     started = time.time()  # launch/account.py: the end of the worker start
     _worker().ray_worker(payload, started)
 
@@ -234,9 +253,12 @@ QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "DAFT_ANALYTICS_ENABLED": "0"}
 def ray_train_env(cfg: TrainConfig) -> dict[str, str]:
     """What Ray Train reads from the driver's environment (before each fit) and hands to its controller and
     workers."""
+    elastic = cfg.parallel.elastic
     return {
-        # a group that cannot be placed in time ends the run; Ray Train's controller polls its workers this often
-        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(cfg.ray.start_timeout_s),
+        # a group that cannot be placed in time ends the run (elastic: a start sized on a stale view fails fast
+        # and is retried at the size Ray Train then sees); Ray Train's controller polls its workers this often
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(cfg.ray.elastic_start_timeout_s if elastic
+                                                      else cfg.ray.start_timeout_s),
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(cfg.ray.health_check_interval_s),
         # off (see the module's docstring) unless the user turned it on
         "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0"),
@@ -279,8 +301,11 @@ def scaling_config(cfg: TrainConfig, gpu: bool):
     resources = {"CPU": cfg.parallel.cpus_per_worker}
     if gpu:
         resources["GPU"] = 1
+    p = cfg.parallel
+    elastic = {"elastic_resize_monitor_interval_s": cfg.ray.resize_interval_s} if p.elastic else {}
     return ScalingConfig(
-        num_workers=cfg.parallel.num_workers,
+        num_workers=(p.min_workers, p.num_workers) if p.elastic else p.num_workers,
+        **elastic,
         use_gpu=gpu,
         resources_per_worker=resources,
         placement_strategy=cfg.ray.placement_strategy,
@@ -289,12 +314,18 @@ def scaling_config(cfg: TrainConfig, gpu: bool):
     )
 
 
+def max_failures(cfg: TrainConfig) -> int:
+    """Ray Train's restarts after a worker failure: ``ray.max_failures``, plus, for an elastic run, one per worker
+    the range lets it lose (max - min): Ray Train counts a lost node's dead workers as a failure like any other,
+    and a run at [2, 3] is meant to go on at 2 without a restart budget of its own."""
+    p = cfg.parallel
+    return cfg.ray.max_failures + (p.num_workers - p.min_workers if p.elastic else 0)
+
+
 def train_ray(cfg: TrainConfig, launched: float | None = None, attempt: Attempt | None = None) -> dict:
     """Run on Ray Train's TorchTrainer with ``parallel.num_workers`` workers. ``attempt``: this launch's folder in
     the run directory (``prepare_run``), where its health check and config are recorded; None: the run
     directory."""
-    import time
-
     launched = launched or time.time()
     tracker = open_tracking(cfg, "ray")  # MLflow missing is refused here, before Ray starts
     try:
@@ -311,8 +342,6 @@ def train_ray(cfg: TrainConfig, launched: float | None = None, attempt: Attempt 
 def _fit(cfg: TrainConfig, tracker: Tracker | None, *, launched: float, ray_ready: float, ray_reused: bool,
          attempt: Attempt | None) -> dict:
     """Ray is up: the TorchTrainer made and run, rank 0's progress relayed to the driver's stream meanwhile."""
-    import time
-
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -325,8 +354,11 @@ def _fit(cfg: TrainConfig, tracker: Tracker | None, *, launched: float, ray_read
     set_aside_damaged_run_state(storage, cfg.run.name)
 
     per_worker = scaling_config(cfg, gpu).resources_per_worker
+    nodes = alive_nodes()
     if not cfg.ray.address:  # a cluster this process started (or joined on this machine) does not grow
-        check_fits(cfg, alive_nodes(), per_worker)
+        check_fits(cfg, nodes, per_worker)
+    check_sizes(cfg, nodes, per_worker)  # elastic: the layout at every size in the range
+
     os.environ.update(ray_train_env(cfg))  # Ray Train reads them from the driver's environment
     box, token = P.mailbox(), P.run_token()
     trainer = TorchTrainer(
@@ -340,8 +372,15 @@ def _fit(cfg: TrainConfig, tracker: Tracker | None, *, launched: float, ray_read
         run_config=RunConfig(name=cfg.run.name, storage_path=storage, logging_config=LoggingConfig(cfg.ray.log_level),
                              # a group that cannot be placed within ray.start_timeout_s ends the run (Ray
                              # Train's default retries it forever)
-                             failure_config=FailureConfig(max_failures=cfg.ray.max_failures,
-                                                          controller_failure_limit=0),
+                             # elastic: a start that failed on a stale view (a node just lost) is a controller
+                             # failure, retried at the size Ray Train then sees (it waits while fewer than min fit)
+                             failure_config=FailureConfig(max_failures=max_failures(cfg),
+                                                          controller_failure_limit=-1 if cfg.parallel.elastic else 0),
+                             # the controller's record, and its wait for Ray's node table after a node loss
+                             # (none with ray.node_poll_s = 0: Ray's own view alone)
+                             callbacks=[controller_log(io.join(attempt_dir, CONTROLLER_LOG),
+                                                       settle_s=cfg.ray.elastic_start_timeout_s
+                                                       if cfg.ray.node_poll_s > 0 else 0.0)],
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
                              # the workers' environment, and the model's module when it is the user's, not
                              # installed (launch/usermodule.py)
@@ -349,23 +388,48 @@ def _fit(cfg: TrainConfig, tracker: Tracker | None, *, launched: float, ray_read
     )
     stream = progress_stream(cfg, tracker)
     relay = P.Relay(box, token, stream)
+    watch = NodeWatch(cfg.ray.node_poll_s)
     fit_called = time.time()
     try:
         try:
-            result = trainer.fit()
+            with watch:
+                result = trainer.fit()
         finally:
             relay.stop()
             stream.close()
+            # the run's peer memory (checkpoint.memory_every): detached actors, freed whatever became of the run
+            release_memory(run_key(cfg.run.dir, attempt_dir))
     except Exception as e:
-        user = _user_error(e) or _start_error(e, cfg, per_worker)
+        user = _user_error(e) or _lost_node_error(e, cfg, watch.lost()) or _start_error(e, cfg, per_worker)
         if user is not None:  # a bad config or a diverged loss inside a worker: say it plainly
             raise user from None
         raise
     if result.error is not None:
-        raise _start_error(result.error, cfg, per_worker) or result.error
+        raise (_lost_node_error(result.error, cfg, watch.lost()) or _start_error(result.error, cfg, per_worker)
+               or result.error)
     # through Ray Train's result and storage, not the driver's disk (rank 0 may have run on another node)
     return finish_run(cfg, launched, fit_called, summary=results_from(cfg, result, attempt_dir),
-                      ray_ready=ray_ready, ray_reused=ray_reused, tracker=tracker, attempt=attempt)
+                      ray_ready=ray_ready, ray_reused=ray_reused, tracker=tracker, attempt=attempt,
+                      controller=read_controller_log(attempt_dir), nodes=watch.events)
+
+
+def _lost_node_error(err: BaseException, cfg: TrainConfig, lost: list[dict]):
+    """A run that failed after nodes were lost, as a ``NodeLostError`` naming them and what the run could not do
+    without them; None when no node was lost (or a dutycycle error says more)."""
+    if not lost:
+        return None
+    names = ", ".join(f"{e['node_id'][:12]} ({e['cpus']:g} CPU{'s' if e['cpus'] != 1 else ''}) at "
+                      f"{time.strftime('%H:%M:%S', time.localtime(e['time']))}" for e in lost)
+    p = cfg.parallel
+    if p.elastic:
+        need = (f"the cluster could not place the elastic minimum of parallel.num_workers = [{p.min_workers}, "
+                f"{p.num_workers}] again")
+    else:
+        need = (f"a fixed-size run needs all parallel.num_workers = {p.num_workers} workers, and ray.max_failures = "
+                f"{cfg.ray.max_failures} restarts were spent")
+    return NodeLostError(f"{len(lost)} node(s) of the Ray cluster were lost during the run: {names}; {need} "
+                         f"({type(err).__name__}). Resume it with `dutycycle train --resume` when the nodes are back; "
+                         "or train elastically, parallel.num_workers = [min, max], to continue on fewer workers")
 
 
 def _start_error(err: BaseException, cfg: TrainConfig, per_worker: dict):

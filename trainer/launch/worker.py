@@ -11,7 +11,7 @@ import time
 
 from dutycycle.trainer.checkpoint.raytrain import latest_reported, report_commit
 from dutycycle.trainer.cluster.topology import node_label
-from dutycycle.trainer.config import from_dict, use_gpu
+from dutycycle.trainer.config import from_dict, resolve_for_world, use_gpu
 from dutycycle.trainer.step.loop import WorkerContext, set_threads
 from dutycycle.trainer.step.trainer import Trainer
 
@@ -31,7 +31,9 @@ def ray_worker(payload: dict, started: float) -> None:
     quiet_ray_logs()  # also when Ray was started by someone else, without dutycycle's setup hook
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    cfg = from_dict(payload["config"])
+    # the run's config at the size Ray Train started this group with (an elastic run's may be any of
+    # parallel.num_workers = [min, max]): the same global batches, more micro-batches on fewer workers
+    cfg = resolve_for_world(from_dict(payload["config"]), world)
     set_threads(cfg, ctx.get_local_world_size())
     device = ray.train.torch.get_device() if payload["use_gpu"] else torch.device("cpu")
     rt = ray.get_runtime_context()

@@ -54,7 +54,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .apply import shard_units
-from .fsdp_api import ReduceScatter, fsdp_modules, own_reduce_scatters
+from .fsdp_api import ReduceScatter, fsdp_modules, own_reduce_scatters, predivide_factor
 from .quant import QMAX
 
 MAX_UNITS = 8  # parameters sampled (one per unit): the check's cost is theirs, not the model's
@@ -124,8 +124,13 @@ class _SeamStats(ReduceScatter):
     """A unit's reduce-scatter during a check step: the call goes to ``inner`` unchanged; before it, the largest
     magnitude of what will be quantized (input plus error feedback's residual) and of the residual."""
 
-    def __init__(self, inner: ReduceScatter):
+    def __init__(self, inner: ReduceScatter, predivide: float = 1.0):
         self.inner = inner
+        # FSDP2 divides the input by this before a SUM (fp64, fp16) and the sum by W / predivide after it, where
+        # fp32 and bf16 reduce with AVG (1 here): the quantizer's error, and the residual it carries, are in the
+        # input's units, predivide times smaller than the mean gradient's, so both are scaled back up to the
+        # mean's units that element_bound works in (W * e * A_in / (W / predivide) = e * (A_in * predivide))
+        self.predivide = predivide
         self.amax = self.residual_max = 0.0
         self.calls = 0
 
@@ -140,11 +145,11 @@ class _SeamStats(ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         x = input_tensor.detach()
         r = getattr(self.inner, "residual", None)  # comm.QuantReduceScatter's, with error feedback (None before use)
-        r_max = float(r.abs().max()) if r is not None and r.numel() else 0.0
+        r_max = float(r.abs().max()) * self.predivide if r is not None and r.numel() else 0.0
         self.residual_max = max(self.residual_max, r_max)
         if x.numel():
             # A over x + r_old: |x + r| <= |x| + |r| elementwise, whatever layout the residual is kept in
-            self.amax = max(self.amax, float(x.abs().max()) + r_max)
+            self.amax = max(self.amax, float(x.abs().max()) * self.predivide + r_max)
         self.calls += 1
         return self.inner(output_tensor, input_tensor, group, op, async_op=async_op)
 
@@ -287,7 +292,7 @@ class StepCheck:
                 own = own_reduce_scatters(m)
                 if own:  # FSDP2 gives a unit one parameter group (none without parameters)
                     assert len(own) == 1, (names[m], own)
-                    seam = self.seams[names[m]] = _SeamStats(own[0])
+                    seam = self.seams[names[m]] = _SeamStats(own[0], predivide_factor(m))
                     m.set_custom_reduce_scatter(seam)
         self.seconds += time.perf_counter() - t0
         return handles

@@ -19,7 +19,8 @@ What it does, in order:
 6. Files (``evalfiles``), ``RUN_DIR/evaluation/``: ``<split>.png`` (the confusion matrix), ``<split>.parquet``
    (one row per sample: id, true and predicted class, probability, loss), then ``<split>.json`` (the scores, the
    commit's step, the data's provenance: written last, it names the other two), then the run's page
-   ``report.html`` is drawn again with an evaluation section per evaluated split.
+   ``report.html`` is drawn again with an evaluation section per evaluated split, and a finished run's model
+   card (``MODEL_CARD.md``, ``model_card.json``: launch/card.py) is written again with these scores.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dutycycle.trainer.checkpoint.manifest import checkpoint_root
 from dutycycle.trainer.checkpoint.weights import model_state_dict, select_commit
 from dutycycle.trainer.cluster.world import World
 from dutycycle.trainer.config import load_config
+from dutycycle.trainer.launch.card import CARD_JSON, CARD_MD, refresh_card
 from dutycycle.trainer.launch.runpage import write_run_page
 from dutycycle.trainer.launch.tracking import log_run_files
 from dutycycle.trainer.step.data import DataInfo, make_sources
@@ -113,7 +115,24 @@ def evaluate(run_dir: str, split: str = "test", *, table: str | None = None, ste
         # a tracked run's MLflow run gets the evaluation beside its training (a no-op for an untracked run)
         log_run_files(run_dir, [ev.files["json"], ev.files["png"]], step=weights["step"],
                       metrics={f"{split}_accuracy": metrics["accuracy"], f"{split}_loss": metrics["loss"]})
+        card_again(run_dir, cfg, ev.files)
     return ev
+
+
+def card_again(run_dir: str, cfg, files: dict) -> None:
+    """The finished run's model card with this evaluation (launch/card.py: its other sections as the training
+    wrote them), and given to its
+    MLflow run (files and tags) when it is tracked. A run that has not finished (no summary.json) has no card
+    yet: the training writes it when it ends."""
+    try:
+        summary = read_summary(run_dir)
+    except SourceError:
+        return
+    tags = refresh_card(run_dir, cfg, summary, evaluation=True)
+    if tags is not None:
+        files["card"] = io.join(run_dir, CARD_MD)
+        log_run_files(run_dir, [io.join(run_dir, CARD_MD), io.join(run_dir, CARD_JSON)], artifact_path=None,
+                      tags=tags)
 
 
 # ------------------------------------------------------------------------------------------------- the run

@@ -122,13 +122,14 @@ class ArraySource(LoaderSource):
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, global_batch_size: int, rank: int,
                  world_size: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True, flip: bool = False,
-                 fingerprint: str = "arrays", device=None):
+                 fingerprint: str = "arrays", device=None, partitions: int = 1):
         to_device = delivery(device)
         # on CUDA a prefetch thread, so the next batches' copies start while a step trains; otherwise the
         # caller's thread (a gather from RAM costs less than a hand-over between threads)
         mode = "thread" if to_device["device"] is not None else "sync"
         config = LoaderConfig(global_batch_size=global_batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-                              mode=mode, augment=AugmentConfig(flip=flip, normalize=False), **to_device)
+                              mode=mode, augment=AugmentConfig(flip=flip, normalize=False), partitions=partitions,
+                              **to_device)
         super().__init__(ArrayLoader(images, labels, rank, world_size, config, fingerprint=fingerprint))
 
 
@@ -175,7 +176,7 @@ def make_sources(cfg, world, dims: ParallelDims | None = None, device=None):
         fingerprint = f"synthetic-{n_train}-{d.size}-{cfg.run.seed}"
         train = ArraySource(images[:n_train], labels[:n_train], d.global_batch_size, rank, world_size,
                             seed=cfg.run.seed, drop_last=d.drop_last, flip=d.augment.flip, fingerprint=fingerprint,
-                            device=device)
+                            device=device, partitions=d.partitions or 1)  # 0: a config built without load_config
         val = ArraySource(images[n_train:], labels[n_train:], d.eval_batch_size * world_size, rank, world_size,
                           shuffle=False, drop_last=False, fingerprint=fingerprint, device=device)
         info = DataInfo(len(CLASSES), 3, d.size, n_train, n_val, fingerprint=fingerprint,

@@ -14,8 +14,9 @@ One optimizer step on one rank:
     checkpointer.maybe_save(...)              now, write in background), so no commit lacks its step's row
 
 Gradients are exchanged at the accumulation boundary (or every micro-batch if asked). Each rank's loss is the
-mean over its slice of the global batch; with equal slices the averaged gradient is the gradient of the global
-mean loss, so 1 and N workers take the same steps. Per-step losses and phase times stay on the device and are
+mean over its slice of the global batch (micro-batches weighted by their share: they may differ by one sample);
+with equal slices the averaged gradient is the gradient of the global mean loss, so 1 and N workers take the
+same steps (trainer/config_batch.py: the same global batches at every size of an elastic run). Per-step losses and phase times stay on the device and are
 gathered once per logging interval (steplog.py).
 
 Also here: the learning-rate schedule (``lr_at``), precision and autocast, a validation pass, the FLOP count,
@@ -129,11 +130,13 @@ def _loss_input(logits):
     return logits if logits.dtype == torch.float64 else logits.float()
 
 
-def forward_backward(strategy, x, y, micro_batches: int, autocast, sampler=None):
-    """Forward and backward over ``micro_batches`` chunks of the rank batch. Returns the rank batch's mean loss
+def forward_backward(strategy, x, y, micro_batches: int, autocast, sampler=None, per_sample: list | None = None):
+    """Forward and backward over ``micro_batches`` contiguous chunks of the rank batch (as even as they go). Returns the rank batch's mean loss
     as a 0-d tensor on the device (no host synchronization). ``sampler`` (first step only) records the model
     state held after each forward and each backward; on that step tensor parallelism's activation exchanges are
-    counted too (``strategy.tensor_traffic``: they run inside forward and backward, outside FSDP2's hooks)."""
+    counted too (``strategy.tensor_traffic``: they run inside forward and backward, outside FSDP2's hooks).
+    ``per_sample`` (``run.record_sample_loss``): each micro-batch's per-sample losses are appended to it, device
+    tensors in micro-batch order (provenance.py)."""
     import torch
 
     probe = contextlib.nullcontext()
@@ -142,12 +145,15 @@ def forward_backward(strategy, x, y, micro_batches: int, autocast, sampler=None)
     n = y.shape[0]
     losses = []
     with probe:
-        for i, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True)):
-            losses.append(_micro_batch(strategy, i, xs, ys, n, autocast, sampler))
+        # exactly micro_batches pieces, as even as they go (sizes differ by at most one; torch.chunk could give
+        # fewer): the strategy's switches count on the last one (trainer/config_batch.py: uneven at some sizes)
+        pieces = zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches), strict=True)
+        for i, (xs, ys) in enumerate(pieces):
+            losses.append(_micro_batch(strategy, i, xs, ys, n, autocast, sampler, per_sample))
     return torch.stack(losses).sum()
 
 
-def _micro_batch(strategy, i: int, xs, ys, n: int, autocast, sampler):
+def _micro_batch(strategy, i: int, xs, ys, n: int, autocast, sampler, per_sample: list | None = None):
     """Forward and backward of micro-batch ``i``; its loss weighted by its share of the ``n`` samples."""
     import torch.nn.functional as F
 
@@ -155,6 +161,8 @@ def _micro_batch(strategy, i: int, xs, ys, n: int, autocast, sampler):
         with autocast():
             logits = strategy.model(xs)
         loss = F.cross_entropy(_loss_input(logits), ys) * (ys.shape[0] / n)
+        if per_sample is not None:  # apart from the loss that trains: the step's arithmetic stays as it is
+            per_sample.append(F.cross_entropy(_loss_input(logits).detach(), ys, reduction="none"))
         if sampler is not None:
             sampler.sample(strategy.module)
         loss.backward()
@@ -173,7 +181,7 @@ def grad_norm(strategy):
 
 
 def optimizer_step(strategy, optimizer, x, y, *, micro_batches: int, timer, autocast, grad_clip: float,
-                   lr: float, sampler=None, inject_comm_s: float = 0.0, check=None):
+                   lr: float, sampler=None, inject_comm_s: float = 0.0, check=None, per_sample: list | None = None):
     """One full optimizer step on this rank's batch. Returns ``(loss, grad_norm)``: the rank's mean loss and the
     global gradient norm before clipping (device tensors). The norm is computed without clipping too
     (``grad_clip`` = 0), so that the step log's non-finite check catches an infinite or NaN gradient at the step
@@ -184,7 +192,7 @@ def optimizer_step(strategy, optimizer, x, y, *, micro_batches: int, timer, auto
     own time falls in the step's "other"); a failed check raises ``ParityCheckFailed`` before anything is
     applied, after ``on_check`` has recorded its result."""
     with timer.phase("forward_backward"), check.capture() if check is not None else contextlib.nullcontext():
-        loss = forward_backward(strategy, x, y, micro_batches, autocast, sampler)
+        loss = forward_backward(strategy, x, y, micro_batches, autocast, sampler, per_sample)
         if inject_comm_s:  # parallel.inject_comm_ms: a slower link, on purpose
             time.sleep(inject_comm_s)
             strategy.meter.add_blocked(inject_comm_s)

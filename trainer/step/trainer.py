@@ -49,6 +49,7 @@ from .loop import (
 )
 from .models import build_model, count_parameters
 from .optim import fused_choice, implementation, make_optimizer, optimizer_state_tensors
+from .provenance import SampleLosses, attempt_number, start_record
 from .steplog import StepLog
 from .summary import summarize_run
 from .timing import TimeAccount
@@ -168,15 +169,38 @@ class Trainer:
         attempt = self.account.loop_started()
         with self.account.span("restore"):
             restored = self.checkpointer.restore(self.strategy, self.optimizer, self.train_src)
-        # every attempt's record, kept across restarts (its step is where it began): the job's account reads them
+        # every attempt's record, kept across restarts (its step is where it began): the job's account reads them,
+        # and ``dutycycle trace`` the plan this start's steps were drawn from (trainer/trace/record.py)
         self.writer.log({"step": restored.step if restored else 0, "event": "attempt", **attempt,
-                         "input": self.train_src.delivery(), "optimizer": self.optimizer_info})
+                         "input": self.train_src.delivery(), "optimizer": self.optimizer_info,
+                         # the size and placement this attempt trained at (an elastic run's change between
+                         # attempts is a resize: launch/account.py)
+                         "world_size": self.world.size, "nodes": self.world.num_nodes,
+                         "trace": self._trace_record()})
+        self.sample_losses = None  # run.record_sample_loss: each sample's loss per step (provenance.py)
+        if self.config.run.record_sample_loss and self.ctx.run_dir:
+            # every rank gathers its rows to rank 0, which writes them under its attempt and start
+            self.sample_losses = SampleLosses(self.ctx.run_dir, rank=self.dims.data_ranks(self.world.rank)[0],
+                                              world_size=self.world.size, start=attempt["loop_started"],
+                                              attempt=attempt_number(self.ctx.attempt_dir),
+                                              log_every=self.config.run.log_every,
+                                              # a tensor-parallel group's ranks trained the same samples
+                                              records=self.strategy.tensor_rank == 0, writer=self.world.rank == 0)
         self.step, self.epoch = (restored.step, restored.epoch) if restored else (0, 0)
         self.first_step = self.step
         self.log.event("start", step=self.step, epoch=self.epoch, total=self.total, world_size=self.world.size,
                        global_batch=self.config.data.global_batch_size, resumed=restored is not None,
                        input=self.train_src.delivery(), optimizer=self.optimizer_info,
                        data={"fingerprint": self.info.fingerprint, "lineage": self.info.lineage})
+
+    def _trace_record(self) -> dict:
+        """What this start plans its steps from, for ``dutycycle trace`` (trace/record.py)."""
+        _, data_world = self.dims.data_ranks(self.world.rank)
+        return start_record(loader_state=self.train_src.state_dict(), world_size=self.world.size,
+                            data_world=data_world, data_groups=self.dims.tensor_groups() if self.dims.tp_enabled else None,
+                            micro_batches=self.config.data.micro_batches, attempt_dir=self.ctx.attempt_dir,
+                            data={"source": self.config.data.source, **self.info.lineage,
+                                  "fingerprint": self.info.fingerprint, "spec": self.info.spec})
 
     # -------------------------------------------------------------------------------------------- steps
 
@@ -204,13 +228,17 @@ class Trainer:
             x = batch["image"].to(self.device, dtype=self.strategy.compute_dtype, non_blocking=True)
             y = batch["label"].to(self.device, non_blocking=True)
         lr = lr_at(self.step, self.total, cfg.optim)
+        per_sample = [] if self.sample_losses is not None else None
         loss, grad_norm = optimizer_step(self.strategy, self.optimizer, x, y, micro_batches=cfg.data.micro_batches,
                                          timer=timer, autocast=self.autocast, grad_clip=cfg.optim.grad_clip, lr=lr,
                                          sampler=self.sampler if self.step == self.first_step else None,
                                          inject_comm_s=cfg.parallel.inject_comm_ms / 1000.0,
-                                         check=self.parity.at(self.step + 1, self._record_check) if self.parity else None)
+                                         check=self.parity.at(self.step + 1, self._record_check) if self.parity else None,
+                                         per_sample=per_sample)
         self.checkpointer.account(timer)
         self.step += 1
+        if per_sample is not None:
+            self.sample_losses.add(self.step, self.epoch, index, batch.get("sample_id"), per_sample)
         # samples weigh each rank's loss in the global one: a tensor-parallel group's are counted once
         own = int(y.shape[0]) if self.strategy.tensor_rank == 0 else 0
         self.log.add(self.step, self.epoch, lr, loss, own, self.account.end_step(), grad_norm, batch=index,
@@ -233,9 +261,13 @@ class Trainer:
             # leaves no row and no commit) before the save starts, so a commit never holds an unchecked update
             # and a resume from it finds its row. The save stalls the next step.
             self.log.flush()
+            if self.sample_losses is not None:  # the commit's steps' sample losses on disk before it
+                self.sample_losses.flush()
             with self.account.between("checkpoint"):
-                self.checkpointer.maybe_save(self.step, self.strategy, self.optimizer, self.train_src.state_dict())
-            self.writer.log({"step": self.step, "checkpoint_saved": True})
+                saved = self.checkpointer.maybe_save(self.step, self.strategy, self.optimizer,
+                                                     self.train_src.state_dict())
+            if saved:  # (else a peer-memory copy only: its own row)
+                self.writer.log({"step": self.step, "checkpoint_saved": True})
         every = self.config.run.eval_every
         if every and self.step % every == 0 and self.step < self.total:
             self.evaluate()
@@ -245,6 +277,8 @@ class Trainer:
             self.train_step(batch, index)
             self._after_step()
         self.log.flush()
+        if self.sample_losses is not None:
+            self.sample_losses.flush()
         self.account.close_steps()
 
     def _train_until_done(self) -> dict | None:
@@ -258,6 +292,8 @@ class Trainer:
                 with self.account.span("rollback"):
                     restored = self.checkpointer.recover(err, self.strategy, self.optimizer, self.train_src)
                 self.step, self.epoch = restored.step, restored.epoch
+                if self.sample_losses is not None:  # steps trained again: their rows come with the redo
+                    self.sample_losses.pending.clear()
         # between steps, after the last: what this rank holds in host memory (the offload files' pages). Reading
         # smaps walks every mapping (10-20 ms with torch loaded): a result of the run, counted under "results"
         with self.account.span("memory_probe"):

@@ -26,6 +26,7 @@ class RemoteBatch:
     labels: np.ndarray | None = None
     sample_ids: list[str] | None = None
     folder: Any = None  # the consumer's shm.BatchFolder the task may leave its pixels in
+    handoff: Any = None  # the shm.Handoff the task was given: the file it may leave, by name
 
     def result(self) -> RawBatch:
         if self.labels is None:
@@ -43,6 +44,12 @@ class RemoteBatch:
         images = value[0] if isinstance(value, tuple) else value
         if self.folder is not None and not isinstance(images, np.ndarray):
             self.folder.discard(images)
+
+    def drop_file(self) -> None:
+        """The task ended without a result anyone will use (cancelled, failed, or done after the consumer left):
+        remove the file it was told to leave, which a cancel between its write and its return leaves behind."""
+        if self.folder is not None and self.handoff is not None and self.handoff.name:
+            self.folder.discard_path(self.handoff.path)
 
 
 def in_order(submit: Callable[[int], RemoteBatch], steps: Iterable[int], depth: int) -> Iterator[RawBatch]:
@@ -96,6 +103,6 @@ def cancel(batches: list[RemoteBatch]) -> None:
             b.drop(ray.get(b.ref, timeout=5))
         except ray.exceptions.GetTimeoutError:  # still running: drop what it leaves when it ends
             if b.folder is not None:
-                b.ref.future().add_done_callback(lambda f, b=b: f.exception() is None and b.drop(f.result()))
-        except Exception:  # cancelled or failed: either way nobody needs the result
-            pass
+                b.ref.future().add_done_callback(lambda f, b=b: b.drop_file())
+        except Exception:  # cancelled or failed: nobody needs the result, nor a file it wrote before the cancel
+            b.drop_file()

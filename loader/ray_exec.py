@@ -67,7 +67,7 @@ def read_rows(cache_uri: str, rows: np.ndarray, read: ReadConfig | None = None, 
     rows = np.asarray(rows, dtype=np.int64)
     if handoff is not None and handoff.node_id == ray.get_runtime_context().get_node_id():
         shape = (len(rows), *gatherer.shape)
-        with shm.batch_file(handoff.folder, shape) as (out, path):
+        with shm.batch_file(handoff.folder, shape, handoff.name) as (out, path):
             if out is not None:
                 raw = gatherer.read(rows, out=out)
                 return shm.SharedBatch(path, shape), raw.labels, raw.sample_ids
@@ -87,8 +87,8 @@ def submit_read(cache_uri: str, rows: np.ndarray, max_retries: int, read: ReadCo
     node = ray.get_runtime_context().get_node_id()
     here = NodeAffinitySchedulingStrategy(node_id=node, soft=True)
     task = read_rows_task.options(max_retries=max_retries, scheduling_strategy=here)
-    handoff = shm.Handoff(node, folder.path) if folder is not None else None
-    return RemoteBatch(task.remote(cache_uri, rows, read, handoff), folder=folder)
+    handoff = shm.Handoff(node, folder.path, shm.Handoff.new_name()) if folder is not None else None
+    return RemoteBatch(task.remote(cache_uri, rows, read, handoff), folder=folder, handoff=handoff)
 
 
 def decode_rows(uris: list[str], spec_json: str, roots: list[str], handoff: shm.Handoff | None = None):
@@ -96,7 +96,7 @@ def decode_rows(uris: list[str], spec_json: str, roots: list[str], handoff: shm.
     (``SharedBatch``) when the task runs on its node and there is space, else returned through the object store."""
     images = decode_batch(uris, TransformSpec.from_json(spec_json), RootCheck(roots))
     if handoff is not None and handoff.node_id == ray.get_runtime_context().get_node_id():
-        with shm.batch_file(handoff.folder, images.shape) as (out, path):
+        with shm.batch_file(handoff.folder, images.shape, handoff.name) as (out, path):
             if out is not None:
                 out[...] = images
                 return shm.SharedBatch(path, images.shape)
@@ -111,9 +111,10 @@ def submit_decode(uris: list[str], spec_json: str, roots: list[str], max_retries
     """A raw path batch decoded by a Ray task (which checks the table's source ``roots`` at read time, as this
     process does): pixels from Ray (left in ``folder`` when the task runs on this node), labels and ids from the
     driver."""
-    handoff = shm.Handoff(ray.get_runtime_context().get_node_id(), folder.path) if folder is not None else None
+    handoff = (shm.Handoff(ray.get_runtime_context().get_node_id(), folder.path, shm.Handoff.new_name())
+               if folder is not None else None)
     return RemoteBatch(decode_task.options(max_retries=max_retries).remote(uris, spec_json, roots, handoff),
-                       labels, sample_ids, folder=folder)
+                       labels, sample_ids, folder=folder, handoff=handoff)
 
 
 # ------------------------------------------------------------------------------------------- memory mode

@@ -36,10 +36,20 @@ PREFIX = "dutycycle-batches-"
 
 @dataclass(frozen=True)
 class Handoff:
-    """Where a read task may leave its batch: the consumer's node and its folder there."""
+    """Where a read task may leave its batch: the consumer's node, its folder there and the file's name (chosen
+    by the consumer, so it can remove the file of a task it cancelled whatever the task's outcome)."""
 
     node_id: str
     folder: str
+    name: str = ""  # empty: the task picks one
+
+    @staticmethod
+    def new_name() -> str:
+        return f"batch-{uuid.uuid4().hex}"
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.folder, self.name) if self.name else ""
 
 
 @dataclass(frozen=True)
@@ -80,9 +90,12 @@ class BatchFolder:
 
     def discard(self, batch: SharedBatch) -> None:
         """Remove a batch nobody will open (its task was cancelled after it finished)."""
-        if os.path.dirname(batch.path) == self.path:
+        self.discard_path(batch.path)
+
+    def discard_path(self, path: str) -> None:
+        if os.path.dirname(path) == self.path:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(batch.path)
+                os.unlink(path)
 
 
 def available() -> bool:
@@ -90,15 +103,20 @@ def available() -> bool:
 
 
 @contextlib.contextmanager
-def batch_file(folder: str, shape: tuple[int, ...]):
+def batch_file(folder: str, shape: tuple[int, ...], name: str = ""):
     """In a read task: ``(out, path)``, ``out`` a writable uint8 array of ``shape`` over the new file ``path``
     in ``folder`` with its pages reserved, or None when there is no room (ENOSPC, EDQUOT) or the folder is gone
     (its consumer closed). The file is removed if the body fails; on success the task returns
     ``SharedBatch(path, shape)`` and the consumer opens it."""
     nbytes = int(np.prod(shape))
-    path = os.path.join(folder, f"batch-{uuid.uuid4().hex}")
+    path = os.path.join(folder, name or Handoff.new_name())
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:  # a retried task: the attempt that died left its file under the same name
+            os.unlink(path)
+            fd = os.open(path, flags, 0o600)
     except FileNotFoundError:
         yield None, path
         return

@@ -11,6 +11,9 @@ import pytest
 
 from ..support import REPO
 
+# left out of `./run.sh test` (CI): a benchmark's smoke run; `./run.sh test-all` runs it
+pytestmark = pytest.mark.long
+
 BENCH = REPO / "benchmarks"
 
 

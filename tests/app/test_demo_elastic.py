@@ -17,7 +17,7 @@ from dutycycle.trainer.step.metrics import read_metrics
 
 from ..support.pages import raw_values, unresolved
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.long]
 
 
 def test_demo_elastic_loses_a_node_trains_on_fewer_workers_and_grows_back(tmp_path):

@@ -11,6 +11,9 @@ import pytest
 
 from ..support import REPO
 
+# left out of `./run.sh test` (CI): a benchmark's smoke run; `./run.sh test-all` runs it
+pytestmark = pytest.mark.long
+
 
 @pytest.mark.timeout(300)
 def test_ingest_scale_rows_measure_the_driver_per_file(tmp_path):

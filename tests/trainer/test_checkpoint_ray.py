@@ -26,6 +26,7 @@ def _reference(rank, world, run_dir):
     return cw.train(cw.small_cfg(run_dir, *EXTRA), rank, world)["weights_sha256"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_a_killed_worker_restarts_the_group_and_a_damaged_ray_train_record_is_set_aside(ray_cluster, tmp_path):

@@ -219,6 +219,7 @@ def _cfg(run_dir, *extra):
     return load_config(None, [*_sets(run_dir), *extra])
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_raw_decoding_config_is_data_bound_and_the_cache_is_not(shapes, tmp_path, capsys):
     table, cache, _ = shapes
@@ -286,6 +287,7 @@ def _spinner() -> int:
     return int(got.stdout)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_beside_another_cpu_heavy_process_the_verdict_holds_or_says_inconclusive(shapes, tmp_path):
     """The raw config diagnosed twice while another process spins on one of the machine's cores: the same verdict
@@ -310,6 +312,7 @@ def test_beside_another_cpu_heavy_process_the_verdict_holds_or_says_inconclusive
         assert "the machine was shared: other processes took" in r["verdict"]["headline"], r["verdict"]["headline"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_large_model_at_two_workers_is_communication_bound(ray_cluster, tmp_path):
     cfg = _cfg(tmp_path / "run", "data.source=synthetic", "data.size=8", "data.synthetic_samples=256",

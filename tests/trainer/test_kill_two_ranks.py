@@ -21,6 +21,8 @@ import pytest
 from ..support import REPO
 from ..support.kill_launch import LAYOUTS
 
+pytestmark = pytest.mark.long  # left out of ./run.sh test (CI's 30 minutes); ./run.sh test-all
+
 
 def _rows(run_dir) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -25,6 +25,7 @@ def _cfg(cache, run_dir, *extra):
                               f"run.dir={run_dir}", *extra])
 
 
+@pytest.mark.long
 def test_a_run_resumed_at_other_sizes_shows_its_workers_over_time(ray_cluster, tmp_path):
     cache = synthesize_cache(str(tmp_path / "cache"), n_train=128, n_val=32, size=16, seed=5)
     run = tmp_path / "run"

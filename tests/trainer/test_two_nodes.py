@@ -21,7 +21,7 @@ from dutycycle.loader.plan import partition_bounds
 from ..support.cachemaker import make_cache
 from ..support.harness import run_distributed
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.long]
 
 SAMPLES, SHARDS, BATCH = 1024, 16, 32
 

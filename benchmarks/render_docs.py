@@ -33,7 +33,7 @@ if __name__ == "__main__":  # run as `python benchmarks/render_docs.py`: the sib
 from benchmarks import (  # noqa: E402
     cache,
     cache_formats,
-    checkpoint,
+    checkpoint_render,
     collectives,
     curate_scale,
     diagnose_accuracy,
@@ -43,6 +43,7 @@ from benchmarks import (  # noqa: E402
     materialize,
     recorded,
     scale,
+    scale_elastic,
     startup,
     trace,
     train,
@@ -90,7 +91,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {  # block -> (the result
     "loader-ratios": ("loader", loader.render_ratios),
     "loader-remote": ("loader", loader.render_remote),
     "scale": ("scale", scale.render),
-    "scale-elastic": ("scale_elastic", scale.render_elastic),
+    "scale-elastic": ("scale_elastic", scale_elastic.render_elastic),
     "train": ("train", train.render),
     "startup": ("startup", startup.render),
     "zero": ("zero", zero.render),
@@ -103,7 +104,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {  # block -> (the result
     "collectives": ("collectives", collectives.render),
     "collectives-crossover": ("collectives", collectives.render_crossover),
     "collectives-codec": ("collectives", collectives.render_codec),
-    "checkpoint": ("checkpoint", checkpoint.render),
+    "checkpoint": ("checkpoint", checkpoint_render.render),
     "trace": ("trace", trace.render),
 }
 

@@ -109,11 +109,6 @@ def open_store(key: str, node_id: str):
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)).remote(key)
 
 
-def live_stores_all() -> dict[str, object]:
-    """``{name: handle}`` of every run's stores on the cluster (tools and tests)."""
-    return live_stores("")
-
-
 def live_stores(key: str) -> dict[str, object]:
     """``{name: handle}`` of every store of run ``key`` the cluster still names (one on a dead node may be
     listed a moment longer: its calls fail, and it counts as gone)."""
